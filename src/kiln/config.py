@@ -1,0 +1,318 @@
+"""Typed run config: one pydantic section per component, loaded from YAML plus dotted overrides.
+
+    cfg = load_config("my.yaml", ["train.lr=3e-4", "model.n_layers=4"])
+
+Every field has a type, a default where one makes sense and a one-line docstring, which is what
+`kiln train --help-config` prints. Unknown keys and bad values raise one `ConfigError` that lists
+every problem with its full key path and, for typos, the closest valid key.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from kiln.errors import ConfigError
+
+PRESETS_DIR = Path(__file__).parent / "configs"
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, docstrings are the docs."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class ModelConfig(Section):
+    size: str | None = None
+    """Named size from the registry (tiny, 124m, 350m, 1b, 3b, 8b); fields set here override it."""
+    vocab_size: int | None = None
+    """Vocabulary size; null takes the tokenizer's, rounded up to a multiple of 64."""
+    d_model: int = 256
+    """Width of the residual stream."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Number of query heads; d_model must divide evenly by it."""
+    n_kv_heads: int | None = None
+    """Number of key/value heads (grouped-query attention); null means n_heads."""
+    ffn_hidden: int | None = None
+    """Hidden width of the SwiGLU MLP; null means 8/3 * d_model rounded up to a multiple of 64."""
+    max_seq_len: int = 2048
+    """Longest sequence the model is meant for (recorded in exports)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
+    norm_eps: float = 1e-5
+    """Epsilon of the RMSNorm layers."""
+    tie_embeddings: bool = True
+    """Share the input embedding and output projection weights."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of linear and embedding weights."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_size(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("size") is not None:
+            from kiln.model.registry import SIZES
+
+            size = data["size"]
+            if size not in SIZES:
+                close = difflib.get_close_matches(str(size), list(SIZES), n=1)
+                hint = f" Did you mean '{close[0]}'?" if close else ""
+                raise ValueError(f"unknown model size '{size}'; known: {', '.join(SIZES)}.{hint}")
+            data = {**SIZES[size], **data}
+        return data
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("head dimension (d_model / n_heads) must be even for rotary embeddings")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return -(-int(8 * self.d_model / 3) // 64) * 64
+
+
+class DataConfig(Section):
+    sources: list[str] = ["@stdlib"]
+    """Input files, directories or globs; '@stdlib' is this Python's standard library source."""
+    max_bytes: int | None = 8_000_000
+    """Read at most this many bytes of input (null: all of it); keeps the quickstart quick."""
+    tokenizer: str | None = None
+    """A tokenizer.json or a tokenizer directory; null trains a byte-level BPE on the sources."""
+    vocab_size: int = 4096
+    """Vocabulary size of a tokenizer trained here."""
+    val_fraction: float = 0.02
+    """Fraction of documents held out for validation, chosen by document hash."""
+    cache_dir: str = "~/.cache/kiln"
+    """Where tokenizers and prepared datasets are cached, keyed by their content hashes."""
+
+
+class TrainConfig(Section):
+    seq_len: int = 256
+    """Tokens per training sequence."""
+    batch_size: int = 8
+    """Sequences per micro-batch on each device."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    max_steps: int = 300
+    """Optimizer steps to train for."""
+    lr: float = 2e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    """Learning-rate schedule after warmup: cosine decay, warmup-stable-decay, or constant."""
+    warmup_steps: int = 30
+    """Linear warmup steps from zero to the peak learning rate."""
+    decay_fraction: float = 0.2
+    """For 'wsd': the fraction of steps, at the end, spent decaying to min_lr."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables clipping)."""
+    eval_every: int = 100
+    """Evaluate on the validation split every N steps (0: only at the end)."""
+    eval_batches: int = 8
+    """Validation batches per evaluation."""
+    seed: int = 1337
+    """Seed of weight initialisation, data order and sampling."""
+    device: str = "auto"
+    """'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """'bf16' autocast, 'fp32', or 'auto' (bf16 on CUDA, fp32 on CPU)."""
+    compile: bool = False
+    """Compile the model with torch.compile."""
+    run_dir: str | None = None
+    """Run directory; null makes runs/<timestamp>."""
+    sample_prompt: str = "def "
+    """Prompt of the sample printed at the end of training."""
+    sample_tokens: int = 80
+    """Tokens generated for that sample (0: no sample)."""
+
+
+class OptimConfig(Section):
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices only (not norms, biases or embeddings)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    fused: bool | None = None
+    """Use the fused AdamW kernel; null: on CUDA only."""
+
+
+class CheckpointConfig(Section):
+    save_final: bool = True
+    """Save the trained model (safetensors + config) in the run directory at the end."""
+
+
+class LoggingConfig(Section):
+    every: int = 10
+    """Read the loss back from the device and log every N steps."""
+    console: bool = True
+    """Show a progress bar and log lines on the console."""
+    jsonl: bool = True
+    """Write metrics to metrics.jsonl in the run directory."""
+
+
+class RunConfig(Section):
+    model: ModelConfig = ModelConfig()
+    """The network: size and shape."""
+    data: DataConfig = DataConfig()
+    """What to train on and how to tokenize it."""
+    train: TrainConfig = TrainConfig()
+    """Length, batch, schedule, evaluation and device of the run."""
+    optim: OptimConfig = OptimConfig()
+    """Optimizer hyperparameters."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """What is saved and when."""
+    logging: LoggingConfig = LoggingConfig()
+    """Where metrics go."""
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Build a RunConfig from a YAML file or preset name (or defaults) plus KEY=VALUE overrides."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        file = resolve_config_path(path)
+        source = str(file)
+        data = _read_yaml(file)
+    problems: list[str] = []
+    for item in overrides:
+        try:
+            _apply_override(data, item)
+        except ValueError as e:
+            problems.append(str(e))
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as e:
+        problems.extend(_describe(err) for err in e.errors())
+        cfg = None
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise ConfigError(f"{len(problems)} problem(s) in the config ({source}):\n{lines}")
+    assert cfg is not None
+    return cfg
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A path to a YAML file, or the name of a preset in kiln/configs/."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return p
+    preset = PRESETS_DIR / f"{path}.yaml"
+    if preset.is_file():
+        return preset
+    names = sorted(f.stem for f in PRESETS_DIR.glob("*.yaml"))
+    raise ConfigError(f"config file '{path}' does not exist and is not a preset. Presets: {', '.join(names)}.")
+
+
+def _read_yaml(file: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark else str(file)
+        raise ConfigError(f"{where}: not valid YAML ({getattr(e, 'problem', e)}). Fix the syntax there.") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {file}: {e.strerror}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: expected a mapping of sections (model:, train:, ...), got {type(data).__name__}")
+    return data
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"override '{item}' is not KEY=VALUE (for example train.lr=3e-4)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    parts = key.strip().split(".")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            section = ".".join(parts[: i + 1])
+            raise ValueError(f"override '{item}': '{section}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _section_at(loc: tuple) -> type[BaseModel] | None:
+    cls: type[BaseModel] = RunConfig
+    for part in loc:
+        field = cls.model_fields.get(str(part))
+        ann = field.annotation if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        cls = ann
+    return cls
+
+
+def _describe(err: dict[str, Any]) -> str:
+    loc = tuple(p for p in err["loc"] if not str(p).startswith("function-"))
+    key = ".".join(str(p) for p in loc) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        parent = _section_at(loc[:-1])
+        name = str(loc[-1])
+        hint = ""
+        if parent is not None:
+            close = difflib.get_close_matches(name, list(parent.model_fields), n=1, cutoff=0.6)
+            if close:
+                suggestion = ".".join(map(str, loc[:-1] + (close[0],)))
+                hint = f"; did you mean '{suggestion}'?"
+            else:
+                others = [f"{s}.{name}" for s, f in RunConfig.model_fields.items()
+                          if isinstance(f.annotation, type) and name in f.annotation.model_fields]
+                if others:
+                    hint = f"; did you mean '{others[0]}'?"
+                else:
+                    hint = f"; valid keys here: {', '.join(parent.model_fields)}"
+        return f"{key}: unknown key{hint}"
+    msg = err["msg"].removeprefix("Value error, ")
+    if "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
+        return f"{key}: {msg} (got {err['input']!r})"
+    return f"{key}: {msg}"
+
+
+def describe_fields() -> str:
+    """Every config key with its type, default and doc, for `kiln train --help-config`."""
+    lines = []
+    for sname, sfield in RunConfig.model_fields.items():
+        section = sfield.annotation
+        lines.append(f"{sname}: {sfield.description or ''}")
+        for name, f in section.model_fields.items():  # type: ignore[union-attr]
+            ann = getattr(f.annotation, "__name__", None) or str(f.annotation).replace("typing.", "")
+            lines.append(f"  {sname}.{name} ({ann}, default {f.default!r}): {f.description or ''}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Data: sources -> validation -> tokenizer -> token shards (+ manifest) -> loader."""

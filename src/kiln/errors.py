@@ -1,0 +1,29 @@
+"""Errors a user can cause. Each message says what went wrong, where, and what to do.
+
+The CLI prints a `KilnError` as one message and exits 2; anything else is a bug and keeps its
+traceback.
+"""
+
+
+class KilnError(Exception):
+    """A problem the user can fix: bad input, bad config, missing files, incompatible state."""
+
+
+class ConfigError(KilnError):
+    """The run config is invalid (unknown key, bad value, inconsistent settings)."""
+
+
+class DataError(KilnError):
+    """Input data or a prepared dataset is missing, malformed or incompatible."""
+
+
+class StateError(KilnError):
+    """A checkpoint or run directory is missing, corrupted or incompatible with the config."""
+
+
+class TrainingError(KilnError):
+    """Training cannot go on (loss became NaN, a background save failed, ...)."""
+
+
+class ResourceError(KilnError):
+    """The machine lacks something the run needs (device, memory, disk)."""

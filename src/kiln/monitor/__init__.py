@@ -1,0 +1,1 @@
+"""Monitoring: meters (throughput, MFU, memory, data wait) and sinks (console, JSONL)."""

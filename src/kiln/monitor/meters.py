@@ -1,0 +1,59 @@
+"""Throughput meters read at logging steps only: tokens/s, MFU, peak memory, time waiting for data."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+
+# dense bf16 tensor-core peak FLOP/s per GPU, by name as torch reports it
+PEAK_FLOPS = {
+    "H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12,
+    "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12,
+    "RTX 4090": 165e12, "RTX 3090": 71e12,
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak from the table, or None (CPU, unknown GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_FLOPS.items():
+        if key in name:
+            return value
+    return None
+
+
+class Throughput:
+    """Measures the interval between two reads. `read` must follow a host sync (the loss read)."""
+
+    def __init__(self, flops_per_token: float, device: torch.device, peak: float | None = None):
+        self.flops_per_token, self.device = flops_per_token, device
+        self.peak = peak or peak_flops(device)
+        self._t0, self._step0, self._wait = time.perf_counter(), 0, 0.0
+
+    def start(self, step: int) -> None:
+        self._t0, self._step0, self._wait = time.perf_counter(), step, 0.0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    @contextlib.contextmanager
+    def waiting_for_data(self) -> Iterator[None]:
+        t = time.perf_counter()
+        yield
+        self._wait += time.perf_counter() - t
+
+    def read(self, step: int, tokens_per_step: int) -> dict[str, float]:
+        now = time.perf_counter()
+        dt = max(now - self._t0, 1e-9)
+        tps = (step - self._step0) * tokens_per_step / dt
+        out = {"tokens_per_s": tps, "data_wait": self._wait / dt}
+        if self.peak and self.flops_per_token:
+            out["mfu"] = tps * self.flops_per_token / self.peak
+        if self.device.type == "cuda":
+            out["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self._t0, self._step0, self._wait = now, step, 0.0
+        return out

@@ -1,0 +1,1 @@
+"""State: run directories, saved weights, (later) resumable checkpoints."""

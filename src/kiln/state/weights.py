@@ -1,0 +1,52 @@
+"""Final model weights: safetensors + the model config + the tokenizer, in `<run_dir>/model/`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from kiln.config import ModelConfig
+from kiln.data.tokenizer import Tokenizer
+from kiln.errors import StateError
+
+
+def save_model(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer | None, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)  # the same tensor as embed_tokens.weight
+    tmp = out / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt", "kiln": "native"})
+    tmp.replace(out / "model.safetensors")
+    (out / "model_config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    if tokenizer is not None:
+        tokenizer.save(out / "tokenizer.json")
+    return out
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, Tokenizer | None]:
+    """Load `<run_dir>/model` (or the model directory itself)."""
+    from kiln.model.llama import Transformer
+
+    p = Path(path).expanduser()
+    if (p / "model").is_dir():
+        p = p / "model"
+    weights, conf = p / "model.safetensors", p / "model_config.json"
+    if not weights.is_file() or not conf.is_file():
+        raise StateError(f"no saved model in {path}: expected {weights.name} and {conf.name}. "
+                         "Give a run directory of a finished `kiln train`.")
+    cfg = ModelConfig.model_validate(json.loads(conf.read_text()))
+    model = Transformer(cfg)
+    state = load_file(str(weights))
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise StateError(f"{weights} does not match {conf}: {e}") from None
+    tok = Tokenizer.load(p / "tokenizer.json") if (p / "tokenizer.json").is_file() else None
+    return model.to(device).eval(), tok

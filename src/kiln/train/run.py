@@ -1,0 +1,86 @@
+"""`kiln train`: from a config to a trained model in a run directory, end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from kiln.config import RunConfig
+from kiln.data.loader import PackedLoader
+from kiln.data.prepare import prepare
+from kiln.errors import ConfigError, ResourceError
+from kiln.model.generate import generate
+from kiln.model.llama import Transformer
+from kiln.model.registry import flops_per_token, param_count
+from kiln.monitor.sinks import ConsoleSink, JsonlSink
+from kiln.state.rundir import make_run_dir
+from kiln.state.weights import save_model
+from kiln.train.events import EvalEvery
+from kiln.train.trainer import Trainer
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"train.device: '{name}' is not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ResourceError(f"train.device={name} but CUDA is not available here; use train.device=cpu")
+    return dev
+
+
+def run(cfg: RunConfig, console: Console | None = None) -> Path:
+    console = console or Console()
+    device = resolve_device(cfg.train.device)
+    run_dir = make_run_dir(cfg)
+    console.print(f"[bold]kiln[/] run directory: {run_dir}")
+
+    ds = prepare(cfg.data)
+    tok = ds.tokenizer
+    splits = ds.manifest["splits"]
+    console.print(f"data: {ds.path} ({splits['train']['tokens']:,} train / {splits['val']['tokens']:,} val tokens, "
+                  f"vocab {tok.vocab_size})")
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = -(-tok.vocab_size // 64) * 64
+    elif cfg.model.vocab_size < tok.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                          f"{tok.vocab_size}; raise it or leave it null")
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+
+    tcfg = cfg.train
+    train_loader = PackedLoader(ds, "train", tcfg.seq_len, tcfg.batch_size, seed=tcfg.seed)
+    val_loader = PackedLoader(ds, "val", tcfg.seq_len, tcfg.batch_size, seed=tcfg.seed)
+
+    torch.manual_seed(tcfg.seed)
+    model = Transformer(cfg.model).to(device)
+    n_params = param_count(cfg.model)
+    console.print(f"model: {n_params / 1e6:.2f}M parameters ({cfg.model.n_layers} layers, d={cfg.model.d_model}) "
+                  f"on {device}")
+    train_model = torch.compile(model) if tcfg.compile else model
+
+    callbacks = [EvalEvery(tcfg.eval_every)]
+    if cfg.logging.console:
+        callbacks.append(ConsoleSink(console))
+    if cfg.logging.jsonl:
+        callbacks.append(JsonlSink(run_dir / "metrics.jsonl"))
+    trainer = Trainer(cfg, train_model, train_loader, val_loader, device, callbacks,
+                      flops_per_token=flops_per_token(cfg.model, tcfg.seq_len))
+    first = trainer.evaluate()
+    final = trainer.train()
+    console.print(f"validation loss: {first['val_loss']:.4f} at start -> {final['val_loss']:.4f} "
+                  f"after {trainer.step} steps")
+
+    if cfg.checkpoint.save_final:
+        out = save_model(model, cfg.model, tok, run_dir / "model")
+        console.print(f"model saved: {out}")
+    if tcfg.sample_tokens:
+        ids = generate(model, tok.encode(tcfg.sample_prompt), tcfg.sample_tokens, seed=tcfg.seed)
+        console.rule("sample")
+        console.print(tcfg.sample_prompt + tok.decode(ids), markup=False, highlight=False)
+        console.rule()
+    console.print(f"sample again with: kiln generate {run_dir} --prompt 'def '")
+    return run_dir

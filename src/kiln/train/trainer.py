@@ -1,0 +1,101 @@
+"""The training loop. `train()` calls `train_step()` and emits events; everything else is a callback."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.config import RunConfig
+from kiln.errors import TrainingError
+from kiln.monitor.meters import Throughput
+from kiln.train.events import Callback, Events
+from kiln.train.optim import build_optimizer, build_scheduler
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, model: nn.Module, train_loader, val_loader, device: torch.device,
+                 callbacks: list[Callback] = (), flops_per_token: float = 0.0):
+        self.cfg, self.model, self.device = cfg, model, device
+        self.train_loader, self.val_loader = train_loader, val_loader
+        self.optimizer = build_optimizer(model, cfg.optim, cfg.train.lr, device)
+        self.scheduler = build_scheduler(self.optimizer, cfg.train)
+        self.events = Events(list(callbacks))
+        self.step, self.tokens_seen = 0, 0
+        self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum
+        self.meter = Throughput(flops_per_token, device)
+        self.last_eval: dict[str, Any] | None = None
+        use_bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
+        self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 \
+            else contextlib.nullcontext
+
+    def _batch(self, loader) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = next(loader)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over grad_accum micro-batches. Returns (loss, grad norm) on the device."""
+        accum, clip = self.cfg.train.grad_accum, self.cfg.train.grad_clip
+        total = torch.zeros((), device=self.device)
+        for _ in range(accum):
+            with self.meter.waiting_for_data():
+                x, y = self._batch(self.train_loader)  # (B, T), (B, T)
+            with self.autocast():
+                loss = self.model(x, y) / accum
+            loss.backward()
+            total += loss.detach()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        gnorm = nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total, gnorm
+
+    def train(self) -> dict[str, Any]:
+        tcfg, every = self.cfg.train, max(1, self.cfg.logging.every)
+        self.model.train()
+        self.events.emit("on_train_start", self)
+        self.meter.start(self.step)
+        losses: list[torch.Tensor] = []
+        while self.step < tcfg.max_steps:
+            loss, gnorm = self.train_step()
+            self.step += 1
+            self.tokens_seen += self.tokens_per_step
+            losses.append(loss)
+            metrics = None
+            if self.step % every == 0 or self.step == tcfg.max_steps:
+                metrics = self._step_metrics(torch.stack(losses), gnorm)  # the one host sync
+                losses.clear()
+            self.events.emit("on_step_end", self, metrics)
+        final = self.evaluate()
+        self.events.emit("on_train_end", self, final)
+        return final
+
+    def _step_metrics(self, losses: torch.Tensor, gnorm: torch.Tensor) -> dict[str, Any]:
+        values = losses.float().cpu()
+        loss = values.mean().item()
+        if not math.isfinite(loss):
+            raise TrainingError(f"loss became {loss} at step {self.step}. Lower train.lr, raise "
+                                "train.warmup_steps or check the data.")
+        return {"step": self.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+                "grad_norm": gnorm.item(), "tokens": self.tokens_seen, **self.meter.read(self.step, self.tokens_per_step)}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        """Mean loss and perplexity over the same eval_batches validation batches every time."""
+        self.model.eval()
+        self.val_loader.load_state_dict({"epoch": 0, "batch_index": 0})
+        total = torch.zeros((), device=self.device)
+        n = self.cfg.train.eval_batches
+        for _ in range(n):
+            x, y = self._batch(self.val_loader)
+            with self.autocast():
+                total += self.model(x, y).float()
+        self.model.train()
+        loss = (total / n).item()
+        self.last_eval = {"step": self.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+        self.events.emit("on_eval_end", self, self.last_eval)
+        return self.last_eval
