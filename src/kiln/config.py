@@ -62,7 +62,7 @@ class ModelConfig(Section):
             size = data["size"]
             if size not in SIZES:
                 close = difflib.get_close_matches(str(size), list(SIZES), n=1)
-                hint = f" Did you mean '{close[0]}'?" if close else ""
+                hint = f" did you mean '{close[0]}'?" if close else ""
                 raise ValueError(f"unknown model size '{size}'; known: {', '.join(SIZES)}.{hint}")
             data = {**SIZES[size], **data}
         return data
@@ -164,6 +164,37 @@ class OptimConfig(Section):
 class CheckpointConfig(Section):
     save_final: bool = True
     """Save the trained model (safetensors + config) in the run directory at the end."""
+    every: int = 100
+    """Write a resumable checkpoint to <run_dir>/checkpoints/ every N steps (0: only at the end and on signals)."""
+    keep_last: int = 3
+    """Keep the newest N checkpoints in the run directory; older ones are deleted once a newer one is complete."""
+    async_save: bool = True
+    """Write checkpoints in the background: the loop only waits while the state is copied to CPU memory."""
+    snapshot_every: int = 0
+    """Keep an in-memory copy of the whole state every N steps, for fast rollback (0: off; costs one state in RAM)."""
+    archive_url: str | None = None
+    """Archive location (a directory or any fsspec URL, e.g. s3://bucket/runs); null: no archive."""
+    archive_every: int = 0
+    """Copy every M-th checkpoint to archive_url, verified after the copy (0: none but the best)."""
+    archive_best: bool = True
+    """Also keep the checkpoint with the lowest validation loss in archive_url."""
+    fsync: bool = True
+    """Flush checkpoint files to disk before a checkpoint is marked complete (survives power loss)."""
+    write_threads: int = 4
+    """Threads (and files per process) that write a checkpoint; more threads, faster saves on fast disks."""
+    on_signal: bool = True
+    """On SIGTERM/SIGINT finish the step, write a checkpoint and exit 0; on a crash write an emergency one."""
+
+    @model_validator(mode="after")
+    def _check_counts(self) -> CheckpointConfig:
+        for name in ("every", "keep_last", "snapshot_every", "archive_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
+        if self.keep_last < 1:
+            raise ValueError("keep_last must be at least 1 (the newest checkpoint is what a resume needs)")
+        if self.write_threads < 1:
+            raise ValueError("write_threads must be at least 1")
+        return self
 
 
 class LoggingConfig(Section):
@@ -261,10 +292,13 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
     parts = key.strip().split(".")
     node = data
     for i, part in enumerate(parts[:-1]):
+        path = tuple(parts[: i + 1])
+        parent = _section_at(path[:-1])
+        if parent is not None and part in parent.model_fields and _section_at(path) is None:
+            raise ValueError(f"override '{item}': '{'.'.join(path)}' is a value, not a section")
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            section = ".".join(parts[: i + 1])
-            raise ValueError(f"override '{item}': '{section}' is a value, not a section")
+            raise ValueError(f"override '{item}': '{'.'.join(path)}' is a value, not a section")
         node = child
     node[parts[-1]] = value
 
