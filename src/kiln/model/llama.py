@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import ModelConfig
+from kiln.model.loss import linear_cross_entropy
 
 
 class RMSNorm(nn.Module):
@@ -97,6 +98,7 @@ class Transformer(nn.Module):
         super().__init__()
         if cfg.vocab_size is None:
             raise ValueError("ModelConfig.vocab_size must be set before building the model")
+        rng = torch.random.get_rng_state()  # so that eager and meta-then-init_weights agree
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -108,6 +110,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, hd)
         self.register_buffer("rope_sin", sin, persistent=False)
         if self.embed_tokens.weight.device.type != "meta":
+            torch.random.set_rng_state(rng)
             self.init_weights()
 
     @torch.no_grad()
@@ -115,6 +118,8 @@ class Transformer(nn.Module):
         """GPT-2/Llama practice: N(0, std) everywhere, residual output projections scaled by
         1/sqrt(2 * n_layers); norms at one. Deterministic under torch.manual_seed."""
         std = self.cfg.init_std
+        if self.cfg.tie_embeddings:  # re-tie: to_empty() after meta construction unties them
+            self.lm_head.weight = self.embed_tokens.weight
         nn.init.normal_(self.embed_tokens.weight, std=std)
         for block in self.layers:
             for lin in (block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj,
@@ -146,8 +151,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         h = self.hidden(tokens)
-        logits = self.lm_head(h)  # (B, T, V)
         if targets is None:
-            return logits
-        # ignore_index=-100 marks positions that carry no loss
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+            return self.lm_head(h)  # (B, T, V)
+        # chunked: never holds the whole batch's logits; ignore_index=-100 marks positions with no loss
+        return linear_cross_entropy(h, self.lm_head.weight, targets)
