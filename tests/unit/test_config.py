@@ -1,0 +1,119 @@
+from pathlib import Path
+
+import pytest
+
+from kiln.config import RunConfig, describe_fields, load_config
+from kiln.errors import ConfigError
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "run.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_are_valid_and_round_trip(tmp_path):
+    cfg = load_config()
+    again = load_config(write(tmp_path, cfg.to_yaml()))
+    assert again == cfg
+
+
+def test_yaml_and_dotted_overrides(tmp_path):
+    p = write(tmp_path, "train:\n  lr: 1.0e-3\n  max_steps: 50\nmodel:\n  n_layers: 2\n")
+    cfg = load_config(p, ["train.lr=3e-4", "model.n_layers=4", "model.tie_embeddings=false", "data.sources=[a.txt, b.txt]"])
+    assert cfg.train.lr == pytest.approx(3e-4)
+    assert cfg.train.max_steps == 50
+    assert cfg.model.n_layers == 4
+    assert cfg.model.tie_embeddings is False
+    assert cfg.data.sources == ["a.txt", "b.txt"]
+
+
+def test_unknown_key_names_path_and_suggests(tmp_path):
+    p = write(tmp_path, "train:\n  max_stpes: 10\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert "train.max_stpes" in msg and "did you mean 'train.max_steps'" in msg
+    assert str(p) in msg
+
+
+def test_key_in_wrong_section_points_to_the_right_one():
+    with pytest.raises(ConfigError, match="did you mean 'optim.weight_decay'"):
+        load_config(None, ["train.weight_decay=0.1"])
+
+
+def test_unknown_section_suggests():
+    with pytest.raises(ConfigError, match="did you mean 'optim'"):
+        load_config(None, ["optimm.beta1=0.9"])
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    p = write(tmp_path, "train:\n  lr: fast\n  batch_sise: 4\nmodel:\n  n_layers: many\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, ["optim.beta1=[1]", "nonsense"])
+    msg = str(e.value)
+    assert "5 problem(s)" in msg
+    for part in ("train.lr", "'fast'", "train.batch_sise", "model.n_layers", "'many'", "optim.beta1", "'nonsense'"):
+        assert part in msg
+
+
+def test_bad_yaml_reports_line(tmp_path):
+    p = write(tmp_path, "train:\n  lr: 1\n   max_steps: [\n")
+    with pytest.raises(ConfigError, match=r"run\.yaml:\d+:\d+: not valid YAML"):
+        load_config(p)
+
+
+def test_non_mapping_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(write(tmp_path, "- a\n- b\n"))
+
+
+def test_missing_file_and_presets():
+    with pytest.raises(ConfigError, match="does not exist and is not a preset"):
+        load_config("no-such-file.yaml")
+    cfg = load_config("quickstart")
+    assert cfg.model.d_model == RunConfig().model.d_model
+
+
+def test_every_preset_loads():
+    from kiln.config import PRESETS_DIR
+
+    names = [p.stem for p in PRESETS_DIR.glob("*.yaml")]
+    assert {"quickstart", "gpu-124m", "gpu-1b"} <= set(names)
+    for name in names:
+        load_config(name)
+
+
+def test_model_size_fills_fields_and_explicit_fields_win():
+    cfg = load_config(None, ["model.size=124m", "model.n_layers=6"])
+    assert cfg.model.d_model == 768 and cfg.model.vocab_size == 32000
+    assert cfg.model.n_layers == 6
+
+
+def test_unknown_size_suggests():
+    with pytest.raises(ConfigError, match="did you mean '124m'"):
+        load_config(None, ["model.size=124M"])
+
+
+def test_inconsistent_shapes_are_errors():
+    with pytest.raises(ConfigError, match="not divisible by n_heads"):
+        load_config(None, ["model.d_model=100", "model.n_heads=3"])
+    with pytest.raises(ConfigError, match="n_kv_heads"):
+        load_config(None, ["model.n_heads=4", "model.n_kv_heads=3"])
+
+
+def test_literal_choices_are_checked():
+    with pytest.raises(ConfigError, match="train.schedule"):
+        load_config(None, ["train.schedule=linear"])
+
+
+def test_override_into_a_value_is_an_error():
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        load_config(None, ["train.lr.peak=1"])
+
+
+def test_every_field_is_documented():
+    text = describe_fields()
+    for line in text.splitlines():
+        assert not line.rstrip().endswith(":"), f"undocumented: {line}"
+    assert "train.lr" in text
