@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from kiln import __version__
 from kiln.errors import KilnError
@@ -90,24 +91,15 @@ def generate(
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        app()
     except KilnError as e:
         if _state["debug"]:
             raise
-        err_console.print(f"[bold red]error:[/] {e}", markup=True, highlight=False)
+        err_console.print(Text.assemble(("error: ", "bold red"), str(e)), highlight=False)
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("interrupted")
         sys.exit(130)
-    except Exception as e:
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
-            sys.exit(1)
-        raise
 
 
 if __name__ == "__main__":
