@@ -139,7 +139,12 @@ class TrainConfig(Section):
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """'bf16' autocast, 'fp32', or 'auto' (bf16 on CUDA, fp32 on CPU)."""
     compile: bool = False
-    """Compile the model with torch.compile."""
+    """Compile each transformer block and the loss kernel with torch.compile (fastest on GPU; slow to start on CPU)."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in the backward pass to save memory: 'selective' recomputes the cheap
+    elementwise ops of each block (a few % slower), 'full' whole blocks (about a third slower)."""
+    peak_tflops: float | None = None
+    """Peak dense bf16 TFLOP/s of one device for the MFU metric; null looks the GPU up in a table."""
     run_dir: str | None = None
     """Run directory; null makes runs/<timestamp>."""
     sample_prompt: str = "def "

@@ -10,6 +10,8 @@ from rich.console import Console
 from kiln.config import RunConfig
 from kiln.data.loader import PackedLoader
 from kiln.data.prepare import prepare
+from kiln.dist.ac import apply_ac
+from kiln.dist.compile import apply_compile
 from kiln.errors import ConfigError, ResourceError
 from kiln.model.generate import generate
 from kiln.model.llama import Transformer
@@ -60,7 +62,10 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
     n_params = param_count(cfg.model)
     console.print(f"model: {n_params / 1e6:.2f}M parameters ({cfg.model.n_layers} layers, d={cfg.model.d_model}) "
                   f"on {device}")
-    train_model = torch.compile(model) if tcfg.compile else model
+    apply_ac(model, tcfg.activation_checkpointing)
+    if tcfg.compile:
+        apply_compile(model)  # in place: state-dict keys stay the same
+    train_model = model
 
     callbacks = [EvalEvery(tcfg.eval_every)]
     if cfg.logging.console:

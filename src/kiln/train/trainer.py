@@ -26,7 +26,8 @@ class Trainer:
         self.events = Events(list(callbacks))
         self.step, self.tokens_seen = 0, 0
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum
-        self.meter = Throughput(flops_per_token, device)
+        peak = cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops else None
+        self.meter = Throughput(flops_per_token, device, peak)
         self.last_eval: dict[str, Any] | None = None
         use_bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 \

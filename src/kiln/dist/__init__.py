@@ -1,0 +1,1 @@
+"""Applied to the model from outside: compilation, activation checkpointing (later DDP / FSDP2)."""

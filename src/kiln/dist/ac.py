@@ -1,0 +1,60 @@
+"""Activation checkpointing of the model's blocks: none, selective or full.
+
+- full: each block keeps only its input; everything inside is recomputed in the backward pass.
+- selective: each block keeps the outputs of its matrix products and of attention (the expensive
+  ops) and recomputes the cheap elementwise ones (norms, rotary, SiLU, casts), which hold a large
+  share of the activation memory and cost little to redo.
+
+The block's `forward` is wrapped in place, so module names and state-dict keys do not change.
+Apply before `kiln.dist.compile.apply_compile`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+MODES = ("none", "selective", "full")
+
+_aten = torch.ops.aten
+_SAVED_OPS = {
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpointed(forward, mode: str):
+    context_fn = (functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+                  if mode == "selective" else None)
+
+    @functools.wraps(forward)
+    def wrapped(*args, **kwargs):
+        extra = {"context_fn": context_fn} if context_fn else {}
+        # the blocks draw no random numbers, so there is no RNG state to replay
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
+
+    return wrapped
+
+
+def apply_ac(model: nn.Module, mode: str) -> nn.Module:
+    """Checkpoint every block of `model.layers` in `mode` (none, selective, full). Returns the model."""
+    if mode not in MODES:
+        raise ValueError(f"activation checkpointing mode '{mode}' is not one of {', '.join(MODES)}")
+    if mode == "none":
+        return model
+    for block in model.layers:
+        if getattr(block, "_kiln_ac", None):
+            raise RuntimeError("activation checkpointing is already applied to this model")
+        block.forward = _checkpointed(block.forward, mode)
+        block._kiln_ac = mode
+    return model

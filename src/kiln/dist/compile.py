@@ -1,0 +1,31 @@
+"""torch.compile applied to the model from outside, keeping module names and state-dict keys.
+
+Each transformer block is compiled on its own (`nn.Module.compile`, in place): the blocks share
+one code object, so one compiled graph serves them all, compile time does not grow with depth,
+and activation checkpointing wraps cleanly inside. The chunked cross-entropy's elementwise kernel
+is compiled too, so the softmax, the loss and the logits' gradient are one fused pass per chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.model import loss as loss_module
+
+
+def apply_compile(model: nn.Module, loss: bool = True) -> nn.Module:
+    """Compile each block of `model.layers` and the final norm in place; and the loss kernel. Returns the model."""
+    for block in model.layers:
+        block.compile(fullgraph=True)
+    model.norm.compile(fullgraph=True)
+    if loss and loss_module.ChunkKernel.fn is loss_module.chunk_loss_and_grad:
+        loss_module.ChunkKernel.fn = torch.compile(loss_module.chunk_loss_and_grad, fullgraph=True)
+    return model
+
+
+def compiled_graph_count() -> int:
+    """Graphs compiled so far in this process (for checking that nothing recompiles after warm-up)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
