@@ -14,6 +14,7 @@ from torch import nn
 
 from kiln.config import ModelConfig
 from kiln.model.loss import linear_cross_entropy
+from kiln.model.masks import attend, doc_mask
 
 
 class RMSNorm(nn.Module):
@@ -56,13 +57,13 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.n_kv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.hd, d, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.hd).transpose(1, 2)  # (B, H, T, hd)
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, KV, T, hd)
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+        y = attend(q, k, v, mask)  # (B, H, T, hd); mask: see kiln.model.masks
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, d)
 
 
@@ -86,8 +87,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -141,16 +142,21 @@ class Transformer(nn.Module):
             return rotary_tables(self.cfg.head_dim, T, self.cfg.rope_theta, self.rope_cos.device)
         return self.rope_cos[:T], self.rope_sin[:T]
 
-    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (B, T) -> final normalised hidden states (B, T, d)."""
+    def hidden(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> final normalised hidden states (B, T, d).
+
+        doc_ids (B, T), optional: the document of each position within its row; attention then
+        stays inside each document (block-diagonal causal)."""
         cos, sin = self._rope(tokens.shape[1])
+        mask = doc_mask(doc_ids)  # built once, shared by every layer
         x = self.embed_tokens(tokens)  # (B, T, d)
         for block in self.layers:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, mask)
         return self.norm(x)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.hidden(tokens)
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.hidden(tokens, doc_ids)
         if targets is None:
             return self.lm_head(h)  # (B, T, V)
         # chunked: never holds the whole batch's logits; ignore_index=-100 marks positions with no loss

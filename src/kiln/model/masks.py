@@ -1,0 +1,54 @@
+"""Attention masks for packed rows: causal attention that stays inside each document.
+
+`doc_mask(doc_ids)` is built once per forward pass from the loader's doc_ids (B, T) (the index of
+each position's document within its row) and handed to every layer; `attend(q, k, v, mask)` runs
+attention with it:
+
+- no mask: plain causal SDPA (flash / memory-efficient kernels);
+- on CUDA: flex attention with a block mask, so blocks that cross documents are skipped, not
+  computed and thrown away (the kernel is compiled once, on first use);
+- elsewhere: SDPA with a boolean (B, 1, T, T) block-diagonal causal mask.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def _flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def doc_mask(doc_ids: torch.Tensor | None):
+    """doc_ids (B, T) -> a mask `attend` understands (None: plain causal)."""
+    if doc_ids is None:
+        return None
+    B, T = doc_ids.shape
+    if doc_ids.is_cuda:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        docs = doc_ids
+
+        def same_doc_causal(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
+
+        return create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device)
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril_()
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
+    return (same & causal)[:, None]  # (B, 1, T, T)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+    """q (B, H, T, hd), k and v (B, KV, T, hd) -> (B, H, T, hd), causal, within documents if masked."""
+    gqa = k.shape[1] != q.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
