@@ -92,6 +92,23 @@ class ModelConfig(Section):
         return -(-int(8 * self.d_model / 3) // 64) * 64
 
 
+class MixtureEntry(Section):
+    dataset: str | None = None
+    """A prepared dataset directory (made by `kiln prepare`); its tokenizer must be the run's."""
+    sources: list[str] | None = None
+    """Or raw input files, directories or globs, prepared here with the run's tokenizer and data settings."""
+    weight: float = 1.0
+    """Share of the samples drawn from this entry; weights are normalised to sum to one."""
+
+    @model_validator(mode="after")
+    def _one_input(self) -> MixtureEntry:
+        if (self.dataset is None) == (self.sources is None):
+            raise ValueError("a mixture entry needs exactly one of 'dataset' (a prepared directory) or 'sources'")
+        if not self.weight > 0:
+            raise ValueError(f"weight must be positive, got {self.weight}")
+        return self
+
+
 class DataConfig(Section):
     sources: list[str] = ["@stdlib"]
     """Input files, directories or globs; '@stdlib' is this Python's standard library source."""
@@ -105,6 +122,28 @@ class DataConfig(Section):
     """Fraction of documents held out for validation, chosen by document hash."""
     cache_dir: str = "~/.cache/kiln"
     """Where tokenizers and prepared datasets are cached, keyed by their content hashes."""
+    mixture: list[MixtureEntry] = []
+    """Train on a weighted mix instead of data.sources: a list of {dataset: DIR or sources: [...], weight: W}."""
+    document_mask: bool = True
+    """Keep attention inside each document of a packed row, so no token attends across an EOS."""
+    shuffle: bool = True
+    """Visit packed rows in a new seeded order each epoch; false keeps stream order (e.g. curriculum data)."""
+    streaming: bool = False
+    """Read and tokenize the sources on the fly while training instead of preparing token shards first."""
+    prefetch: int = 2
+    """Batches made ahead in a background thread (0: made inside the training loop)."""
+    pin_memory: bool = True
+    """On CUDA, give batches in pinned memory so copies to the GPU overlap compute."""
+
+    @model_validator(mode="after")
+    def _check_loader(self) -> DataConfig:
+        if self.mixture and "sources" in self.model_fields_set:
+            raise ValueError("give either data.sources or data.mixture, not both")
+        if self.mixture and self.streaming:
+            raise ValueError("data.streaming reads data.sources; it does not take a data.mixture")
+        if self.prefetch < 0:
+            raise ValueError(f"data.prefetch must be 0 or more, got {self.prefetch}")
+        return self
 
 
 class TrainConfig(Section):
