@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -10,7 +11,7 @@ from rich.console import Console
 from rich.text import Text
 
 from kiln import __version__
-from kiln.errors import KilnError
+from kiln.errors import ConfigError, KilnError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, pretty_exceptions_enable=False,
                   help="Kiln: raw text to a trained causal language model.")
@@ -35,17 +36,26 @@ def main_options(
 
 @app.command(context_settings={"allow_extra_args": False})
 def train(
-    config: Optional[str] = typer.Argument(None, help="YAML config file or preset name (see configs/); "
-                                                     "omit for the built-in quickstart."),
+    config: Optional[str] = typer.Argument(None, help="YAML config file, preset name (see configs/), or a run "
+                                                     "directory to resume; omit for the built-in quickstart."),
     overrides: Optional[list[str]] = typer.Argument(None, help="Dotted KEY=VALUE overrides, e.g. train.lr=3e-4."),
+    resume: str = typer.Option("auto", "--resume", help="auto: continue from the newest good checkpoint of "
+                               "train.run_dir if it has one; never: start fresh (in a new directory if that one "
+                               "has checkpoints); force: continue even though the config or data changed."),
     help_config: bool = typer.Option(False, "--help-config", help="List every config key with its doc and exit."),
 ) -> None:
-    """Train a model.
+    """Train a model, or resume one.
 
     With no arguments, trains a small model on this Python's standard library source on the CPU
     in a few minutes and prints a sample.
 
     Example: kiln train gpu-124m train.max_steps=2000 model.n_layers=8
+
+    Resume: `kiln train RUN_DIR` continues the run in RUN_DIR from its newest checkpoint whose
+    hashes verify (damaged ones are skipped, with a message), with the config in RUN_DIR/config.yaml.
+    `kiln train CONFIG train.run_dir=RUN_DIR` does the same with CONFIG, which must match the saved
+    config; add `--resume force` to accept deliberate changes (e.g. train.max_steps=4000 train.lr=1e-4).
+    A run stopped by SIGTERM or Ctrl-C writes a checkpoint first; Ctrl-C twice aborts at once.
     """
     from kiln.config import describe_fields, load_config
     from kiln.train.run import run
@@ -57,7 +67,19 @@ def train(
     if config is not None and "=" in config:  # only overrides were given
         overrides.insert(0, config)
         config = None
-    run(load_config(config, overrides), console)
+    if resume not in ("auto", "never", "force"):
+        raise ConfigError(f"--resume {resume!r}: use auto, never or force")
+    if config is not None and Path(config).expanduser().is_dir():  # a run directory: resume it
+        run_dir = Path(config).expanduser()
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"{run_dir} is a directory without config.yaml, so not a run directory; give a "
+                              "config file, or the directory of an earlier `kiln train`")
+        cfg = load_config(run_dir / "config.yaml", overrides)
+        if not any(o.strip().startswith("train.run_dir=") for o in overrides):
+            cfg.train.run_dir = str(run_dir)
+    else:
+        cfg = load_config(config, overrides)
+    run(cfg, console, resume=resume)
 
 
 @app.command()

@@ -17,7 +17,11 @@ from kiln.model.generate import generate
 from kiln.model.llama import Transformer
 from kiln.model.registry import flops_per_token, param_count
 from kiln.monitor.sinks import ConsoleSink, JsonlSink
-from kiln.state.rundir import make_run_dir
+from kiln.state.callback import CheckpointEvery
+from kiln.state.checkpointer import Checkpointer
+from kiln.state.preempt import SignalGuard, train_guarded
+from kiln.state.resume import check_compatible, fingerprints, resume_target
+from kiln.state.verify import read_meta
 from kiln.state.weights import save_model
 from kiln.train.events import EvalEvery
 from kiln.train.trainer import Trainer
@@ -35,10 +39,11 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def run(cfg: RunConfig, console: Console | None = None) -> Path:
+def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", callbacks: list = ()) -> Path:
+    """Train per `cfg`; `resume` is auto, never or force (see kiln.state.resume); `callbacks` join the run's."""
     console = console or Console()
     device = resolve_device(cfg.train.device)
-    run_dir = make_run_dir(cfg)
+    run_dir, resume_from = resume_target(cfg, resume, console.print)
     console.print(f"[bold]kiln[/] run directory: {run_dir}")
 
     ds = prepare(cfg.data)
@@ -51,6 +56,9 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
     elif cfg.model.vocab_size < tok.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"{tok.vocab_size}; raise it or leave it null")
+    prints = fingerprints(cfg, ds)
+    if resume_from is not None:
+        check_compatible(read_meta(resume_from), cfg, prints, resume == "force", console.print)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
     tcfg = cfg.train
@@ -67,15 +75,25 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
         apply_compile(model)  # in place: state-dict keys stay the same
     train_model = model
 
-    callbacks = [EvalEvery(tcfg.eval_every)]
+    checkpointer = Checkpointer(run_dir, cfg, prints, console.print)
+    guard = SignalGuard(console.print, checkpointer.group) if cfg.checkpoint.on_signal else None
+    extra, callbacks = list(callbacks), [EvalEvery(tcfg.eval_every)]
     if cfg.logging.console:
         callbacks.append(ConsoleSink(console))
     if cfg.logging.jsonl:
         callbacks.append(JsonlSink(run_dir / "metrics.jsonl"))
+    callbacks += [*extra, CheckpointEvery(checkpointer, guard)]  # last: a checkpoint sees its step's eval
     trainer = Trainer(cfg, train_model, train_loader, val_loader, device, callbacks,
                       flops_per_token=flops_per_token(cfg.model, tcfg.seq_len))
-    first = trainer.evaluate()
-    final = trainer.train()
+    if resume_from is not None:
+        meta = checkpointer.load(trainer, resume_from)
+        console.print(f"resumed from {resume_from} (step {meta['step']}, {meta['tokens_seen']:,} tokens)")
+        first = trainer.last_eval or trainer.evaluate()
+    else:
+        first = trainer.evaluate()
+    final = train_guarded(trainer, checkpointer, guard, run_dir, console.print)
+    if final is None:  # preempted: the checkpoint is written, nothing else to do
+        return run_dir
     console.print(f"validation loss: {first['val_loss']:.4f} at start -> {final['val_loss']:.4f} "
                   f"after {trainer.step} steps")
 

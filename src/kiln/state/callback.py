@@ -1,0 +1,32 @@
+"""The checkpoint cadence as a callback: snapshots, periodic saves, preemption and the final save."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kiln.state.checkpointer import Checkpointer
+from kiln.state.preempt import Preempted, SignalGuard
+from kiln.train.events import Callback
+
+
+class CheckpointEvery(Callback):
+    """Register it after the evaluation callback, so a checkpoint records the loss of its step."""
+
+    def __init__(self, checkpointer: Checkpointer, guard: SignalGuard | None = None):
+        self.ckpt, self.guard = checkpointer, guard
+
+    def on_step_end(self, trainer, metrics: dict[str, Any] | None) -> None:
+        c, step = self.ckpt.ccfg, trainer.step
+        self.ckpt.poll()  # a failed background save stops the run here, not silently
+        if c.snapshot_every and step % c.snapshot_every == 0:
+            self.ckpt.take_snapshot(trainer)
+        signame = self.guard.should_stop() if self.guard else None
+        if signame:
+            path = self.ckpt.save(trainer, "preempt", blocking=True)
+            raise Preempted(signame, step, path)
+        if c.every and step % c.every == 0 and step < trainer.cfg.train.max_steps:
+            self.ckpt.save(trainer)
+
+    def on_train_end(self, trainer, metrics: dict[str, Any]) -> None:
+        self.ckpt.save(trainer, "final")
+        self.ckpt.wait()

@@ -1,0 +1,126 @@
+"""Preemption and crashes: stop at a step boundary with a checkpoint, never mid-step.
+
+The first SIGTERM or SIGINT asks the loop to stop: the current step finishes, a checkpoint is
+written, and `kiln train` exits 0 saying how to resume. A second signal aborts at once (the last
+complete checkpoint is still there). An unexpected exception writes an emergency checkpoint
+when the trainer is between steps, then propagates.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+class Preempted(Exception):
+    """Raised out of the loop after the preemption checkpoint is complete."""
+
+    def __init__(self, signame: str, step: int, path: Path):
+        super().__init__(f"stopped by {signame} after step {step}; checkpoint {path}")
+        self.signame, self.step, self.path = signame, step, path
+
+
+class SignalGuard:
+    """While active, the first SIGTERM/SIGINT sets `requested`; a second one aborts the process."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, log: Callable[[str], None] = print, group=None):
+        self.requested: str | None = None
+        self.log, self.group = log, group
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> SignalGuard:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.requested is None:
+            self.requested = name
+            print(f"\n{name} received: finishing this step and writing a checkpoint (send it again to abort now)",
+                  file=sys.stderr, flush=True)
+            return
+        print(f"\nsecond {name}: aborting without a checkpoint; the last complete checkpoint is kept",
+              file=sys.stderr, flush=True)
+        self.__exit__()
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    def should_stop(self) -> str | None:
+        """The signal's name if any process of the run got one (all processes agree on the step)."""
+        if self.group is None:
+            return self.requested
+        flag = torch.tensor([1 if self.requested else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return (self.requested or "SIGTERM") if flag.item() else None
+
+
+def emergency_checkpoint(trainer, checkpointer, error: BaseException, log: Callable[[str], None]) -> Path | None:
+    """After an unexpected error: checkpoint if the trainer is between steps, else say why not."""
+    if checkpointer.distributed:
+        log("no emergency checkpoint in a multi-process run (the other processes may be stuck in a collective); "
+            "resume from the last complete checkpoint")
+        return None
+    if not getattr(trainer, "consistent", False):
+        log(f"no emergency checkpoint: the error ({type(error).__name__}) came in the middle of step "
+            f"{trainer.step + 1}, so the state is half-updated; resume from the last complete checkpoint")
+        return None
+    try:
+        path = checkpointer.save(trainer, "emergency", blocking=True)
+    except Exception as e:  # the original error matters more; report this one beside it
+        log(f"the emergency checkpoint failed too: {e}")
+        return None
+    log(f"emergency checkpoint of step {trainer.step} written to {path}")
+    return path
+
+
+def train_guarded(trainer, checkpointer, guard: SignalGuard | None, run_dir: Path,
+                  log: Callable[[str], None]) -> dict[str, Any] | None:
+    """`trainer.train()` with signal handling and emergency checkpoints. None when preempted."""
+    from kiln.errors import KilnError
+
+    try:
+        with guard if guard is not None else _nothing():
+            return trainer.train()
+    except Preempted as p:
+        checkpointer.close()
+        log(f"stopped by {p.signame} after step {p.step}; checkpoint {p.path} is complete.\n"
+            f"Resume with: kiln train {run_dir}")
+        return None
+    except KeyboardInterrupt:
+        raise  # a second signal: abort now
+    except Exception as e:
+        if guard is not None and not isinstance(e, KilnError):
+            emergency_checkpoint(trainer, checkpointer, e, log)
+        try:
+            checkpointer.close()
+        except Exception as e2:
+            log(f"also, a background checkpoint failed: {e2}")
+        raise
+    finally:
+        checkpointer.close()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None

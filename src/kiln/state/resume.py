@@ -1,0 +1,138 @@
+"""Choosing the checkpoint to resume from, and checking that it fits the config and the data.
+
+`--resume auto` takes the newest checkpoint whose files all match their hashes, and falls back,
+saying so, past damaged ones. A config that differs in what shapes the run (model, data, optimizer,
+schedule, batch) is refused with the list of differences; `--resume force` accepts it. Settings
+that do not change the numbers (logging, checkpoint cadence, device, evaluation) may always change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from kiln.config import RunConfig
+from kiln.errors import StateError
+from kiln.state.rundir import checkpoints, fresh_sibling, make_run_dir, remove_unfinished, unfinished
+from kiln.state.verify import verify
+
+MODES = ("auto", "never", "force")
+# settings that may change between a save and a resume without --resume force
+FREE = ("train.run_dir", "train.device", "train.compile", "train.eval_every", "train.eval_batches",
+        "train.sample_prompt", "train.sample_tokens", "data.cache_dir", "optim.fused", "logging.", "checkpoint.")
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any], all_keys: bool = False) -> list[str]:
+    """'key: saved -> current' for each setting that differs (only those that matter unless all_keys)."""
+    a, b = _flat(saved), _flat(current)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if not all_keys and key.startswith(FREE):
+            continue
+        if a.get(key, "(absent)") != b.get(key, "(absent)"):
+            out.append(f"{key}: {a.get(key, '(absent)')!r} -> {b.get(key, '(absent)')!r}")
+    return out
+
+
+def fingerprints(cfg: RunConfig, dataset) -> dict[str, Any]:
+    """What a checkpoint records to recognise its config and its data."""
+    relevant = {k: v for k, v in _flat(cfg.model_dump(mode="json")).items() if not k.startswith(FREE)}
+    manifest = dataset.manifest
+    return {
+        "config": hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16],
+        "dataset": manifest.get("id") or Path(dataset.path).name,
+        "tokenizer": dataset.tokenizer.hash,
+        "train_tokens": manifest.get("splits", {}).get("train", {}).get("tokens"),
+    }
+
+
+def check_compatible(meta: dict[str, Any], cfg: RunConfig, prints: dict[str, Any], force: bool,
+                     log: Callable[[str], None]) -> None:
+    """StateError naming every difference of config or data, unless `force` (then they are listed)."""
+    diffs = config_differences(meta.get("config", {}), cfg.model_dump(mode="json"))
+    saved = meta.get("fingerprints", {})
+    for key, what in (("dataset", "prepared dataset"), ("tokenizer", "tokenizer")):
+        if saved.get(key) != prints.get(key):
+            diffs.append(f"{what}: {saved.get(key)} -> {prints.get(key)}")
+    if not diffs:
+        return
+    listing = "\n".join(f"  - {d}" for d in diffs)
+    if force:
+        log(f"resuming with deliberate changes (--resume force):\n{listing}")
+        return
+    raise StateError(f"the config or data differ from checkpoint step {meta['step']} of this run:\n{listing}\n"
+                     "Put the saved values back, resume with --resume force to accept the changes, or start a "
+                     "new run with --resume never.")
+
+
+def latest_good(run_dir: str | Path, log: Callable[[str], None]) -> Path | None:
+    """The newest checkpoint whose files all verify; damaged ones are skipped with a message."""
+    found = checkpoints(run_dir)
+    damaged = []
+    for path in reversed(found):
+        problems = verify(path)
+        if not problems:
+            if damaged:
+                log(f"falling back to {path}: newer checkpoint(s) are damaged:\n" +
+                    "\n".join(f"  - {p}" for p in damaged))
+            return path
+        damaged.append(f"{path.name}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+    if damaged:
+        raise StateError(f"every checkpoint in {Path(run_dir) / 'checkpoints'} is damaged:\n" +
+                         "\n".join(f"  - {p}" for p in damaged) +
+                         "\nRestore them from the archive, or start fresh with --resume never.")
+    return None
+
+
+def verified(path: str | Path) -> Path:
+    """A checkpoint given by the user: StateError naming the bad file and the previous good checkpoint."""
+    path = Path(path)
+    problems = verify(path)
+    if not problems:
+        return path
+    run_dir = path.parent.parent
+    earlier = [p for p in checkpoints(run_dir) if p.name < path.name]
+    fallback = next((p for p in reversed(earlier) if not verify(p)), None)
+    hint = f"The previous good checkpoint is {fallback}." if fallback else "No earlier good checkpoint exists."
+    raise StateError(f"checkpoint {path} is damaged:\n" + "\n".join(f"  - {p}" for p in problems) + f"\n{hint}")
+
+
+def resume_target(cfg: RunConfig, mode: str, log: Callable[[str], None]) -> tuple[Path, Path | None]:
+    """The run directory to use and the checkpoint to resume from (None: a fresh start).
+
+    auto/force: resume from the newest good checkpoint in train.run_dir, if it has one.
+    never: start fresh; when train.run_dir holds checkpoints, in a new directory beside it.
+    """
+    if mode not in MODES:
+        raise StateError(f"--resume {mode!r}: expected one of {', '.join(MODES)}")
+    if cfg.train.run_dir is None:
+        return make_run_dir(cfg), None
+    run_dir = Path(cfg.train.run_dir).expanduser()
+    if mode == "never":
+        if checkpoints(run_dir) or unfinished(run_dir):
+            new = fresh_sibling(run_dir)
+            log(f"--resume never: {run_dir} holds checkpoints, so this fresh run goes to {new}")
+            cfg.train.run_dir = str(new)
+        return make_run_dir(cfg), None
+    if not run_dir.is_dir():
+        return make_run_dir(cfg), None
+    if int(os.environ.get("RANK", "0")) == 0:
+        for p in remove_unfinished(run_dir):
+            log(f"removed {p}: a save that never completed (the process was killed while writing it)")
+    latest = latest_good(run_dir, log)
+    if latest is None:
+        return make_run_dir(cfg), None
+    return run_dir, latest

@@ -1,0 +1,104 @@
+"""Checkpoint metadata (`meta.json`) and content hashes.
+
+Every checkpoint directory ends with a `meta.json` that lists each of its files with size and
+sha256. The file is written last, inside the temporary directory, before the directory is renamed
+into place: a checkpoint directory without it is not a checkpoint. `verify()` re-hashes the files
+and names each one that is missing, truncated or altered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import StateError
+
+FORMAT = "kiln-checkpoint/1"
+META = "meta.json"
+_CHUNK = 8 << 20
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file, read in 8 MiB chunks (hashlib drops the GIL, so threads run in parallel)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def hash_tree(root: Path, threads: int = 8) -> dict[str, dict[str, Any]]:
+    """{relative name: {"bytes", "sha256"}} of every file under `root` except meta.json, hashed in parallel."""
+    names = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != META)
+    with ThreadPoolExecutor(max(1, min(threads, len(names)))) as pool:
+        digests = list(pool.map(lambda n: sha256_file(root / n), names))
+    return {n: {"bytes": (root / n).stat().st_size, "sha256": d} for n, d in zip(names, digests)}
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in `path` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, data: dict, fsync: bool = True) -> None:
+    """Write JSON through a temporary file and a rename, so a reader never sees half of it."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_meta(ckpt: str | Path) -> dict[str, Any]:
+    """The parsed meta.json of a checkpoint directory; StateError if it is missing or unreadable."""
+    path = Path(ckpt) / META
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StateError(f"{ckpt} is not a complete checkpoint: it has no {META} (a save that never finished). "
+                         "Use another checkpoint of the run.") from None
+    except (OSError, ValueError) as e:
+        raise StateError(f"{path} is unreadable or corrupted ({e}). Use another checkpoint of the run.") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise StateError(f"{path} is not a Kiln checkpoint description (format {meta.get('format')!r} "
+                         f"if a dict, expected {FORMAT!r})")
+    return meta
+
+
+def verify(ckpt: str | Path, threads: int = 8) -> list[str]:
+    """Problems found in a checkpoint directory: missing, resized or altered files. Empty if all is well."""
+    root = Path(ckpt)
+    try:
+        files = read_meta(root)["files"]
+    except StateError as e:
+        return [str(e)]
+    problems: list[str] = []
+    present = []
+    for name, info in files.items():
+        p = root / name
+        if not p.is_file():
+            problems.append(f"{p}: missing")
+        elif p.stat().st_size != info["bytes"]:
+            problems.append(f"{p}: {p.stat().st_size} bytes, expected {info['bytes']} (truncated or overwritten)")
+        else:
+            present.append(name)
+    with ThreadPoolExecutor(max(1, min(threads, len(present) or 1))) as pool:
+        for name, digest in zip(present, pool.map(lambda n: sha256_file(root / n), present)):
+            if digest != files[name]["sha256"]:
+                problems.append(f"{root / name}: sha256 differs from {META} (the file is corrupted)")
+    return problems
