@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_map
 from kiln import __version__
 from kiln.config import RunConfig
 from kiln.errors import KilnError, StateError
+from kiln.state.resume import verified
 from kiln.state.rng import rng_state, set_rng_state
 from kiln.state.rundir import CHECKPOINTS, TMP_PREFIX, checkpoints, step_dir_name, step_of
 from kiln.state.verify import FORMAT, META, fsync_dir, hash_tree, read_meta, write_json
@@ -76,8 +77,19 @@ def _errno_of(exc: BaseException) -> OSError | None:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno:
             return e
-        todo += [e.__cause__, e.__context__, *getattr(e, "failures", {}).values()]
+        todo += [e.__cause__, e.__context__]
+        for failure in getattr(e, "failures", {}).values():  # DCP: rank -> (exception, traceback)
+            todo += [f for f in (failure if isinstance(failure, tuple) else (failure,)) if isinstance(f, BaseException)]
     return None
+
+
+def _innermost(exc: BaseException) -> BaseException:
+    """The first per-rank failure inside a DCP CheckpointException, else the exception itself."""
+    for failure in getattr(exc, "failures", {}).values():
+        for f in failure if isinstance(failure, tuple) else (failure,):
+            if isinstance(f, BaseException):
+                return f
+    return exc
 
 
 class Checkpointer:
@@ -167,7 +179,7 @@ class Checkpointer:
             future.result()
         except KilnError:
             raise
-        except Exception as e:  # a bug in a save thread: say which save, keep the traceback
+        except (Exception, dcp.CheckpointException) as e:  # a bug in a save thread: keep the traceback
             raise StateError(f"the background checkpoint of step {step} failed: {e!r}") from e
 
     def close(self) -> None:
@@ -263,9 +275,11 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restore
 
-    def load(self, trainer, path: str | Path) -> dict[str, Any]:
-        """Restore the trainer from a complete checkpoint (verify it first). Returns its meta.json."""
+    def load(self, trainer, path: str | Path, check_hashes: bool = True) -> dict[str, Any]:
+        """Restore the trainer from a complete checkpoint, its hashes checked first. Returns its meta.json."""
         path = Path(path)
+        if check_hashes and self.rank == 0:
+            verified(path)  # StateError naming the damaged file and the previous good checkpoint
         meta = read_meta(path)
         tensors = self._tensors(trainer)
         try:
@@ -273,8 +287,9 @@ class Checkpointer:
                 warnings.simplefilter("ignore")
                 dcp.load(tensors, storage_reader=dcp.FileSystemReader(path), process_group=self.group,
                          no_dist=not self.distributed)
-        except Exception as e:
-            raise StateError(f"checkpoint {path} does not fit this model and optimizer: {e}. Resume with the "
+        except (Exception, dcp.CheckpointException) as e:
+            why = _errno_of(e) or _innermost(e)
+            raise StateError(f"checkpoint {path} does not fit this model and optimizer: {why}. Resume with the "
                              "model settings it was saved with (see `kiln inspect`).") from None
         try:
             small = json.loads((path / "state.json").read_text())

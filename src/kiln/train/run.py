@@ -86,7 +86,7 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
     trainer = Trainer(cfg, train_model, train_loader, val_loader, device, callbacks,
                       flops_per_token=flops_per_token(cfg.model, tcfg.seq_len))
     if resume_from is not None:
-        meta = checkpointer.load(trainer, resume_from)
+        meta = checkpointer.load(trainer, resume_from, check_hashes=False)  # verified when chosen
         console.print(f"resumed from {resume_from} (step {meta['step']}, {meta['tokens_seen']:,} tokens)")
         first = trainer.last_eval or trainer.evaluate()
     else:

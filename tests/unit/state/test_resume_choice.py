@@ -1,0 +1,98 @@
+"""Choosing what to resume from: fallback past damaged checkpoints, config and data checks, modes."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from kiln.config import RunConfig
+from kiln.errors import StateError
+from kiln.state.checkpointer import Checkpointer
+from kiln.state.preempt import SignalGuard
+from kiln.state.resume import check_compatible, config_differences, latest_good, resume_target
+from kiln.state.rundir import checkpoints, unfinished
+from kiln.state.verify import read_meta
+
+from .conftest import run_steps
+
+PRINTS = {"config": "c0", "dataset": "d0", "tokenizer": "t0", "train_tokens": 1}
+
+
+def three_checkpoints(trainer_factory):
+    t = trainer_factory()
+    ck = Checkpointer(t.cfg.train.run_dir, t.cfg, PRINTS, lambda m: None)
+    paths = []
+    for _ in range(3):
+        run_steps(t, 1)
+        paths.append(ck.save(t))
+    ck.close()
+    return t, paths
+
+
+def test_auto_falls_back_past_damaged_checkpoints_and_says_so(trainer_factory):
+    t, (p1, p2, p3) = three_checkpoints(trainer_factory)
+    (p3 / "state.json").write_text("{}")  # same step, altered content
+    (p2 / "rank0.json").unlink()
+    logs = []
+    assert latest_good(t.cfg.train.run_dir, logs.append) == p1
+    assert "falling back to" in logs[0] and "step_00000003" in logs[0] and "rank0.json: missing" in logs[0]
+
+
+def test_every_checkpoint_damaged_is_an_error(trainer_factory):
+    t, paths = three_checkpoints(trainer_factory)
+    for p in paths:
+        (p / ".metadata").write_bytes(b"x")
+    with pytest.raises(StateError, match="every checkpoint .* is damaged"):
+        latest_good(t.cfg.train.run_dir, print)
+
+
+def test_unfinished_save_is_never_resumed_and_is_cleaned(trainer_factory):
+    t, (p1, p2, p3) = three_checkpoints(trainer_factory)
+    (p3 / "meta.json").unlink()  # as if killed before the rename (a .tmp-* dir)
+    p3.rename(p3.with_name(".tmp-" + p3.name))
+    logs = []
+    run_dir, chosen = resume_target(t.cfg, "auto", logs.append)
+    assert chosen == p2 and unfinished(run_dir) == [] and "never completed" in logs[0]
+
+
+def test_config_differences_ignore_what_does_not_change_the_numbers():
+    a = RunConfig().model_dump(mode="json")
+    b = RunConfig.model_validate({"train": {"lr": 1e-3, "eval_every": 7, "device": "cuda"},
+                                  "logging": {"every": 1}, "checkpoint": {"every": 5}}).model_dump(mode="json")
+    assert config_differences(a, b) == ["train.lr: 0.002 -> 0.001"]
+    assert len(config_differences(a, b, all_keys=True)) == 5
+
+
+def test_mismatch_names_what_differs_unless_forced(trainer_factory):
+    t, paths = three_checkpoints(trainer_factory)
+    meta = read_meta(paths[-1])
+    cfg = t.cfg.model_copy(deep=True)
+    cfg.train.max_steps = 99
+    changed = {**PRINTS, "tokenizer": "t1"}
+    with pytest.raises(StateError) as err:
+        check_compatible(meta, cfg, changed, force=False, log=print)
+    assert "train.max_steps: 50 -> 99" in str(err.value) and "tokenizer: t0 -> t1" in str(err.value)
+    assert "--resume force" in str(err.value)
+    logs = []
+    check_compatible(meta, cfg, changed, force=True, log=logs.append)
+    assert "train.max_steps" in logs[0]
+    check_compatible(meta, t.cfg, PRINTS, force=False, log=print)  # unchanged: fine
+
+
+def test_never_starts_fresh_beside_a_run_with_checkpoints(trainer_factory):
+    t, paths = three_checkpoints(trainer_factory)
+    cfg = t.cfg.model_copy(deep=True)
+    run_dir, chosen = resume_target(cfg, "never", print)
+    assert chosen is None and run_dir.name == "run-1" and checkpoints(run_dir) == []
+    assert len(checkpoints(paths[0].parent.parent)) == 3  # the old run is untouched
+
+
+def test_signal_guard_turns_the_first_signal_into_a_request():
+    before = signal.getsignal(signal.SIGTERM)
+    with SignalGuard(log=print) as guard:
+        assert guard.should_stop() is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert guard.should_stop() == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is before
