@@ -83,6 +83,51 @@ def train(
 
 
 @app.command()
+def prepare(
+    config: Optional[str] = typer.Argument(None, help="YAML config file or preset name (its data: section is "
+                                                     "used); omit for the quickstart's data."),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Dotted KEY=VALUE overrides, e.g. "
+                                                               "data.sources=[corpus/*.jsonl.zst]."),
+    verify: Optional[str] = typer.Option(None, "--verify", help="Check every shard hash of the prepared dataset "
+                                                               "in this directory instead; exits 1 on a mismatch."),
+) -> None:
+    """Tokenize data.sources into verified, content-addressed token shards.
+
+    Reads the sources (files, directories, globs, URLs; txt, jsonl, json, parquet, csv, tsv,
+    saved HF datasets; .gz/.zst), validates every record, drops duplicates, tokenizes in
+    parallel and writes <data.cache_dir>/datasets/<id>/, then prints a report. The id hashes
+    the inputs, the tokenizer and the settings: the same inputs reuse the dataset, any change
+    makes a new one. An interrupted prepare, run again, keeps the shards it had finished.
+
+    Example: kiln prepare my.yaml data.sources=[data/*.jsonl.zst] data.on_bad_record=skip
+    """
+    from kiln.config import load_config
+
+    if verify is not None:
+        from kiln.data.dataset import open_dataset
+
+        ds = open_dataset(verify)
+        problems = ds.verify()
+        shards = sum(len(s["shards"]) for s in ds.manifest["splits"].values())
+        if problems:
+            for p in problems:
+                err_console.print(f"[bold red]bad:[/] {p}", highlight=False)
+            err_console.print(f"{len(problems)} problem(s) in {ds.path}; prepare it again (remove the directory "
+                              "first)", highlight=False)
+            raise typer.Exit(1)
+        console.print(f"ok: {ds.path}: {shards} shard(s) and the tokenizer match the manifest", highlight=False)
+        return
+    overrides = list(overrides or [])
+    if config is not None and "=" in config:
+        overrides.insert(0, config)
+        config = None
+    from kiln.data.prepare import prepare as run_prepare
+
+    ds = run_prepare(load_config(config, overrides).data, console)
+    print(ds.path)
+
+
+@app.command()
 def generate(
     run_dir: str = typer.Argument(..., help="Run directory of a finished `kiln train` (or its model/ folder)."),
     prompt: str = typer.Option("", "--prompt", "-p", help="Text to continue."),

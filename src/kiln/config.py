@@ -111,15 +111,45 @@ class MixtureEntry(Section):
 
 class DataConfig(Section):
     sources: list[str] = ["@stdlib"]
-    """Input files, directories or globs; '@stdlib' is this Python's standard library source."""
+    """Input files, directories, globs, fsspec URLs (s3://, gs://, memory://...), save_to_disk dataset
+    directories, or '@stdlib' (this Python's standard library source). .gz/.zst are decompressed."""
+    format: Literal["auto", "text", "jsonl", "json", "parquet", "csv", "tsv", "arrow"] = "auto"
+    """Format of the source files; 'auto' goes by the file suffix (unknown suffixes read as text)."""
+    text_unit: Literal["file", "line", "paragraph"] = "file"
+    """For text files: a document per file, per non-blank line, or per blank-line-separated block."""
+    field: str = "text"
+    """The field (JSON) or column (parquet, CSV/TSV, arrow) that holds each document's text."""
+    dataset_split: str = "train"
+    """For a saved Hugging Face DatasetDict directory: the split to read."""
     max_bytes: int | None = 8_000_000
     """Read at most this many bytes of input (null: all of it); keeps the quickstart quick."""
+    on_bad_record: Literal["error", "skip"] = "error"
+    """A record with a missing field, wrong type, invalid UTF-8, empty or over-long text: 'error' stops
+    with its file and line, 'skip' drops it and counts it in the prepare report."""
+    max_record_bytes: int = 64 << 20
+    """A record longer than this is bad (too_long); also bounds the memory one record may take."""
+    min_chars: int = 0
+    """Filter: drop documents shorter than this many characters (counted in the report)."""
+    max_chars: int | None = None
+    """Filter: drop documents longer than this many characters (null: no limit)."""
+    dedup: bool = True
+    """Drop exact duplicate documents (same content hash), keeping the first."""
     tokenizer: str | None = None
-    """A tokenizer.json or a tokenizer directory; null trains a byte-level BPE on the sources."""
+    """A tokenizer.json or a local Hugging Face tokenizer directory; null trains a byte-level BPE on the sources."""
     vocab_size: int = 4096
     """Vocabulary size of a tokenizer trained here."""
+    tokenizer_train_bytes: int = 200_000_000
+    """A tokenizer trained here learns from at most this many bytes of the documents."""
+    eos_token: str = "auto"
+    """Token appended after every document; 'auto': the tokenizer's <|endoftext|>, <|end_of_text|>, </s> or <eos>."""
+    bos_token: str | None = None
+    """Token put before every document (null: none; 'auto': the tokenizer's <|begin_of_text|>, <s> or <bos>)."""
     val_fraction: float = 0.02
     """Fraction of documents held out for validation, chosen by document hash."""
+    shard_tokens: int = 100_000_000
+    """Tokens per shard file; a shard is also the unit an interrupted prepare does not redo."""
+    workers: int | None = None
+    """Processes that tokenize in `kiln prepare` (null: one per CPU core)."""
     cache_dir: str = "~/.cache/kiln"
     """Where tokenizers and prepared datasets are cached, keyed by their content hashes."""
     mixture: list[MixtureEntry] = []
@@ -143,6 +173,12 @@ class DataConfig(Section):
             raise ValueError("data.streaming reads data.sources; it does not take a data.mixture")
         if self.prefetch < 0:
             raise ValueError(f"data.prefetch must be 0 or more, got {self.prefetch}")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.shard_tokens < 1 or self.max_record_bytes < 1 or (self.workers is not None and self.workers < 1):
+            raise ValueError("data.shard_tokens, data.max_record_bytes and data.workers must be positive")
+        if self.max_chars is not None and self.max_chars < self.min_chars:
+            raise ValueError(f"data.max_chars={self.max_chars} is below data.min_chars={self.min_chars}")
         return self
 
 

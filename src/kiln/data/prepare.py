@@ -1,8 +1,15 @@
-"""Prepare: sources -> tokenized, content-addressed token files plus a manifest.
+"""Prepare: sources -> validated, deduplicated, tokenized, content-addressed token shards.
 
-The dataset directory's name is a hash of the inputs' contents, the tokenizer and the settings,
-so a changed input can never reuse a stale dataset. The manifest is written last: a directory
-without one is incomplete and is rebuilt.
+    ds = prepare(cfg.data)          # a PreparedDataset (reused when already complete)
+
+The dataset's id hashes the sources' contents (sha256 of every file), the tokenizer's hash and
+every setting that changes the output, so the same inputs reuse a dataset and any change makes
+a new one: a stale cache cannot be used. Documents are read in a fixed order by this process,
+validated, deduplicated by content hash and split train/val by that hash; a pool of worker
+processes encodes them in batches, and shards are written in order. Each finished shard is
+marked complete on disk; an interrupted prepare (Ctrl-C, kill -9) run again reads the sources
+again, passes over the documents of complete shards without encoding them and goes on from
+there. `manifest.json` is written last: without it no reader accepts the directory.
 """
 
 from __future__ import annotations
@@ -10,102 +17,246 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-from kiln.config import DataConfig
-from kiln.data.sources import expand, read_documents
-from kiln.data.tokenizer import Tokenizer, trained_or_cached
+from kiln.data.dataset import FORMAT, PreparedDataset, open_dataset
+from kiln.data.encode import Encoder
+from kiln.data.records import Deduplicator, RecordChecker, is_val
+from kiln.data.report import build_report, print_report
+from kiln.data.sources import SourceFile, expand, iter_documents
+from kiln.data.tokenizer import Tokenizer, load_or_train
+from kiln.data.writer import ShardWriter, completed_shards
 from kiln.errors import DataError
 
-BATCH_DOCS = 256
+BATCH_BYTES = 1 << 20  # text per encoding task
+BATCH_DOCS = 4096
+POOL_MIN_BYTES = 2_000_000  # smaller inputs are encoded in this process (no pool start-up)
+SPLITS = ("train", "val")
 
 
-@dataclass(frozen=True)
-class PreparedDataset:
-    path: Path
-    manifest: dict
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return Tokenizer.load(self.path / "tokenizer.json")
-
-    def split_path(self, split: str) -> Path:
-        return self.path / f"{split}.bin"
-
-    @property
-    def dtype(self) -> np.dtype:
-        return np.dtype(self.manifest["dtype"])
+def hash_sources(files: list[SourceFile]) -> list[dict]:
+    """[{path, bytes, sha256}] of every source file (read in full, in 4 MiB pieces)."""
+    out = []
+    for sf in files:
+        h, n = hashlib.sha256(), 0
+        with sf.open_raw() as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+                n += len(chunk)
+        out.append({"path": sf.url, "bytes": n, "sha256": h.hexdigest()})
+    return out
 
 
-def _hash_files(files: list[Path], max_bytes: int | None) -> str:
-    h, total = hashlib.sha256(), 0
-    for f in files:
-        raw = f.read_bytes()
-        h.update(str(len(raw)).encode() + b"\0" + raw)
-        total += len(raw)
+def settings_of(cfg, tokenizer: Tokenizer) -> dict:
+    """Everything besides the inputs and the tokenizer that changes the prepared tokens."""
+    return {"format": cfg.format, "text_unit": cfg.text_unit, "field": cfg.field,
+            "dataset_split": cfg.dataset_split, "max_bytes": cfg.max_bytes,
+            "max_record_bytes": cfg.max_record_bytes, "min_chars": cfg.min_chars, "max_chars": cfg.max_chars,
+            "dedup": cfg.dedup, "val_fraction": cfg.val_fraction, "shard_tokens": cfg.shard_tokens,
+            "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id}
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _limited(docs: Iterator, max_bytes: int | None) -> Iterator:
+    """Documents until `max_bytes` of text were taken (the one crossing the limit included)."""
+    total = 0
+    for d in docs:
+        yield d
+        total += len(d.text)
         if max_bytes is not None and total >= max_bytes:
-            break
-    return h.hexdigest()
+            return
 
 
-def _is_val(text: str, fraction: float) -> bool:
-    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < fraction
+def _train_texts(cfg, files: list[SourceFile]) -> Iterator[str]:
+    limit = min(cfg.tokenizer_train_bytes, cfg.max_bytes or cfg.tokenizer_train_bytes)
+    checker = RecordChecker.from_config(cfg)
+    for d in _limited(iter_documents(cfg, files, checker=checker), limit):
+        yield d.text
 
 
-def prepare(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> PreparedDataset:
+@contextmanager
+def _locked(path: Path):
+    """An exclusive lock on `path` across processes (two prepares of one dataset take turns)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            import fcntl
+        except ImportError:  # Windows: no lock
+            yield
+            return
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def prepare(cfg, console=None, progress: bool = True, tokenizer: Tokenizer | None = None) -> PreparedDataset:
+    """Prepare `cfg.sources` (a DataConfig), or reuse the complete dataset of the same id.
+
+    `console` (a rich Console) gets the progress bar and the report; None prints nothing.
+    """
+    start = time.perf_counter()
     cache = Path(cfg.cache_dir).expanduser()
-    files = expand(cfg.sources)
-    inputs_hash = _hash_files(files, cfg.max_bytes)
+    files = expand(cfg.sources, cfg.format, cfg.dataset_split)
+    sources = hash_sources(files)
     if tokenizer is None:
-        if cfg.tokenizer:
-            tokenizer = Tokenizer.load(cfg.tokenizer)
-        else:
-            texts = (d.text for d in read_documents(files, cfg.max_bytes))
-            tokenizer = trained_or_cached(inputs_hash, texts, cfg.vocab_size, cache)
-    settings = {"max_bytes": cfg.max_bytes, "val_fraction": cfg.val_fraction, "eos": tokenizer.eos_id}
-    key = hashlib.sha256(json.dumps([inputs_hash, tokenizer.hash, settings]).encode()).hexdigest()[:16]
-    out = cache / "datasets" / key
-    if (out / "manifest.json").is_file():
-        return PreparedDataset(out, json.loads((out / "manifest.json").read_text()))
-
+        key = _digest([[s["sha256"] for s in sources], cfg.format, cfg.text_unit, cfg.field, cfg.dataset_split,
+                       cfg.max_record_bytes, cfg.min_chars, cfg.max_chars, cfg.max_bytes, cfg.tokenizer_train_bytes])
+        tokenizer = load_or_train(cfg, _train_texts(cfg, files), key, cache)
     if tokenizer.eos_id is None:
-        raise DataError("the tokenizer has no end-of-text token (<|endoftext|>, </s> or <eos>); add one")
+        raise DataError("the tokenizer has no end-of-text token (tried <|endoftext|>, <|end_of_text|>, </s>, <eos>); "
+                        "name one with data.eos_token")
+    settings = settings_of(cfg, tokenizer)
+    ds_id = _digest({"format": FORMAT, "sources": [s["sha256"] for s in sources],
+                     "tokenizer": tokenizer.hash, "settings": settings})[:16]
+    out = cache / "datasets" / ds_id
+    reused = (out / "manifest.json").is_file()
+    if not reused:
+        with _locked(cache / "datasets" / f"{ds_id}.lock"):
+            if not (out / "manifest.json").is_file():  # another process may have finished it meanwhile
+                _build(cfg, files, sources, tokenizer, settings, out, console if progress else None, start)
+    ds = open_dataset(out, tokenizer.hash)
+    if console is not None:
+        print_report(ds.manifest["report"], console, out, reused)
+    return ds
+
+
+def _workers(cfg, files: list[SourceFile]) -> int:
+    n = cfg.workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    total = sum(f.size for f in files)
+    return 1 if total < POOL_MIN_BYTES else max(1, n)
+
+
+def _build(cfg, files, sources, tokenizer: Tokenizer, settings: dict, out: Path, console, start: float) -> None:
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    counts = {"train": [0, 0], "val": [0, 0]}  # documents, tokens
-    with open(tmp / "train.bin", "wb") as ftrain, open(tmp / "val.bin", "wb") as fval:
-        batch: list[str] = []
+    out.mkdir(parents=True, exist_ok=True)
+    done = {s: completed_shards(out, s, dtype) for s in SPLITS}
+    skip = {s: sum(e["documents"] for e in done[s]) for s in SPLITS}
+    seen = dict.fromkeys(SPLITS, 0)
+    writers = {s: ShardWriter(out, s, dtype, cfg.shard_tokens, first=len(done[s])) for s in SPLITS}
+    checker = RecordChecker.from_config(cfg)
+    dedup = Deduplicator() if cfg.dedup else None
+    total_bytes = sum(f.size for f in files)
+    if cfg.max_bytes is not None:
+        total_bytes = min(total_bytes, cfg.max_bytes)
+    bar = _Bar(console, total_bytes, sum(e["tokens"] for s in SPLITS for e in done[s]))
+    encoder = Encoder(tokenizer, dtype, _workers(cfg, files))
+    batch: dict[str, list[str]] = {s: [] for s in SPLITS}
+    size = dict.fromkeys(SPLITS, 0)
+    read = 0
 
-        def flush() -> None:
-            for text, ids in zip(batch, tokenizer.encode_batch(batch)):
-                split = "val" if _is_val(text, cfg.val_fraction) else "train"
-                arr = np.asarray(ids + [tokenizer.eos_id], dtype=dtype)
-                (fval if split == "val" else ftrain).write(arr.tobytes())
-                counts[split][0] += 1
-                counts[split][1] += len(arr)
-            batch.clear()
+    def write(drain: bool = False) -> None:
+        for split, tokens, lengths in encoder.results(drain):
+            writers[split].add(tokens, lengths)
+            bar.tokens(len(tokens))
 
-        for doc in read_documents(files, cfg.max_bytes):
-            batch.append(doc.text)
-            if len(batch) >= BATCH_DOCS:
-                flush()
-        flush()
-    if counts["train"][1] == 0:
-        raise DataError(f"no training tokens from data.sources={cfg.sources}: the inputs are empty")
-    tokenizer.save(tmp / "tokenizer.json")
+    def flush(split: str) -> None:
+        encoder.submit(split, batch[split])
+        batch[split], size[split] = [], 0
+        write()
+
+    try:
+        with bar:
+            for doc in _limited(iter_documents(cfg, files, checker=checker, progress=bar.bytes), cfg.max_bytes):
+                read += 1
+                bar.docs(1)
+                data = doc.text.encode("utf-8")
+                h = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+                if dedup is not None and dedup.seen(h):
+                    checker.drop("duplicate", doc.source, doc.record_index, doc.line)
+                    continue
+                split = "val" if is_val(h, cfg.val_fraction) else "train"
+                seen[split] += 1
+                if seen[split] <= skip[split]:
+                    continue  # in a shard completed by an earlier, interrupted run
+                batch[split].append(doc.text)
+                size[split] += len(data)
+                if size[split] >= BATCH_BYTES or len(batch[split]) >= BATCH_DOCS:
+                    flush(split)
+            for split in SPLITS:
+                if batch[split]:
+                    encoder.submit(split, batch[split])
+            write(drain=True)
+            for w in writers.values():
+                w.finish()
+    except KeyboardInterrupt:
+        encoder.close(cancel=True)
+        kept = sum(w.index for w in writers.values())
+        if console is not None:
+            console.print(f"prepare interrupted: {kept} shard(s) complete in {out}; run it again to finish")
+        raise
+    finally:
+        encoder.close()
+
+    splits = {s: done[s] + writers[s].written for s in SPLITS}
+    if not sum(e["tokens"] for e in splits["train"]):
+        dropped = ", ".join(f"{n} {r}" for r, n in checker.dropped.items()) or "none"
+        raise DataError(f"no training documents in data.sources={cfg.sources} ({read} documents read; dropped: "
+                        f"{dropped}); check the files, data.format and data.field")
+    report = build_report(out, splits, checker, files=len(files), input_bytes=sum(s["bytes"] for s in sources),
+                          read_documents=read, seconds=time.perf_counter() - start,
+                          resumed_shards=sum(len(done[s]) for s in SPLITS))
+    tokenizer.save(out / "tokenizer.json")
+    (out / "report.json").write_text(json.dumps(report, indent=2))
     manifest = {
-        "id": key, "inputs_hash": inputs_hash, "tokenizer_hash": tokenizer.hash, "settings": settings,
-        "dtype": np.dtype(dtype).name, "vocab_size": tokenizer.vocab_size,
-        "splits": {s: {"documents": d, "tokens": t} for s, (d, t) in counts.items()},
+        "format": FORMAT, "id": out.name, "dtype": np.dtype(dtype).name, "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id, "tokenizer_hash": tokenizer.hash,
+        "settings": settings, "settings_hash": _digest(settings)[:16], "sources": sources,
+        "splits": {s: {"documents": sum(e["documents"] for e in v), "tokens": sum(e["tokens"] for e in v),
+                       "shards": v} for s, v in splits.items()},
+        "report": report, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return PreparedDataset(out, manifest)
+    tmp = out / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, out / "manifest.json")
+
+
+class _Bar:
+    """A rich progress bar over input bytes, with documents/s, tokens/s and ETA; silent without console."""
+
+    def __init__(self, console, total_bytes: int, tokens_done: int):
+        self.p = None
+        self.n_docs, self.n_tokens, self.t0 = 0, 0, time.perf_counter()
+        if console is None:
+            return
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.p = Progress(TextColumn("prepare"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                          TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=console,
+                          transient=True)
+        self.task = self.p.add_task("prepare", total=max(total_bytes, 1), rate="")
+        self.last = 0.0
+        del tokens_done
+
+    def __enter__(self):
+        if self.p is not None:
+            self.p.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.p is not None:
+            self.p.__exit__(*exc)
+
+    def bytes(self, n: int) -> None:
+        if self.p is not None:
+            self.p.advance(self.task, n)
+
+    def docs(self, n: int) -> None:
+        self.n_docs += n
+
+    def tokens(self, n: int) -> None:
+        self.n_tokens += n
+        now = time.perf_counter()
+        if self.p is not None and now - self.last > 0.5:
+            dt = now - self.t0
+            self.p.update(self.task, rate=f"{self.n_docs / dt:,.0f} docs/s {self.n_tokens / dt:,.0f} tokens/s")
+            self.last = now

@@ -1,70 +1,260 @@
-"""Where documents come from: files, directories, globs, and '@stdlib' (this Python's own source).
+"""Where documents come from: files, directories, globs, fsspec URLs, saved Hugging Face datasets
+and '@stdlib' (this Python's own standard library source), in any of the formats of `readers`.
 
-A source yields `Document`s one at a time, so memory stays bounded by what the consumer holds.
+    files = expand(["data/*.jsonl.zst", "s3://bucket/corpus/", "@stdlib"])
+    for doc in iter_documents(cfg.data):           # validated documents, in a fixed order
+        doc.text, doc.origin                       # "data/a.jsonl.zst:12"
+    iter_documents(cfg.data, start=(3, 1000))      # resume: file 3, from its record 1000 on
+
+The order is fixed: sources in the order given, the files of a directory or glob sorted by path.
+A document's position is (file_index, record_index); `record_index` counts every record of the
+file, skipped ones included, so `start=(d.file_index, d.record_index + 1)` resumes right after
+document `d` even when records were skipped. Memory stays bounded by the largest record
+(`data.max_record_bytes`), whatever the size of the files.
 """
 
 from __future__ import annotations
 
 import glob
+import gzip
+import io
+import json
+import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO, NamedTuple
 
+from kiln.data import readers
+from kiln.data.records import RecordChecker
 from kiln.errors import DataError
 
 STDLIB = "@stdlib"
-TEXT_SUFFIXES = {".txt", ".py", ".md", ".rst"}
+TEXT_SUFFIXES = {".txt", ".text", ".md", ".markdown", ".rst", ".py", ".tex"}
+DATA_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
+                 ".csv": "csv", ".tsv": "tsv", ".arrow": "arrow"}
+COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+FORMATS = ("text", "jsonl", "json", "parquet", "csv", "tsv", "arrow")
+
+
+class Document(NamedTuple):
+    text: str
+    source: str  # the file's path or URL
+    file_index: int  # position of the file in the expanded source list
+    record_index: int  # position of the record in its file (skipped records count too)
+    line: int | None  # 1-based line where the record starts, for line-based formats
+
+    @property
+    def origin(self) -> str:
+        return where(self.source, self.record_index, self.line)
+
+
+def where(source: str, index: int, line: int | None) -> str:
+    """'file:line' for line-based formats, 'file row N' (1-based) for the others."""
+    return f"{source}:{line}" if line is not None else f"{source} row {index + 1}"
 
 
 @dataclass(frozen=True)
-class Document:
-    text: str
-    origin: str  # file (and line/row) it came from, for error messages
+class SourceFile:
+    url: str  # what the user wrote or a file it expanded to: shown in messages and the manifest
+    path: str  # path inside `fs`
+    size: int
+    format: str
+    compression: str | None = None
+    lenient: bool = False  # bad records are skipped whatever the policy ('@stdlib')
+    fs: Any = None  # an fsspec filesystem; None for local files
+
+    def open_raw(self) -> BinaryIO:
+        try:
+            return self.fs.open(self.path, "rb") if self.fs is not None else open(self.path, "rb")
+        except OSError as e:
+            raise DataError(f"{self.url}: cannot open ({e}); check data.sources") from None
+
+    def open(self, raw: BinaryIO) -> BinaryIO:
+        """`raw` decompressed as needed, buffered for readline."""
+        if self.compression == "gzip":
+            return gzip.GzipFile(fileobj=raw, mode="rb")
+        if self.compression == "zstd":
+            try:
+                import zstandard
+            except ImportError:
+                raise DataError(f"{self.url}: reading .zst files needs the 'zstandard' package: "
+                                "pip install 'kiln[zstd]'") from None
+            return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True),
+                                     buffer_size=readers.CHUNK)
+        return raw if isinstance(raw, io.BufferedReader) else io.BufferedReader(raw, buffer_size=readers.CHUNK)
 
 
 def stdlib_files() -> list[Path]:
-    """The .py files of the running interpreter's standard library, in a stable order."""
+    """The non-empty .py files of the running interpreter's standard library, in a stable order."""
     root = Path(sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
         raise DataError(f"the Python standard library source was not found at {root}; "
                         "give data.sources explicitly")
     skip = {"site-packages", "dist-packages", "__pycache__"}
-    return sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
+    found = []
+    for d, subdirs, names in os.walk(root):
+        subdirs[:] = [s for s in subdirs if s not in skip]
+        found.extend(Path(d, n) for n in names if n.endswith(".py"))
+    return sorted(p for p in found if p.is_file() and p.stat().st_size)
 
 
-def expand(sources: list[str]) -> list[Path]:
-    """Resolve source specs to a sorted list of files; a spec that matches nothing is an error."""
-    files: list[Path] = []
+def _detect(name: str, fmt: str, explicit: bool) -> tuple[str | None, str | None]:
+    """(format, compression) of a file name; format None if a directory walk should pass over it."""
+    lower = name.lower()
+    compression = None
+    for suffix, kind in COMPRESSIONS.items():
+        if lower.endswith(suffix):
+            compression, lower = kind, lower[: -len(suffix)]
+    if fmt != "auto":
+        return fmt, compression
+    suffix = Path(lower).suffix
+    if suffix in DATA_SUFFIXES:
+        return DATA_SUFFIXES[suffix], compression
+    if suffix in TEXT_SUFFIXES or explicit:
+        return "text", compression
+    return None, compression
+
+
+def _hf_saved(fs, path: str, split: str) -> list[str] | None:
+    """The arrow files of a `save_to_disk` dataset directory (a Dataset or a DatasetDict's split)."""
+    join = lambda *p: "/".join(x.rstrip("/") for x in p)  # noqa: E731
+    if fs.isfile(join(path, "dataset_dict.json")):
+        splits = json.loads(fs.cat_file(join(path, "dataset_dict.json"))).get("splits", [])
+        if split not in splits:
+            raise DataError(f"{path} is a saved DatasetDict without a '{split}' split (it has: "
+                            f"{', '.join(splits)}); set data.dataset_split")
+        path = join(path, split)
+    if not fs.isfile(join(path, "state.json")):
+        return None
+    state = json.loads(fs.cat_file(join(path, "state.json")))
+    return [join(path, d["filename"]) for d in state.get("_data_files", [])]
+
+
+def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") -> list[SourceFile]:
+    """Resolve source specs to files in a fixed order; a spec that matches nothing is an error."""
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    out: list[SourceFile] = []
+    seen: set[str] = set()
+
+    def add(fs, path: str, url: str, explicit: bool, lenient: bool = False, force: str | None = None) -> None:
+        form, comp = _detect(path, force or fmt, explicit)
+        if form is None or url in seen:
+            return
+        seen.add(url)
+        local = isinstance(fs, LocalFileSystem)
+        size = Path(path).stat().st_size if local else int(fs.size(path) or 0)
+        out.append(SourceFile(url, path, size, form, comp, lenient, None if local else fs))
+
     for spec in sources:
         if spec == STDLIB:
-            files.extend(stdlib_files())
+            local = fsspec.filesystem("file")
+            for p in stdlib_files():
+                add(local, str(p), str(p), True, lenient=True, force="text")
             continue
-        p = Path(spec).expanduser()
-        if p.is_file():
-            files.append(p)
-        elif p.is_dir():
-            files.extend(sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES))
+        if "://" in spec:
+            fs, path = fsspec.core.url_to_fs(spec)
+            proto = spec.split("://", 1)[0]
+            url = lambda p: f"{proto}://{p}" if not p.startswith(f"{proto}://") else p  # noqa: E731
         else:
-            matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True) if Path(m).is_file())
-            if not matches:
-                raise DataError(f"data source '{spec}' matches no file. Check the path in data.sources.")
-            files.extend(matches)
-    return files
-
-
-def read_documents(files: list[Path], max_bytes: int | None = None) -> Iterator[Document]:
-    """One document per file, decoded as UTF-8; stops once max_bytes have been read."""
-    total = 0
-    for f in files:
-        raw = f.read_bytes()
+            fs, path = fsspec.filesystem("file"), str(Path(spec).expanduser())
+            url = lambda p: p  # noqa: E731
+        before = len(out)
         try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{f}: not valid UTF-8 at byte {e.start}. Fix or remove the file.") from None
-        if not text.strip():
-            continue
-        yield Document(text, str(f))
-        total += len(raw)
-        if max_bytes is not None and total >= max_bytes:
-            return
+            if fs.isdir(path):
+                arrow = _hf_saved(fs, path, dataset_split)
+                if arrow is not None:
+                    for p in arrow:
+                        add(fs, p, url(p), True, force="arrow")
+                else:
+                    for p in sorted(fs.find(path)):
+                        if not any(part.startswith(".") for part in p[len(path):].split("/")):
+                            add(fs, p, url(p), False)
+            elif fs.isfile(path):
+                add(fs, path, spec, True)
+            else:
+                matches = fs.glob(path, recursive=True) if "://" in spec else glob.glob(path, recursive=True)
+                for p in sorted(matches):
+                    if fs.isfile(p):
+                        add(fs, p, url(p), True)
+        except OSError as e:
+            raise DataError(f"data source '{spec}': {e}. Check the path or URL in data.sources.") from None
+        if len(out) == before:
+            raise DataError(f"data source '{spec}' matches no readable file (formats: .txt .md .py .jsonl .json "
+                            ".parquet .csv .tsv .arrow, optionally .gz or .zst). Check the path in data.sources.")
+    return out
+
+
+class _Counting(io.RawIOBase):
+    """Counts the bytes read from a raw file (before decompression), for progress."""
+
+    def __init__(self, f: BinaryIO, progress: Callable[[int], None]):
+        self.f, self.progress = f, progress
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = self.f.readinto(b)
+        self.progress(n or 0)
+        return n
+
+    def close(self) -> None:
+        self.f.close()
+        super().close()
+
+
+def read_records(sf: SourceFile, f: BinaryIO, field: str, text_unit: str, limit: int,
+                 skip: int = 0) -> Iterator[readers.Record]:
+    if sf.format == "text":
+        return readers.read_text(f, text_unit, limit, skip)
+    if sf.format == "jsonl":
+        return readers.read_jsonl(f, field, limit, skip)
+    if sf.format == "json":
+        return readers.read_json(f, field, limit, skip)
+    if sf.format in ("csv", "tsv"):
+        return readers.read_csv(f, field, "," if sf.format == "csv" else "\t", skip)
+    if sf.compression:
+        raise DataError(f"{sf.url}: {sf.format} files cannot be read compressed; decompress it first")
+    if sf.format == "parquet":
+        return readers.read_parquet(f, field, skip)
+    return readers.read_arrow(f, field, skip)
+
+
+def iter_documents(cfg, files: list[SourceFile] | None = None, start: tuple[int, int] = (0, 0),
+                   checker: RecordChecker | None = None,
+                   progress: Callable[[int], None] | None = None) -> Iterator[Document]:
+    """Validated documents of `cfg.sources` (a DataConfig) from position `start` on.
+
+    `checker` applies `cfg.on_bad_record` and keeps the counts of skipped records by reason;
+    `progress` is called with the number of raw (compressed) input bytes read as reading goes.
+    Exact-duplicate removal is not done here (see `records.Deduplicator`).
+    """
+    files = expand(cfg.sources, cfg.format, cfg.dataset_split) if files is None else files
+    checker = checker or RecordChecker.from_config(cfg)
+    for fi in range(start[0], len(files)):
+        sf = files[fi]
+        skip = start[1] if fi == start[0] else 0
+        raw = sf.open_raw()
+        columnar = sf.format in ("parquet", "arrow")
+        if progress is not None and not columnar:
+            raw = _Counting(raw, progress)
+        try:
+            with raw, (raw if columnar else sf.open(raw)) as f:
+                for index, line, value in read_records(sf, f, cfg.field, cfg.text_unit, cfg.max_record_bytes, skip):
+                    text = checker.check(value, sf, index, line)
+                    if text is not None:
+                        yield Document(text, sf.url, fi, index, line)
+        except DataError as e:
+            msg = str(e)
+            raise DataError(msg if msg.startswith(sf.url) else f"{sf.url}: {msg}") from None
+        except Exception as e:
+            if not isinstance(e, (OSError, EOFError)) and not type(e).__module__.startswith(("pyarrow", "zstandard")):
+                raise
+            raise DataError(f"{sf.url}: cannot read ({type(e).__name__}: {e}); the file may be truncated or "
+                            "corrupt. Fix or remove it.") from None
+        if progress is not None and columnar:
+            progress(sf.size)

@@ -1,89 +1,159 @@
-"""Tokenizer: load a tokenizer.json (or a directory holding one), or train a byte-level BPE.
+"""Tokenizer: load a tokenizer.json or a local Hugging Face tokenizer directory, or train a
+byte-level BPE on the sources.
 
-Trained tokenizers are cached under the hash of what they were trained on, and every tokenizer
-carries a content hash that prepared datasets and checkpoints record.
+    tok = Tokenizer.load("llama3/")                   # or ".../tokenizer.json"
+    tok = Tokenizer.load("t.json", bos_token="auto")  # also put a BOS before each document
+    tok.encode_batch(texts), tok.eos_id, tok.bos_id, tok.hash
+
+BOS/EOS are explicit: `eos_token` (appended after every document; 'auto' finds the usual
+end-of-text token) and `bos_token` (prepended; None: no BOS; 'auto' finds the usual one). The
+content hash is taken over the canonical JSON of the tokenizer, so a changed vocabulary, merge
+or normaliser gives a new hash; prepared datasets and checkpoints record it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
 from kiln.errors import DataError
 
 EOS = "<|endoftext|>"
+EOS_NAMES = (EOS, "<|end_of_text|>", "</s>", "<eos>")
+BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
+
+
+def _special(tk, name: str | None, candidates: tuple[str, ...], what: str) -> int | None:
+    if name is None:
+        return None
+    if name != "auto":
+        i = tk.token_to_id(name)
+        if i is None:
+            raise DataError(f"data.{what}_token='{name}' is not in the tokenizer's vocabulary; use a token it has "
+                            f"or 'auto' (tries {', '.join(candidates)})")
+        return i
+    for c in candidates:
+        i = tk.token_to_id(c)
+        if i is not None:
+            return i
+    return None
 
 
 class Tokenizer:
-    """A thin wrapper over a Hugging Face `tokenizers.Tokenizer` with a content hash."""
+    """A Hugging Face `tokenizers.Tokenizer` with a content hash and explicit BOS/EOS ids."""
 
-    def __init__(self, tk):
+    def __init__(self, tk, eos_token: str | None = "auto", bos_token: str | None = None):
         self.tk = tk
-        self.hash = hashlib.sha256(tk.to_str().encode()).hexdigest()[:16]
-        eos = tk.token_to_id(EOS)
-        if eos is None:
-            for name in ("</s>", "<|end_of_text|>", "<eos>"):
-                eos = tk.token_to_id(name)
-                if eos is not None:
-                    break
-        self.eos_id = eos
+        canonical = json.dumps(json.loads(tk.to_str()), sort_keys=True, separators=(",", ":"))
+        self.hash = hashlib.sha256(canonical.encode()).hexdigest()[:16]
+        self.eos_id = _special(tk, eos_token, EOS_NAMES, "eos")
+        self.bos_id = _special(tk, bos_token, BOS_NAMES, "bos")
+        if bos_token == "auto" and self.bos_id is None:
+            raise DataError(f"data.bos_token=auto: the tokenizer has none of {', '.join(BOS_NAMES)}; name its "
+                            "BOS token or set data.bos_token=null")
 
     @property
     def vocab_size(self) -> int:
-        return self.tk.get_vocab_size()
+        return self.tk.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
         return self.tk.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tk.encode_batch(texts, add_special_tokens=False)]
+        """Token ids of each text, without BOS/EOS (no character offsets are computed: faster)."""
+        return [e.ids for e in self.tk.encode_batch_fast(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return self.tk.decode(ids, skip_special_tokens=False)
 
-    def save(self, path: Path) -> None:
+    def to_str(self) -> str:
+        return self.tk.to_str()
+
+    def save(self, path: str | Path) -> None:
         self.tk.save(str(path))
 
     @classmethod
-    def load(cls, path: str | Path) -> Tokenizer:
+    def from_str(cls, text: str, eos_id: int | None, bos_id: int | None) -> Tokenizer:
+        """Rebuild a tokenizer with known BOS/EOS ids (as recorded in a manifest)."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tok = cls(HFTokenizer.from_str(text), eos_token=None)
+        tok.eos_id, tok.bos_id = eos_id, bos_id
+        return tok
+
+    @classmethod
+    def load(cls, path: str | Path, eos_token: str | None = "auto", bos_token: str | None = None) -> Tokenizer:
+        """A tokenizer.json file, or a directory holding one (or other Hugging Face tokenizer files)."""
         from tokenizers import Tokenizer as HFTokenizer
 
         p = Path(path).expanduser()
-        if p.is_dir():
-            p = p / "tokenizer.json"
-        if not p.is_file():
-            raise DataError(f"tokenizer file {p} does not exist; give a tokenizer.json or a directory holding one")
+        file = p / "tokenizer.json" if p.is_dir() else p
+        if p.is_dir() and not file.is_file():
+            return cls(_from_transformers(p), eos_token, bos_token)
+        if not file.is_file():
+            raise DataError(f"tokenizer {p} does not exist; set data.tokenizer to a tokenizer.json or a directory "
+                            "holding one, or to null to train one on the sources")
         try:
-            return cls(HFTokenizer.from_file(str(p)))
+            tk = HFTokenizer.from_file(str(file))
         except Exception as e:  # the Rust side raises plain Exceptions on bad JSON
-            raise DataError(f"{p}: not a valid tokenizer.json ({e})") from None
+            raise DataError(f"{file}: not a valid tokenizer.json ({e})") from None
+        return cls(tk, eos_token, bos_token)
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    """Train a byte-level BPE (GPT-2 style pre-tokenisation) with an end-of-text token."""
+def _from_transformers(directory: Path):
+    """The fast tokenizer of a local Hugging Face tokenizer directory without tokenizer.json."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise DataError(f"{directory} has no tokenizer.json; converting its other tokenizer files needs "
+                        "transformers: pip install 'kiln[hf]'") from None
+    try:
+        hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, use_fast=True)
+    except Exception as e:
+        raise DataError(f"{directory}: not a tokenizer directory ({e}); give a tokenizer.json") from None
+    if not getattr(hf, "is_fast", False):
+        raise DataError(f"{directory}: no fast tokenizer could be built from it; give a tokenizer.json")
+    return hf.backend_tokenizer
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, specials: list[str] | None = None) -> Tokenizer:
+    """Train a byte-level BPE (GPT-2 style pre-tokenisation) whose special tokens come first."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
+    specials = specials or [EOS]
+    if vocab_size < 256 + len(specials):
+        raise DataError(f"data.vocab_size={vocab_size} is too small for a byte-level BPE: it needs at least "
+                        f"{256 + len(specials)} (256 bytes + special tokens)")
     tk = HFTokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tk.train_from_iterator(texts, trainer=trainer)
     return Tokenizer(tk)
 
 
-def trained_or_cached(texts_key: str, texts: Iterable[str], vocab_size: int, cache_dir: Path) -> Tokenizer:
-    """Train a BPE on `texts`, or reuse the one trained before on the same inputs and size."""
-    path = cache_dir / "tokenizers" / f"bpe-{vocab_size}-{texts_key[:16]}" / "tokenizer.json"
-    if path.is_file():
-        return Tokenizer.load(path)
-    tok = train_bpe(texts, vocab_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tok.save(tmp)
-    tmp.replace(path)
-    return tok
+def load_or_train(cfg, texts: Iterable[str], texts_key: str, cache_dir: Path) -> Tokenizer:
+    """The tokenizer of a DataConfig: `cfg.tokenizer` loaded, or a BPE trained on `texts` and cached
+    under the hash of what it was trained on (`texts_key`), its size and special tokens."""
+    if cfg.tokenizer:
+        return Tokenizer.load(cfg.tokenizer, cfg.eos_token, cfg.bos_token)
+    eos = EOS if cfg.eos_token == "auto" else cfg.eos_token
+    specials = [eos]
+    bos = None
+    if cfg.bos_token is not None:
+        bos = "<|startoftext|>" if cfg.bos_token == "auto" else cfg.bos_token
+        if bos != eos:
+            specials.append(bos)
+    key = hashlib.sha256(json.dumps([texts_key, cfg.vocab_size, specials]).encode()).hexdigest()[:16]
+    path = cache_dir / "tokenizers" / f"bpe-{cfg.vocab_size}-{key}" / "tokenizer.json"
+    if not path.is_file():
+        tok = train_bpe(texts, cfg.vocab_size, specials)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{id(tok)}")
+        tok.save(tmp)
+        tmp.replace(path)
+    return Tokenizer.load(path, eos, bos)

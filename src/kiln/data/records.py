@@ -1,0 +1,155 @@
+"""Record validation, length filters and exact-duplicate removal.
+
+Validation turns a raw record into text or rejects it for a reason:
+
+    missing_field  the record has no text field (or the file no such column)
+    wrong_type     the text field is not a string
+    invalid_utf8   the bytes are not UTF-8 (or a JSON string holds a lone surrogate)
+    malformed      the record cannot be parsed (bad JSON, wrong number of CSV columns)
+    empty          the text is empty or only whitespace
+    too_long       longer than data.max_record_bytes
+
+With `data.on_bad_record: error` the first bad record raises a DataError naming its file and
+line or row; with `skip` it is counted by reason (with the first few places as examples). The
+filters (data.min_chars, data.max_chars, data.dedup) always drop and count: `short`, `long`,
+`duplicate`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kiln.data import readers
+from kiln.errors import DataError
+
+if TYPE_CHECKING:
+    from kiln.data.sources import SourceFile
+
+REASONS = {
+    "missing_field": "has no text field",
+    "wrong_type": "has a text field that is not a string",
+    "invalid_utf8": "is not valid UTF-8",
+    "malformed": "cannot be parsed",
+    "empty": "is empty or only whitespace",
+    "too_long": "is longer than data.max_record_bytes",
+    "short": "is shorter than data.min_chars (filter)",
+    "long": "is longer than data.max_chars (filter)",
+    "duplicate": "repeats an earlier document exactly (filter)",
+}
+EXAMPLES = 3
+NL = b"\n"
+
+
+class RecordChecker:
+    """Validates raw records and applies the length filters; counts what it drops."""
+
+    def __init__(self, policy: str = "error", max_record_bytes: int = 64 << 20, min_chars: int = 0,
+                 max_chars: int | None = None):
+        self.policy, self.limit = policy, max_record_bytes
+        self.min_chars, self.max_chars = min_chars, max_chars
+        self.dropped: Counter[str] = Counter()
+        self.examples: dict[str, list[str]] = {}
+
+    @classmethod
+    def from_config(cls, cfg) -> RecordChecker:
+        return cls(cfg.on_bad_record, cfg.max_record_bytes, cfg.min_chars, cfg.max_chars)
+
+    def check(self, value: Any, sf: SourceFile, index: int, line: int | None) -> str | None:
+        """The record's text, or None if it is dropped (raises under the 'error' policy)."""
+        if isinstance(value, bytes):
+            try:
+                text = value.decode("utf-8")
+            except UnicodeDecodeError as e:
+                at = f" (line {line + value.count(NL, 0, e.start)})" if line is not None else ""
+                return self._bad("invalid_utf8", f"byte {e.start} of the record{at} is not UTF-8", sf, index, line)
+        elif isinstance(value, str):
+            text = value
+            if len(text) * 3 > self.limit or not text.isascii():
+                try:
+                    size = len(text.encode("utf-8"))
+                except UnicodeEncodeError as e:
+                    return self._bad("invalid_utf8", f"character {e.start} is a lone surrogate", sf, index, line)
+                if size > self.limit:
+                    return self._bad("too_long", f"{size} bytes", sf, index, line)
+        elif value is readers.TOO_LONG:
+            return self._bad("too_long", f"over {self.limit} bytes", sf, index, line)
+        elif isinstance(value, readers.InvalidUTF8):
+            return self._bad("invalid_utf8", value.why, sf, index, line)
+        elif isinstance(value, readers.Missing):
+            return self._bad("missing_field", value.why, sf, index, line)
+        elif isinstance(value, readers.Malformed):
+            return self._bad("malformed", value.why, sf, index, line)
+        else:
+            return self._bad("wrong_type", f"got {type(value).__name__} {str(value)[:40]!r}", sf, index, line)
+        if not text or text.isspace():
+            return self._bad("empty", "", sf, index, line)
+        if len(text) < self.min_chars:
+            return self.drop("short", sf, index, line)
+        if self.max_chars is not None and len(text) > self.max_chars:
+            return self.drop("long", sf, index, line)
+        return text
+
+    def drop(self, reason: str, sf: SourceFile | str, index: int, line: int | None) -> None:
+        from kiln.data.sources import where
+
+        self.dropped[reason] += 1
+        ex = self.examples.setdefault(reason, [])
+        if len(ex) < EXAMPLES:
+            ex.append(where(sf if isinstance(sf, str) else sf.url, index, line))
+        return None
+
+    def _bad(self, reason: str, detail: str, sf: SourceFile, index: int, line: int | None) -> None:
+        from kiln.data.sources import where
+
+        if self.policy == "error" and not sf.lenient:
+            place = where(sf.url, index, line) if index >= 0 else f"{sf.url}:{line}"
+            detail = f" ({detail})" if detail else ""
+            fix = {"too_long": "raise data.max_record_bytes, ", "missing_field": "set data.field, "}.get(reason, "")
+            raise DataError(f"{place}: the record {REASONS[reason]}{detail}. Fix the data, {fix}or set "
+                            f"data.on_bad_record=skip to skip such records (they are counted in the report).")
+        return self.drop(reason, sf, index, line)
+
+
+def doc_hash(text: str) -> int:
+    """64-bit content hash of a document: the key of exact-duplicate removal and of the split."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def is_val(h: int, fraction: float) -> bool:
+    """Whether the document of hash `h` belongs to the validation split."""
+    return h < fraction * 2**64
+
+
+class Deduplicator:
+    """Remembers 64-bit document hashes in 8 bytes each: a sorted array plus a small recent set.
+
+    Memory is 8 bytes per distinct document (800 MB for 100M documents), not the documents.
+    """
+
+    MERGE = 1 << 20
+
+    def __init__(self):
+        self.sorted = np.empty(0, np.uint64)
+        self.recent: set[int] = set()
+
+    def seen(self, h: int) -> bool:
+        """True if `h` was seen before; otherwise remembers it."""
+        if h in self.recent:
+            return True
+        s = self.sorted
+        if s.size:
+            i = int(np.searchsorted(s, np.uint64(h)))
+            if i < s.size and int(s[i]) == h:
+                return True
+        self.recent.add(h)
+        if len(self.recent) >= self.MERGE:
+            self.sorted = np.union1d(s, np.fromiter(self.recent, np.uint64, len(self.recent)))
+            self.recent = set()
+        return False
+
+    def __len__(self) -> int:
+        return self.sorted.size + len(self.recent)

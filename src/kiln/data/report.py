@@ -1,0 +1,77 @@
+"""The prepare report: what went in, what came out, what was dropped and why.
+
+Built at the end of `prepare` from the shard indexes (so it is exact, also after a resumed run),
+saved as report.json beside the shards, copied into the manifest and printed as a table.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from kiln.data.records import REASONS, RecordChecker
+
+
+def doc_lengths(root: Path, shards: list[dict], cap: int = 10_000_000) -> np.ndarray:
+    """Token counts of the documents of `shards` (an even sample of at most `cap` of them)."""
+    total = sum(s["documents"] for s in shards)
+    step = max(1, -(-total // cap))
+    parts = []
+    for s in shards:
+        ends = np.fromfile(root / f"{s['name']}.idx", dtype="<u8").astype(np.int64)
+        parts.append(np.diff(ends, prepend=0)[::step])
+    return np.concatenate(parts) if parts else np.empty(0, np.int64)
+
+
+def build_report(root: Path, splits: dict[str, list[dict]], checker: RecordChecker, *, files: int,
+                 input_bytes: int, read_documents: int, seconds: float, resumed_shards: int) -> dict:
+    lengths = doc_lengths(root, [s for shards in splits.values() for s in shards])
+    out = {s: {"documents": sum(x["documents"] for x in v), "tokens": sum(x["tokens"] for x in v),
+               "shards": len(v)} for s, v in splits.items()}
+    docs = sum(v["documents"] for v in out.values())
+    tokens = sum(v["tokens"] for v in out.values())
+    pct = {}
+    if lengths.size:
+        qs = np.percentile(lengths, [0, 10, 50, 90, 99, 100])
+        pct = {"min": int(qs[0]), "p10": int(qs[1]), "p50": int(qs[2]), "p90": int(qs[3]), "p99": int(qs[4]),
+               "max": int(qs[5]), "mean": round(float(lengths.mean()), 1)}
+    dropped = dict(sorted(checker.dropped.items()))
+    return {
+        "files": files, "input_bytes": input_bytes, "documents_read": read_documents,
+        "documents": docs, "tokens": tokens, "splits": out,
+        "dropped": dropped, "dropped_examples": {k: checker.examples[k] for k in dropped},
+        "duplicates_removed": dropped.get("duplicate", 0),
+        "document_tokens": pct, "seconds": round(seconds, 2),
+        "documents_per_s": round(read_documents / seconds, 1) if seconds else None,
+        "tokens_per_s": round(tokens / seconds, 1) if seconds and not resumed_shards else None,
+        "resumed_shards": resumed_shards,
+    }
+
+
+def print_report(report: dict, console, path: Path, reused: bool = False) -> None:
+    from rich.table import Table
+
+    title = f"reused the prepared dataset {path} (same inputs, tokenizer and settings)" if reused else \
+        f"prepared {path}"
+    t = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("input", f"{report['files']:,} files, {report['input_bytes'] / 1e6:,.1f} MB, "
+                       f"{report['documents_read']:,} documents read")
+    for name, s in report["splits"].items():
+        t.add_row(name, f"{s['documents']:,} documents, {s['tokens']:,} tokens, {s['shards']} shard(s)")
+    d = report["document_tokens"]
+    if d:
+        t.add_row("tokens/doc", f"mean {d['mean']:,}  p10 {d['p10']:,}  p50 {d['p50']:,}  p90 {d['p90']:,}  "
+                                f"p99 {d['p99']:,}  max {d['max']:,}")
+    for reason, n in report["dropped"].items():
+        ex = ", ".join(report["dropped_examples"].get(reason, []))
+        t.add_row(f"dropped: {reason}", f"{n:,} (record {REASONS[reason]}; e.g. {ex})")
+    speed = f"{report['seconds']:.1f} s"
+    if report["tokens_per_s"]:
+        speed += f", {report['documents_per_s']:,.0f} docs/s, {report['tokens_per_s']:,.0f} tokens/s"
+    if report["resumed_shards"]:
+        speed += f" ({report['resumed_shards']} shard(s) kept from an interrupted run)"
+    t.add_row("time", speed)
+    console.print(t)
