@@ -77,6 +77,7 @@ def read_text(f: BinaryIO, unit: str, limit: int, skip: int = 0) -> Iterator[Rec
         yield 0, 1, TOO_LONG if len(data) > limit else data
         return
     index, lineno, block, block_line, block_len, too_long = 0, 0, [], 0, 0, False
+    in_block = False
     while True:
         line, long_line = _readline(f, limit)
         if not line and not long_line:
@@ -91,22 +92,21 @@ def read_text(f: BinaryIO, unit: str, limit: int, skip: int = 0) -> Iterator[Rec
             index += 1
             continue
         if blank:  # paragraph mode: a blank line ends the block
-            if block or too_long:
+            if in_block:
                 if index >= skip:
                     yield index, block_line, TOO_LONG if too_long else b"".join(block).rstrip(b"\r\n")
                 index += 1
-            block, block_len, too_long = [], 0, False
+            block, block_len, too_long, in_block = [], 0, False, False
             continue
-        if not block and not too_long:
-            block_line = lineno
+        if not in_block:
+            block_line, in_block = lineno, True
         block_len += len(line)
         if long_line or block_len > limit:
             too_long, block = True, []
         elif not too_long and index >= skip:
             block.append(line)
-    if block or too_long:
-        if index >= skip:
-            yield index, block_line, TOO_LONG if too_long else b"".join(block).rstrip(b"\r\n")
+    if in_block and index >= skip:
+        yield index, block_line, TOO_LONG if too_long else b"".join(block).rstrip(b"\r\n")
 
 
 def _field(obj: Any, field: str) -> Any:

@@ -1,0 +1,188 @@
+"""prepare: shards and manifest, content addressing, verification, resume after kill -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from kiln.config import DataConfig
+from kiln.data import prepare as prepare_mod
+from kiln.data.dataset import open_dataset
+from kiln.data.prepare import prepare
+from kiln.data.records import doc_hash, is_val
+from kiln.data.sources import stdlib_files
+from kiln.data.tokenizer import train_bpe
+from kiln.errors import DataError
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Two JSON Lines files of stdlib source (~600 KB) with one duplicate, and a small BPE."""
+    d = tmp_path_factory.mktemp("corpus")
+    texts = [p.read_text() for p in stdlib_files()[100:220]]
+    texts = [t for t in texts if t.strip()]
+    half = len(texts) // 2
+    (d / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:half]))
+    (d / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[half:] + texts[:1]))
+    train_bpe(texts, 512).save(d / "tokenizer.json")
+    return d, texts
+
+
+def config(corpus, tmp_path, **kw) -> DataConfig:
+    d, _ = corpus
+    base = dict(sources=[str(d / "*.jsonl")], tokenizer=str(d / "tokenizer.json"), cache_dir=str(tmp_path / "cache"),
+                val_fraction=0.2, shard_tokens=20_000, max_bytes=None, workers=1)
+    return DataConfig(**{**base, **kw})
+
+
+def read_docs(ds, split: str) -> list[list[int]]:
+    docs = []
+    for bin_path, idx_path, n in ds.shards(split):
+        tokens = np.fromfile(bin_path, ds.dtype)
+        ends = np.fromfile(idx_path, "<u8").astype(np.int64)
+        assert tokens.size == n and ends[-1] == n
+        docs.extend(np.split(tokens, ends[:-1]))
+    return [d.tolist() for d in docs]
+
+
+def expected(texts: list[str], fraction: float) -> dict[str, list[str]]:
+    out, seen = {"train": [], "val": []}, set()
+    for t in texts + texts[:1]:
+        if doc_hash(t) not in seen:
+            seen.add(doc_hash(t))
+            out["val" if is_val(doc_hash(t), fraction) else "train"].append(t)
+    return out
+
+
+def test_prepare_writes_shards_manifest_and_report(corpus, tmp_path):
+    d, texts = corpus
+    ds = prepare(config(corpus, tmp_path))
+    m = ds.manifest
+    assert m["format"] == "kiln-shards/1" and m["dtype"] == "uint16" and m["id"] == ds.path.name
+    assert m["tokenizer_hash"] == ds.tokenizer.hash and m["eos_id"] == ds.tokenizer.eos_id
+    assert [s["path"] for s in m["sources"]] == [str(d / "a.jsonl"), str(d / "b.jsonl")]
+    assert all(len(s["sha256"]) == 64 and s["bytes"] > 0 for s in m["sources"])
+    assert len(m["splits"]["train"]["shards"]) > 3  # shard_tokens is small
+    assert {"documents", "tokens", "dropped", "document_tokens"} <= m["report"].keys()
+    assert json.loads((ds.path / "report.json").read_text()) == m["report"]
+    assert m["report"]["duplicates_removed"] == 1
+    want = expected(texts, 0.2)
+    assert want["val"] and want["train"]
+    for split in ("train", "val"):
+        docs = read_docs(ds, split)
+        assert all(doc[-1] == ds.tokenizer.eos_id for doc in docs)
+        assert [ds.tokenizer.decode(doc[:-1]) for doc in docs] == want[split]  # order kept within a split
+        assert m["splits"][split]["documents"] == len(docs)
+    assert ds.verify() == []
+
+
+def test_parallel_workers_write_the_same_shards(corpus, tmp_path, monkeypatch):
+    serial = prepare(config(corpus, tmp_path / "1", bos_token="auto", tokenizer=None, vocab_size=400))
+    monkeypatch.setattr(prepare_mod, "POOL_MIN_BYTES", 0)
+    monkeypatch.setattr(prepare_mod, "BATCH_BYTES", 50_000)
+    pooled = prepare(config(corpus, tmp_path / "2", bos_token="auto", tokenizer=None, vocab_size=400, workers=2))
+    assert pooled.path.name == serial.path.name
+    assert pooled.manifest["splits"] == serial.manifest["splits"]
+    assert all(doc[0] == serial.tokenizer.bos_id for doc in read_docs(serial, "train"))
+
+
+def test_content_addressing(corpus, tmp_path):
+    d, texts = corpus
+    cfg = config(corpus, tmp_path)
+    first = prepare(cfg)
+    stamp = (first.path / "manifest.json").stat().st_mtime_ns
+    again = prepare(cfg.model_copy(update={"workers": 2, "on_bad_record": "skip"}))  # no effect on the output
+    assert again.path == first.path and (first.path / "manifest.json").stat().st_mtime_ns == stamp
+    # one changed byte in one input
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    (changed / "a.jsonl").write_bytes((d / "a.jsonl").read_bytes().replace(b"def ", b"deg ", 1))
+    (changed / "b.jsonl").write_bytes((d / "b.jsonl").read_bytes())
+    other_input = prepare(cfg.model_copy(update={"sources": [str(changed / "*.jsonl")]}))
+    # another tokenizer, another setting
+    train_bpe(texts[:20], 400).save(tmp_path / "tok2.json")
+    other_tok = prepare(cfg.model_copy(update={"tokenizer": str(tmp_path / "tok2.json")}))
+    other_setting = prepare(cfg.model_copy(update={"val_fraction": 0.1}))
+    ids = {first.id, other_input.id, other_tok.id, other_setting.id}
+    assert len(ids) == 4
+    assert other_tok.manifest["tokenizer_hash"] != first.manifest["tokenizer_hash"]
+
+
+def test_verify_detects_a_flipped_byte(corpus, tmp_path):
+    ds = prepare(config(corpus, tmp_path))
+    shard = ds.path / "train" / "00001.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[1001] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    problems = ds.verify()
+    assert len(problems) == 1 and "train/00001: sha256 differs" in problems[0]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, "-m", "kiln.cli", "prepare", "--verify", str(ds.path)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "train/00001: sha256 differs" in r.stderr
+
+
+def test_open_dataset_refuses_other_tokenizer_and_incomplete(corpus, tmp_path):
+    ds = prepare(config(corpus, tmp_path))
+    assert open_dataset(ds.path, ds.tokenizer.hash).id == ds.id
+    with pytest.raises(DataError, match=f"tokenized with tokenizer {ds.tokenizer.hash}, but this run uses "
+                                        "tokenizer 0123456789abcdef"):
+        open_dataset(ds.path, "0123456789abcdef")
+    (ds.path / "manifest.json").unlink()
+    with pytest.raises(DataError, match="incomplete .*Run the same `kiln prepare` again"):
+        open_dataset(ds.path)
+
+
+def test_no_documents_is_a_clear_error(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": ""}\n{"text": " "}\n')
+    cfg = DataConfig(sources=[str(tmp_path / "a.jsonl")], on_bad_record="skip", cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DataError, match=r"no training documents .*dropped: 2 empty"):
+        prepare(cfg)
+
+
+KILLABLE = """
+import json, sys
+from kiln.config import DataConfig
+from kiln.data.prepare import prepare
+prepare(DataConfig(**json.loads(sys.argv[1])))
+"""
+
+
+def test_kill_9_then_rerun_finishes_without_redoing_shards(corpus, tmp_path):
+    d, texts = corpus
+    cfg = config(corpus, tmp_path, shard_tokens=2_000, val_fraction=0.05)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", KILLABLE, cfg.model_dump_json()], env=env)
+    cache = tmp_path / "cache" / "datasets"
+    deadline, out = time.monotonic() + 60, None
+    while time.monotonic() < deadline and proc.poll() is None:
+        done = list(cache.glob("*/train/00004.json"))
+        if done:
+            out = done[0].parent.parent
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert out is not None and proc.returncode == -signal.SIGKILL, "prepare ended before it could be killed"
+    assert not (out / "manifest.json").exists()
+    with pytest.raises(DataError, match="incomplete"):
+        open_dataset(out)
+    kept = {p.name: p.stat().st_mtime_ns for p in (out / "train").glob("0000[0-4].bin")}
+    assert len(kept) == 5
+
+    ds = prepare(cfg)  # the rerun
+    assert ds.path == out
+    assert ds.manifest["report"]["resumed_shards"] >= 5
+    assert {p: (out / "train" / p).stat().st_mtime_ns for p in kept} == kept  # not written again
+    assert not list(out.rglob("*.tmp"))
+    assert ds.verify() == []
+    want = expected(texts, 0.05)
+    for split in ("train", "val"):
+        assert [ds.tokenizer.decode(doc[:-1]) for doc in read_docs(ds, split)] == want[split]

@@ -1,0 +1,146 @@
+"""Every source format, compression and location, read in a fixed order, and resumable by position."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from kiln.config import DataConfig
+from kiln.data.sources import expand, iter_documents, stdlib_files
+from kiln.errors import DataError
+
+DOCS = ["first document\nwith two lines", "second, with a comma and \"quotes\"", "third\tone", "ünïcödé ✓"]
+
+
+def texts(tmp_path, sources, **kw):
+    cfg = DataConfig(sources=[str(s) for s in sources], cache_dir=str(tmp_path / "cache"), **kw)
+    return [d.text for d in iter_documents(cfg)]
+
+
+def test_text_units(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("para one\nline two\n\n\npara two\n  \nlast line\n")
+    assert texts(tmp_path, [f]) == ["para one\nline two\n\n\npara two\n  \nlast line\n"]
+    assert texts(tmp_path, [f], text_unit="line") == ["para one", "line two", "para two", "last line"]
+    assert texts(tmp_path, [f], text_unit="paragraph") == ["para one\nline two", "para two", "last line"]
+
+
+def test_jsonl_json_and_field(tmp_path):
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n\n" for i, t in enumerate(DOCS)))
+    (tmp_path / "b.json").write_text(json.dumps([{"body": t} for t in DOCS], indent=2))
+    (tmp_path / "c.json").write_text("\n".join(json.dumps({"text": t}) for t in DOCS))  # JSON Lines named .json
+    assert texts(tmp_path, [tmp_path / "a.jsonl"]) == DOCS
+    assert texts(tmp_path, [tmp_path / "b.json"], field="body") == DOCS
+    assert texts(tmp_path, [tmp_path / "c.json"]) == DOCS
+
+
+def test_json_array_larger_than_a_read_chunk(tmp_path, monkeypatch):
+    from kiln.data import readers
+
+    monkeypatch.setattr(readers, "CHUNK", 64)  # elements and multi-byte characters straddle chunks
+    docs = [f"doc {i} ✓ " + "é" * (i % 50) for i in range(200)]
+    (tmp_path / "a.json").write_text(json.dumps([{"text": t} for t in docs]))
+    assert texts(tmp_path, [tmp_path / "a.json"]) == docs
+
+
+def test_parquet_csv_tsv(tmp_path):
+    pq.write_table(pa.table({"id": list(range(4)), "text": DOCS}), tmp_path / "a.parquet", row_group_size=3)
+    import csv
+
+    for name, delim in (("a.csv", ","), ("a.tsv", "\t")):
+        with open(tmp_path / name, "w", newline="") as f:
+            w = csv.writer(f, delimiter=delim)
+            w.writerow(["id", "content"])
+            w.writerows([i, t] for i, t in enumerate(DOCS))
+    assert texts(tmp_path, [tmp_path / "a.parquet"]) == DOCS
+    assert texts(tmp_path, [tmp_path / "a.csv"], field="content") == DOCS
+    assert texts(tmp_path, [tmp_path / "a.tsv"], field="content") == DOCS
+
+
+def test_hf_save_to_disk(tmp_path):
+    import datasets  # the 'hf' extra; in the dev requirements
+    datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(tmp_path / "ds"))
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": DOCS[:2]}),
+                               "test": datasets.Dataset.from_dict({"text": DOCS[2:]})})
+    dd.save_to_disk(str(tmp_path / "dd"))
+    assert texts(tmp_path, [tmp_path / "ds"]) == DOCS
+    assert texts(tmp_path, [tmp_path / "dd"]) == DOCS[:2]
+    assert texts(tmp_path, [tmp_path / "dd"], dataset_split="test") == DOCS[2:]
+    with pytest.raises(DataError, match="without a 'validation' split"):
+        texts(tmp_path, [tmp_path / "dd"], dataset_split="validation")
+
+
+def test_compressed(tmp_path):
+    import zstandard
+
+    body = "".join(json.dumps({"text": t}) + "\n" for t in DOCS).encode()
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(body))
+    (tmp_path / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(body))
+    (tmp_path / "c.txt.gz").write_bytes(gzip.compress(b"x\ny\n"))
+    assert texts(tmp_path, [tmp_path / "a.jsonl.gz"]) == DOCS
+    assert texts(tmp_path, [tmp_path / "b.jsonl.zst"]) == DOCS
+    assert texts(tmp_path, [tmp_path / "c.txt.gz"], text_unit="line") == ["x", "y"]
+    (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress(body)[:-12])  # truncated
+    with pytest.raises(DataError, match=r"bad\.jsonl\.gz: cannot read .*truncated or corrupt"):
+        texts(tmp_path, [tmp_path / "bad.jsonl.gz"])
+
+
+def test_directories_globs_order(tmp_path):
+    d = tmp_path / "corpus"
+    (d / "sub").mkdir(parents=True)
+    (d / "b.txt").write_text("b")
+    (d / "a.md").write_text("a")
+    (d / "sub" / "c.jsonl").write_text(json.dumps({"text": "c"}) + "\n")
+    (d / "image.png").write_bytes(b"\x89PNG")  # unknown suffix: not read from a directory
+    (d / ".hidden.txt").write_text("hidden")
+    assert texts(tmp_path, [d]) == ["a", "b", "c"]
+    assert texts(tmp_path, [d / "*.txt", d / "**" / "*.jsonl"]) == ["b", "c"]
+    assert texts(tmp_path, [d / "b.txt", d / "a.md"]) == ["b", "a"]  # order as given
+    with pytest.raises(DataError, match="matches no readable file"):
+        expand([str(d / "*.csv")])
+
+
+def test_fsspec_urls(tmp_path):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/kiln-test/a.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in DOCS).encode())
+    fs.pipe("/kiln-test/b.txt", b"from memory")
+    (tmp_path / "local.txt").write_text("local")
+    assert texts(tmp_path, ["memory://kiln-test/"]) == DOCS + ["from memory"]
+    assert texts(tmp_path, ["memory://kiln-test/*.txt", f"file://{tmp_path}/local.txt"]) == ["from memory", "local"]
+    files = expand(["memory://kiln-test/a.jsonl"])
+    assert files[0].url == "memory://kiln-test/a.jsonl" and files[0].size > 0
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "text"])
+def test_resume_at_position(tmp_path, fmt):
+    """Starting at (file, record + 1) of any document gives exactly the rest of the stream."""
+    rows = [f"doc {i}" if i % 7 else "" for i in range(50)]  # empty records are skipped but keep positions
+    for k in range(2):
+        part = rows[k * 25:(k + 1) * 25]
+        if fmt == "jsonl":
+            (tmp_path / f"{k}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+        elif fmt == "parquet":
+            pq.write_table(pa.table({"text": part}), tmp_path / f"{k}.parquet", row_group_size=4)
+        else:
+            (tmp_path / f"{k}.txt").write_text("".join(t + "\n\n" for t in part if t))
+    cfg = DataConfig(sources=[str(tmp_path / f"*.{fmt if fmt != 'text' else 'txt'}")], on_bad_record="skip",
+                     text_unit="paragraph")
+    full = list(iter_documents(cfg))
+    assert len(full) == 42 if fmt != "text" else len(full) == 42
+    for cut in (0, 5, 24, 30, 41):
+        d = full[cut]
+        rest = list(iter_documents(cfg, start=(d.file_index, d.record_index + 1)))
+        assert [x.text for x in rest] == [x.text for x in full[cut + 1:]]
+        assert [x.origin for x in rest] == [x.origin for x in full[cut + 1:]]
+
+
+def test_stdlib_source():
+    files = expand(["@stdlib"])
+    assert len(files) > 500 and all(f.lenient and f.format == "text" for f in files)
+    assert [f.path for f in files] == [str(p) for p in stdlib_files()]

@@ -1,0 +1,90 @@
+"""Tokenizer: load a file or a directory, train a BPE, explicit BOS/EOS, content hash."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kiln.config import DataConfig
+from kiln.data.encode import encode_texts
+from kiln.data.tokenizer import Tokenizer, load_or_train, train_bpe
+from kiln.errors import DataError
+
+CORPUS = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int\n    y: int\n"] * 20
+
+
+@pytest.fixture(scope="module")
+def tok_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_bpe(CORPUS, 300, ["<|endoftext|>", "<s>"]).save(path)
+    return path
+
+
+def test_train_roundtrip_and_specials(tok_file):
+    tok = Tokenizer.load(tok_file)
+    assert 258 < tok.vocab_size <= 300 and tok.eos_id == 0 and tok.bos_id is None
+    text = "def add(x, y):\n    return x - y  # ünïcode ✓\n"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.encode_batch([text, "a"]) == [tok.encode(text), tok.encode("a")]
+    assert Tokenizer.load(tok_file.parent).hash == tok.hash  # a directory holding tokenizer.json
+    with_bos = Tokenizer.load(tok_file, bos_token="auto")
+    assert with_bos.bos_id == 1 and Tokenizer.load(tok_file, bos_token="<s>").bos_id == 1
+    with pytest.raises(DataError, match="data.eos_token='</eos>' is not in the tokenizer's vocabulary"):
+        Tokenizer.load(tok_file, eos_token="</eos>")
+
+
+def test_encode_texts_adds_bos_and_eos(tok_file):
+    tok = Tokenizer.load(tok_file, bos_token="<s>")
+    import numpy as np
+
+    tokens, lengths = encode_texts(["ab", "", "def"], tok.tk, tok.eos_id, tok.bos_id, np.uint16)
+    want = [[1, *tok.encode("ab"), 0], [1, 0], [1, *tok.encode("def"), 0]]
+    assert lengths.tolist() == [len(w) for w in want]
+    assert tokens.tolist() == [t for w in want for t in w] and tokens.dtype == np.uint16
+
+
+def test_hash_follows_content(tok_file, tmp_path):
+    tok = Tokenizer.load(tok_file)
+    data = json.loads(tok_file.read_text())
+    (tmp_path / "same.json").write_text(json.dumps(data, indent=4))  # formatting alone keeps the hash
+    assert Tokenizer.load(tmp_path / "same.json").hash == tok.hash
+    vocab = data["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: another tokenizer
+    (tmp_path / "changed.json").write_text(json.dumps(data))
+    assert Tokenizer.load(tmp_path / "changed.json").hash != tok.hash
+
+
+def test_bad_tokenizer_paths(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        Tokenizer.load(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(DataError, match="not a valid tokenizer.json"):
+        Tokenizer.load(tmp_path / "bad.json")
+
+
+def test_hf_directory_without_tokenizer_json(tok_file, tmp_path):
+    """A GPT-2 style directory (vocab.json + merges.txt) is converted through transformers."""
+    data = json.loads(tok_file.read_text())
+    d = tmp_path / "gpt2ish"
+    d.mkdir()
+    (d / "vocab.json").write_text(json.dumps(data["model"]["vocab"]))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    (d / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2TokenizerFast",
+                                                         "eos_token": "<|endoftext|>"}))
+    tok = Tokenizer.load(d)
+    ref = Tokenizer.load(tok_file)
+    assert tok.eos_id == ref.eos_id
+    assert tok.encode("def add(a, b): return a") == ref.encode("def add(a, b): return a")
+
+
+def test_trained_tokenizer_is_cached(tmp_path):
+    cfg = DataConfig(vocab_size=280, bos_token="auto", cache_dir=str(tmp_path))
+    a = load_or_train(cfg, iter(CORPUS), "key1", tmp_path)
+    assert a.bos_id is not None and a.eos_id == 0
+    b = load_or_train(cfg, iter(()), "key1", tmp_path)  # not trained again: nothing to train on here
+    assert b.hash == a.hash
+    with pytest.raises(DataError, match="too small"):
+        load_or_train(cfg.model_copy(update={"vocab_size": 100}), iter(CORPUS), "key2", tmp_path)
