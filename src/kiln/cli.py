@@ -156,6 +156,28 @@ def generate(
     print(prompt + tok.decode(out))
 
 
+@app.command()
+def inspect(
+    path: str = typer.Argument(..., help="A checkpoint directory (runs/X/checkpoints/step_...) or a run directory."),
+    config: Optional[str] = typer.Option(None, "--config", "-c", help="Config file or preset to compare the "
+                                         "saved config with; KEY=VALUE overrides may follow PATH."),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Dotted KEY=VALUE overrides of --config."),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Re-hash every file (slow for big models)."),
+) -> None:
+    """Show a checkpoint (step, tokens, config, data manifest, sizes, hash status) or the
+    checkpoints of a run directory in each tier (memory, disk, archive).
+
+    Example: kiln inspect runs/20261126-101500 --config gpu-124m train.lr=1e-4
+    """
+    from kiln.config import load_config
+    from kiln.state.inspect import describe
+
+    compare = None
+    if config is not None or overrides:
+        compare = load_config(config, list(overrides or [])).model_dump(mode="json")
+    print(describe(path, compare, check=verify))
+
+
 def main() -> None:
     try:
         app()

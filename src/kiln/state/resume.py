@@ -38,12 +38,14 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def config_differences(saved: dict[str, Any], current: dict[str, Any], all_keys: bool = False) -> list[str]:
     """'key: saved -> current' for each setting that differs (only those that matter unless all_keys)."""
     a, b = _flat(saved), _flat(current)
+    defaults = _flat(RunConfig().model_dump(mode="json"))
     out = []
-    for key in sorted(set(a) | set(b)):
+    for key in sorted(b):  # a key the saved config lacks (added to Kiln later) counts as its default
         if not all_keys and key.startswith(FREE):
             continue
-        if a.get(key, "(absent)") != b.get(key, "(absent)"):
-            out.append(f"{key}: {a.get(key, '(absent)')!r} -> {b.get(key, '(absent)')!r}")
+        old = a.get(key, defaults.get(key))
+        if old != b[key]:
+            out.append(f"{key}: {old!r} -> {b[key]!r}")
     return out
 
 

@@ -1,0 +1,125 @@
+"""`kiln inspect PATH`: what a checkpoint or a run directory holds, and whether it is intact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kiln.errors import StateError
+from kiln.state.resume import FREE, config_differences
+from kiln.state.rundir import CHECKPOINTS, checkpoints, unfinished
+from kiln.state.verify import META, read_meta, verify
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+def _status(path: Path, check: bool) -> str:
+    if not check:
+        return "not verified"
+    problems = verify(path)
+    if not problems:
+        return "ok"
+    return "DAMAGED: " + "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
+
+
+def _manifest(meta: dict[str, Any]) -> list[str]:
+    """The prepared dataset the checkpoint trained on, if it is still in the cache."""
+    prints = meta.get("fingerprints", {})
+    cache = meta.get("config", {}).get("data", {}).get("cache_dir")
+    lines = [f"data: dataset {prints.get('dataset')}, tokenizer {prints.get('tokenizer')}"
+             + (f", {prints['train_tokens']:,} train tokens" if prints.get("train_tokens") else "")]
+    if cache and prints.get("dataset"):
+        path = Path(cache).expanduser() / "datasets" / str(prints["dataset"]) / "manifest.json"
+        if path.is_file():
+            m = json.loads(path.read_text())
+            splits = ", ".join(f"{name}: {s.get('tokens', 0):,} tokens / {s.get('documents', '?')} documents"
+                               for name, s in m.get("splits", {}).items())
+            lines.append(f"  manifest {path} ({m.get('dtype')}, vocab {m.get('vocab_size')}; {splits})")
+        else:
+            lines.append(f"  manifest not found at {path} (prepare the same data again to recreate it)")
+    return lines
+
+
+def describe_checkpoint(path: Path, compare: dict[str, Any] | None = None, check: bool = True,
+                        show_config: bool = True) -> str:
+    meta = read_meta(path)
+    lines = [
+        f"checkpoint {path}",
+        f"step {meta['step']:,}, {meta['tokens_seen']:,} tokens seen, saved {meta['time']} ({meta['reason']}), "
+        f"{meta['world_size']} process(es), kiln {meta['versions']['kiln']}, torch {meta['versions']['torch']}",
+        f"validation loss: {meta['val_loss']:.4f}" if meta.get("val_loss") is not None else "validation loss: -",
+        f"size: {_size(meta['bytes'])} in {len(meta['files'])} files; hashes: {_status(path, check)}",
+        *_manifest(meta),
+    ]
+    if compare is not None:
+        if compare.get("model", {}).get("vocab_size") is None:  # resolved from the tokenizer at run time
+            compare = {**compare, "model": {**compare["model"], "vocab_size": meta["config"]["model"]["vocab_size"]}}
+        diffs = config_differences(meta["config"], compare, all_keys=True)
+        if diffs:
+            lines.append("differences from the given config (* needs --resume force):")
+            lines += [f"  {' ' if d.startswith(FREE) else '*'} {d}" for d in diffs]
+        else:
+            lines.append("the given config matches the saved one")
+    if show_config:
+        lines.append("config:")
+        lines += ["  " + ln for ln in yaml.safe_dump(meta["config"], sort_keys=False).splitlines()]
+    return "\n".join(lines)
+
+
+def describe_run(run_dir: Path, compare: dict[str, Any] | None = None, check: bool = True) -> str:
+    cfg_file = run_dir / "config.yaml"
+    saved = yaml.safe_load(cfg_file.read_text()) if cfg_file.is_file() else {}
+    ccfg = (saved or {}).get("checkpoint", {})
+    lines = [f"run {run_dir}"]
+    found = checkpoints(run_dir)
+    lines.append(f"on disk ({run_dir / CHECKPOINTS}, keep_last={ccfg.get('keep_last', '?')}): "
+                 f"{len(found)} checkpoint(s)" + ("" if found else " - nothing to resume from"))
+    for p in found:
+        meta = read_meta(p)
+        val = f"val {meta['val_loss']:.4f}" if meta.get("val_loss") is not None else "val      -"
+        lines.append(f"  {p.name}  step {meta['step']:>8,}  {meta['tokens_seen']:>14,} tokens  {val}  "
+                     f"{_size(meta['bytes']):>9}  {meta['reason']:<9}  {_status(p, check)}")
+    for p in unfinished(run_dir):
+        lines.append(f"  {p.name}  unfinished save (killed or failed while writing; never loaded, removed on resume)")
+    every = ccfg.get("snapshot_every", 0)
+    lines.append(f"in memory: {'a snapshot every ' + str(every) + ' steps' if every else 'off'} "
+                 "(lives only inside the training process)")
+    url = ccfg.get("archive_url")
+    if url:
+        from kiln.state.archive import Archive
+
+        arch = Archive(url, run_dir.name)
+        index = arch.index()
+        names = arch.list()
+        lines.append(f"archive ({arch.url}): {len(names)} checkpoint(s)")
+        for n in names:
+            info = index["checkpoints"].get(n, {})
+            best = f"  val {info['val_loss']:.4f}" if info.get("val_loss") is not None else ""
+            lines.append(f"  {n}  kept for {', '.join(info.get('kept_for', [])) or '?'}{best}")
+    else:
+        lines.append("archive: none (set checkpoint.archive_url)")
+    model = run_dir / "model" / "model.safetensors"
+    lines.append(f"final model: {model.parent if model.is_file() else 'none yet'}")
+    if found:
+        lines += ["", "newest checkpoint:", describe_checkpoint(found[-1], compare, check=False, show_config=False)]
+    return "\n".join(lines)
+
+
+def describe(path: str | Path, compare: dict[str, Any] | None = None, check: bool = True) -> str:
+    p = Path(path).expanduser()
+    if (p / META).is_file():
+        return describe_checkpoint(p, compare, check)
+    if (p / "config.yaml").is_file() or (p / CHECKPOINTS).is_dir():
+        return describe_run(p, compare, check)
+    if p.is_dir() and p.name.startswith(".tmp-") or (p.is_dir() and p.parent.name == CHECKPOINTS):
+        raise StateError(f"{p} is not a complete checkpoint (no {META}): a save that never finished")
+    raise StateError(f"{p} is neither a checkpoint (a directory with {META}) nor a run directory (with config.yaml)")

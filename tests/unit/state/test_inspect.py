@@ -1,0 +1,46 @@
+"""`kiln inspect`: a checkpoint's facts and hash status; a run directory's tiers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from kiln.state.checkpointer import Checkpointer
+from kiln.state.inspect import describe
+
+from .conftest import run_steps
+
+PRINTS = {"config": "c0", "dataset": "d0", "tokenizer": "t0", "train_tokens": 123}
+
+
+def test_inspect_run_and_checkpoint(trainer_factory, tmp_path):
+    t = trainer_factory(archive_url=str(tmp_path / "arch"), keep_last=2)
+    ck = Checkpointer(t.cfg.train.run_dir, t.cfg, PRINTS, print)
+    for _ in range(3):
+        run_steps(t, 2)
+        t.last_eval = {"step": t.step, "val_loss": 10.0 - t.step}
+        ck.save(t)
+    ck.close()
+    run_dir = t.cfg.train.run_dir
+    (tmp_path / "run" / "config.yaml").write_text(t.cfg.to_yaml())
+    damaged = tmp_path / "run" / "checkpoints" / "step_00000004" / "state.json"
+    damaged.write_text(damaged.read_text().replace('"step": 4', '"step": 5'))
+
+    out = describe(run_dir)
+    assert "2 checkpoint(s)" in out and "step_00000002" not in out.split("archive")[0]
+    assert "step_00000006" in out and "DAMAGED" in out and "state.json" in out
+    assert "archive (" in out and "kept for best" in out
+
+    changed = t.cfg.model_copy(deep=True)
+    changed.train.lr = 0.5
+    changed.logging.every = 3
+    one = describe(tmp_path / "run" / "checkpoints" / "step_00000006", changed.model_dump(mode="json"))
+    assert "step 6, 192 tokens seen" in one and "hashes: ok" in one and "123 train tokens" in one
+    assert "* train.lr: 0.002 -> 0.5" in one and "  logging.every: 10 -> 3" in one
+
+
+def test_inspect_cli_error_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "kiln.cli", "inspect", str(tmp_path)], capture_output=True,
+                          text=True, env={**os.environ, "COLUMNS": "400"})
+    assert done.returncode == 2 and "neither a checkpoint" in done.stderr and "Traceback" not in done.stderr
