@@ -8,8 +8,7 @@ import torch
 from rich.console import Console
 
 from kiln.config import RunConfig
-from kiln.data.loader import PackedLoader
-from kiln.data.prepare import prepare
+from kiln.data.build import build_data
 from kiln.dist.ac import apply_ac
 from kiln.dist.compile import apply_compile
 from kiln.errors import ConfigError, ResourceError
@@ -46,24 +45,21 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
     run_dir, resume_from = resume_target(cfg, resume, console.print)
     console.print(f"[bold]kiln[/] run directory: {run_dir}")
 
-    ds = prepare(cfg.data)
-    tok = ds.tokenizer
-    splits = ds.manifest["splits"]
-    console.print(f"data: {ds.path} ({splits['train']['tokens']:,} train / {splits['val']['tokens']:,} val tokens, "
-                  f"vocab {tok.vocab_size})")
+    data = build_data(cfg, device, console=console)  # prepares, opens or streams cfg.data; this rank's loaders
+    tok = data.tokenizer
+    console.print(data.summary)
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = -(-tok.vocab_size // 64) * 64
     elif cfg.model.vocab_size < tok.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"{tok.vocab_size}; raise it or leave it null")
-    prints = fingerprints(cfg, ds)
+    prints = fingerprints(cfg, data)
     if resume_from is not None:
         check_compatible(read_meta(resume_from), cfg, prints, resume == "force", console.print)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
     tcfg = cfg.train
-    train_loader = PackedLoader(ds, "train", tcfg.seq_len, tcfg.batch_size, seed=tcfg.seed)
-    val_loader = PackedLoader(ds, "val", tcfg.seq_len, tcfg.batch_size, seed=tcfg.seed)
+    train_loader, val_loader = data.train, data.val
 
     torch.manual_seed(tcfg.seed)
     model = Transformer(cfg.model).to(device)

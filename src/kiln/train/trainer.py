@@ -25,6 +25,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.events = Events(list(callbacks))
         self.step, self.tokens_seen = 0, 0
+        self.consistent = True  # False while a step is half done
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum
         peak = cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops else None
         self.meter = Throughput(flops_per_token, device, peak)
@@ -33,9 +34,12 @@ class Trainer:
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 \
             else contextlib.nullcontext
 
-    def _batch(self, loader) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = next(loader)
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+    def _batch(self, loader) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Next (tokens, targets, doc_ids) on the device; doc_ids is None without document masking."""
+        tokens, targets, doc_ids = next(loader)
+        if doc_ids is not None:
+            doc_ids = doc_ids.to(self.device, non_blocking=True)
+        return tokens.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True), doc_ids
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over grad_accum micro-batches. Returns (loss, grad norm) on the device."""
@@ -43,9 +47,9 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for _ in range(accum):
             with self.meter.waiting_for_data():
-                x, y = self._batch(self.train_loader)  # (B, T), (B, T)
+                x, y, docs = self._batch(self.train_loader)  # (B, T) each
             with self.autocast():
-                loss = self.model(x, y) / accum
+                loss = self.model(x, y, docs) / accum
             loss.backward()
             total += loss.detach()
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -62,9 +66,11 @@ class Trainer:
         self.meter.start(self.step)
         losses: list[torch.Tensor] = []
         while self.step < tcfg.max_steps:
+            self.consistent = False  # until the counters match the weights again (emergency checkpoints)
             loss, gnorm = self.train_step()
             self.step += 1
             self.tokens_seen += self.tokens_per_step
+            self.consistent = True
             losses.append(loss)
             metrics = None
             if self.step % every == 0 or self.step == tcfg.max_steps:
@@ -88,13 +94,13 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         """Mean loss and perplexity over the same eval_batches validation batches every time."""
         self.model.eval()
-        self.val_loader.load_state_dict({"epoch": 0, "batch_index": 0})
+        self.val_loader.reset()
         total = torch.zeros((), device=self.device)
         n = self.cfg.train.eval_batches
         for _ in range(n):
-            x, y = self._batch(self.val_loader)
+            x, y, docs = self._batch(self.val_loader)
             with self.autocast():
-                total += self.model(x, y).float()
+                total += self.model(x, y, docs).float()
         self.model.train()
         loss = (total / n).item()
         self.last_eval = {"step": self.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}

@@ -1,0 +1,122 @@
+"""From `cfg.data` to a tokenizer and the train / validation loaders a run reads.
+
+Three ways in: data.sources prepared into token shards (the default), data.mixture (several
+prepared datasets drawn in proportion to their weights), or data.streaming (the sources read and
+tokenized while training). Ranks default to the data-parallel position of torch.distributed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kiln.config import DataConfig, RunConfig
+from kiln.errors import DataError
+
+
+@dataclass
+class RunData:
+    """What a run reads. `manifest`, `path` and `tokenizer` let checkpoints fingerprint the data."""
+
+    tokenizer: Any
+    train: Any
+    val: Any
+    datasets: list = field(default_factory=list)  # PreparedDataset of each mixture entry (none when streaming)
+    summary: str = ""
+    stream_key: str = ""  # streaming: fingerprint of the source files
+
+    @property
+    def manifest(self) -> dict:
+        if len(self.datasets) == 1:
+            return self.datasets[0].manifest
+        if self.datasets:  # a mixture: its identity is the set of datasets, whatever the weights
+            ids = sorted(ds.manifest["id"] for ds in self.datasets)
+            tokens = sum(_split_tokens(ds, "train") for ds in self.datasets)
+            return {"id": "mix-" + hashlib.sha256(" ".join(ids).encode()).hexdigest()[:16],
+                    "splits": {"train": {"tokens": tokens}}}
+        return {"id": f"stream-{self.stream_key}", "splits": {}}
+
+    @property
+    def path(self):
+        return self.datasets[0].path if self.datasets else None
+
+
+def data_position() -> tuple[int, int]:
+    """(rank, world) of this process among the data-parallel ranks."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def prepare_all(data: DataConfig, console=None) -> list:
+    """The prepared dataset of data.sources, or of each data.mixture entry (all with one tokenizer:
+    the first entry's, which the later `sources` entries are prepared with)."""
+    from kiln.data.dataset import open_dataset
+    from kiln.data.prepare import prepare
+
+    if not data.mixture:
+        return [prepare(data, console)]
+    out: list = []
+    for i, entry in enumerate(data.mixture):
+        where = f"data.mixture[{i}]"
+        if entry.dataset is not None:
+            try:
+                ds = open_dataset(entry.dataset, out[0].tokenizer.hash if out else None)
+            except DataError as e:
+                raise DataError(f"{where}: {e}") from None
+        else:
+            sub = data.model_copy(update={"mixture": [], "sources": list(entry.sources or [])})
+            ds = prepare(sub, console, tokenizer=out[0].tokenizer if out else None)
+        if out and ds.tokenizer.hash != out[0].tokenizer.hash:
+            raise DataError(f"{where}: dataset {ds.path} was made with tokenizer {ds.tokenizer.hash}, but the "
+                            f"first entry's is {out[0].tokenizer.hash}; prepare it again with --tokenizer "
+                            f"{out[0].path / 'tokenizer.json'}")
+        out.append(ds)
+    return out
+
+
+def _split_tokens(ds, split: str) -> int:
+    return int(ds.manifest["splits"].get(split, {}).get("tokens", 0))
+
+
+def build_data(cfg: RunConfig, device: torch.device, rank: int | None = None, world: int | None = None,
+               console=None) -> RunData:
+    """Prepare (or open, or stream) what cfg.data names and build this rank's loaders.
+
+    `console` (rich) shows prepare's progress and report."""
+    if rank is None or world is None:
+        rank, world = data_position()
+    d, t = cfg.data, cfg.train
+    common = dict(seed=t.seed, document_mask=d.document_mask, prefetch=d.prefetch,
+                  pin_memory=d.pin_memory and device.type == "cuda")
+    if d.streaming:
+        from kiln.data.streaming import StreamingLoader, streaming_tokenizer
+
+        tok = streaming_tokenizer(d)
+        train = StreamingLoader(d, tok, "train", t.seq_len, t.batch_size, rank=rank, world=world, **common)
+        val = StreamingLoader(d, tok, "val", t.seq_len, t.batch_size, **{**common, "prefetch": 0})
+        return RunData(tok, train, val, [], f"data: streaming {', '.join(d.sources)} (vocab {tok.vocab_size})",
+                       stream_key=train.rows.key)
+
+    from kiln.data.loader import PackedLoader
+
+    datasets = prepare_all(d, console)
+    weights = [e.weight for e in d.mixture] or [1.0]
+    train = PackedLoader.from_datasets(datasets, "train", t.seq_len, t.batch_size, weights=weights, rank=rank,
+                                       world=world, shuffle=d.shuffle, **common)
+    with_val = [(ds, w) for ds, w in zip(datasets, weights) if _split_tokens(ds, "val") > t.seq_len]
+    if not with_val:
+        raise DataError(f"no validation tokens: the 'val' split of {datasets[0].path} has fewer than "
+                        f"train.seq_len + 1 = {t.seq_len + 1}; raise data.val_fraction or give more data")
+    val = PackedLoader.from_datasets([ds for ds, _ in with_val], "val", t.seq_len, t.batch_size,
+                                     weights=[w for _, w in with_val], **{**common, "prefetch": 0})
+    lines = [f"data: {ds.path} ({_split_tokens(ds, 'train'):,} train / {_split_tokens(ds, 'val'):,} val tokens"
+             + (f", weight {w / sum(weights):.3f})" if len(datasets) > 1 else ")")
+             for ds, w in zip(datasets, weights)]
+    tok = datasets[0].tokenizer
+    return RunData(tok, train, val, datasets, "\n".join(lines) + f"\ntokenizer: vocab {tok.vocab_size}")

@@ -1,0 +1,139 @@
+"""Token shards: write one, and read a split's shards as one circular token stream.
+
+A shard is two files beside each other:
+
+    <name>.bin  flat token ids (uint16 or uint32) of whole documents, each ending with EOS
+    <name>.idx  numpy uint64 array (raw, little-endian): exclusive end offset of each document
+
+`write_shard(dir, name, docs, dtype)` writes both atomically (temporary file, fsync, rename) and
+returns the manifest entry `{"name", "tokens", "documents", "sha256"}`, where sha256 covers the
+.bin then the .idx bytes. `TokenStream` memory-maps a list of shards and reads any window of
+their concatenation, wrapping around at the end, with the document boundaries inside it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from kiln.errors import DataError
+
+
+def _write_atomic(path: Path, chunks: Sequence[bytes | memoryview]) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        for c in chunks:
+            f.write(c)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_shard(directory: str | Path, name: str, docs: Sequence[np.ndarray], dtype) -> dict:
+    """Write documents (each an array of token ids, EOS included) as shard `name` under `directory`.
+
+    `name` may hold a sub-folder ("train/00000"). The .idx is renamed into place before the .bin, so
+    a shard whose .bin exists is complete. Returns the manifest entry of the shard.
+    """
+    dtype = np.dtype(dtype)
+    base = Path(directory) / name
+    base.parent.mkdir(parents=True, exist_ok=True)
+    arrays = [np.ascontiguousarray(d, dtype=dtype) for d in docs]
+    if any(a.ndim != 1 for a in arrays):
+        raise ValueError("write_shard: every document must be a 1-D array of token ids")
+    ends = np.cumsum([a.size for a in arrays], dtype=np.uint64)
+    bin_chunks = [memoryview(a).cast("B") for a in arrays if a.size]
+    idx_bytes = ends.astype("<u8").tobytes()
+    _write_atomic(base.with_name(base.name + ".idx"), [idx_bytes])
+    _write_atomic(base.with_name(base.name + ".bin"), bin_chunks)
+    h = hashlib.sha256()
+    for c in [*bin_chunks, idx_bytes]:
+        h.update(c)
+    return {"name": name, "tokens": int(ends[-1]) if ends.size else 0, "documents": len(arrays),
+            "sha256": h.hexdigest()}
+
+
+class TokenStream:
+    """The concatenation of a split's shards, read as a circle of `len(self)` tokens.
+
+    shards: (bin_path, idx_path, n_tokens) triples, as `PreparedDataset.shards(split)` gives them.
+    """
+
+    def __init__(self, shards: Sequence[tuple[str | Path, str | Path, int]], dtype, name: str = "stream"):
+        self.name, self.dtype = name, np.dtype(dtype)
+        self.bins: list[np.ndarray] = []
+        self.ends: list[np.ndarray] = []  # per shard: document end offsets, shard-local
+        sizes = []
+        for bin_path, idx_path, n in shards:
+            if not n:
+                continue
+            try:
+                tokens = np.memmap(bin_path, dtype=self.dtype, mode="r")
+                ends = np.fromfile(idx_path, dtype="<u8").astype(np.int64)
+            except (OSError, ValueError) as e:
+                raise DataError(f"cannot read shard {bin_path} ({e}); run `kiln prepare --verify` on its "
+                                "dataset, or prepare it again") from None
+            if tokens.size != n or ends.size == 0 or ends[-1] != n or np.any(np.diff(ends) <= 0):
+                raise DataError(f"shard {bin_path} does not match its manifest or index ({tokens.size} tokens, "
+                                f"manifest says {n}); the dataset is damaged: prepare it again")
+            self.bins.append(tokens.view(np.ndarray))  # plain array view: no memmap overhead per slice
+            self.ends.append(ends)
+            sizes.append(int(n))
+        self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # (n_shards + 1,)
+        self._start_list = self.starts.tolist()
+        self.documents = sum(e.size for e in self.ends)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def _pieces(self, start: int, n: int):
+        """(shard, local_start, out_offset, length) pieces covering [start, start+n) of the circle."""
+        L, done = len(self), 0
+        pos = start % L
+        while done < n:
+            s = bisect.bisect_right(self._start_list, pos) - 1
+            local = pos - self._start_list[s]
+            take = min(n - done, self._start_list[s + 1] - pos)
+            yield s, local, done, take
+            done += take
+            pos = (pos + take) % L
+
+    def read(self, start: int, out: np.ndarray, doc_ids: np.ndarray | None = None) -> None:
+        """Fill `out` with the tokens at [start, start + len(out)) of the circle, and `doc_ids`
+        (optional, length <= len(out)) with the index of each position's document, from 0."""
+        n = out.size
+        pieces = list(self._pieces(start, n))
+        for s, local, off, take in pieces:
+            out[off:off + take] = self.bins[s][local:local + take]
+        if doc_ids is None:
+            return
+        m = doc_ids.size
+        cuts, last = [], -1
+        for s, local, off, take in pieces:
+            if off >= m:
+                break
+            ends = self.ends[s]
+            lo, hi = ends.searchsorted((local, local + min(take, m - off) - 1), side="right")
+            if off != last:
+                cuts.append((off,))  # every piece starts at a document start
+            cuts.append(ends[lo:hi] - (local - off))  # documents starting inside the piece
+            last = off + take
+        bounds = np.concatenate(cuts) if len(cuts) > 1 else np.asarray(cuts[0])
+        if bounds.size == 1:  # the whole row is one document
+            doc_ids[:] = 0
+            return
+        lengths = np.empty_like(bounds)
+        lengths[:-1] = bounds[1:] - bounds[:-1]
+        lengths[-1] = m - bounds[-1]
+        doc_ids[:] = np.repeat(np.arange(bounds.size, dtype=doc_ids.dtype), lengths)
+
+    def doc_starts(self, start: int, n: int) -> np.ndarray:
+        """Offsets in (0, n), relative to `start`, where a new document begins."""
+        ids = np.empty(n, np.int64)
+        self.read(start, np.empty(n, self.dtype), ids)
+        return np.flatnonzero(np.diff(ids)) + 1
