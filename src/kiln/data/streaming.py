@@ -1,0 +1,272 @@
+"""Streaming mode: documents read, validated and tokenized while training, for data too large to prepare.
+
+The stream is the documents of `data.sources` (the same readers and record checks as `kiln
+prepare`) in source order (with `data.shuffle`, the files in a new seeded order each epoch), each
+encoded as [BOS] ids EOS, back to back. Global row g is the window of T + 1 tokens starting at
+token g*T of the stream; rank r of w takes rows r*B .. r*B + B - 1 of each global batch of w*B, as
+the packed loader does. The position is (epoch, file, record, token offset in that document): a
+resumed run reopens that file, skips to that record without decoding the ones before it where
+the format allows, and continues at that token, whatever the number of ranks.
+
+What streaming gives up: rows come in stream order (no global shuffle), every rank reads the whole
+stream (and keeps its share), and exact-duplicate removal is off (it would need to remember
+every document seen). Prepare the data when you can.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kiln.data.prefetch import Prefetcher
+from kiln.errors import DataError
+
+ENCODE_BATCH = 64  # documents tokenized together
+
+
+def _sources(cfg):
+    from kiln.data.sources import expand
+
+    return expand(cfg.sources, cfg.format, cfg.dataset_split)
+
+
+def _sources_key(files) -> str:
+    h = hashlib.sha256()
+    for sf in files:
+        h.update(f"{sf.url}\0{sf.size}\0".encode())
+    return h.hexdigest()[:16]
+
+
+def streaming_tokenizer(cfg):
+    """data.tokenizer, or a BPE trained on the first data.tokenizer_train_bytes of the sources (cached)."""
+    from kiln.data.sources import iter_documents
+    from kiln.data.tokenizer import load_or_train
+
+    files = _sources(cfg)
+    limit = min(cfg.tokenizer_train_bytes, cfg.max_bytes or cfg.tokenizer_train_bytes)
+
+    def texts() -> Iterator[str]:
+        total = 0
+        for doc in iter_documents(cfg, files):
+            yield doc.text
+            total += len(doc.text)
+            if total >= limit:
+                return
+
+    key = f"stream-{_sources_key(files)}-{cfg.format}-{cfg.text_unit}-{cfg.field}-{limit}"
+    tok = load_or_train(cfg, texts(), key, Path(cfg.cache_dir).expanduser())
+    if tok.eos_id is None:
+        raise DataError("the tokenizer has no end-of-text token; set data.eos_token to one of its tokens")
+    return tok
+
+
+class StreamRows:
+    """The deterministic core of the streaming loader: next batch of this rank, and the position."""
+
+    def __init__(self, cfg, tokenizer, split: str, seq_len: int, batch_size: int, *, seed: int = 0, rank: int = 0,
+                 world: int = 1, document_mask: bool = True, shuffle: bool = True, pin_memory: bool = False):
+        self.cfg, self.tok, self.split = cfg, tokenizer, split
+        self.T, self.B, self.seed, self.rank, self.world = seq_len, batch_size, seed, rank, world
+        self.document_mask, self.shuffle, self.pin = document_mask, shuffle, pin_memory
+        self.files = _sources(cfg)
+        self.key = _sources_key(self.files)
+        self.position = {"epoch": 0, "file": 0, "record": 0, "offset": 0, "bytes": 0, "sample": 0}
+        self._reset_buffer()
+
+    # ------------------------------------------------------------------ documents
+
+    def _order(self, epoch: int) -> list:
+        if not self.shuffle:
+            return self.files
+        perm = np.random.default_rng([self.seed, epoch, 0x73747265]).permutation(len(self.files))
+        return [self.files[i] for i in perm]
+
+    def _documents(self, epoch: int, start: tuple[int, int], bytes_before: int):
+        """(epoch, file, record, bytes_before, tokens) of this split's documents from `start` on, all epochs."""
+        from kiln.data.encode import encode_texts
+        from kiln.data.records import doc_hash, is_val
+        from kiln.data.sources import iter_documents
+
+        frac, limit, want_val = self.cfg.val_fraction, self.cfg.max_bytes, self.split == "val"
+        while True:
+            batch, found, total = [], False, bytes_before
+            for doc in iter_documents(self.cfg, self._order(epoch), start=start):
+                size = len(doc.text)  # data.max_bytes counts characters, as `kiln prepare` does
+                if is_val(doc_hash(doc.text), frac) == want_val:
+                    batch.append((doc.file_index, doc.record_index, total, doc.text))
+                total += size
+                if len(batch) >= ENCODE_BATCH:
+                    yield from self._encode(epoch, batch, encode_texts)
+                    found, batch = True, []
+                if limit is not None and total >= limit:
+                    break
+            if batch:
+                yield from self._encode(epoch, batch, encode_texts)
+                found = True
+            if not found and start == (0, 0):
+                raise DataError(f"the sources {self.cfg.sources} hold no '{self.split}' documents (data.val_fraction="
+                                f"{frac}); give more data or change data.val_fraction")
+            epoch, start, bytes_before = epoch + 1, (0, 0), 0
+
+    def _encode(self, epoch: int, batch: list, encode_texts):
+        tokens, lengths = encode_texts([b[3] for b in batch], self.tok.tk, self.tok.eos_id, self.tok.bos_id, np.int64)
+        for (fi, ri, before, _), doc in zip(batch, np.split(tokens, np.cumsum(lengths)[:-1])):
+            yield epoch, fi, ri, before, doc
+
+    def _reset_buffer(self) -> None:
+        p = self.position
+        if getattr(self, "_docs", None) is not None:
+            self._docs.close()  # closes the file it was reading
+        self._docs = None  # the generator, started on first use
+        self._buf: deque = deque()  # (epoch, file, record, bytes_before, tokens) from the position on
+        self._avail = 0  # tokens in the buffer from the position on
+        self._skip = p["offset"]
+
+    def _fill(self, need: int) -> None:
+        if self._docs is None:
+            p = self.position
+            self._docs = self._documents(p["epoch"], (p["file"], p["record"]), p["bytes"])
+        while self._avail < need:
+            item = next(self._docs)
+            if self._skip:  # resuming inside this document
+                if item[4].size <= self._skip:
+                    raise DataError(f"cannot resume the stream: document {item[1]}:{item[2]} is shorter than the "
+                                    "saved offset; the source files changed since the checkpoint")
+                item = (*item[:4], item[4][self._skip:])
+                self._skip = 0
+            self._buf.append(item)
+            self._avail += item[4].size
+
+    # ------------------------------------------------------------------ batches
+
+    def next_batch(self):
+        T, B, G = self.T, self.B, self.B * self.world
+        need = G * T + 1
+        self._fill(need)
+        docs = list(self._buf)
+        flat = np.concatenate([d[4] for d in docs])[:need]
+        lo = self.rank * B * T
+        rows = np.lib.stride_tricks.sliding_window_view(flat[lo:lo + B * T + 1], T + 1)[::T]  # (B, T+1)
+        tokens = torch.empty((B, T), dtype=torch.int64, pin_memory=self.pin)
+        targets = torch.empty((B, T), dtype=torch.int64, pin_memory=self.pin)
+        np.copyto(tokens.numpy(), rows[:, :-1])
+        np.copyto(targets.numpy(), rows[:, 1:])
+        doc_ids = None
+        if self.document_mask:
+            starts = np.cumsum([0] + [d[4].size for d in docs[:-1]])  # document starts in flat
+            which = np.searchsorted(starts, np.arange(lo, lo + B * T), side="right").reshape(B, T)
+            doc_ids = torch.from_numpy((which - which[:, :1]).astype(np.int32))
+            if self.pin:
+                doc_ids = doc_ids.pin_memory()
+        self._advance(G * T)
+        return tokens, targets, doc_ids
+
+    def _advance(self, n: int) -> None:
+        """Move the position n tokens on, to the document and offset where the next batch starts."""
+        off = self.position["offset"]
+        while n:
+            toks = self._buf[0][4]
+            if toks.size <= n:
+                self._buf.popleft()
+                self._avail -= toks.size
+                n -= toks.size
+                off = 0
+            else:
+                self._buf[0] = (*self._buf[0][:4], toks[n:])
+                self._avail -= n
+                off, n = off + n, 0
+        self._fill(1)
+        epoch, fi, ri, before, _ = self._buf[0]
+        self.position.update(epoch=epoch, file=fi, record=ri, bytes=before, offset=off,
+                             sample=self.position["sample"] + self.B * self.world)
+
+    def state_dict(self) -> dict:
+        return {**self.position, "seq_len": self.T, "seed": self.seed, "split": self.split, "sources": self.key}
+
+    def load_state_dict(self, state: dict) -> None:
+        try:
+            pos = {k: int(state[k]) for k in ("epoch", "file", "record", "offset", "bytes", "sample")}
+            seq_len, seed, key = int(state["seq_len"]), int(state["seed"]), str(state["sources"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"the saved streaming position is malformed ({e!r}); was it saved by a prepared-data "
+                            "run? Resume with the same data.streaming setting") from None
+        if seq_len != self.T or seed != self.seed:
+            raise DataError(f"the saved stream position is for train.seq_len={seq_len}, train.seed={seed}; this run "
+                            f"has {self.T} and {self.seed}. Resume with the saved values")
+        if key != self.key:
+            raise DataError("the source files changed since the stream position was saved (names or sizes differ); "
+                            "resume with the same data.sources, or start a new run from the weights")
+        self.position = pos
+        self._reset_buffer()
+
+
+class StreamingLoader:
+    """Iterator of (tokens, targets, doc_ids) batches tokenized on the fly; see the module doc.
+
+    `replay` keeps the batches made since the start so `reset()` gives them again without reading
+    (for evaluation, which reads the same few batches many times).
+    """
+
+    def __init__(self, cfg, tokenizer, split: str, seq_len: int, batch_size: int, *, seed: int = 0, rank: int = 0,
+                 world: int = 1, document_mask: bool = True, prefetch: int = 2, pin_memory: bool = False,
+                 replay: bool | None = None):
+        self.rows = StreamRows(cfg, tokenizer, split, seq_len, batch_size, seed=seed, rank=rank, world=world,
+                               document_mask=document_mask, shuffle=cfg.shuffle, pin_memory=pin_memory)
+        self._prefetch = Prefetcher(self.rows, prefetch, "kiln-stream") if prefetch > 0 else None
+        self._start = self.rows.state_dict()
+        self._state = self._start
+        self._replay = [] if (split == "val" if replay is None else replay) else None
+        self._at = 0  # batches given since the last reset
+        self._recording = True  # the replay list holds every batch made since the start
+
+    def __iter__(self) -> StreamingLoader:
+        return self
+
+    def __next__(self):
+        if self._replay is not None and self._at < len(self._replay):
+            batch, self._state = self._replay[self._at]
+            self._at += 1
+            return batch
+        if self._prefetch is None:
+            batch = self.rows.next_batch()
+            self._state = self.rows.state_dict()
+        else:
+            batch, self._state = self._prefetch.next()
+        if self._replay is not None and self._recording:
+            self._replay.append((batch, self._state))
+            self._at += 1
+        return batch
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.rows.B * self.rows.T
+
+    def state_dict(self) -> dict:
+        return dict(self._state)
+
+    def _move(self, state: dict) -> None:
+        if self._prefetch is not None:
+            self._prefetch.stop()
+        self.rows.load_state_dict(state)
+        self._state = self.rows.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._move(state)
+        if self._replay is not None:
+            self._replay, self._at, self._recording = [], 0, state == self._start
+
+    def reset(self) -> None:
+        """Back to the first batch."""
+        if self._replay is not None and self._recording:
+            self._at = 0  # replay what was made; the cursor waits at the end of it
+            return
+        self.load_state_dict(self._start)
+
+    def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.stop()
