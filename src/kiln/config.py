@@ -122,7 +122,8 @@ class DataConfig(Section):
     dataset_split: str = "train"
     """For a saved Hugging Face DatasetDict directory: the split to read."""
     max_bytes: int | None = 8_000_000
-    """Read at most this many bytes of input (null: all of it); keeps the quickstart quick."""
+    """Read at most this many characters of documents (null: all of them). Left unset, it is 8 MB when
+    the sources are the built-in '@stdlib' (keeps the quickstart quick) and null for any other data."""
     on_bad_record: Literal["error", "skip"] = "error"
     """A record with a missing field, wrong type, invalid UTF-8, empty or over-long text: 'error' stops
     with its file and line, 'skip' drops it and counts it in the prepare report."""
@@ -164,6 +165,14 @@ class DataConfig(Section):
     """Batches made ahead in a background thread (0: made inside the training loop)."""
     pin_memory: bool = True
     """On CUDA, give batches in pinned memory so copies to the GPU overlap compute."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_max_bytes(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_bytes" not in data:
+            quickstart = data.get("sources", ["@stdlib"]) == ["@stdlib"] and not data.get("mixture")
+            data = {**data, "max_bytes": 8_000_000 if quickstart else None}
+        return data
 
     @model_validator(mode="after")
     def _check_loader(self) -> DataConfig:

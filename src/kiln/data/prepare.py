@@ -39,16 +39,42 @@ POOL_MIN_BYTES = 2_000_000  # smaller inputs are encoded in this process (no poo
 SPLITS = ("train", "val")
 
 
-def hash_sources(files: list[SourceFile]) -> list[dict]:
-    """[{path, bytes, sha256}] of every source file (read in full, in 4 MiB pieces)."""
-    out = []
+def hash_sources(files: list[SourceFile], cache: Path | None = None) -> list[dict]:
+    """[{path, bytes, sha256}] of every source file.
+
+    A local file's hash is remembered under `cache` keyed by its path, size, inode, mtime and
+    ctime (any write changes ctime, which no tool can set back), so an unchanged corpus is not
+    read again only to be recognised; other files are read in full every time.
+    """
+    memo_path = cache / "source-hashes.json" if cache is not None else None
+    try:
+        memo = json.loads(memo_path.read_text()) if memo_path is not None else {}
+    except (OSError, ValueError):
+        memo = {}
+    out, fresh = [], {}
     for sf in files:
+        key = None
+        if sf.fs is None:
+            st = os.stat(sf.path)
+            key = f"{os.path.realpath(sf.path)}|{st.st_size}|{st.st_ino}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+            if key in memo:
+                out.append({"path": sf.url, "bytes": st.st_size, "sha256": memo[key]})
+                fresh[key] = memo[key]
+                continue
         h, n = hashlib.sha256(), 0
         with sf.open_raw() as f:
             while chunk := f.read(1 << 22):
                 h.update(chunk)
                 n += len(chunk)
         out.append({"path": sf.url, "bytes": n, "sha256": h.hexdigest()})
+        if key is not None:
+            fresh[key] = h.hexdigest()
+    if memo_path is not None and fresh.keys() - memo.keys():
+        memo.update(fresh)
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_name(f"{memo_path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_path)
     return out
 
 
@@ -107,7 +133,7 @@ def prepare(cfg, console=None, progress: bool = True, tokenizer: Tokenizer | Non
     start = time.perf_counter()
     cache = Path(cfg.cache_dir).expanduser()
     files = expand(cfg.sources, cfg.format, cfg.dataset_split)
-    sources = hash_sources(files)
+    sources = hash_sources(files, cache)
     if tokenizer is None:
         key = _digest([[s["sha256"] for s in sources], cfg.format, cfg.text_unit, cfg.field, cfg.dataset_split,
                        cfg.max_record_bytes, cfg.min_chars, cfg.max_chars, cfg.max_bytes, cfg.tokenizer_train_bytes])

@@ -100,12 +100,18 @@ def test_content_addressing(corpus, tmp_path):
     stamp = (first.path / "manifest.json").stat().st_mtime_ns
     again = prepare(cfg.model_copy(update={"workers": 2, "on_bad_record": "skip"}))  # no effect on the output
     assert again.path == first.path and (first.path / "manifest.json").stat().st_mtime_ns == stamp
-    # one changed byte in one input
-    changed = tmp_path / "changed"
-    changed.mkdir()
-    (changed / "a.jsonl").write_bytes((d / "a.jsonl").read_bytes().replace(b"def ", b"deg ", 1))
-    (changed / "b.jsonl").write_bytes((d / "b.jsonl").read_bytes())
-    other_input = prepare(cfg.model_copy(update={"sources": [str(changed / "*.jsonl")]}))
+    # one byte changed in place (same size, same second): the remembered file hash must not be reused
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("a.jsonl", "b.jsonl"):
+        (copy / name).write_bytes((d / name).read_bytes())
+    same_input = prepare(cfg.model_copy(update={"sources": [str(copy / "*.jsonl")]}))
+    assert same_input.path == first.path  # content addressed: where the files live does not matter
+    at = (copy / "a.jsonl").read_bytes().index(b"def ")
+    with open(copy / "a.jsonl", "r+b") as f:
+        f.seek(at + 2)
+        f.write(b"g")  # "def " -> "deg "
+    other_input = prepare(cfg.model_copy(update={"sources": [str(copy / "*.jsonl")]}))
     # another tokenizer, another setting
     train_bpe(texts[:20], 400).save(tmp_path / "tok2.json")
     other_tok = prepare(cfg.model_copy(update={"tokenizer": str(tmp_path / "tok2.json")}))
