@@ -116,6 +116,9 @@ def _field(obj: Any, field: str) -> Any:
     return MISSING if value is None else value
 
 
+_json_decode = json.JSONDecoder().decode
+
+
 def read_jsonl(f: BinaryIO, field: str, limit: int, skip: int = 0) -> Iterator[Record]:
     """JSON Lines: one object per non-blank line; the record is its `field`."""
     index, lineno = 0, 0
@@ -131,11 +134,14 @@ def read_jsonl(f: BinaryIO, field: str, limit: int, skip: int = 0) -> Iterator[R
                 yield index, lineno, TOO_LONG
             else:
                 try:
-                    yield index, lineno, _field(json.loads(line), field)
+                    text = line.decode("utf-8")
                 except UnicodeDecodeError as e:
                     yield index, lineno, InvalidUTF8(f"byte {e.start} of the line is not UTF-8")
-                except ValueError as e:
-                    yield index, lineno, Malformed(f"not valid JSON ({e})")
+                else:
+                    try:
+                        yield index, lineno, _field(_json_decode(text), field)
+                    except ValueError as e:
+                        yield index, lineno, Malformed(f"not valid JSON ({e})")
         index += 1
 
 
