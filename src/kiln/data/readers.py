@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 from kiln.errors import DataError
 
 CHUNK = 1 << 20
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, as some editors write at the start of a file
 
 
 class _Marker:
@@ -74,7 +75,7 @@ def read_text(f: BinaryIO, unit: str, limit: int, skip: int = 0) -> Iterator[Rec
         if skip:
             return
         data = f.read(limit + 1)
-        yield 0, 1, TOO_LONG if len(data) > limit else data
+        yield 0, 1, TOO_LONG if len(data) > limit else data.removeprefix(BOM)
         return
     index, lineno, block, block_line, block_len, too_long = 0, 0, [], 0, 0, False
     in_block = False
@@ -83,6 +84,8 @@ def read_text(f: BinaryIO, unit: str, limit: int, skip: int = 0) -> Iterator[Rec
         if not line and not long_line:
             break
         lineno += 1
+        if lineno == 1:
+            line = line.removeprefix(BOM)
         blank = not long_line and not line.strip()
         if unit == "line":
             if blank:
@@ -127,6 +130,8 @@ def read_jsonl(f: BinaryIO, field: str, limit: int, skip: int = 0) -> Iterator[R
         if not line and not long_line:
             return
         lineno += 1
+        if lineno == 1:
+            line = line.removeprefix(BOM)
         if not long_line and not line.strip():
             continue
         if index >= skip:
@@ -147,7 +152,7 @@ def read_jsonl(f: BinaryIO, field: str, limit: int, skip: int = 0) -> Iterator[R
 
 def read_json(f: BinaryIO, field: str, limit: int, skip: int = 0) -> Iterator[Record]:
     """A .json file: a top-level array of objects (streamed element by element), or JSON Lines."""
-    head = f.read(CHUNK)
+    head = f.read(CHUNK).removeprefix(BOM)
     start = head.lstrip()[:1]
     if start != b"[":
         yield from read_jsonl(io.BufferedReader(_Prefixed(head, f)), field, limit, skip)
@@ -259,7 +264,7 @@ def read_csv(f: BinaryIO, field: str, delimiter: str, skip: int = 0) -> Iterator
     import pyarrow as pa
     from pyarrow import csv
 
-    header = f.readline()
+    header = f.readline().removeprefix(BOM)
     names = next(iter(pycsv.reader([header.decode("utf-8", "replace")], delimiter=delimiter)), None)
     if not names:
         return

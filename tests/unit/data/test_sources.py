@@ -144,3 +144,12 @@ def test_stdlib_source():
     files = expand(["@stdlib"])
     assert len(files) > 500 and all(f.lenient and f.format == "text" for f in files)
     assert [f.path for f in files] == [str(p) for p in stdlib_files()]
+
+
+def test_byte_order_mark_is_not_text(tmp_path):
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.jsonl").write_bytes(bom + b'{"text": "x"}\n')
+    (tmp_path / "b.csv").write_bytes(bom + b"text,id\nhello,1\n")
+    (tmp_path / "c.txt").write_bytes(bom + b"hi")
+    (tmp_path / "d.json").write_bytes(bom + b'[{"text": "arr"}]')
+    assert texts(tmp_path, [tmp_path]) == ["x", "hello", "hi", "arr"]
