@@ -1,0 +1,29 @@
+"""Throughput meters: tokens/s, MFU against a given or looked-up peak, and the data-wait fraction."""
+
+import time
+
+import torch
+
+from kiln.monitor.meters import Throughput, peak_flops
+
+
+def test_tokens_per_second_mfu_and_data_wait():
+    meter = Throughput(flops_per_token=1e9, device=torch.device("cpu"), peak=1e12)
+    meter.start(step=10)
+    with meter.waiting_for_data():
+        time.sleep(0.05)
+    time.sleep(0.05)
+    m = meter.read(step=12, tokens_per_step=1000)
+    assert 2000 / 0.2 < m["tokens_per_s"] < 2000 / 0.1
+    assert abs(m["mfu"] - m["tokens_per_s"] * 1e9 / 1e12) < 1e-12
+    assert 0.3 < m["data_wait"] < 0.6
+    time.sleep(0.02)  # the next interval starts at the last read, with no waiting carried over
+    m2 = meter.read(step=13, tokens_per_step=1000)
+    assert m2["data_wait"] == 0.0 and m2["tokens_per_s"] < 1000 / 0.02
+
+
+def test_no_peak_on_cpu_means_no_mfu():
+    assert peak_flops(torch.device("cpu")) is None
+    meter = Throughput(flops_per_token=1e9, device=torch.device("cpu"))
+    meter.start(0)
+    assert "mfu" not in meter.read(1, 100)
