@@ -18,6 +18,8 @@ class CheckpointEvery(Callback):
     def on_step_end(self, trainer, metrics: dict[str, Any] | None) -> None:
         c, step = self.ckpt.ccfg, trainer.step
         self.ckpt.poll()  # a failed background save stops the run here, not silently
+        if c.async_save:
+            self.ckpt.warm_up(trainer)
         if c.snapshot_every and step % c.snapshot_every == 0:
             self.ckpt.take_snapshot(trainer)
         signame = self.guard.should_stop() if self.guard else None

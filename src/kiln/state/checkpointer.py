@@ -106,6 +106,7 @@ class Checkpointer:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-checkpoint")
         self._pending: tuple[int, Future] | None = None
         self._buffers: dict[str, Any] | None = None  # reused CPU copies of the tensors (pinned on CUDA)
+        self._buffers_ready: Future | None = None
         self.snapshot: Snapshot | None = None
         self.last_saved_step: int | None = None
         self.archive = None
@@ -147,13 +148,32 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, trainer, reason: str = "periodic", blocking: bool | None = None) -> Path:
-        """Checkpoint the trainer's state at its current step. Returns where it will be complete."""
+    def warm_up(self, trainer) -> None:
+        """Allocate the pinned CPU buffers of the state in the background, so the first save only copies.
+
+        Call after the first optimizer step (the optimizer's state exists then); a no-op off CUDA.
+        """
+        if self._buffers is not None or self._buffers_ready is not None or trainer.step == 0:
+            return
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return
+        self._buffers_ready = self._pool.submit(_create_cpu_state_dict, self._tensors(trainer), pin_memory=True)
+
+    def save(self, trainer, reason: str = "periodic", blocking: bool | None = None) -> Path | None:
+        """Checkpoint the trainer's state at its current step. Returns where it will be complete.
+
+        Nothing is saved before the first step: a fresh start is that state, and capturing the
+        optimizer's state before it exists would create it (and change the run).
+        """
         self.wait()  # one save at a time; raises an earlier background failure
+        if trainer.step == 0:
+            return None
         target = self.dir / step_dir_name(trainer.step)
         if self.last_saved_step == trainer.step and target.is_dir():
             return target
         blocking = (not self.ccfg.async_save) if blocking is None else blocking
+        if self._buffers_ready is not None:
+            self._buffers, self._buffers_ready = self._buffers_ready.result(), None
         self._buffers = self._copy_to_cpu(self._tensors(trainer), self._buffers)
         small, rng = self._small(trainer), rng_state()
         small["reason"] = reason
@@ -235,14 +255,16 @@ class Checkpointer:
 
     def _complete(self, tmp: Path, final: Path, small: dict[str, Any], seconds: float) -> None:
         """Rank 0, after every rank wrote: hash, write meta.json, rename into place, prune, archive."""
+        t0 = time.perf_counter()
         files = hash_tree(tmp, threads=max(4, self.ccfg.write_threads))
+        hashing = time.perf_counter() - t0
         last_eval = small["trainer"]["last_eval"]
         step = small["trainer"]["step"]
         val_loss = last_eval["val_loss"] if last_eval and last_eval.get("step") == step else None
         meta = {
             "format": FORMAT, "step": step, "tokens_seen": small["trainer"]["tokens_seen"],
             "reason": small["reason"], "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "write_seconds": round(seconds, 3), "val_loss": val_loss,
+            "write_seconds": round(seconds, 3), "hash_seconds": round(hashing, 3), "val_loss": val_loss,
             "world_size": dist.get_world_size() if self.distributed else 1,
             "versions": {"kiln": __version__, "torch": torch.__version__},
             "fingerprints": small["fingerprints"], "config": self.cfg.model_dump(mode="json"),

@@ -22,7 +22,7 @@ import torch.distributed as dist
 class Preempted(Exception):
     """Raised out of the loop after the preemption checkpoint is complete."""
 
-    def __init__(self, signame: str, step: int, path: Path):
+    def __init__(self, signame: str, step: int, path: Path | None):
         super().__init__(f"stopped by {signame} after step {step}; checkpoint {path}")
         self.signame, self.step, self.path = signame, step, path
 
@@ -101,8 +101,8 @@ def train_guarded(trainer, checkpointer, guard: SignalGuard | None, run_dir: Pat
             return trainer.train()
     except Preempted as p:
         checkpointer.close()
-        log(f"stopped by {p.signame} after step {p.step}; checkpoint {p.path} is complete.\n"
-            f"Resume with: kiln train {run_dir}")
+        saved = f"checkpoint {p.path} is complete" if p.path else "nothing to save before the first step"
+        log(f"stopped by {p.signame} after step {p.step}; {saved}.\nResume with: kiln train {run_dir}")
         return None
     except KeyboardInterrupt:
         raise  # a second signal: abort now

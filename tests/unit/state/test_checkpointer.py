@@ -51,6 +51,13 @@ def test_round_trip_continues_bit_for_bit(trainer_factory):
     ck.close(), ck_b.close()
 
 
+def test_nothing_is_saved_before_the_first_step(trainer_factory):
+    t = trainer_factory()
+    ck = checkpointer(t)
+    assert ck.save(t) is None and checkpoints(t.cfg.train.run_dir) == []
+    assert not t.optimizer.state  # capturing the state did not create the optimizer's moments
+
+
 def test_meta_lists_every_file_with_its_hash(trainer_factory):
     t = trainer_factory()
     run_steps(t, 1)
@@ -172,6 +179,7 @@ def test_full_disk_raises_and_keeps_earlier_checkpoints(trainer_factory, async_s
 
 def test_load_rejects_a_model_of_another_shape(trainer_factory):
     t = trainer_factory()
+    run_steps(t, 1)
     ck = checkpointer(t)
     path = ck.save(t)
     other = trainer_factory()
