@@ -121,10 +121,16 @@ def prepare(
     if config is not None and "=" in config:
         overrides.insert(0, config)
         config = None
+    data = load_config(config, overrides).data
+    if data.mixture:  # each entry with sources is prepared, with the first entry's tokenizer
+        from kiln.data.build import prepare_all
+
+        for ds in prepare_all(data, console):
+            print(ds.path)
+        return
     from kiln.data.prepare import prepare as run_prepare
 
-    ds = run_prepare(load_config(config, overrides).data, console)
-    print(ds.path)
+    print(run_prepare(data, console).path)
 
 
 @app.command()
