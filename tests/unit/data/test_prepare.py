@@ -192,3 +192,21 @@ def test_kill_9_then_rerun_finishes_without_redoing_shards(corpus, tmp_path):
     want = expected(texts, 0.05)
     for split in ("train", "val"):
         assert [ds.tokenizer.decode(doc[:-1]) for doc in read_docs(ds, split)] == want[split]
+
+
+def test_cli_prepare_reports_bad_records(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "first document"}\n{"txt": "wrong field"}\n{"text": "third"}\n')
+    (tmp_path / "cfg.yaml").write_text(f"data:\n  sources: [{tmp_path / 'a.jsonl'}]\n  vocab_size: 300\n"
+                                       f"  val_fraction: 0\n  cache_dir: {tmp_path / 'cache'}\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "COLUMNS": "200"}
+    cmd = [sys.executable, "-m", "kiln.cli", "prepare", str(tmp_path / "cfg.yaml")]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"{tmp_path / 'a.jsonl'}:2: the record has no text field" in " ".join(r.stderr.split())
+    r = subprocess.run(cmd + ["data.on_bad_record=skip"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.strip().splitlines()
+    ds = open_dataset(out[-1])
+    assert ds.manifest["report"]["dropped"] == {"missing_field": 1}
+    assert ds.manifest["splits"]["train"]["documents"] == 2
+    assert any("dropped: missing_field" in line for line in out)
