@@ -90,3 +90,53 @@ def test_bad_weights():
         Mixture([1, -1], seed=0)
     with pytest.raises(ConfigError, match="positive"):
         Mixture([], seed=0)
+
+
+def _texts(tmp_path, name, modules):
+    d = tmp_path / name
+    d.mkdir()
+    lines = [ln.strip() for m in modules for ln in (m.__doc__ or "").splitlines() if len(ln.strip()) > 10]
+    (d / "docs.txt").write_text("\n".join(f"{name} {i}: {ln}" for i, ln in enumerate(lines * 4)))
+    return d
+
+
+def test_mixture_from_the_run_config(tmp_path):
+    """data.mixture through build_data: real prepared datasets, one tokenizer, weights honoured,
+    a prepared directory as an entry, and a dataset of another tokenizer refused."""
+    import argparse
+    import collections
+    import json as json_mod
+    import pathlib
+    import typing
+
+    import torch
+
+    from kiln.config import load_config
+    from kiln.data.build import build_data
+    from kiln.data.prepare import prepare
+    from kiln.errors import DataError
+
+    a = _texts(tmp_path, "alpha", (collections, json_mod, argparse))
+    b = _texts(tmp_path, "beta", (pathlib, typing))
+    common = ["data.text_unit=line", "data.vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}", "data.workers=1",
+              "data.val_fraction=0.2", "train.seq_len=16", "train.batch_size=8"]
+    cfg = load_config(None, [f"data.mixture=[{{sources: [{a}], weight: 3}}, {{sources: [{b}], weight: 1}}]", *common])
+    data = build_data(cfg, torch.device("cpu"), rank=0, world=1)
+    first, second = data.datasets
+    assert first.tokenizer.hash == second.tokenizer.hash
+    for _ in range(50):
+        tokens, targets, doc_ids = next(data.train)
+    taken = data.train.state_dict()["taken"]
+    assert abs(taken[f"{first.id}/train"] / 400 - 0.75) < 0.02
+    assert data.manifest["id"].startswith("mix-") and next(data.val)[0].shape == (8, 16)
+    data.train.close()
+
+    by_dir = load_config(None, [f"data.mixture=[{{dataset: {first.path}}}, {{sources: [{b}], weight: 0.5}}]", *common])
+    again = build_data(by_dir, torch.device("cpu"), rank=0, world=1)
+    assert [ds.id for ds in again.datasets] == [first.id, second.id]  # the same content-addressed datasets
+    again.train.close()
+
+    other = prepare(load_config(None, [f"data.sources=[{b}]", *common, "data.vocab_size=280"]).data)
+    wrong = load_config(None, [f"data.mixture=[{{sources: [{a}]}}, {{dataset: {other.path}}}]", *common])
+    with pytest.raises(DataError, match=r"data.mixture\[1\].*tokenizer"):
+        build_data(wrong, torch.device("cpu"), rank=0, world=1)
