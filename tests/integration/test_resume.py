@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -55,11 +56,15 @@ run(load_config(None, args), callbacks=[Interrupt()])
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> list[str]:
-    cache = tmp_path_factory.mktemp("cache")
+    cache, corpus = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text = "".join(p.read_text(errors="replace") for p in sorted(stdlib.glob("*.py"))[:40])
+    for i in range(240):  # 240 documents of 2 kB: enough for a validation split of any seed
+        (corpus / f"{i:03d}.txt").write_text(text[i * 2000:(i + 1) * 2000])
     return ["model.size=tiny", "train.seq_len=32", "train.batch_size=4", f"train.max_steps={2 * N}",
             "train.warmup_steps=2", "train.eval_every=0", "train.eval_batches=2", "train.sample_tokens=0",
             "train.device=cpu", f"checkpoint.every={N}", "checkpoint.save_final=false", "logging.every=1",
-            "logging.console=false", "data.max_bytes=400000", "data.val_fraction=0.05", "data.vocab_size=512",
+            "logging.console=false", f"data.sources=[{corpus}]", "data.val_fraction=0.1", "data.vocab_size=512",
             f"data.cache_dir={cache}"]
 
 
