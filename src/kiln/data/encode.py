@@ -13,6 +13,7 @@ import os
 import signal
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures.process import BrokenProcessPool
 from itertools import chain
 
 import numpy as np
@@ -81,7 +82,13 @@ class Encoder:
             if self.pool is not None:
                 if not (drain or len(self.pending) > self.max_pending or item.done()):
                     return
-                item = item.result()
+                try:
+                    item = item.result()
+                except BrokenProcessPool:
+                    from kiln.errors import ResourceError
+
+                    raise ResourceError("a tokenizer worker process died (killed, or out of memory?); run again "
+                                        "with fewer data.workers; finished shards are kept") from None
             self.pending.popleft()
             yield (tag, *item)
 

@@ -14,6 +14,7 @@ there. `manifest.json` is written last: without it no reader accepts the directo
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -31,7 +32,7 @@ from kiln.data.report import build_report, print_report
 from kiln.data.sources import SourceFile, expand, iter_documents
 from kiln.data.tokenizer import Tokenizer, load_or_train
 from kiln.data.writer import ShardWriter, completed_shards
-from kiln.errors import DataError
+from kiln.errors import DataError, ResourceError
 
 BATCH_BYTES = 1 << 20  # text per encoding task
 BATCH_DOCS = 4096
@@ -109,7 +110,7 @@ def _train_texts(cfg, files: list[SourceFile]) -> Iterator[str]:
 
 
 @contextmanager
-def _locked(path: Path):
+def _locked(path: Path, console=None):
     """An exclusive lock on `path` across processes (two prepares of one dataset take turns)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
@@ -118,7 +119,12 @@ def _locked(path: Path):
         except ImportError:  # Windows: no lock
             yield
             return
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if console is not None:
+                console.print(f"waiting for another process preparing the same dataset ({path.with_suffix('')})")
+            fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -147,9 +153,16 @@ def prepare(cfg, console=None, progress: bool = True, tokenizer: Tokenizer | Non
     out = cache / "datasets" / ds_id
     reused = (out / "manifest.json").is_file()
     if not reused:
-        with _locked(cache / "datasets" / f"{ds_id}.lock"):
+        with _locked(cache / "datasets" / f"{ds_id}.lock", console):
             if not (out / "manifest.json").is_file():  # another process may have finished it meanwhile
-                _build(cfg, files, sources, tokenizer, settings, out, console if progress else None, start)
+                try:
+                    _build(cfg, files, sources, tokenizer, settings, out, console if progress else None, start)
+                except OSError as e:
+                    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        raise
+                    raise ResourceError(f"no space left writing {out} ({e.strerror}); free some or set "
+                                        "data.cache_dir to a larger disk, then run again: finished shards "
+                                        "are kept") from None
     ds = open_dataset(out, tokenizer.hash)
     if console is not None:
         print_report(ds.manifest["report"], console, out, reused)

@@ -210,3 +210,26 @@ def test_cli_prepare_reports_bad_records(tmp_path):
     assert ds.manifest["report"]["dropped"] == {"missing_field": 1}
     assert ds.manifest["splits"]["train"]["documents"] == 2
     assert any("dropped: missing_field" in line for line in out)
+
+
+def test_full_disk_is_a_resource_error_and_keeps_finished_shards(corpus, tmp_path, monkeypatch):
+    import errno
+
+    from kiln.data import writer
+    from kiln.errors import ResourceError
+
+    real_finish, calls = writer.ShardWriter.finish, []
+
+    def finish_then_full(self):
+        calls.append(1)
+        if len(calls) > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_finish(self)
+
+    monkeypatch.setattr(writer.ShardWriter, "finish", finish_then_full)
+    cfg = config(corpus, tmp_path)
+    with pytest.raises(ResourceError, match="no space left .*finished shards are kept"):
+        prepare(cfg)
+    monkeypatch.setattr(writer.ShardWriter, "finish", real_finish)
+    ds = prepare(cfg)
+    assert ds.manifest["report"]["resumed_shards"] == 2 and ds.verify() == []
