@@ -1,7 +1,7 @@
 """Cost of document masking: a training step with doc_ids beside the same step with plain causal attention.
 
-    python benchmarks/doc_mask.py                      # GPU: 124m, T=2048, B=8, bf16
-    python benchmarks/doc_mask.py --size tiny --seq-len 256 --batch-size 8   # CPU
+    python -m benchmarks.doc_mask                      # GPU: 124m, T=2048, B=8, bf16
+    python -m benchmarks.doc_mask --size tiny --seq-len 256 --batch-size 8   # CPU
 
 On CUDA the mask is a flex-attention block mask (blocks across documents are skipped); on CPU an
 SDPA boolean mask. Rows hold documents of web-like lengths (log-normal, median ~600 tokens).

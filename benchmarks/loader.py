@@ -1,7 +1,7 @@
 """Packed-row throughput of the loader on one CPU core, beside nanoGPT's random-window sampler.
 
-    python benchmarks/loader.py                       # synthetic shards, web-like document lengths
-    python benchmarks/loader.py --dataset DIR         # a dataset made by `kiln prepare`
+    python -m benchmarks.loader                       # synthetic shards, web-like document lengths
+    python -m benchmarks.loader --dataset DIR         # a dataset made by `kiln prepare`
 
 Both read the same memory-mapped uint16 shards and produce int64 (B, T) inputs and targets. Kiln
 also gives document ids (for attention masking), keeps an exact resumable position and visits

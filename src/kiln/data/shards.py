@@ -74,11 +74,11 @@ class TokenStream:
                 continue
             try:
                 tokens = np.memmap(bin_path, dtype=self.dtype, mode="r")
-                ends = np.fromfile(idx_path, dtype="<u8").astype(np.int64)
+                ends = np.memmap(idx_path, dtype="<u8", mode="r").view(np.ndarray)  # page cache, shared by ranks
             except (OSError, ValueError) as e:
                 raise DataError(f"cannot read shard {bin_path} ({e}); run `kiln prepare --verify` on its "
                                 "dataset, or prepare it again") from None
-            if tokens.size != n or ends.size == 0 or ends[-1] != n or np.any(np.diff(ends) <= 0):
+            if tokens.size != n or ends.size == 0 or int(ends[-1]) != n or int(ends[0]) == 0:
                 raise DataError(f"shard {bin_path} does not match its manifest or index ({tokens.size} tokens, "
                                 f"manifest says {n}); the dataset is damaged: prepare it again")
             self.bins.append(tokens.view(np.ndarray))  # plain array view: no memmap overhead per slice
@@ -121,7 +121,7 @@ class TokenStream:
             lo, hi = ends.searchsorted((local, local + min(take, m - off) - 1), side="right")
             if off != last:
                 cuts.append((off,))  # every piece starts at a document start
-            cuts.append(ends[lo:hi] - (local - off))  # documents starting inside the piece
+            cuts.append(ends[lo:hi].astype(np.int64) - (local - off))  # documents starting inside the piece
             last = off + take
         bounds = np.concatenate(cuts) if len(cuts) > 1 else np.asarray(cuts[0])
         if bounds.size == 1:  # the whole row is one document

@@ -75,7 +75,7 @@ class StreamRows:
         self.document_mask, self.shuffle, self.pin = document_mask, shuffle, pin_memory
         self.files = _sources(cfg)
         self.key = _sources_key(self.files)
-        self.position = {"epoch": 0, "file": 0, "record": 0, "offset": 0, "bytes": 0, "sample": 0}
+        self.position = {"epoch": 0, "file": 0, "record": 0, "offset": 0, "chars": 0, "sample": 0}
         self._reset_buffer()
 
     # ------------------------------------------------------------------ documents
@@ -86,15 +86,15 @@ class StreamRows:
         perm = np.random.default_rng([self.seed, epoch, 0x73747265]).permutation(len(self.files))
         return [self.files[i] for i in perm]
 
-    def _documents(self, epoch: int, start: tuple[int, int], bytes_before: int):
-        """(epoch, file, record, bytes_before, tokens) of this split's documents from `start` on, all epochs."""
+    def _documents(self, epoch: int, start: tuple[int, int], chars_before: int):
+        """(epoch, file, record, chars_before, tokens) of this split's documents from `start` on, all epochs."""
         from kiln.data.encode import encode_texts
         from kiln.data.records import doc_hash, is_val
         from kiln.data.sources import iter_documents
 
         frac, limit, want_val = self.cfg.val_fraction, self.cfg.max_bytes, self.split == "val"
         while True:
-            batch, found, total = [], False, bytes_before
+            batch, found, total = [], False, chars_before
             for doc in iter_documents(self.cfg, self._order(epoch), start=start):
                 size = len(doc.text)  # data.max_bytes counts characters, as `kiln prepare` does
                 if is_val(doc_hash(doc.text), frac) == want_val:
@@ -111,7 +111,7 @@ class StreamRows:
             if not found and start == (0, 0):
                 raise DataError(f"the sources {self.cfg.sources} hold no '{self.split}' documents (data.val_fraction="
                                 f"{frac}); give more data or change data.val_fraction")
-            epoch, start, bytes_before = epoch + 1, (0, 0), 0
+            epoch, start, chars_before = epoch + 1, (0, 0), 0
 
     def _encode(self, epoch: int, batch: list, encode_texts):
         tokens, lengths = encode_texts([b[3] for b in batch], self.tok.tk, self.tok.eos_id, self.tok.bos_id, np.int64)
@@ -123,14 +123,14 @@ class StreamRows:
         if getattr(self, "_docs", None) is not None:
             self._docs.close()  # closes the file it was reading
         self._docs = None  # the generator, started on first use
-        self._buf: deque = deque()  # (epoch, file, record, bytes_before, tokens) from the position on
+        self._buf: deque = deque()  # (epoch, file, record, chars_before, tokens) from the position on
         self._avail = 0  # tokens in the buffer from the position on
         self._skip = p["offset"]
 
     def _fill(self, need: int) -> None:
         if self._docs is None:
             p = self.position
-            self._docs = self._documents(p["epoch"], (p["file"], p["record"]), p["bytes"])
+            self._docs = self._documents(p["epoch"], (p["file"], p["record"]), p["chars"])
         while self._avail < need:
             item = next(self._docs)
             if self._skip:  # resuming inside this document
@@ -182,7 +182,7 @@ class StreamRows:
                 off, n = off + n, 0
         self._fill(1)
         epoch, fi, ri, before, _ = self._buf[0]
-        self.position.update(epoch=epoch, file=fi, record=ri, bytes=before, offset=off,
+        self.position.update(epoch=epoch, file=fi, record=ri, chars=before, offset=off,
                              sample=self.position["sample"] + self.B * self.world)
 
     def state_dict(self) -> dict:
@@ -190,7 +190,7 @@ class StreamRows:
 
     def load_state_dict(self, state: dict) -> None:
         try:
-            pos = {k: int(state[k]) for k in ("epoch", "file", "record", "offset", "bytes", "sample")}
+            pos = {k: int(state[k]) for k in ("epoch", "file", "record", "offset", "chars", "sample")}
             seq_len, seed, key = int(state["seq_len"]), int(state["seed"]), str(state["sources"])
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"the saved streaming position is malformed ({e!r}); was it saved by a prepared-data "

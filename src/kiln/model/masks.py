@@ -25,20 +25,26 @@ def _flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+@functools.cache
+def _block_mask_builder():
+    # compiled, the block mask is built block by block instead of from a (B, T, T) boolean tensor
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask, dynamic=False)
+
+
 def doc_mask(doc_ids: torch.Tensor | None):
     """doc_ids (B, T) -> a mask `attend` understands (None: plain causal)."""
     if doc_ids is None:
         return None
     B, T = doc_ids.shape
     if doc_ids.is_cuda:
-        from torch.nn.attention.flex_attention import create_block_mask
-
         docs = doc_ids
 
         def same_doc_causal(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
 
-        return create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device)
+        return _block_mask_builder()(same_doc_causal, B, None, T, T, device=doc_ids.device)
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril_()
     same = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
     return (same & causal)[:, None]  # (B, 1, T, T)
