@@ -112,14 +112,12 @@ def _sdpa_backend(name: str):
 
 
 def run_kiln(size: str, batch: int, seq: int, warmup: int, steps: int, compile: bool = True, ac: str = "none",
-             attention: str = "default", docs: int = 0, name: str = "kiln", residual_bf16: bool = False,
+             attention: str = "default", docs: int = 0, name: str = "kiln", scope: str = "blocks",
              precision: str = "bf16", profile: bool = False) -> Result:
     """precision: 'bf16' (autocast over fp32 weights) or 'bf16-params' (bf16 weights and AdamW state)."""
-    from kiln.model import llama
     from kiln.train.trainer import Trainer
 
     _free()
-    llama.RESIDUAL_IN_AUTOCAST_DTYPE = residual_bf16
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = RunConfig.model_validate({
         "model": {"size": size, "vocab_size": VOCAB, "max_seq_len": max(seq, 2048)},
@@ -134,7 +132,7 @@ def run_kiln(size: str, batch: int, seq: int, warmup: int, steps: int, compile: 
         model.to(torch.bfloat16)
     apply_ac(model, ac)
     if compile:
-        apply_compile(model)
+        apply_compile(model, scope=scope)
     fpt = flops_per_token(cfg.model, seq)
     loader = RandomTokens(batch, seq, VOCAB, docs=docs)
     trainer = Trainer(cfg, model, loader, loader, device, [], flops_per_token=fpt)
@@ -157,7 +155,7 @@ def run_kiln(size: str, batch: int, seq: int, warmup: int, steps: int, compile: 
     recompiles = compiled_graph_count() - graphs
     if profile:
         _profile(trainer, attention)
-    res.notes = f"compile={compile} ac={ac} attn={attention} residual_bf16={residual_bf16} {precision}" + (f" docs={docs}" if docs else "")
+    res.notes = f"compile={compile} ac={ac} attn={attention} scope={scope} {precision}" + (f" docs={docs}" if docs else "")
     res.extra = {"recompiles_after_warmup": recompiles, "step_ms": 1000 * dt / steps}
     del trainer, model
     return res
@@ -243,7 +241,7 @@ def _parse_variant(text: str) -> dict:
     for item in filter(None, text.split(",")):
         k, _, v = item.partition("=")
         flag = lambda s: s not in ("0", "false")  # noqa: E731
-        out[k] = {"compile": flag, "residual_bf16": flag, "profile": flag, "docs": int}.get(k, str)(v)
+        out[k] = {"compile": flag, "profile": flag, "docs": int}.get(k, str)(v)
     return out
 
 

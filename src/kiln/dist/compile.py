@@ -14,11 +14,15 @@ from torch import nn
 from kiln.model import loss as loss_module
 
 
-def apply_compile(model: nn.Module, loss: bool = True) -> nn.Module:
-    """Compile each block of `model.layers` and the final norm in place; and the loss kernel. Returns the model."""
-    for block in model.layers:
-        block.compile(fullgraph=True)
-    model.norm.compile(fullgraph=True)
+def apply_compile(model: nn.Module, loss: bool = True, scope: str = "blocks") -> nn.Module:
+    """Compile in place, each block of `model.layers` and the final norm (scope 'blocks') or the
+    whole forward pass up to the loss (scope 'model'); and the loss kernel. Returns the model."""
+    if scope == "model":
+        model.compile()
+    else:
+        for block in model.layers:
+            block.compile(fullgraph=True)
+        model.norm.compile(fullgraph=True)
     if loss and loss_module.ChunkKernel.fn is loss_module.chunk_loss_and_grad:
         loss_module.ChunkKernel.fn = torch.compile(loss_module.chunk_loss_and_grad, fullgraph=True)
     return model

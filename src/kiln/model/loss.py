@@ -89,6 +89,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return gh, gw, None, None, None, None
 
 
+@torch.compiler.disable  # a loop of large kernels around a compiled one: nothing for the compiler to fuse
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          rows: int | None = None) -> torch.Tensor:
     """Mean cross-entropy of the logits `h @ weight.T` against `targets`, skipping targets of -100.
