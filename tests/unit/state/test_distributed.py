@@ -1,0 +1,66 @@
+"""Two real processes (gloo): one checkpoint from both ranks, exact continuation in 2 processes and in 1,
+and a signal seen by one rank stops both at the same step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kiln.state.checkpointer import Checkpointer
+
+from .conftest import make_trainer, run_steps
+
+HERE = Path(__file__).parent
+
+WORKER = r'''
+import json, os, signal, sys
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from conftest import make_trainer, run_steps
+from kiln.state.checkpointer import Checkpointer
+from kiln.state.preempt import SignalGuard
+
+run_dir, out = sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+t = make_trainer(run_dir, async_save=True)
+run_steps(t, 2)
+ck = Checkpointer(run_dir, t.cfg, {"dataset": "d"}, print)
+path = ck.save(t)
+ck.wait()
+expected = run_steps(t, 3)
+fresh = make_trainer(run_dir)
+Checkpointer(run_dir, fresh.cfg, {"dataset": "d"}, print).load(fresh, path)
+assert run_steps(fresh, 3) == expected, "2-process resume differs"
+with SignalGuard(group=ck.group) as guard:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    stop = guard.should_stop()
+assert stop == "SIGTERM", (rank, stop)
+if rank == 0:
+    json.dump({"path": str(path), "expected": expected}, open(out, "w"))
+ck.close()
+dist.destroy_process_group()
+'''
+
+
+def test_two_ranks_save_once_and_resume_in_two_or_one(tmp_path):
+    run_dir, out = tmp_path / "run", tmp_path / "out.json"
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
+           str(HERE), str(run_dir), str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    path = Path(result["path"])
+    assert {"rank0.json", "rank1.json"} <= {p.name for p in path.iterdir()}
+    assert json.loads((path / "meta.json").read_text())["world_size"] == 2
+
+    one = make_trainer(run_dir)  # a single process continues the 2-process run exactly
+    Checkpointer(run_dir, one.cfg, {"dataset": "d"}, print).load(one, path)
+    assert one.step == 2 and run_steps(one, 3) == result["expected"]
