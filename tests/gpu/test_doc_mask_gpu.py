@@ -43,3 +43,22 @@ def test_model_logits_independent_of_previous_document_on_gpu():
     loss = model.train()(tokens, tokens.roll(-1, 1), ids)
     loss.backward()
     assert torch.isfinite(loss)
+
+
+def test_compiled_blocks_keep_the_document_mask():
+    import warnings
+
+    from kiln.dist.compile import apply_compile
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(size="tiny", vocab_size=256)).cuda().eval()
+    tokens = torch.randint(0, 256, (2, 256), device="cuda")
+    ids = _doc_ids(2, 256, seed=3).cuda()
+    with torch.no_grad():
+        eager = model(tokens, doc_ids=ids)
+    apply_compile(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no cache wrapper traced by dynamo
+        with torch.no_grad():
+            compiled = model(tokens, doc_ids=ids)
+    torch.testing.assert_close(compiled, eager, rtol=2e-3, atol=2e-3)

@@ -57,4 +57,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torc
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    if torch.compiler.is_compiling():  # inside a compiled block: traced into its graph
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
     return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
