@@ -33,10 +33,10 @@ class Throughput:
     def __init__(self, flops_per_token: float, device: torch.device, peak: float | None = None):
         self.flops_per_token, self.device = flops_per_token, device
         self.peak = peak or peak_flops(device)
-        self._t0, self._step0, self._wait = time.perf_counter(), 0, 0.0
+        self._t0, self._step0, self._wait, self._paused = time.perf_counter(), 0, 0.0, 0.0
 
     def start(self, step: int) -> None:
-        self._t0, self._step0, self._wait = time.perf_counter(), step, 0.0
+        self._t0, self._step0, self._wait, self._paused = time.perf_counter(), step, 0.0, 0.0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -46,14 +46,23 @@ class Throughput:
         yield
         self._wait += time.perf_counter() - t
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time inside (an evaluation, say) is not training time: tokens/s and MFU leave it out."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # queued training work finishes on the training clock
+        t = time.perf_counter()
+        yield
+        self._paused += time.perf_counter() - t
+
     def read(self, step: int, tokens_per_step: int) -> dict[str, float]:
         now = time.perf_counter()
-        dt = max(now - self._t0, 1e-9)
+        dt = max(now - self._t0 - self._paused, 1e-9)
         tps = (step - self._step0) * tokens_per_step / dt
         out = {"tokens_per_s": tps, "data_wait": self._wait / dt}
         if self.peak and self.flops_per_token:
             out["mfu"] = tps * self.flops_per_token / self.peak
         if self.device.type == "cuda":
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        self._t0, self._step0, self._wait = now, step, 0.0
+        self._t0, self._step0, self._wait, self._paused = now, step, 0.0, 0.0
         return out

@@ -93,16 +93,17 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
         """Mean loss and perplexity over the same eval_batches validation batches every time."""
-        self.model.eval()
-        self.val_loader.reset()
-        total = torch.zeros((), device=self.device)
-        n = self.cfg.train.eval_batches
-        for _ in range(n):
-            x, y, docs = self._batch(self.val_loader)
-            with self.autocast():
-                total += self.model(x, y, docs).float()
-        self.model.train()
-        loss = (total / n).item()
+        with self.meter.paused():  # evaluation time is not counted in training tokens/s
+            self.model.eval()
+            self.val_loader.reset()
+            total = torch.zeros((), device=self.device)
+            n = self.cfg.train.eval_batches
+            for _ in range(n):
+                x, y, docs = self._batch(self.val_loader)
+                with self.autocast():
+                    total += self.model(x, y, docs).float()
+            self.model.train()
+            loss = (total / n).item()
         self.last_eval = {"step": self.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
         self.events.emit("on_eval_end", self, self.last_eval)
         return self.last_eval

@@ -27,3 +27,13 @@ def test_no_peak_on_cpu_means_no_mfu():
     meter = Throughput(flops_per_token=1e9, device=torch.device("cpu"))
     meter.start(0)
     assert "mfu" not in meter.read(1, 100)
+
+
+def test_paused_time_is_left_out():
+    meter = Throughput(flops_per_token=0.0, device=torch.device("cpu"))
+    meter.start(0)
+    time.sleep(0.05)
+    with meter.paused():
+        time.sleep(0.3)
+    m = meter.read(1, 1000)
+    assert m["tokens_per_s"] > 1000 / 0.2  # 0.05 s of training, not 0.35
