@@ -103,6 +103,9 @@ class Checkpointer:
         # checkpoint collectives run on their own gloo group, so a background save never interleaves
         # with the training collectives of the default (NCCL) group
         self.group = dist.new_group(backend="gloo") if self.distributed else None
+        # and the main thread's small collectives (did any rank get a signal?) on another, since a
+        # background save may be running collectives on `group` at the same moment
+        self.control_group = dist.new_group(backend="gloo") if self.distributed else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-checkpoint")
         self._pending: tuple[int, Future] | None = None
         self._buffers: dict[str, Any] | None = None  # reused CPU copies of the tensors (pinned on CUDA)
@@ -284,7 +287,9 @@ class Checkpointer:
         """Delete the oldest complete checkpoints beyond keep_last; the newest is complete already."""
         for old in checkpoints(self.run_dir)[: -self.ccfg.keep_last]:
             if old != newest and step_of(old) < step_of(newest):
-                shutil.rmtree(old, ignore_errors=True)
+                doomed = old.with_name(f"{TMP_PREFIX}del-{old.name}")
+                os.rename(old, doomed)  # gone at once; a kill during the delete leaves only a .tmp- dir
+                shutil.rmtree(doomed, ignore_errors=True)
 
     def _archive(self, ckpt: Path, meta: dict[str, Any]) -> None:
         every, m = self.ccfg.every, self.ccfg.archive_every

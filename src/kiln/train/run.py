@@ -72,7 +72,7 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
     train_model = model
 
     checkpointer = Checkpointer(run_dir, cfg, prints, console.print)
-    guard = SignalGuard(console.print, checkpointer.group) if cfg.checkpoint.on_signal else None
+    guard = SignalGuard(console.print, checkpointer.control_group) if cfg.checkpoint.on_signal else None
     extra, callbacks = list(callbacks), [EvalEvery(tcfg.eval_every)]
     if cfg.logging.console:
         callbacks.append(ConsoleSink(console))

@@ -35,7 +35,11 @@ expected = run_steps(t, 3)
 fresh = make_trainer(run_dir)
 Checkpointer(run_dir, fresh.cfg, {"dataset": "d"}, print).load(fresh, path)
 assert run_steps(fresh, 3) == expected, "2-process resume differs"
-with SignalGuard(group=ck.group) as guard:
+with SignalGuard(group=ck.control_group) as guard:
+    ck.save(t)  # in flight in the background while the main thread runs its own collectives
+    for _ in range(20):
+        assert guard.should_stop() is None
+    ck.wait()
     if rank == 1:
         os.kill(os.getpid(), signal.SIGTERM)
     stop = guard.should_stop()
