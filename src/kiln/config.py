@@ -158,7 +158,7 @@ class DataConfig(Section):
     document_mask: bool = True
     """Keep attention inside each document of a packed row, so no token attends across an EOS."""
     shuffle: bool = True
-    """Visit packed rows in a new seeded order each epoch; false keeps stream order (e.g. curriculum data)."""
+    """Visit packed rows in a new seeded order each epoch (streaming: the files); false keeps stream order."""
     streaming: bool = False
     """Read and tokenize the sources on the fly while training instead of preparing token shards first."""
     prefetch: int = 2
