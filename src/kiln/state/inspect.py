@@ -10,7 +10,7 @@ import yaml
 
 from kiln.errors import StateError
 from kiln.state.resume import FREE, config_differences
-from kiln.state.rundir import CHECKPOINTS, checkpoints, unfinished
+from kiln.state.rundir import CHECKPOINTS, checkpoints, set_aside, unfinished
 from kiln.state.verify import META, read_meta, verify
 
 
@@ -88,6 +88,8 @@ def describe_run(run_dir: Path, compare: dict[str, Any] | None = None, check: bo
         val = f"val {meta['val_loss']:.4f}" if meta.get("val_loss") is not None else "val      -"
         lines.append(f"  {p.name}  step {meta['step']:>8,}  {meta['tokens_seen']:>14,} tokens  {val}  "
                      f"{_size(meta['bytes']):>9}  {meta['reason']:<9}  {_status(p, check)}")
+    for p in set_aside(run_dir):
+        lines.append(f"  {p.name}  damaged, set aside by a resume (kept for inspection)")
     for p in unfinished(run_dir):
         lines.append(f"  {p.name}  unfinished save (killed or failed while writing; never loaded, removed on resume)")
     every = ccfg.get("snapshot_every", 0)

@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 from kiln.config import RunConfig
 from kiln.errors import StateError
-from kiln.state.rundir import checkpoints, fresh_sibling, make_run_dir, remove_unfinished, unfinished
+from kiln.state.rundir import (DAMAGED_PREFIX, checkpoints, fresh_sibling, make_run_dir, remove_unfinished, step_of,
+                               unfinished)
 from kiln.state.verify import verify
 
 MODES = ("auto", "never", "force")
@@ -137,4 +138,10 @@ def resume_target(cfg: RunConfig, mode: str, log: Callable[[str], None]) -> tupl
     latest = latest_good(run_dir, log)
     if latest is None:
         return make_run_dir(cfg), None
+    if int(os.environ.get("RANK", "0")) == 0:
+        for p in checkpoints(run_dir):  # newer than the chosen one means damaged: keep them, out of the way
+            if step_of(p) > step_of(latest):
+                aside = p.with_name(f"{DAMAGED_PREFIX}{p.name}")
+                p.rename(aside)
+                log(f"moved damaged {p.name} to {aside} (kept for inspection; delete it when done)")
     return run_dir, latest

@@ -4,6 +4,7 @@
     <run_dir>/metrics.jsonl              metrics, appended across resumes
     <run_dir>/checkpoints/step_00001200/ one complete checkpoint (meta.json lists its files)
     <run_dir>/checkpoints/.tmp-...       a save in progress, or one killed midway (never loaded)
+    <run_dir>/checkpoints/.damaged-...   a damaged checkpoint a resume set aside (kept for inspection)
     <run_dir>/model/                     final weights (safetensors) for `kiln generate` and export
 """
 
@@ -20,6 +21,7 @@ from kiln.state.verify import META
 
 CHECKPOINTS = "checkpoints"
 TMP_PREFIX = ".tmp-"
+DAMAGED_PREFIX = ".damaged-"  # checkpoints found damaged and set aside by a resume; never deleted by Kiln
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 
@@ -82,3 +84,9 @@ def remove_unfinished(run_dir: str | Path) -> list[Path]:
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
     return gone
+
+
+def set_aside(run_dir: str | Path) -> list[Path]:
+    """Damaged checkpoints a resume moved out of the way."""
+    root = Path(run_dir) / CHECKPOINTS
+    return sorted(p for p in root.iterdir() if p.name.startswith(DAMAGED_PREFIX)) if root.is_dir() else []

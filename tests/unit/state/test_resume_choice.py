@@ -10,6 +10,7 @@ import pytest
 from kiln.config import RunConfig
 from kiln.errors import StateError
 from kiln.state.checkpointer import Checkpointer
+from kiln.state.inspect import describe
 from kiln.state.preempt import SignalGuard
 from kiln.state.resume import check_compatible, config_differences, latest_good, resume_target
 from kiln.state.rundir import checkpoints, unfinished
@@ -38,6 +39,17 @@ def test_auto_falls_back_past_damaged_checkpoints_and_says_so(trainer_factory):
     logs = []
     assert latest_good(t.cfg.train.run_dir, logs.append) == p1
     assert "falling back to" in logs[0] and "step_00000003" in logs[0] and "rank0.json: missing" in logs[0]
+
+
+def test_resume_sets_damaged_newer_checkpoints_aside(trainer_factory):
+    t, (p1, p2, p3) = three_checkpoints(trainer_factory)
+    (p3 / "rank0.json").write_text("{}")
+    logs = []
+    run_dir, chosen = resume_target(t.cfg, "auto", logs.append)
+    assert chosen == p2 and checkpoints(run_dir) == [p1, p2]
+    assert (p3.parent / f".damaged-{p3.name}" / "meta.json").is_file()  # moved, not deleted
+    assert any("moved damaged" in m for m in logs)
+    assert "set aside" in describe(run_dir)
 
 
 def test_every_checkpoint_damaged_is_an_error(trainer_factory):
