@@ -159,3 +159,14 @@ def test_crash_writes_an_emergency_checkpoint_then_fails(base, reference, tmp_pa
     again = resume(run_dir)
     assert again.returncode == 0, again.stderr
     assert losses(run_dir)[0] == reference
+
+
+def test_streaming_data_resumes_bit_for_bit(base, tmp_path):
+    streaming = [*base, "data.streaming=true"]
+    ref_dir, run_dir = tmp_path / "a", tmp_path / "b"
+    assert train([*streaming, f"train.run_dir={ref_dir}"]).returncode == 0
+    assert train([*streaming, f"train.run_dir={run_dir}"], "kill", N + K).returncode == -signal.SIGKILL
+    again = resume(run_dir)
+    assert again.returncode == 0, again.stderr
+    assert "resumed from" in again.stdout
+    assert losses(run_dir)[0] == losses(ref_dir)[0]
