@@ -22,14 +22,14 @@ from pathlib import Path
 # run as a script, this folder comes first on sys.path; keep its files from shadowing the stdlib
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import shutil  # noqa: E402
-import time  # noqa: E402
+import argparse
+import json
+import os
+import platform
+import shutil
+import time
 
-import torch  # noqa: E402
+import torch
 
 from kiln.config import RunConfig
 from kiln.model.llama import Transformer

@@ -11,13 +11,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kiln.config import RunConfig
 from kiln.errors import StateError
-from kiln.state.rundir import (DAMAGED_PREFIX, checkpoints, fresh_sibling, make_run_dir, remove_unfinished, step_of,
-                               unfinished)
+from kiln.state.rundir import (
+    DAMAGED_PREFIX,
+    checkpoints,
+    fresh_sibling,
+    make_run_dir,
+    remove_unfinished,
+    step_of,
+    unfinished,
+)
 from kiln.state.verify import verify
 
 MODES = ("auto", "never", "force")

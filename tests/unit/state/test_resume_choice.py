@@ -61,7 +61,7 @@ def test_every_checkpoint_damaged_is_an_error(trainer_factory):
 
 
 def test_unfinished_save_is_never_resumed_and_is_cleaned(trainer_factory):
-    t, (p1, p2, p3) = three_checkpoints(trainer_factory)
+    t, (_, p2, p3) = three_checkpoints(trainer_factory)
     (p3 / "meta.json").unlink()  # as if killed before the rename (a .tmp-* dir)
     p3.rename(p3.with_name(".tmp-" + p3.name))
     logs = []
