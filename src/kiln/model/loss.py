@@ -75,6 +75,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if want_grad:
                 grad_h[s:s + rows] = g @ w
                 grad_w += g.t() @ hc
+            del g  # before the next chunk's logits exist: one chunk's worth of memory at a time
         count = (targets != IGNORE_INDEX).sum().to(acc)
         ctx.save_for_backward(grad_h, grad_w, count)
         ctx.weight_dtype = weight.dtype
