@@ -306,8 +306,19 @@ class Checkpointer:
     def load(self, trainer, path: str | Path, check_hashes: bool = True) -> dict[str, Any]:
         """Restore the trainer from a complete checkpoint, its hashes checked first. Returns its meta.json."""
         path = Path(path)
-        if check_hashes and self.rank == 0:
-            verified(path)  # StateError naming the damaged file and the previous good checkpoint
+        if check_hashes:  # rank 0 re-hashes; StateError naming the damaged file and the previous good one
+            problem = None
+            if self.rank == 0:
+                try:
+                    verified(path)
+                except StateError as e:
+                    problem = str(e)
+            if self.distributed:
+                box = [problem]
+                dist.broadcast_object_list(box, src=0, group=self.control_group)
+                problem = box[0]
+            if problem:
+                raise StateError(problem)
         meta = read_meta(path)
         tensors = self._tensors(trainer)
         try:

@@ -140,16 +140,36 @@ def resume_target(cfg: RunConfig, mode: str, log: Callable[[str], None]) -> tupl
         return make_run_dir(cfg), None
     if not run_dir.is_dir():
         return make_run_dir(cfg), None
-    if int(os.environ.get("RANK", "0")) == 0:
-        for p in remove_unfinished(run_dir):
-            log(f"removed {p}: a save that never completed (the process was killed while writing it)")
-    latest = latest_good(run_dir, log)
+    latest = _choose(run_dir, log)
     if latest is None:
         return make_run_dir(cfg), None
-    if int(os.environ.get("RANK", "0")) == 0:
-        for p in checkpoints(run_dir):  # newer than the chosen one means damaged: keep them, out of the way
-            if step_of(p) > step_of(latest):
-                aside = p.with_name(f"{DAMAGED_PREFIX}{p.name}")
-                p.rename(aside)
-                log(f"moved damaged {p.name} to {aside} (kept for inspection; delete it when done)")
     return run_dir, latest
+
+
+def _choose(run_dir: Path, log: Callable[[str], None]) -> Path | None:
+    """Rank 0 verifies and tidies; with a process group, the other ranks take its choice."""
+    import torch.distributed as dist
+
+    shared = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if shared else int(os.environ.get("RANK", "0"))
+    latest, error = None, None
+    if rank == 0 or not shared:
+        try:
+            if rank == 0:
+                for p in remove_unfinished(run_dir):
+                    log(f"removed {p}: a save that never completed (the process was killed while writing it)")
+            latest = latest_good(run_dir, log)
+            for p in checkpoints(run_dir) if latest is not None and rank == 0 else []:
+                if step_of(p) > step_of(latest):  # newer than the chosen one means damaged: keep, out of the way
+                    aside = p.with_name(f"{DAMAGED_PREFIX}{p.name}")
+                    p.rename(aside)
+                    log(f"moved damaged {p.name} to {aside} (kept for inspection; delete it when done)")
+        except StateError as e:
+            error = str(e)
+    if shared:
+        box = [latest, error]
+        dist.broadcast_object_list(box, src=0)
+        latest, error = box
+    if error:
+        raise StateError(error)
+    return latest

@@ -32,6 +32,8 @@ ck = Checkpointer(run_dir, t.cfg, {"dataset": "d"}, print)
 path = ck.save(t)
 ck.wait()
 expected = run_steps(t, 3)
+from kiln.state.resume import resume_target
+assert resume_target(t.cfg, "auto", print)[1] == path  # rank 0 chooses, the other rank takes its choice
 fresh = make_trainer(run_dir)
 Checkpointer(run_dir, fresh.cfg, {"dataset": "d"}, print).load(fresh, path)
 assert run_steps(fresh, 3) == expected, "2-process resume differs"
