@@ -254,6 +254,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     p.add_argument("--variant", action="append", default=[],
                    help="extra Kiln variant, e.g. 'ac=selective' or 'attention=cudnn,name=kiln-cudnn' (repeatable)")
     p.add_argument("--hf-trainer", action="store_true", help="also run the HF Trainer baseline of each size")
+    p.add_argument("--no-default", action="store_true", help="run only the --variant runs, not the default one")
     p.add_argument("--json", help="write every result here as JSON")
     a = p.parse_args(argv)
 
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     for run in a.runs.split(","):
         size, _, b = run.partition(":")
         batch = int(b or 8)
-        for variant in [""] + a.variant:
+        for variant in ([] if a.no_default else [""]) + a.variant:
             kw = _parse_variant(variant)
             kw.setdefault("name", "kiln" + (f"[{variant}]" if variant else ""))
             try:
