@@ -113,6 +113,7 @@ class Checkpointer:
         self._buffers_ready: Future | None = None
         self.snapshot: Snapshot | None = None
         self.last_saved_step: int | None = None
+        self._warned_slow = False
         self.archive = None
         if self.ccfg.archive_url and self.rank == 0:
             from kiln.state.archive import Archive
@@ -169,7 +170,13 @@ class Checkpointer:
         Nothing is saved before the first step: a fresh start is that state, and capturing the
         optimizer's state before it exists would create it (and change the run).
         """
+        t0 = time.perf_counter()
         self.wait()  # one save at a time; raises an earlier background failure
+        waited = time.perf_counter() - t0
+        if waited > 1.0 and not self._warned_slow and reason == "periodic":
+            self._warned_slow = True
+            self.log(f"training waited {waited:.1f} s at step {trainer.step} for the previous checkpoint to finish "
+                     f"writing; raise checkpoint.every (now {self.ccfg.every}) or use a faster disk")
         if trainer.step == 0:
             return None
         target = self.dir / step_dir_name(trainer.step)
