@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_map
 from kiln import __version__
 from kiln.config import RunConfig
 from kiln.errors import KilnError, StateError
+from kiln.state.reader import ParallelFileSystemReader
 from kiln.state.resume import verified
 from kiln.state.rng import rng_state, set_rng_state
 from kiln.state.rundir import CHECKPOINTS, TMP_PREFIX, checkpoints, step_dir_name, step_of
@@ -331,7 +332,8 @@ class Checkpointer:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                dcp.load(tensors, storage_reader=dcp.FileSystemReader(path), process_group=self.group,
+                dcp.load(tensors, storage_reader=ParallelFileSystemReader(path, self.ccfg.write_threads),
+                         process_group=self.group,
                          no_dist=not self.distributed)
         except (Exception, dcp.CheckpointException) as e:
             why = _errno_of(e) or _innermost(e)
