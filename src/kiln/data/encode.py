@@ -59,7 +59,7 @@ class Encoder:
         self.local = None
         self.pool = None
         self.pending: deque = deque()
-        self.max_pending = 2 * workers + 2
+        self.max_pending = 4 * workers + 2
         if workers > 1:
             import multiprocessing as mp
             from concurrent.futures import ProcessPoolExecutor

@@ -34,7 +34,7 @@ from kiln.data.tokenizer import Tokenizer, load_or_train
 from kiln.data.writer import ShardWriter, completed_shards
 from kiln.errors import DataError, ResourceError
 
-BATCH_BYTES = 1 << 20  # text per encoding task
+BATCH_BYTES = 1 << 18  # text per encoding task: small enough to keep every worker busy to the end
 BATCH_DOCS = 4096
 POOL_MIN_BYTES = 2_000_000  # smaller inputs are encoded in this process (no pool start-up)
 SPLITS = ("train", "val")
