@@ -8,6 +8,7 @@ when the trainer is between steps, then propagates.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -59,9 +60,7 @@ class SignalGuard:
         print(f"\nsecond {name}: aborting without a checkpoint; the last complete checkpoint is kept",
               file=sys.stderr, flush=True)
         self.__exit__()
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signum, signal.SIG_DFL)  # die of the signal now, without waiting for a save in flight
         os.kill(os.getpid(), signum)
 
     def should_stop(self) -> str | None:
@@ -98,7 +97,7 @@ def train_guarded(trainer, checkpointer, guard: SignalGuard | None, run_dir: Pat
     from kiln.errors import KilnError
 
     try:
-        with guard if guard is not None else _nothing():
+        with guard if guard is not None else contextlib.nullcontext():
             return trainer.train()
     except Preempted as p:
         checkpointer.close()
@@ -118,10 +117,3 @@ def train_guarded(trainer, checkpointer, guard: SignalGuard | None, run_dir: Pat
     finally:
         checkpointer.close()
 
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
