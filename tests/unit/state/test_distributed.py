@@ -1,4 +1,5 @@
-"""Two real processes (gloo): one checkpoint from both ranks, exact continuation in 2 processes and in 1,
+"""Two real processes (gloo): one checkpoint from both ranks (plain or FSDP2-sharded), exact continuation in
+2 processes and in 1,
 and a signal seen by one rank stops both at the same step."""
 
 from __future__ import annotations
@@ -70,3 +71,48 @@ def test_two_ranks_save_once_and_resume_in_two_or_one(tmp_path):
     one = make_trainer(run_dir)  # a single process continues the 2-process run exactly
     Checkpointer(run_dir, one.cfg, {"dataset": "d"}, print).load(one, path)
     assert one.step == 2 and run_steps(one, 3) == result["expected"]
+
+
+FSDP_WORKER = r'''
+import json, sys
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+sys.path.insert(0, sys.argv[1])
+from conftest import make_trainer, run_steps
+from kiln.state.checkpointer import Checkpointer
+from kiln.train.optim import build_optimizer, build_scheduler
+
+run_dir, out = sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (2,))
+t = make_trainer(run_dir, async_save=True)
+for layer in t.model.layers:
+    fully_shard(layer, mesh=mesh)
+fully_shard(t.model, mesh=mesh)  # parameters become DTensors, sharded over the 2 processes
+t.optimizer = build_optimizer(t.model, t.cfg.optim, t.cfg.train.lr, torch.device("cpu"))
+t.scheduler = build_scheduler(t.optimizer, t.cfg.train)
+run_steps(t, 2)
+ck = Checkpointer(run_dir, t.cfg, {"dataset": "d"}, print)
+path = ck.save(t)
+ck.wait()
+expected = run_steps(t, 3)
+if dist.get_rank() == 0:
+    json.dump({"path": str(path), "expected": expected}, open(out, "w"))
+ck.close()
+dist.destroy_process_group()
+'''
+
+
+def test_fsdp2_sharded_checkpoint_reshards_to_one_process(tmp_path):
+    run_dir, out = tmp_path / "run", tmp_path / "out.json"
+    worker = tmp_path / "worker.py"
+    worker.write_text(FSDP_WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
+           str(HERE), str(run_dir), str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    one = make_trainer(run_dir)  # plain tensors in one process, loaded from DTensor shards of two
+    Checkpointer(run_dir, one.cfg, {"dataset": "d"}, print).load(one, Path(result["path"]))
+    assert run_steps(one, 3) == result["expected"]
