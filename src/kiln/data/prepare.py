@@ -191,7 +191,7 @@ def _build(cfg, files, sources, tokenizer: Tokenizer, settings: dict, out: Path,
     encoder = Encoder(tokenizer, dtype, _workers(cfg, files))
     batch: dict[str, list[str]] = {s: [] for s in SPLITS}
     size = dict.fromkeys(SPLITS, 0)
-    read = 0
+    read, chars = 0, 0
 
     def write(drain: bool = False) -> None:
         for split, tokens, lengths in encoder.results(drain):
@@ -207,6 +207,7 @@ def _build(cfg, files, sources, tokenizer: Tokenizer, settings: dict, out: Path,
         with bar:
             for doc in _limited(iter_documents(cfg, files, checker=checker, progress=bar.bytes), cfg.max_bytes):
                 read += 1
+                chars += len(doc.text)
                 bar.docs(1)
                 data = doc.text.encode("utf-8")
                 h = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
@@ -243,7 +244,8 @@ def _build(cfg, files, sources, tokenizer: Tokenizer, settings: dict, out: Path,
                         f"{dropped}); check the files, data.format and data.field")
     report = build_report(out, splits, checker, files=len(files), input_bytes=sum(s["bytes"] for s in sources),
                           read_documents=read, seconds=time.perf_counter() - start,
-                          resumed_shards=sum(len(done[s]) for s in SPLITS))
+                          resumed_shards=sum(len(done[s]) for s in SPLITS),
+                          max_bytes=cfg.max_bytes if cfg.max_bytes is not None and chars >= cfg.max_bytes else None)
     tokenizer.save(out / "tokenizer.json")
     (out / "report.json").write_text(json.dumps(report, indent=2))
     manifest = {

@@ -25,7 +25,8 @@ def doc_lengths(root: Path, shards: list[dict], cap: int = 10_000_000) -> np.nda
 
 
 def build_report(root: Path, splits: dict[str, list[dict]], checker: RecordChecker, *, files: int,
-                 input_bytes: int, read_documents: int, seconds: float, resumed_shards: int) -> dict:
+                 input_bytes: int, read_documents: int, seconds: float, resumed_shards: int,
+                 max_bytes: int | None = None) -> dict:
     lengths = doc_lengths(root, [s for shards in splits.values() for s in shards])
     out = {s: {"documents": sum(x["documents"] for x in v), "tokens": sum(x["tokens"] for x in v),
                "shards": len(v)} for s, v in splits.items()}
@@ -39,6 +40,7 @@ def build_report(root: Path, splits: dict[str, list[dict]], checker: RecordCheck
     dropped = dict(sorted(checker.dropped.items()))
     return {
         "files": files, "input_bytes": input_bytes, "documents_read": read_documents,
+        "stopped_at_max_bytes": max_bytes,
         "documents": docs, "tokens": tokens, "splits": out,
         "dropped": dropped, "dropped_examples": {k: checker.examples[k] for k in dropped},
         "duplicates_removed": dropped.get("duplicate", 0),
@@ -58,7 +60,9 @@ def print_report(report: dict, console, path: Path, reused: bool = False) -> Non
     t.add_column(style="bold")
     t.add_column()
     t.add_row("input", f"{report['files']:,} files, {report['input_bytes'] / 1e6:,.1f} MB, "
-                       f"{report['documents_read']:,} documents read")
+                       f"{report['documents_read']:,} documents read"
+                       + (f" (stopped at data.max_bytes={report['stopped_at_max_bytes']:,} characters)"
+                          if report.get("stopped_at_max_bytes") else ""))
     for name, s in report["splits"].items():
         t.add_row(name, f"{s['documents']:,} documents, {s['tokens']:,} tokens, {s['shards']} shard(s)")
     d = report["document_tokens"]
