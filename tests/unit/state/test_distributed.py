@@ -1,6 +1,5 @@
-"""Two real processes (gloo): one checkpoint from both ranks (plain or FSDP2-sharded), exact continuation in
-2 processes and in 1,
-and a signal seen by one rank stops both at the same step."""
+"""Two real processes (gloo): one checkpoint from both ranks (plain or FSDP2-sharded), exact continuation
+in 2 processes and in 1, and a signal seen by one rank stops both at the same step."""
 
 from __future__ import annotations
 
