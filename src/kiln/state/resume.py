@@ -29,9 +29,13 @@ from kiln.state.rundir import (
 from kiln.state.verify import verify
 
 MODES = ("auto", "never", "force")
-# settings that may change between a save and a resume without --resume force
-FREE = ("train.run_dir", "train.device", "train.compile", "train.eval_every", "train.eval_batches",
-        "train.sample_prompt", "train.sample_tokens", "data.cache_dir", "optim.fused", "logging.", "checkpoint.")
+# settings that may change between a save and a resume without --resume force: where things are, how fast
+# they run, what is logged. Where the data lives (sources, tokenizer path) is free too: the data's identity
+# is checked by its content fingerprints (dataset id, tokenizer hash) instead.
+FREE = ("train.run_dir", "train.device", "train.compile", "train.activation_checkpointing", "train.peak_tflops",
+        "train.eval_every", "train.eval_batches", "train.sample_prompt", "train.sample_tokens", "data.sources",
+        "data.tokenizer", "data.cache_dir", "data.workers", "data.prefetch", "data.pin_memory", "optim.fused",
+        "logging.", "checkpoint.")
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
