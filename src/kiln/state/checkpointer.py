@@ -40,10 +40,10 @@ from torch.utils._pytree import tree_map
 from kiln import __version__
 from kiln.config import RunConfig
 from kiln.errors import KilnError, StateError
-from kiln.state.reader import ParallelFileSystemReader
 from kiln.state.resume import verified
 from kiln.state.rng import rng_state, set_rng_state
 from kiln.state.rundir import CHECKPOINTS, TMP_PREFIX, checkpoints, step_dir_name, step_of
+from kiln.state.storage import ParallelFileSystemReader, hashing_writer
 from kiln.state.verify import FORMAT, META, fsync_dir, hash_tree, read_meta, write_json
 
 
@@ -235,16 +235,20 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
             self._barrier()
-            writer = dcp.FileSystemWriter(tmp, thread_count=self.ccfg.write_threads, sync_files=self.ccfg.fsync)
+            writer = hashing_writer(tmp, self.ccfg.write_threads, self.ccfg.fsync)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 dcp.save(tensors, storage_writer=writer, process_group=self.group, no_dist=not self.distributed)
             write_json(tmp / f"rank{self.rank}.json", {"rng": rng}, fsync=self.ccfg.fsync)
             if self.rank == 0:
                 write_json(tmp / "state.json", small, fsync=self.ccfg.fsync)
-            self._barrier()
+            digests = dict(getattr(writer.fs, "digests", {}))
+            if self.group is not None:  # every rank's digests, to rank 0
+                gathered = [None] * dist.get_world_size() if self.rank == 0 else None
+                dist.gather_object(digests, gathered, dst=0, group=self.group)
+                digests = {k: v for d in gathered or [] for k, v in d.items()}
             if self.rank == 0:
-                self._complete(tmp, final, small, time.perf_counter() - t0)
+                self._complete(tmp, final, small, time.perf_counter() - t0, digests)
             self._barrier()
         except BaseException as e:
             if self.rank == 0:
@@ -265,10 +269,11 @@ class Checkpointer:
             raise
         return final
 
-    def _complete(self, tmp: Path, final: Path, small: dict[str, Any], seconds: float) -> None:
-        """Rank 0, after every rank wrote: hash, write meta.json, rename into place, prune, archive."""
+    def _complete(self, tmp: Path, final: Path, small: dict[str, Any], seconds: float,
+                  digests: dict[str, dict[str, Any]]) -> None:
+        """Rank 0, after every rank wrote: hash the rest, write meta.json, rename into place, prune, archive."""
         t0 = time.perf_counter()
-        files = hash_tree(tmp, threads=max(4, self.ccfg.write_threads))
+        files = hash_tree(tmp, threads=max(4, self.ccfg.write_threads), known=digests)
         hashing = time.perf_counter() - t0
         last_eval = small["trainer"]["last_eval"]
         step = small["trainer"]["step"]

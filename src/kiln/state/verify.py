@@ -31,12 +31,18 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def hash_tree(root: Path, threads: int = 8) -> dict[str, dict[str, Any]]:
-    """{relative name: {"bytes", "sha256"}} of every file under `root` except meta.json, hashed in parallel."""
+def hash_tree(root: Path, threads: int = 8, known: dict[str, dict[str, Any]] | None = None) -> dict[str, dict]:
+    """{relative name: {"bytes", "sha256"}} of every file under `root` except meta.json, hashed in parallel.
+
+    `known` digests (computed while writing) are taken for files whose size on disk matches them.
+    """
+    known = known or {}
     names = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != META)
-    with ThreadPoolExecutor(max(1, min(threads, len(names)))) as pool:
-        digests = list(pool.map(lambda n: sha256_file(root / n), names))
-    return {n: {"bytes": (root / n).stat().st_size, "sha256": d} for n, d in zip(names, digests)}
+    sizes = {n: (root / n).stat().st_size for n in names}
+    todo = [n for n in names if known.get(n, {}).get("bytes") != sizes[n]]
+    with ThreadPoolExecutor(max(1, min(threads, len(todo) or 1))) as pool:
+        digests = dict(zip(todo, pool.map(lambda n: sha256_file(root / n), todo)))
+    return {n: {"bytes": sizes[n], "sha256": digests[n] if n in digests else known[n]["sha256"]} for n in names}
 
 
 def fsync_dir(path: Path) -> None:

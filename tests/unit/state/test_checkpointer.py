@@ -237,3 +237,19 @@ def test_real_full_disk_keeps_the_earlier_checkpoint(small_disk):
     fresh = make_trainer(small_disk / "run")
     assert checkpointer(fresh).load(fresh, first)["step"] == 1
     ck.close()
+
+
+def test_digests_computed_while_writing_match_the_files(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from kiln.state.storage import hashing_writer
+    from kiln.state.verify import sha256_file
+
+    state = {"w": torch.randn(300, 200), "b": torch.arange(10), "step": 3}
+    writer = hashing_writer(tmp_path / "c", threads=3, fsync=False)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    digests = writer.fs.digests
+    assert sorted(digests) == sorted(p.name for p in (tmp_path / "c").glob("*.distcp")) and len(digests) >= 2
+    for name, info in digests.items():
+        path = tmp_path / "c" / name
+        assert info == {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
