@@ -45,10 +45,10 @@ class Interrupt(Callback):
 if action == "killsave":  # SIGKILL while the checkpoint of step `at` is being written
     import kiln.state.checkpointer as c
     hash_tree = c.hash_tree
-    def dying(root, threads=8):
+    def dying(root, *args, **kwargs):
         if root.name.endswith(f"step_{at:08d}"):
             os.kill(os.getpid(), signal.SIGKILL)
-        return hash_tree(root, threads)
+        return hash_tree(root, *args, **kwargs)
     c.hash_tree = dying
 run(load_config(None, args), callbacks=[Interrupt()])
 ''' % {"K": K}
