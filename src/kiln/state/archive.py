@@ -92,12 +92,14 @@ class Archive:
             entry["val_loss"] = val_loss
             index["best"] = ckpt.name
         self._write_index(index)
-        if reason == "best" and old_best and old_best != ckpt.name:
-            old = index["checkpoints"].get(old_best, {})
-            old["kept_for"] = [r for r in old.get("kept_for", []) if r != "best"]
+        if reason == "best" and old_best and old_best != ckpt.name and old_best in index["checkpoints"]:
+            old = index["checkpoints"][old_best]
+            old["kept_for"] = [r for r in old["kept_for"] if r != "best"]
+            old.pop("val_loss", None)
             if not old["kept_for"]:
-                index["checkpoints"].pop(old_best, None)
-                self._write_index(index)
+                index["checkpoints"].pop(old_best)
+            self._write_index(index)  # the index first: it never names a copy that is gone
+            if old_best not in index["checkpoints"]:
                 self.fs.rm(self._path(old_best), recursive=True)
 
     def best_loss(self) -> float | None:

@@ -123,6 +123,7 @@ def test_archive_every_mth_and_best_verified(trainer_factory, tmp_path):
     assert arch.list() == ["step_00000002", "step_00000004"]  # step 1 was best, then replaced by 2, then 4
     assert index["best"] == "step_00000004" and arch.best_loss() == 3.0
     assert sorted(index["checkpoints"]["step_00000004"]["kept_for"]) == ["best", "every"]
+    assert index["checkpoints"]["step_00000002"]["kept_for"] == ["every"]  # no longer the best
     assert verify(tmp_path / "archive" / "run" / "step_00000002") == []
     fresh = trainer_factory()
     assert checkpointer(fresh).load(fresh, tmp_path / "archive" / "run" / "step_00000002")["step"] == 2
