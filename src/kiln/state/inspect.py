@@ -122,6 +122,6 @@ def describe(path: str | Path, compare: dict[str, Any] | None = None, check: boo
         return describe_checkpoint(p, compare, check)
     if (p / "config.yaml").is_file() or (p / CHECKPOINTS).is_dir():
         return describe_run(p, compare, check)
-    if p.is_dir() and p.name.startswith(".tmp-") or (p.is_dir() and p.parent.name == CHECKPOINTS):
+    if p.is_dir() and p.parent.name == CHECKPOINTS:
         raise StateError(f"{p} is not a complete checkpoint (no {META}): a save that never finished")
     raise StateError(f"{p} is neither a checkpoint (a directory with {META}) nor a run directory (with config.yaml)")

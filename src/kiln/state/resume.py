@@ -25,6 +25,7 @@ from kiln.state.rundir import (
     remove_unfinished,
     step_of,
     unfinished,
+    without_meta,
 )
 from kiln.state.verify import verify
 
@@ -162,6 +163,10 @@ def _choose(run_dir: Path, log: Callable[[str], None]) -> Path | None:
             if rank == 0:
                 for p in remove_unfinished(run_dir):
                     log(f"removed {p}: a save that never completed (the process was killed while writing it)")
+                for p in without_meta(run_dir):
+                    aside = p.with_name(f"{DAMAGED_PREFIX}{p.name}")
+                    p.rename(aside)
+                    log(f"moved {p.name} to {aside}: it has no meta.json, so it cannot be verified (kept)")
             latest = latest_good(run_dir, log)
             for p in checkpoints(run_dir) if latest is not None and rank == 0 else []:
                 if step_of(p) > step_of(latest):  # newer than the chosen one means damaged: keep, out of the way

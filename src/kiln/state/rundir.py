@@ -70,12 +70,19 @@ def checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def unfinished(run_dir: str | Path) -> list[Path]:
-    """Directories of saves that never completed (killed or failed midway), and step dirs without meta.json."""
+    """Directories of saves that never completed (killed or failed midway): Kiln's own temporaries."""
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and (
-        p.name.startswith(TMP_PREFIX) or (step_of(p) is not None and not (p / META).is_file())))
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(TMP_PREFIX))
+
+
+def without_meta(run_dir: str | Path) -> list[Path]:
+    """Step directories that lost their meta.json (Kiln never leaves one: a manual change or partial copy)."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and step_of(p) is not None and not (p / META).is_file())
 
 
 def remove_unfinished(run_dir: str | Path) -> list[Path]:

@@ -80,9 +80,11 @@ def read_meta(ckpt: str | Path) -> dict[str, Any]:
                          "Use another checkpoint of the run.") from None
     except (OSError, ValueError) as e:
         raise StateError(f"{path} is unreadable or corrupted ({e}). Use another checkpoint of the run.") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise StateError(f"{path} is not a Kiln checkpoint description (format {meta.get('format')!r} "
-                         f"if a dict, expected {FORMAT!r})")
+    if not isinstance(meta, dict):
+        raise StateError(f"{path} is not a Kiln checkpoint description (a JSON {type(meta).__name__}).")
+    if meta.get("format") != FORMAT:
+        raise StateError(f"{path} has format {meta.get('format')!r}; this Kiln reads {FORMAT!r}. Use the Kiln "
+                         "version that wrote it (see its 'versions' entry).")
     return meta
 
 

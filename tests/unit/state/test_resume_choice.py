@@ -69,6 +69,15 @@ def test_unfinished_save_is_never_resumed_and_is_cleaned(trainer_factory):
     assert chosen == p2 and unfinished(run_dir) == [] and "never completed" in logs[0]
 
 
+def test_step_dir_without_meta_is_set_aside_not_deleted(trainer_factory):
+    t, (_, p2, p3) = three_checkpoints(trainer_factory)
+    (p3 / "meta.json").unlink()  # never done by Kiln: a manual change or a partial copy
+    logs = []
+    _, chosen = resume_target(t.cfg, "auto", logs.append)
+    assert chosen == p2 and (p3.parent / f".damaged-{p3.name}" / "state.json").is_file()
+    assert any("no meta.json" in m for m in logs)
+
+
 def test_config_differences_ignore_what_does_not_change_the_numbers():
     a = RunConfig().model_dump(mode="json")
     b = RunConfig.model_validate({"train": {"lr": 1e-3, "eval_every": 7, "device": "cuda"},
