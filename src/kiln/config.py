@@ -145,6 +145,9 @@ class DataConfig(Section):
     """Token appended after every document; 'auto': the tokenizer's <|endoftext|>, <|end_of_text|>, </s> or <eos>."""
     bos_token: str | None = None
     """Token put before every document (null: none; 'auto': the tokenizer's <|begin_of_text|>, <s> or <bos>)."""
+    parse_special_tokens: bool = False
+    """Read special-token text inside documents (a literal '<|endoftext|>') as that special token; false
+    encodes it as plain text, so no document can inject an EOS or BOS."""
     val_fraction: float = 0.02
     """Fraction of documents held out for validation, chosen by document hash."""
     shard_tokens: int = 100_000_000

@@ -3,7 +3,8 @@
 `Encoder.submit(tag, texts)` queues a batch; `Encoder.results()` gives `(tag, tokens, lengths)` in
 submission order, where `tokens` is the batch's documents back to back, each with BOS (if set) and
 EOS, and `lengths` their token counts. At most a few batches per worker are in flight, so memory
-stays bounded whatever the input size. Workers are spawned (not forked) and import only numpy and
+stays bounded whatever the input size. Special-token text inside a document is encoded as plain
+text unless `parse_special` (see `Tokenizer.document_encoder`). Workers are spawned (not forked) and import only numpy and
 tokenizers, so starting them is cheap and safe after torch or Rust threads exist in the parent.
 """
 
@@ -21,12 +22,14 @@ import numpy as np
 _state: dict = {}
 
 
-def _init(tokenizer_json: str, eos_id: int, bos_id: int | None, dtype: str) -> None:
+def _init(tokenizer_json: str, parse_special: bool, eos_id: int, bos_id: int | None, dtype: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops the pool
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
     from tokenizers import Tokenizer
 
-    _state.update(tk=Tokenizer.from_str(tokenizer_json), eos=eos_id, bos=bos_id, dtype=np.dtype(dtype))
+    tk = Tokenizer.from_str(tokenizer_json)
+    tk.encode_special_tokens = not parse_special
+    _state.update(tk=tk, eos=eos_id, bos=bos_id, dtype=np.dtype(dtype))
 
 
 def encode_texts(texts: list[str], tk=None, eos: int | None = None, bos: int | None = None,
@@ -54,8 +57,8 @@ def encode_texts(texts: list[str], tk=None, eos: int | None = None, bos: int | N
 class Encoder:
     """Encodes batches in order, with `workers` processes (or in this one when workers <= 1)."""
 
-    def __init__(self, tokenizer, dtype, workers: int):
-        self.args = (tokenizer.to_str(), tokenizer.eos_id, tokenizer.bos_id, np.dtype(dtype).name)
+    def __init__(self, tokenizer, dtype, workers: int, parse_special: bool = False):
+        self.args = (tokenizer.to_str(), parse_special, tokenizer.eos_id, tokenizer.bos_id, np.dtype(dtype).name)
         self.local = None
         self.pool = None
         self.pending: deque = deque()
@@ -67,7 +70,8 @@ class Encoder:
             self.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init,
                                             initargs=self.args)
         else:
-            self.local = (tokenizer.tk, tokenizer.eos_id, tokenizer.bos_id, np.dtype(dtype))
+            self.local = (tokenizer.document_encoder(parse_special), tokenizer.eos_id, tokenizer.bos_id,
+                          np.dtype(dtype))
 
     def submit(self, tag, texts: list[str]) -> None:
         if self.pool is None:

@@ -85,6 +85,7 @@ def settings_of(cfg, tokenizer: Tokenizer) -> dict:
             "dataset_split": cfg.dataset_split, "max_bytes": cfg.max_bytes,
             "max_record_bytes": cfg.max_record_bytes, "min_chars": cfg.min_chars, "max_chars": cfg.max_chars,
             "dedup": cfg.dedup, "val_fraction": cfg.val_fraction, "shard_tokens": cfg.shard_tokens,
+            "parse_special_tokens": cfg.parse_special_tokens,
             "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id}
 
 
@@ -188,7 +189,7 @@ def _build(cfg, files, sources, tokenizer: Tokenizer, settings: dict, out: Path,
     if cfg.max_bytes is not None:
         total_bytes = min(total_bytes, cfg.max_bytes)
     bar = _Bar(console, total_bytes, sum(e["tokens"] for s in SPLITS for e in done[s]))
-    encoder = Encoder(tokenizer, dtype, _workers(cfg, files))
+    encoder = Encoder(tokenizer, dtype, _workers(cfg, files), cfg.parse_special_tokens)
     batch: dict[str, list[str]] = {s: [] for s in SPLITS}
     size = dict.fromkeys(SPLITS, 0)
     read, chars = 0, 0

@@ -65,6 +65,16 @@ class Tokenizer:
         """Token ids of each text, without BOS/EOS (no character offsets are computed: faster)."""
         return [e.ids for e in self.tk.encode_batch_fast(texts, add_special_tokens=False)]
 
+    def document_encoder(self, parse_special: bool = False):
+        """A separate `tokenizers.Tokenizer` for encoding documents. Unless `parse_special`, a special
+        token's text inside a document (say a literal '<|endoftext|>') is encoded as plain text, so no
+        document can inject an EOS or BOS and break the document boundaries."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tk = HFTokenizer.from_str(self.tk.to_str())
+        tk.encode_special_tokens = not parse_special
+        return tk
+
     def decode(self, ids: list[int]) -> str:
         return self.tk.decode(ids, skip_special_tokens=False)
 

@@ -233,3 +233,32 @@ def test_full_disk_is_a_resource_error_and_keeps_finished_shards(corpus, tmp_pat
     monkeypatch.setattr(writer.ShardWriter, "finish", real_finish)
     ds = prepare(cfg)
     assert ds.manifest["report"]["resumed_shards"] == 2 and ds.verify() == []
+
+
+def test_special_token_text_in_a_document_is_plain_text(corpus, tmp_path):
+    d, _ = corpus
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "before <|endoftext|> after"}) + "\n")
+    cfg = config(corpus, tmp_path, sources=[str(tmp_path / "a.jsonl")], val_fraction=0.0)
+    ds = prepare(cfg)
+    (doc,) = read_docs(ds, "train")
+    eos = ds.tokenizer.eos_id
+    assert doc.count(eos) == 1 and doc[-1] == eos
+    assert ds.tokenizer.decode(doc[:-1]) == "before <|endoftext|> after"
+    parsed = prepare(cfg.model_copy(update={"parse_special_tokens": True}))
+    assert parsed.id != ds.id and read_docs(parsed, "train")[0].count(eos) == 2
+
+
+def test_vocabulary_above_uint16_gives_uint32_shards(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(70_000)}}
+    tk = HFTokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.add_special_tokens(["<|endoftext|>"])
+    tk.save(str(tmp_path / "big.json"))
+    (tmp_path / "a.txt").write_text("w1 w65535 w65536 w69999 nope")
+    ds = prepare(DataConfig(sources=[str(tmp_path / "a.txt")], tokenizer=str(tmp_path / "big.json"),
+                            val_fraction=0.0, cache_dir=str(tmp_path / "cache")))
+    assert ds.dtype == np.uint32
+    assert read_docs(ds, "train") == [[3, 65537, 65538, 70001, 1, 0]]
