@@ -108,7 +108,9 @@ class RecordChecker:
         if self.policy == "error" and not sf.lenient:
             place = where(sf.url, index, line) if index >= 0 else f"{sf.url}:{line}"
             detail = f" ({detail})" if detail else ""
-            fix = {"too_long": "raise data.max_record_bytes, ", "missing_field": "set data.field, "}.get(reason, "")
+            fix = {"too_long": "raise data.max_record_bytes (or read big text files with data.text_unit=line or "
+                               "paragraph), ",
+                   "missing_field": "set data.field, "}.get(reason, "")
             raise DataError(f"{place}: the record {REASONS[reason]}{detail}. Fix the data, {fix}or set "
                             f"data.on_bad_record=skip to skip such records (they are counted in the report).")
         return self.drop(reason, sf, index, line)
