@@ -228,7 +228,7 @@ def read_parquet(f: BinaryIO, field: str, skip: int = 0) -> Iterator[Record]:
     if field not in names:
         yield from _missing_column(pf.metadata.num_rows, field, names, skip)
         return
-    yield from _column_batches(pf.iter_batches(columns=[field], batch_size=4096), skip)
+    yield from _column_batches(pf.iter_batches(columns=[field], batch_size=1024), skip)
 
 
 def read_arrow(f: BinaryIO, field: str, skip: int = 0) -> Iterator[Record]:
