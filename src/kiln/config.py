@@ -261,7 +261,8 @@ class CheckpointConfig(Section):
     keep_last: int = 3
     """Keep the newest N checkpoints in the run directory; older ones are deleted once a newer one is complete."""
     async_save: bool = True
-    """Write checkpoints in the background: the loop only waits while the state is copied to CPU memory."""
+    """Write checkpoints in the background: the loop only waits while the state is copied to CPU memory
+    (a pinned CPU copy of this process's share of the state is kept for the whole run)."""
     snapshot_every: int = 0
     """Keep an in-memory copy of the whole state every N steps, for fast rollback (0: off; costs one state in RAM)."""
     archive_url: str | None = None
