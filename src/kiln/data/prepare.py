@@ -188,7 +188,7 @@ def _build(cfg, files, sources, tokenizer: Tokenizer, settings: dict, out: Path,
     total_bytes = sum(f.size for f in files)
     if cfg.max_bytes is not None:
         total_bytes = min(total_bytes, cfg.max_bytes)
-    bar = _Bar(console, total_bytes, sum(e["tokens"] for s in SPLITS for e in done[s]))
+    bar = _Bar(console, total_bytes)
     encoder = Encoder(tokenizer, dtype, _workers(cfg, files), cfg.parse_special_tokens)
     batch: dict[str, list[str]] = {s: [] for s in SPLITS}
     size = dict.fromkeys(SPLITS, 0)
@@ -265,7 +265,7 @@ def _build(cfg, files, sources, tokenizer: Tokenizer, settings: dict, out: Path,
 class _Bar:
     """A rich progress bar over input bytes, with documents/s, tokens/s and ETA; silent without console."""
 
-    def __init__(self, console, total_bytes: int, tokens_done: int):
+    def __init__(self, console, total_bytes: int):
         self.p = None
         self.n_docs, self.n_tokens, self.t0 = 0, 0, time.perf_counter()
         if console is None:
@@ -277,7 +277,6 @@ class _Bar:
                           transient=True)
         self.task = self.p.add_task("prepare", total=max(total_bytes, 1), rate="")
         self.last = 0.0
-        del tokens_done
 
     def __enter__(self):
         if self.p is not None:
