@@ -138,11 +138,10 @@ class Checkpointer:
         }
         return json.loads(json.dumps(state, default=_json_default))  # a detached, JSON-safe copy
 
-    def _copy_to_cpu(self, tensors: dict[str, Any], buffers: dict[str, Any] | None,
-                     pin: bool = True) -> dict[str, Any]:
-        """Copy `tensors` into `buffers` (allocated on first use, pinned when CUDA is used and `pin`)."""
+    def _copy_to_cpu(self, tensors: dict[str, Any], buffers: dict[str, Any] | None) -> dict[str, Any]:
+        """Copy `tensors` into `buffers` (allocated on first use, pinned when CUDA is used)."""
         if buffers is None:
-            pin = pin and torch.cuda.is_available() and torch.cuda.is_initialized()
+            pin = torch.cuda.is_available() and torch.cuda.is_initialized()
             buffers = _create_cpu_state_dict(tensors, pin_memory=pin)
         try:
             _copy_state_dict(tensors, buffers, non_blocking=True)
@@ -187,15 +186,15 @@ class Checkpointer:
         blocking = (not self.ccfg.async_save) if blocking is None else blocking
         if self._buffers_ready is not None:
             self._buffers, self._buffers_ready = self._buffers_ready.result(), None
-        # async runs keep pinned buffers for every save; sync-only runs take plain memory and free it after
-        self._buffers = self._copy_to_cpu(self._tensors(trainer), self._buffers, pin=self.ccfg.async_save)
         small, rng = self._small(trainer), rng_state()
         small["reason"] = reason
         self.last_saved_step = trainer.step
+        if not self.ccfg.async_save:  # sync-only runs write straight from the live tensors: no CPU copy
+            self._write(self._tensors(trainer), small, rng)
+            return target
+        self._buffers = self._copy_to_cpu(self._tensors(trainer), self._buffers)  # pinned, kept for the run
         if blocking:
             self._write(self._buffers, small, rng)
-            if not self.ccfg.async_save:
-                self._buffers = None
         else:
             self._pending = (trainer.step, self._pool.submit(self._write, self._buffers, small, rng))
         return target
