@@ -77,5 +77,5 @@ def print_report(report: dict, console, path: Path, reused: bool = False) -> Non
         speed += f", {report['documents_per_s']:,.0f} docs/s, {report['tokens_per_s']:,.0f} tokens/s"
     if report["resumed_shards"]:
         speed += f" ({report['resumed_shards']} shard(s) kept from an interrupted run)"
-    t.add_row("time", speed)
+    t.add_row("prepared in" if reused else "time", speed)
     console.print(t)
