@@ -39,6 +39,7 @@ from kiln.model.registry import flops_per_token  # noqa: E402
 from kiln.monitor.meters import peak_flops  # noqa: E402
 
 VOCAB = 32000
+REAL_BYTES = 400_000_000  # the corpus of benchmarks/real_run.py
 
 
 @dataclass
@@ -113,8 +114,12 @@ def _sdpa_backend(name: str):
 
 def run_kiln(size: str, batch: int, seq: int, warmup: int, steps: int, compile: bool = True, ac: str = "none",
              attention: str = "default", docs: int = 0, name: str = "kiln", scope: str = "blocks",
-             precision: str = "bf16", profile: bool = False) -> Result:
-    """precision: 'bf16' (autocast over fp32 weights) or 'bf16-params' (bf16 weights and AdamW state)."""
+             precision: str = "bf16", profile: bool = False, data: str = "random", mask: bool = True,
+             prefetch: int = 2) -> Result:
+    """precision: 'bf16' (autocast over fp32 weights) or 'bf16-params' (bf16 weights and AdamW state).
+    data: 'random' tokens, or 'real': Kiln's loader over the corpus of benchmarks/real_run.py
+    (prepared with the same settings, so an earlier `real_run.py --prepare-only` is reused), with
+    document masking `mask` and `prefetch` batches made ahead in a background thread."""
     from kiln.train.trainer import Trainer
 
     _free()
@@ -134,8 +139,11 @@ def run_kiln(size: str, batch: int, seq: int, warmup: int, steps: int, compile: 
     if compile:
         apply_compile(model, scope=scope)
     fpt = flops_per_token(cfg.model, seq)
-    loader = RandomTokens(batch, seq, VOCAB, docs=docs)
-    trainer = Trainer(cfg, model, loader, loader, device, [], flops_per_token=fpt)
+    if data == "real":
+        loader, val = _real_loaders(cfg, mask, prefetch, device)
+    else:
+        loader = val = RandomTokens(batch, seq, VOCAB, docs=docs)
+    trainer = Trainer(cfg, model, loader, val, device, [], flops_per_token=fpt)
     res = Result(name, size, batch, seq)
     with _sdpa_backend(attention):
         losses = []
@@ -156,9 +164,28 @@ def run_kiln(size: str, batch: int, seq: int, warmup: int, steps: int, compile: 
     if profile:
         _profile(trainer, attention)
     res.notes = f"compile={compile} ac={ac} attn={attention} scope={scope} {precision}" + (f" docs={docs}" if docs else "")
+    if data == "real":
+        res.notes += f" real data mask={mask} prefetch={prefetch}"
     res.extra = {"recompiles_after_warmup": recompiles, "step_ms": 1000 * dt / steps}
     del trainer, model
     return res
+
+
+def _real_loaders(cfg: RunConfig, mask: bool, prefetch: int, device: torch.device):
+    import importlib.util
+
+    from kiln.config import load_config
+    from kiln.data.build import build_data
+
+    spec = importlib.util.spec_from_file_location("real_run", Path(__file__).with_name("real_run.py"))
+    real_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(real_run)
+    overrides = real_run.data_overrides(REAL_BYTES, ".kiln-cache")
+    overrides += [f"data.document_mask={str(mask).lower()}", f"data.prefetch={prefetch}"]
+    data_cfg = load_config(None, overrides).data
+    cfg.data = data_cfg
+    built = build_data(cfg, device)
+    return built.train, built.val
 
 
 def _profile(trainer, attention: str, steps: int = 3) -> None:
@@ -241,7 +268,7 @@ def _parse_variant(text: str) -> dict:
     for item in filter(None, text.split(",")):
         k, _, v = item.partition("=")
         flag = lambda s: s not in ("0", "false")  # noqa: E731
-        out[k] = {"compile": flag, "profile": flag, "docs": int}.get(k, str)(v)
+        out[k] = {"compile": flag, "profile": flag, "mask": flag, "docs": int, "prefetch": int}.get(k, str)(v)
     return out
 
 
