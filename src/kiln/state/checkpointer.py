@@ -142,7 +142,13 @@ class Checkpointer:
         """Copy `tensors` into `buffers` (allocated on first use, pinned when CUDA is used)."""
         if buffers is None:
             pin = torch.cuda.is_available() and torch.cuda.is_initialized()
-            buffers = _create_cpu_state_dict(tensors, pin_memory=pin)
+            try:
+                buffers = _create_cpu_state_dict(tensors, pin_memory=pin)
+            except RuntimeError as e:  # pinned (page-locked) memory is scarcer than plain memory
+                if not pin:
+                    raise
+                self.log(f"could not pin CPU memory for checkpoint staging ({e}); using plain memory (slower)")
+                buffers = _create_cpu_state_dict(tensors, pin_memory=False)
         try:
             _copy_state_dict(tensors, buffers, non_blocking=True)
         except (ValueError, RuntimeError, KeyError):  # the state's layout changed: start over
@@ -185,7 +191,11 @@ class Checkpointer:
             return target
         blocking = (not self.ccfg.async_save) if blocking is None else blocking
         if self._buffers_ready is not None:
-            self._buffers, self._buffers_ready = self._buffers_ready.result(), None
+            ready, self._buffers_ready = self._buffers_ready, None
+            try:
+                self._buffers = ready.result()
+            except RuntimeError as e:
+                self.log(f"allocating pinned checkpoint buffers failed ({e}); trying again at this save")
         small, rng = self._small(trainer), rng_state()
         small["reason"] = reason
         self.last_saved_step = trainer.step
