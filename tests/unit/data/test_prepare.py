@@ -262,3 +262,34 @@ def test_vocabulary_above_uint16_gives_uint32_shards(tmp_path):
                             val_fraction=0.0, cache_dir=str(tmp_path / "cache")))
     assert ds.dtype == np.uint32
     assert read_docs(ds, "train") == [[3, 65537, 65538, 70001, 1, 0]]
+
+
+def test_a_killed_worker_is_a_resource_error(corpus, tmp_path, monkeypatch):
+    """What the OOM killer does to a tokenizer worker: a clear error, and the next run completes."""
+    import multiprocessing
+    import threading
+
+    from kiln.errors import ResourceError
+
+    monkeypatch.setattr(prepare_mod, "POOL_MIN_BYTES", 0)
+    monkeypatch.setattr(prepare_mod, "BATCH_BYTES", 2_000)
+    cfg = config(corpus, tmp_path, workers=2)
+    stop = threading.Event()
+
+    def kill_a_worker():
+        while not stop.is_set():
+            children = multiprocessing.active_children()
+            if children:
+                os.kill(children[0].pid, signal.SIGKILL)
+                return
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_a_worker)
+    killer.start()
+    try:
+        with pytest.raises(ResourceError, match="tokenizer worker process died"):
+            prepare(cfg)
+    finally:
+        stop.set()
+        killer.join()
+    assert prepare(cfg).verify() == []
