@@ -44,8 +44,9 @@ def hash_sources(files: list[SourceFile], cache: Path | None = None) -> list[dic
     """[{path, bytes, sha256}] of every source file.
 
     A local file's hash is remembered under `cache` keyed by its path, size, inode, mtime and
-    ctime (any write changes ctime, which no tool can set back), so an unchanged corpus is not
-    read again only to be recognised; other files are read in full every time.
+    ctime (any write changes ctime, which no tool can set back), a remote one's by its URL, size
+    and ETag or checksum, so an unchanged corpus is not read again only to be recognised; other
+    files are read in full every time.
     """
     memo_path = cache / "source-hashes.json" if cache is not None else None
     try:
@@ -54,14 +55,11 @@ def hash_sources(files: list[SourceFile], cache: Path | None = None) -> list[dic
         memo = {}
     out, fresh = [], {}
     for sf in files:
-        key = None
-        if sf.fs is None:
-            st = os.stat(sf.path)
-            key = f"{os.path.realpath(sf.path)}|{st.st_size}|{st.st_ino}|{st.st_mtime_ns}|{st.st_ctime_ns}"
-            if key in memo:
-                out.append({"path": sf.url, "bytes": st.st_size, "sha256": memo[key]})
-                fresh[key] = memo[key]
-                continue
+        key = _memo_key(sf)
+        if key is not None and key in memo:
+            out.append({"path": sf.url, "bytes": sf.size, "sha256": memo[key]})
+            fresh[key] = memo[key]
+            continue
         h, n = hashlib.sha256(), 0
         with sf.open_raw() as f:
             while chunk := f.read(1 << 22):
@@ -77,6 +75,19 @@ def hash_sources(files: list[SourceFile], cache: Path | None = None) -> list[dic
         tmp.write_text(json.dumps(memo))
         os.replace(tmp, memo_path)
     return out
+
+
+def _memo_key(sf: SourceFile) -> str | None:
+    """What identifies a file's content without reading it, or None when nothing does."""
+    if sf.fs is None:
+        st = os.stat(sf.path)
+        return f"{os.path.realpath(sf.path)}|{st.st_size}|{st.st_ino}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+    try:  # object stores: an ETag or content checksum changes with the content
+        info = sf.fs.info(sf.path)
+    except OSError:
+        return None
+    tag = next((info[k] for k in ("ETag", "etag", "md5Hash", "crc32c", "checksum") if info.get(k)), None)
+    return f"{sf.url}|{info.get('size')}|{tag}" if tag else None
 
 
 def settings_of(cfg, tokenizer: Tokenizer) -> dict:
