@@ -38,14 +38,14 @@ import time  # noqa: E402
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process per core on both sides
 
 
-def corpus() -> list[str]:
+def corpus(root: str | None = None) -> list[str]:
     """The stdlib .py files that are non-empty valid UTF-8 without CR bytes or a byte order mark
     (datasets reads text with universal newlines and keeps a BOM; Kiln keeps CRs and drops a BOM:
     without either, both sides see exactly the same text)."""
     from kiln.data.sources import stdlib_files
 
     out = []
-    for p in stdlib_files():
+    for p in stdlib_files() if root is None else sorted(Path(root).rglob("*.py")):
         raw = p.read_bytes()
         try:
             if raw.decode("utf-8").strip() and b"\r" not in raw and not raw.startswith(b"\xef\xbb\xbf"):
@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000, help="size of the BPE both sides use")
     ap.add_argument("--repeat", type=int, default=1, help="runs per side; the best is kept")
     ap.add_argument("--out", help="write the result as JSON here too")
+    ap.add_argument("--corpus", help="a directory of .py files to use instead of this Python's standard library")
     args = ap.parse_args()
 
     import datasets
@@ -128,7 +129,7 @@ def main() -> None:
     import kiln
     from kiln.data.tokenizer import train_bpe
 
-    files = corpus()
+    files = corpus(args.corpus)
     size = sum(os.path.getsize(f) for f in files)
     for f in files:  # page cache warm for both sides
         Path(f).read_bytes()
