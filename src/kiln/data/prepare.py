@@ -166,7 +166,8 @@ def prepare(cfg, console=None, progress: bool = True, tokenizer: Tokenizer | Non
     reused = (out / "manifest.json").is_file()
     if not reused:
         with _locked(cache / "datasets" / f"{ds_id}.lock", console):
-            if not (out / "manifest.json").is_file():  # another process may have finished it meanwhile
+            reused = (out / "manifest.json").is_file()  # another process may have finished it meanwhile
+            if not reused:
                 try:
                     _build(cfg, files, sources, tokenizer, settings, out, console if progress else None, start)
                 except OSError as e:
