@@ -5,7 +5,7 @@ Every reader takes a binary file object (already decompressed), streams it, and 
 and JSON Lines files are not records), `line` is the 1-based line where the record starts (None
 for columnar formats), and `value` is what the record holds before validation: `bytes` (text,
 CSV and binary columns, decoded later so a bad byte costs one record, not the file), any JSON
-value, `MISSING` when the record lacks the field, `TOO_LONG` when it is longer than `limit` bytes
+value, a `Missing` note when the record lacks the field, `TOO_LONG` when it is longer than `limit` bytes
 (the rest is skipped without being held in memory), or a `Malformed` note (bad JSON).
 
 `skip` records are passed over as cheaply as the format allows (parquet and arrow skip whole
@@ -52,7 +52,7 @@ class InvalidUTF8(Malformed):
     """A record whose bytes are not UTF-8."""
 
 
-MISSING = Missing("")
+MISSING = Missing("the value is null")
 
 
 Record = tuple[int, "int | None", Any]
@@ -116,7 +116,9 @@ def _field(obj: Any, field: str) -> Any:
     if not isinstance(obj, dict):
         return Malformed(f"expected a JSON object with a '{field}' field, got {type(obj).__name__}")
     value = obj.get(field)
-    return MISSING if value is None else value
+    if value is None:
+        return Missing(f"'{field}' is {'null' if field in obj else 'absent'}; it has: {', '.join(list(obj)[:8])}")
+    return value
 
 
 _json_decode = json.JSONDecoder().decode
