@@ -68,7 +68,7 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
                   f"on {device}")
     apply_ac(model, tcfg.activation_checkpointing)
     if tcfg.compile:
-        apply_compile(model)  # in place: state-dict keys stay the same
+        apply_compile(model, scope=tcfg.compile_scope)  # in place: state-dict keys stay the same
     train_model = model
 
     checkpointer = Checkpointer(run_dir, cfg, prints, console.print)

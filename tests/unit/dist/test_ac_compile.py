@@ -11,13 +11,13 @@ from kiln.model.llama import Transformer
 CFG = ModelConfig(size="tiny", vocab_size=256, max_seq_len=64)
 
 
-def _step(mode="none", compile=False, doc_ids=None):
+def _step(mode="none", compile=False, doc_ids=None, scope="blocks"):
     torch.manual_seed(0)
     model = Transformer(CFG)
     keys = list(model.state_dict())
     apply_ac(model, mode)
     if compile:
-        apply_compile(model)
+        apply_compile(model, scope=scope)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, 256, (2, 64), generator=g), torch.randint(0, 256, (2, 64), generator=g)
     loss = model(x, y, doc_ids)
@@ -44,10 +44,12 @@ def test_checkpointing_rejects_unknown_mode_and_double_application():
         apply_ac(model, "selective")
 
 
-def test_compiled_matches_eager_on_cpu():
-    loss0, g0 = _step("none")
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_compiled_matches_eager_on_cpu(scope):
+    docs = torch.tensor([[0] * 20 + [1] * 44, [0] * 64])
+    loss0, g0 = _step("none", doc_ids=docs)
     before = compiled_graph_count()
-    loss, g = _step("selective", compile=True)
+    loss, g = _step("selective", compile=True, doc_ids=docs, scope=scope)
     assert compiled_graph_count() > before  # it really compiled
     assert abs(loss - loss0) < 1e-5 * abs(loss0)
     for n in g0:
