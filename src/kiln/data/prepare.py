@@ -20,13 +20,13 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from kiln.data.dataset import FORMAT, PreparedDataset, open_dataset
 from kiln.data.encode import Encoder
+from kiln.data.lock import file_lock
 from kiln.data.records import Deduplicator, RecordChecker, is_val
 from kiln.data.report import build_report, print_report
 from kiln.data.sources import SourceFile, expand, iter_documents
@@ -121,28 +121,6 @@ def _train_texts(cfg, files: list[SourceFile]) -> Iterator[str]:
         yield d.text
 
 
-@contextmanager
-def _locked(path: Path, console=None):
-    """An exclusive lock on `path` across processes (two prepares of one dataset take turns)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        try:
-            import fcntl
-        except ImportError:  # Windows: no lock
-            yield
-            return
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if console is not None:
-                console.print(f"waiting for another process preparing the same dataset ({path.with_suffix('')})")
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def prepare(cfg, console=None, progress: bool = True, tokenizer: Tokenizer | None = None) -> PreparedDataset:
     """Prepare `cfg.sources` (a DataConfig), or reuse the complete dataset of the same id.
 
@@ -165,7 +143,8 @@ def prepare(cfg, console=None, progress: bool = True, tokenizer: Tokenizer | Non
     out = cache / "datasets" / ds_id
     reused = (out / "manifest.json").is_file()
     if not reused:
-        with _locked(cache / "datasets" / f"{ds_id}.lock", console):
+        with file_lock(cache / "datasets" / f"{ds_id}.lock",
+                       f"waiting for another process preparing the same dataset ({out})", console):
             reused = (out / "manifest.json").is_file()  # another process may have finished it meanwhile
             if not reused:
                 try:

@@ -161,9 +161,13 @@ def load_or_train(cfg, texts: Iterable[str], texts_key: str, cache_dir: Path) ->
     key = hashlib.sha256(json.dumps([texts_key, cfg.vocab_size, specials]).encode()).hexdigest()[:16]
     path = cache_dir / "tokenizers" / f"bpe-{cfg.vocab_size}-{key}" / "tokenizer.json"
     if not path.is_file():
-        tok = train_bpe(texts, cfg.vocab_size, specials)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{id(tok)}")
-        tok.save(tmp)
-        tmp.replace(path)
+        from kiln.data.lock import file_lock
+
+        with file_lock(path.parent.with_suffix(".lock")):  # one process trains, the others wait for it
+            if not path.is_file():
+                tok = train_bpe(texts, cfg.vocab_size, specials)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".tmp{id(tok)}")
+                tok.save(tmp)
+                tmp.replace(path)
     return Tokenizer.load(path, eos, bos)
