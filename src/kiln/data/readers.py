@@ -113,6 +113,8 @@ def read_text(f: BinaryIO, unit: str, limit: int, skip: int = 0) -> Iterator[Rec
 
 
 def _field(obj: Any, field: str) -> Any:
+    if isinstance(obj, str):  # a bare JSON string is the document itself
+        return obj
     if not isinstance(obj, dict):
         return Malformed(f"expected a JSON object with a '{field}' field, got {type(obj).__name__}")
     value = obj.get(field)

@@ -36,6 +36,8 @@ def test_jsonl_json_and_field(tmp_path):
     assert texts(tmp_path, [tmp_path / "a.jsonl"]) == DOCS
     assert texts(tmp_path, [tmp_path / "b.json"], field="body") == DOCS
     assert texts(tmp_path, [tmp_path / "c.json"]) == DOCS
+    (tmp_path / "d.json").write_text(json.dumps(DOCS))  # an array of bare strings
+    assert texts(tmp_path, [tmp_path / "d.json"]) == DOCS
 
 
 def test_json_array_larger_than_a_read_chunk(tmp_path, monkeypatch):
