@@ -162,7 +162,7 @@ def main() -> None:
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "workers": args.workers,
         "python": platform.python_version(), "kiln": kiln.__version__, "datasets": datasets.__version__,
         "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
-        "corpus_files": len(files), "corpus_bytes": size, "tokens": int(len(outputs["kiln"])),
+        "corpus_files": len(files), "corpus_bytes": size, "tokens": len(outputs["kiln"]),
         "identical_tokens": bool(same), "seconds": {k: round(v, 2) for k, v in best.items()},
         "speedup_vs_hf": round(ratio, 2), "speedup_vs_hf_fast": round(ratio_fast, 2),
     }

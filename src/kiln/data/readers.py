@@ -214,7 +214,7 @@ def _read_json_array(head: bytes, f: BinaryIO, field: str, limit: int, skip: int
                 yield index, None, _field(obj, field)
             index += 1
             pos = end
-    except UnicodeDecodeError as e:
+    except UnicodeDecodeError:
         raise DataError(f"not valid UTF-8 (within the first {read} bytes, element {index + 1} of the array); "
                         "fix the file or convert it to UTF-8") from None
 

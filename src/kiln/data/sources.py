@@ -157,11 +157,12 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
             continue
         if "://" in spec:
             fs, path = fsspec.core.url_to_fs(spec)
-            proto = spec.split("://", 1)[0]
-            url = lambda p: f"{proto}://{p}" if not p.startswith(f"{proto}://") else p  # noqa: E731
+            prefix = spec.split("://", 1)[0] + "://"
         else:
-            fs, path = fsspec.filesystem("file"), str(Path(spec).expanduser())
-            url = lambda p: p  # noqa: E731
+            fs, path, prefix = fsspec.filesystem("file"), str(Path(spec).expanduser()), ""
+
+        def url(p: str, prefix: str = prefix) -> str:
+            return p if p.startswith(prefix) else prefix + p
         before = len(out)
         try:
             if fs.isdir(path):

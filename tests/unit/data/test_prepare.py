@@ -162,7 +162,7 @@ prepare(DataConfig(**json.loads(sys.argv[1])))
 
 
 def test_kill_9_then_rerun_finishes_without_redoing_shards(corpus, tmp_path):
-    d, texts = corpus
+    _, texts = corpus
     cfg = config(corpus, tmp_path, shard_tokens=2_000, val_fraction=0.05)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen([sys.executable, "-c", KILLABLE, cfg.model_dump_json()], env=env)
@@ -236,7 +236,6 @@ def test_full_disk_is_a_resource_error_and_keeps_finished_shards(corpus, tmp_pat
 
 
 def test_special_token_text_in_a_document_is_plain_text(corpus, tmp_path):
-    d, _ = corpus
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": "before <|endoftext|> after"}) + "\n")
     cfg = config(corpus, tmp_path, sources=[str(tmp_path / "a.jsonl")], val_fraction=0.0)
     ds = prepare(cfg)
