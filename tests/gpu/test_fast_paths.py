@@ -22,11 +22,12 @@ CFG = dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=704, voc
 
 @pytest.fixture(autouse=True)
 def _exact_fp32():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def _model(seed=0, **over):
