@@ -224,7 +224,8 @@ class TrainConfig(Section):
     device: str = "auto"
     """'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """'bf16' autocast, 'fp32', or 'auto' (bf16 on CUDA, fp32 on CPU)."""
+    """'bf16': autocast, with fp32 weights and optimizer state and a bf16 residual stream; 'fp32';
+    or 'auto' (bf16 on CUDA, fp32 on CPU)."""
     compile: bool = False
     """Compile the model and the loss kernel with torch.compile (fastest on GPU; slow to start on CPU)."""
     compile_scope: Literal["blocks", "model"] = "blocks"
