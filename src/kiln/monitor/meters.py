@@ -8,23 +8,27 @@ from collections.abc import Iterator
 
 import torch
 
-# dense bf16 tensor-core peak FLOP/s per GPU, by name as torch reports it
+# dense (not 2:4 sparse) bf16 tensor-core peak FLOP/s per GPU, by a part of the name torch reports;
+# the longest matching part wins ("H100 PCIe" before "H100"); train.peak_tflops overrides the table
 PEAK_FLOPS = {
-    "H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12,
-    "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12,
-    "RTX 4090": 165e12, "RTX 3090": 71e12,
+    "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H200": 989e12, "H800": 989e12, "H20": 148e12,
+    "B200": 2250e12, "B100": 1750e12, "GB200": 2500e12,
+    "A100": 312e12, "A800": 312e12, "A10G": 70e12, "A10": 125e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12,
+    "RTX 4090": 165e12, "RTX 3090": 71e12, "MI300X": 1307e12, "MI250X": 383e12,
 }
+
+
+def peak_for_name(name: str) -> float | None:
+    """Dense bf16 peak of a GPU by its reported name, or None if the table does not know it."""
+    matches = [key for key in PEAK_FLOPS if key in name]
+    return PEAK_FLOPS[max(matches, key=len)] if matches else None
 
 
 def peak_flops(device: torch.device) -> float | None:
     """The device's dense bf16 peak from the table, or None (CPU, unknown GPU)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, value in PEAK_FLOPS.items():
-        if key in name:
-            return value
-    return None
+    return peak_for_name(torch.cuda.get_device_name(device))
 
 
 class Throughput:

@@ -37,3 +37,14 @@ def test_paused_time_is_left_out():
         time.sleep(0.3)
     m = meter.read(1, 1000)
     assert m["tokens_per_s"] > 1000 / 0.2  # 0.05 s of training, not 0.35
+
+
+def test_peak_table_picks_the_most_specific_name():
+    from kiln.monitor.meters import peak_for_name
+
+    assert peak_for_name("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_for_name("NVIDIA H100 PCIe") == 756e12
+    assert peak_for_name("NVIDIA H200") == 989e12
+    assert peak_for_name("NVIDIA L40S") == 362e12 and peak_for_name("NVIDIA L4") == 121e12
+    assert peak_for_name("NVIDIA A10G") == 70e12 and peak_for_name("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_for_name("Some Future GPU") is None
