@@ -56,7 +56,7 @@ def test_compiled_blocks_keep_the_document_mask():
     ids = _doc_ids(2, 256, seed=3).cuda()
     with torch.no_grad():
         eager = model(tokens, doc_ids=ids)
-    apply_compile(model)
+    apply_compile(model, scope="blocks")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*lru_cache.*")  # no cache wrapper traced by dynamo
         with torch.no_grad():

@@ -112,7 +112,7 @@ def test_sigkill_between_checkpoints_resumes_bit_for_bit(base, reference, tmp_pa
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{N:08d}'}" in again.stdout
     got, count = losses(run_dir)
     assert got == reference  # every step, bit for bit
-    assert count[N] == 1 and count[N + 1] == 2 and count[2 * N] == 1  # steps N+1..N+K were replayed
+    assert set(count.values()) == {1}  # the replayed steps' old records were dropped: each step once
 
 
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(base, reference, tmp_path):

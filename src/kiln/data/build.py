@@ -65,8 +65,14 @@ def prepare_all(data: DataConfig, console=None) -> list:
     for i, entry in enumerate(data.mixture):
         where = f"data.mixture[{i}]"
         if entry.dataset is not None:
+            if out:
+                expected = out[0].tokenizer.hash
+            else:  # the first entry sets the tokenizer: it must be data.tokenizer's, where one is given
+                from kiln.data.tokenizer import Tokenizer
+
+                expected = Tokenizer.load(data.tokenizer).hash if data.tokenizer else None
             try:
-                ds = open_dataset(entry.dataset, out[0].tokenizer.hash if out else None)
+                ds = open_dataset(entry.dataset, expected)
             except DataError as e:
                 raise DataError(f"{where}: {e}") from None
         else:

@@ -73,6 +73,7 @@ class StreamRows:
         self.cfg, self.tok, self.split = cfg, tokenizer, split
         self.T, self.B, self.seed, self.rank, self.world = seq_len, batch_size, seed, rank, world
         self.document_mask, self.shuffle, self.pin = document_mask, shuffle, pin_memory
+        self.encoder = tokenizer.document_encoder(cfg.parse_special_tokens)  # as prepare encodes documents
         self.files = _sources(cfg)
         self.key = _sources_key(self.files)
         self.position = {"epoch": 0, "file": 0, "record": 0, "offset": 0, "chars": 0, "sample": 0}
@@ -114,7 +115,7 @@ class StreamRows:
             epoch, start, chars_before = epoch + 1, (0, 0), 0
 
     def _encode(self, epoch: int, batch: list, encode_texts):
-        tokens, lengths = encode_texts([b[3] for b in batch], self.tok.tk, self.tok.eos_id, self.tok.bos_id, np.int64)
+        tokens, lengths = encode_texts([b[3] for b in batch], self.encoder, self.tok.eos_id, self.tok.bos_id, np.int64)
         for (fi, ri, before, _), doc in zip(batch, np.split(tokens, np.cumsum(lengths)[:-1])):
             yield epoch, fi, ri, before, doc
 

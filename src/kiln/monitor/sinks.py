@@ -47,24 +47,51 @@ class ConsoleSink(Callback):
 
 
 class JsonlSink(Callback):
-    """Appends one JSON object per logged event to `path` (metrics.jsonl in the run directory)."""
+    """Appends one JSON object per logged event to `path` (metrics.jsonl in the run directory).
+
+    A resumed run replays the steps after its checkpoint: the first write of a process drops the
+    records those steps left behind (and a line cut short by a kill), so each step appears once.
+    """
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.file = None
 
-    def _write(self, kind: str, metrics: dict[str, Any]) -> None:
-        if self.file is None:
+    def _drop_replayed(self, step: int, kind: str | None) -> None:
+        if not self.path.is_file():
+            return
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            s = rec.get("step", -1)
+            if s < step or (s == step and rec.get("event") != kind):  # an eval at `step` is written again
+                keep.append(line)
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in keep))
+        tmp.replace(self.path)
+
+    def _open(self, trainer, kind: str | None) -> None:
+        if self.file is None:  # first event of this process: trainer.step is where it (re)started
+            self._drop_replayed(trainer.step, kind)
             self.file = open(self.path, "a")
+
+    def on_train_start(self, trainer) -> None:
+        self._open(trainer, None)
+
+    def _write(self, trainer, kind: str, metrics: dict[str, Any]) -> None:
+        self._open(trainer, kind)
         self.file.write(json.dumps({"event": kind, "time": time.time(), **metrics}) + "\n")
         self.file.flush()
 
     def on_step_end(self, trainer, metrics) -> None:
         if metrics:
-            self._write("train", metrics)
+            self._write(trainer, "train", metrics)
 
     def on_eval_end(self, trainer, metrics) -> None:
-        self._write("eval", metrics)
+        self._write(trainer, "eval", metrics)
 
     def on_train_end(self, trainer, metrics) -> None:
         if self.file:

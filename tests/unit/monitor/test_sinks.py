@@ -1,0 +1,50 @@
+"""metrics.jsonl holds each step once, also after a resume replays steps."""
+
+import json
+from types import SimpleNamespace
+
+from kiln.monitor.sinks import JsonlSink
+
+
+def records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_resume_drops_replayed_records_and_a_cut_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    first = JsonlSink(path)
+    t = SimpleNamespace(step=0)
+    first.on_eval_end(t, {"step": 0, "val_loss": 9.0})
+    for s in range(1, 9):
+        t.step = s
+        first.on_step_end(t, {"step": s, "loss": 10.0 - s})
+        if s == 4:
+            first.on_eval_end(t, {"step": 4, "val_loss": 5.0})
+    first.file.write('{"event": "train", "st')  # killed mid-line
+    first.file.flush()
+
+    again = JsonlSink(path)  # resumed from the checkpoint of step 4
+    t = SimpleNamespace(step=4)
+    again.on_eval_end(t, {"step": 4, "val_loss": 5.5})
+    again.on_train_start(t)
+    for s in range(5, 7):
+        t.step = s
+        again.on_step_end(t, {"step": s, "loss": 20.0 + s})
+    again.on_train_end(t, {})
+
+    got = records(path)
+    train = [(r["step"], r["loss"]) for r in got if r["event"] == "train"]
+    evals = [(r["step"], r["val_loss"]) for r in got if r["event"] == "eval"]
+    assert train == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 25.0), (6, 26.0)]
+    assert evals == [(0, 9.0), (4, 5.5)]
+
+
+def test_fresh_run_keeps_everything(tmp_path):
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    t = SimpleNamespace(step=0)
+    sink.on_eval_end(t, {"step": 0, "val_loss": 1.0})
+    sink.on_train_start(t)
+    t.step = 1
+    sink.on_step_end(t, {"step": 1, "loss": 2.0})
+    sink.on_step_end(t, None)  # not a logging step
+    assert [r["event"] for r in records(tmp_path / "m.jsonl")] == ["eval", "train"]
