@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from kiln.errors import ConfigError
 
@@ -113,6 +113,11 @@ class DataConfig(Section):
     sources: list[str] = ["@stdlib"]
     """Input files, directories, globs, fsspec URLs (s3://, gs://, memory://...), save_to_disk dataset
     directories, or '@stdlib' (this Python's standard library source). .gz/.zst are decompressed."""
+
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _one_source(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v  # data.sources=corpus.jsonl means a list of one
     format: Literal["auto", "text", "jsonl", "json", "parquet", "csv", "tsv", "arrow"] = "auto"
     """Format of the source files; 'auto' goes by the file suffix (unknown suffixes read as text)."""
     text_unit: Literal["file", "line", "paragraph"] = "file"

@@ -117,3 +117,7 @@ def test_every_field_is_documented():
     for line in text.splitlines():
         assert not line.rstrip().endswith(":"), f"undocumented: {line}"
     assert "train.lr" in text
+
+
+def test_a_single_source_string_is_a_list_of_one():
+    assert load_config(None, ["data.sources=corpus.jsonl"]).data.sources == ["corpus.jsonl"]
