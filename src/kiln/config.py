@@ -324,6 +324,13 @@ class RunConfig(Section):
     logging: LoggingConfig = LoggingConfig()
     """Where metrics go."""
 
+    @model_validator(mode="after")
+    def _check_lengths(self) -> RunConfig:
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ValueError(f"train.seq_len={self.train.seq_len} is longer than model.max_seq_len="
+                             f"{self.model.max_seq_len}; raise model.max_seq_len or shorten train.seq_len")
+        return self
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 

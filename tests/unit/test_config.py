@@ -121,3 +121,8 @@ def test_every_field_is_documented():
 
 def test_a_single_source_string_is_a_list_of_one():
     assert load_config(None, ["data.sources=corpus.jsonl"]).data.sources == ["corpus.jsonl"]
+
+
+def test_sequence_longer_than_the_model_is_an_error():
+    with pytest.raises(ConfigError, match="train.seq_len=4096 is longer than model.max_seq_len=2048"):
+        load_config(None, ["train.seq_len=4096"])
