@@ -126,6 +126,13 @@ def prepare(cfg, console=None, progress: bool = True, tokenizer: Tokenizer | Non
 
     `console` (a rich Console) gets the progress bar and the report; None prints nothing.
     """
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        # a tokenizer worker is importing the caller's script, which calls prepare at import time:
+        # without this it would wait forever on the lock its parent holds
+        raise DataError("prepare() ran while a worker process was starting: call it under "
+                        "`if __name__ == \"__main__\":` in your script (worker processes import it)")
     start = time.perf_counter()
     cache = Path(cfg.cache_dir).expanduser()
     files = expand(cfg.sources, cfg.format, cfg.dataset_split)
