@@ -1,6 +1,6 @@
 """The one checkpointer: everything a run needs to continue exactly, under fixed keys.
 
-A checkpoint is a directory `<run_dir>/checkpoints/step_XXXXXXXX/`:
+A checkpoint is a directory `<run_dir>/checkpoints/step_NNNNNNNN/`:
 
     __R_N.distcp, .metadata   torch.distributed.checkpoint (DCP) files: keys "model" and "optim",
                               sharded per process (FSDP2 DTensors reshard to a new world size)
@@ -9,7 +9,7 @@ A checkpoint is a directory `<run_dir>/checkpoints/step_XXXXXXXX/`:
     rank<R>.json              "rng" of process R (Python, NumPy, torch CPU, CUDA)
     meta.json                 written last: step, config, every file with size and sha256
 
-It is written into `.tmp-step_XXXXXXXX/` and renamed when complete, so a kill at any moment leaves
+It is written into `.tmp-step_NNNNNNNN/` and renamed when complete, so a kill at any moment leaves
 either the whole checkpoint or none. With `async_save` the caller waits only while the state is
 copied into reusable CPU buffers; one background thread writes, hashes, renames, prunes and
 archives, one save at a time, and its failure is raised by the next `poll()`/`wait()`.
