@@ -97,6 +97,12 @@ class Encoder:
             yield (tag, *item)
 
     def close(self, cancel: bool = False) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=not cancel, cancel_futures=cancel)
-            self.pool = None
+        """Shut the workers down; with `cancel`, drop queued batches and stop the workers at once."""
+        if self.pool is None:
+            return
+        pool, self.pool = self.pool, None
+        if cancel:
+            # a pool broken by a dead worker can hang in shutdown(wait=True) on the survivors
+            for proc in list((pool._processes or {}).values()):
+                proc.terminate()
+        pool.shutdown(wait=not cancel, cancel_futures=cancel)

@@ -144,10 +144,6 @@ class PackedRows:
         self.sample += len(src)
         return tokens, targets, doc_ids
 
-    def epochs(self) -> list[float]:
-        """Fraction of an epoch consumed, per dataset."""
-        return [int(t) / lay.rows for t, lay in zip(self.taken, self.layouts)]
-
     def state_dict(self) -> dict:
         return {"sample": int(self.sample), "seq_len": self.T, "seed": self.seed,
                 "taken": {name: int(t) for name, t in zip(self.names, self.taken)}}
@@ -209,10 +205,6 @@ class PackedLoader:
             return batch
         batch, self._state = self._prefetch.next()
         return batch
-
-    @property
-    def tokens_per_batch(self) -> int:
-        return self.rows.B * self.rows.T
 
     @property
     def epoch(self) -> float:

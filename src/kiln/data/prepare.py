@@ -233,6 +233,9 @@ def _build(cfg, files, sources, tokenizer: Tokenizer, settings: dict, out: Path,
         if console is not None:
             console.print(f"prepare interrupted: {kept} shard(s) complete in {out}; run it again to finish")
         raise
+    except BaseException:
+        encoder.close(cancel=True)  # no waiting on workers after a failure (a dead one can hang the pool)
+        raise
     finally:
         encoder.close()
 

@@ -69,6 +69,17 @@ def _readline(f: BinaryIO, limit: int) -> tuple[bytes | None, bool]:
             return line[:0], True
 
 
+def _lines(f: BinaryIO, limit: int) -> Iterator[tuple[int, bytes, bool]]:
+    """(line number, line, too_long) of every line, the first without a UTF-8 byte order mark."""
+    lineno = 0
+    while True:
+        line, long_line = _readline(f, limit)
+        if not line and not long_line:
+            return
+        lineno += 1
+        yield lineno, line.removeprefix(BOM) if lineno == 1 else line, long_line
+
+
 def read_text(f: BinaryIO, unit: str, limit: int, skip: int = 0) -> Iterator[Record]:
     """Plain text: the whole file, each non-blank line, or each blank-line-separated block."""
     if unit == "file":
@@ -77,15 +88,9 @@ def read_text(f: BinaryIO, unit: str, limit: int, skip: int = 0) -> Iterator[Rec
         data = f.read(limit + 1)
         yield 0, 1, TOO_LONG if len(data) > limit else data.removeprefix(BOM)
         return
-    index, lineno, block, block_line, block_len, too_long = 0, 0, [], 0, 0, False
+    index, block, block_line, block_len, too_long = 0, [], 0, 0, False
     in_block = False
-    while True:
-        line, long_line = _readline(f, limit)
-        if not line and not long_line:
-            break
-        lineno += 1
-        if lineno == 1:
-            line = line.removeprefix(BOM)
+    for lineno, line, long_line in _lines(f, limit):
         blank = not long_line and not line.strip()
         if unit == "line":
             if blank:
@@ -128,14 +133,8 @@ _json_decode = json.JSONDecoder().decode
 
 def read_jsonl(f: BinaryIO, field: str, limit: int, skip: int = 0) -> Iterator[Record]:
     """JSON Lines: one object per non-blank line; the record is its `field`."""
-    index, lineno = 0, 0
-    while True:
-        line, long_line = _readline(f, limit)
-        if not line and not long_line:
-            return
-        lineno += 1
-        if lineno == 1:
-            line = line.removeprefix(BOM)
+    index = 0
+    for lineno, line, long_line in _lines(f, limit):
         if not long_line and not line.strip():
             continue
         if index >= skip:

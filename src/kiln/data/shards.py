@@ -131,9 +131,3 @@ class TokenStream:
         lengths[:-1] = bounds[1:] - bounds[:-1]
         lengths[-1] = m - bounds[-1]
         doc_ids[:] = np.repeat(np.arange(bounds.size, dtype=doc_ids.dtype), lengths)
-
-    def doc_starts(self, start: int, n: int) -> np.ndarray:
-        """Offsets in (0, n), relative to `start`, where a new document begins."""
-        ids = np.empty(n, np.int64)
-        self.read(start, np.empty(n, self.dtype), ids)
-        return np.flatnonzero(np.diff(ids)) + 1

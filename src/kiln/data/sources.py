@@ -35,7 +35,6 @@ TEXT_SUFFIXES = {".txt", ".text", ".md", ".markdown", ".rst", ".py", ".tex"}
 DATA_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
                  ".csv": "csv", ".tsv": "tsv", ".arrow": "arrow"}
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
-FORMATS = ("text", "jsonl", "json", "parquet", "csv", "tsv", "arrow")
 
 
 class Document(NamedTuple):

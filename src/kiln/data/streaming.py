@@ -243,10 +243,6 @@ class StreamingLoader:
             self._at += 1
         return batch
 
-    @property
-    def tokens_per_batch(self) -> int:
-        return self.rows.B * self.rows.T
-
     def state_dict(self) -> dict:
         return dict(self._state)
 

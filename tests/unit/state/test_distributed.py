@@ -53,16 +53,20 @@ dist.destroy_process_group()
 '''
 
 
-def test_two_ranks_save_once_and_resume_in_two_or_one(tmp_path):
-    run_dir, out = tmp_path / "run", tmp_path / "out.json"
-    worker = tmp_path / "worker.py"
-    worker.write_text(WORKER)
+def launch_two(script: str, tmp_path: Path, run_dir: Path) -> dict:
+    """Run `script` in 2 gloo processes under torchrun; returns the JSON that rank 0 wrote."""
+    out, worker = tmp_path / "out.json", tmp_path / "worker.py"
+    worker.write_text(script)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
            str(HERE), str(run_dir), str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_two_ranks_save_once_and_resume_in_two_or_one(tmp_path):
+    run_dir = tmp_path / "run"
+    result = launch_two(WORKER, tmp_path, run_dir)
     path = Path(result["path"])
     assert {"rank0.json", "rank1.json"} <= {p.name for p in path.iterdir()}
     assert json.loads((path / "meta.json").read_text())["world_size"] == 2
@@ -104,14 +108,8 @@ dist.destroy_process_group()
 
 
 def test_fsdp2_sharded_checkpoint_reshards_to_one_process(tmp_path):
-    run_dir, out = tmp_path / "run", tmp_path / "out.json"
-    worker = tmp_path / "worker.py"
-    worker.write_text(FSDP_WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
-           str(HERE), str(run_dir), str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(out.read_text())
+    run_dir = tmp_path / "run"
+    result = launch_two(FSDP_WORKER, tmp_path, run_dir)
     one = make_trainer(run_dir)  # plain tensors in one process, loaded from DTensor shards of two
     Checkpointer(run_dir, one.cfg, {"dataset": "d"}, print).load(one, Path(result["path"]))
     assert run_steps(one, 3) == result["expected"]
