@@ -1,0 +1,33 @@
+"""The final model's weights: a round trip, and damaged files reported as StateError."""
+
+import pytest
+import torch
+
+from kiln.config import ModelConfig
+from kiln.errors import StateError
+from kiln.model import Transformer
+from kiln.state.weights import load_model, save_model
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_round_trip(tmp_path, tied):
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(size="tiny", vocab_size=97, tie_embeddings=tied))
+    save_model(model, model.cfg, None, tmp_path / "model")
+    loaded, tok = load_model(tmp_path)
+    x = torch.randint(0, 97, (2, 9))
+    assert tok is None and torch.equal(loaded(x), model(x))
+    assert (loaded.lm_head.weight is loaded.embed_tokens.weight) == tied
+
+
+def test_damaged_files_are_state_errors(tmp_path):
+    model = Transformer(ModelConfig(size="tiny", vocab_size=97))
+    out = save_model(model, model.cfg, None, tmp_path / "model")
+    (out / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(StateError, match="model.safetensors is damaged"):
+        load_model(tmp_path)
+    (out / "model_config.json").write_text("{")
+    with pytest.raises(StateError, match="model_config.json is not a valid model config"):
+        load_model(tmp_path)
+    with pytest.raises(StateError, match="no saved model"):
+        load_model(tmp_path / "nowhere")
