@@ -115,7 +115,7 @@ def _sdpa_backend(name: str):
 def run_kiln(size: str, batch: int, seq: int, warmup: int, steps: int, compile: bool = True, ac: str = "none",
              attention: str = "default", docs: int = 0, name: str = "kiln", scope: str = "blocks",
              precision: str = "bf16", profile: bool = False, data: str = "random", mask: bool = True,
-             prefetch: int = 2) -> Result:
+             prefetch: int = 2, mode: str | None = None) -> Result:
     """precision: 'bf16' (autocast over fp32 weights) or 'bf16-params' (bf16 weights and AdamW state).
     data: 'random' tokens, or 'real': Kiln's loader over the corpus of benchmarks/real_run.py
     (prepared with the same settings, so an earlier `real_run.py --prepare-only` is reused), with
@@ -137,13 +137,16 @@ def run_kiln(size: str, batch: int, seq: int, warmup: int, steps: int, compile: 
         model.to(torch.bfloat16)
     apply_ac(model, ac)
     if compile:
-        apply_compile(model, scope=scope)
+        apply_compile(model, scope=scope, mode=mode)
     fpt = flops_per_token(cfg.model, seq)
     if data == "real":
         loader, val = _real_loaders(cfg, mask, prefetch, device)
     else:
         loader = val = RandomTokens(batch, seq, VOCAB, docs=docs)
     trainer = Trainer(cfg, model, loader, val, device, [], flops_per_token=fpt)
+    if mode == "reduce-overhead":  # CUDA graphs: tell the graph trees where each step begins
+        step = trainer.train_step
+        trainer.train_step = lambda: (torch.compiler.cudagraph_mark_step_begin(), step())[1]
     res = Result(name, size, batch, seq)
     with _sdpa_backend(attention):
         losses = []
@@ -163,7 +166,7 @@ def run_kiln(size: str, batch: int, seq: int, warmup: int, steps: int, compile: 
     recompiles = compiled_graph_count() - graphs
     if profile:
         _profile(trainer, attention)
-    res.notes = f"compile={compile} ac={ac} attn={attention} scope={scope} {precision}" + (f" docs={docs}" if docs else "")
+    res.notes = f"compile={compile} ac={ac} attn={attention} scope={scope} mode={mode} {precision}" + (f" docs={docs}" if docs else "")
     if data == "real":
         res.notes += f" real data mask={mask} prefetch={prefetch}"
     res.extra = {"recompiles_after_warmup": recompiles, "step_ms": 1000 * dt / steps}
@@ -193,10 +196,17 @@ def _profile(trainer, attention: str, steps: int = 3) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with _sdpa_backend(attention), profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        _sync()
+        t0 = time.perf_counter()
         for _ in range(steps):
             trainer.train_step()
         _sync()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+        wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    print(averages.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+    kernels = sum(e.self_device_time_total for e in averages) / 1e6  # microseconds -> seconds
+    print(f"GPU busy: {kernels / steps * 1e3:.1f} ms of kernels per step in {wall / steps * 1e3:.1f} ms of wall time "
+          f"({kernels / wall:.1%}; the profiler itself slows the host side)")
 
 
 def run_hf_trainer(size: str, batch: int, seq: int, warmup: int, steps: int) -> Result:
@@ -296,6 +306,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
                 results.append(run_kiln(size, batch, a.seq, a.warmup, a.steps, **kw))
             except torch.OutOfMemoryError:
                 results.append(Result(kw["name"], size, batch, a.seq, notes="out of memory"))
+            except Exception as e:  # noqa: BLE001 (one failing variant must not lose the others' results)
+                results.append(Result(kw["name"], size, batch, a.seq, notes=f"failed: {type(e).__name__}: {e}"[:300]))
             print(json.dumps(asdict(results[-1])), flush=True)
         if a.hf_trainer:
             try:

@@ -14,15 +14,16 @@ from torch import nn
 from kiln.model import loss as loss_module
 
 
-def apply_compile(model: nn.Module, loss: bool = True, scope: str = "blocks") -> nn.Module:
+def apply_compile(model: nn.Module, loss: bool = True, scope: str = "blocks", mode: str | None = None) -> nn.Module:
     """Compile in place, each block of `model.layers` and the final norm (scope 'blocks') or the
-    whole forward pass up to the loss (scope 'model'); and the loss kernel. Returns the model."""
+    whole forward pass up to the loss (scope 'model'); and the loss kernel. Returns the model.
+    `mode` is torch.compile's (None: the default; 'reduce-overhead': CUDA graphs)."""
     if scope == "model":
-        model.compile()
+        model.compile(mode=mode)
     else:
         for block in model.layers:
-            block.compile(fullgraph=True)
-        model.norm.compile(fullgraph=True)
+            block.compile(fullgraph=True, mode=mode)
+        model.norm.compile(fullgraph=True, mode=mode)
     if loss and loss_module.ChunkKernel.fn is loss_module.chunk_loss_and_grad:
         loss_module.ChunkKernel.fn = torch.compile(loss_module.chunk_loss_and_grad, fullgraph=True)
     return model

@@ -152,12 +152,12 @@ class Transformer(nn.Module):
         doc_ids (B, T), optional: the document of each position within its row; attention then
         stays inside each document (block-diagonal causal)."""
         cos, sin = self._rope(tokens.shape[1])
-        mask = doc_mask(doc_ids)  # built once, shared by every layer
         x = self.embed_tokens(tokens)  # (B, T, d)
         if torch.is_autocast_enabled(x.device.type):
             # carry the residual stream in the autocast dtype (bf16), not fp32: half the memory
             # traffic of every norm, residual add and saved activation; the weights stay fp32
             x = x.to(torch.get_autocast_dtype(x.device.type))
+        mask = doc_mask(doc_ids, x.device)  # built once, shared by every layer
         for block in self.layers:
             x = block(x, cos, sin, mask)
         return self.norm(x)

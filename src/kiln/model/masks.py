@@ -1,13 +1,17 @@
 """Attention masks for packed rows: causal attention that stays inside each document.
 
-`doc_mask(doc_ids)` is built once per forward pass from the loader's doc_ids (B, T) (the index of
-each position's document within its row) and handed to every layer; `attend(q, k, v, mask)` runs
-attention with it:
+`doc_mask(doc_ids, device)` is built once per forward pass from the loader's doc_ids (B, T) (the
+index of each position's document within its row; on any device) and handed to every layer;
+`attend(q, k, v, mask)` runs attention with it:
 
-- no mask: plain causal SDPA (flash / memory-efficient kernels);
+- no mask: plain causal SDPA (cuDNN / flash kernels);
 - on CUDA: flex attention with a block mask, so blocks that cross documents are skipped, not
-  computed and thrown away (the kernel is compiled once, on first use);
+  computed and thrown away. Measured against variable-length flash attention and cuDNN's ragged
+  kernel in benchmarks/attention.py: flex was as fast or faster (results/attention.md);
 - elsewhere: SDPA with a boolean (B, 1, T, T) block-diagonal causal mask.
+
+The mask is always built eagerly (`doc_mask` is excluded from compilation), so a compiled block
+or a whole compiled model receives it as an input and never retraces its construction.
 """
 
 from __future__ import annotations
@@ -33,21 +37,32 @@ def _block_mask_builder():
     return torch.compile(create_block_mask, dynamic=False)
 
 
-def doc_mask(doc_ids: torch.Tensor | None):
-    """doc_ids (B, T) -> a mask `attend` understands (None: plain causal)."""
+def block_mask(doc_ids: torch.Tensor, device: torch.device):
+    """doc_ids (B, T), on any device -> a flex-attention block mask on `device` (CUDA)."""
+    B, T = doc_ids.shape
+    docs = doc_ids.to(device, non_blocking=True)
+
+    def same_doc_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
+
+    return _block_mask_builder()(same_doc_causal, B, None, T, T, device=device)
+
+
+def dense_mask(doc_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """doc_ids (B, T) -> a boolean (B, 1, T, T) block-diagonal causal mask for SDPA."""
+    doc_ids = doc_ids.to(device)
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril_()
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
+
+
+@torch.compiler.disable  # built eagerly: a compiled model takes the finished mask as an input
+def doc_mask(doc_ids: torch.Tensor | None, device: torch.device | None = None):
+    """doc_ids (B, T), on any device -> a mask `attend` understands on `device` (None: plain causal)."""
     if doc_ids is None:
         return None
-    B, T = doc_ids.shape
-    if doc_ids.is_cuda:
-        docs = doc_ids
-
-        def same_doc_causal(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
-
-        return _block_mask_builder()(same_doc_causal, B, None, T, T, device=doc_ids.device)
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril_()
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
-    return (same & causal)[:, None]  # (B, 1, T, T)
+    device = doc_ids.device if device is None else device
+    return block_mask(doc_ids, device) if device.type == "cuda" else dense_mask(doc_ids, device)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:

@@ -42,11 +42,6 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
     """Train per `cfg`; `resume` is auto, never or force (see kiln.state.resume); `callbacks` join the run's."""
     console = console or Console()
     device = resolve_device(cfg.train.device)
-    if cfg.train.compile and cfg.train.compile_scope == "model" and cfg.data.document_mask and device.type == "cuda":
-        # flex attention's block mask traced inside one whole-model graph gave outputs that differ from
-        # eager in tests/gpu (torch 2.11); per-block compile is checked and is the default
-        raise ConfigError("train.compile_scope=model together with data.document_mask=true is not supported on "
-                          "CUDA yet; use train.compile_scope=blocks (the default) or data.document_mask=false")
     run_dir, resume_from = resume_target(cfg, resume, console.print)
     console.print(f"[bold]kiln[/] run directory: {run_dir}")
 

@@ -35,10 +35,9 @@ class Trainer:
             else contextlib.nullcontext
 
     def _batch(self, loader) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Next (tokens, targets, doc_ids) on the device; doc_ids is None without document masking."""
+        """Next (tokens, targets, doc_ids): tokens and targets on the device; doc_ids (None without
+        document masking) stay where the loader made them: the model builds its mask from them."""
         tokens, targets, doc_ids = next(loader)
-        if doc_ids is not None:
-            doc_ids = doc_ids.to(self.device, non_blocking=True)
         return tokens.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True), doc_ids
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
