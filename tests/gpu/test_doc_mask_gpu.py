@@ -9,14 +9,7 @@ import torch
 from kiln.config import ModelConfig
 from kiln.dist.compile import apply_compile, compiled_graph_count
 from kiln.model.llama import Transformer
-from kiln.model.masks import (
-    Segments,
-    attend,
-    block_mask,
-    dense_mask,
-    doc_mask,
-    segments,
-)
+from kiln.model.masks import attend, block_mask, dense_mask
 
 pytestmark = pytest.mark.gpu
 
