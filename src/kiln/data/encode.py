@@ -4,14 +4,23 @@
 submission order, where `tokens` is the batch's documents back to back, each with BOS (if set) and
 EOS, and `lengths` their token counts. At most a few batches per worker are in flight, so memory
 stays bounded whatever the input size. Special-token text inside a document is encoded as plain
-text unless `parse_special` (see `Tokenizer.document_encoder`). Workers are spawned (not forked) and import only numpy and
-tokenizers, so starting them is cheap and safe after torch or Rust threads exist in the parent.
+text unless `parse_special` (see `Tokenizer.document_encoder`).
+
+Workers are forked on Linux (as PyTorch's DataLoader and Hugging Face datasets do) and spawned
+elsewhere. A forked worker starts in milliseconds with the tokenizer already in memory, and does
+not import the caller's script (a spawned one does: with torch at its top that costs seconds).
+All workers are started when the Encoder is made, so the caller makes it before it starts threads
+of its own (a progress bar's); the pool's own threads start after the fork. A worker ignores
+SIGINT (the parent stops the pool), uses one thread (TOKENIZERS_PARALLELISM=false) and, on Linux,
+is killed when its parent dies, so a parent killed with SIGKILL leaves no worker behind to hold
+its files and locks.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
@@ -19,17 +28,26 @@ from itertools import chain
 
 import numpy as np
 
+START_METHOD = "fork" if sys.platform == "linux" else "spawn"
+
 _state: dict = {}
 
 
-def _init(tokenizer_json: str, parse_special: bool, eos_id: int, bos_id: int | None, dtype: str) -> None:
+def _init(tk, parse_special: bool, eos_id: int, bos_id: int | None, dtype: str, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops the pool
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
-    from tokenizers import Tokenizer
+    if sys.platform == "linux":
+        import ctypes
 
-    tk = Tokenizer.from_str(tokenizer_json)
-    tk.encode_special_tokens = not parse_special
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the parent
+        if os.getppid() != parent:  # it died before that call
+            os._exit(1)
+    tk.encode_special_tokens = not parse_special  # this process's copy (forked, or unpickled if spawned)
     _state.update(tk=tk, eos=eos_id, bos=bos_id, dtype=np.dtype(dtype))
+
+
+def _started() -> None:
+    """A first task for each worker: submitting it starts the worker."""
 
 
 def encode_texts(texts: list[str], tk=None, eos: int | None = None, bos: int | None = None,
@@ -58,7 +76,6 @@ class Encoder:
     """Encodes batches in order, with `workers` processes (or in this one when workers <= 1)."""
 
     def __init__(self, tokenizer, dtype, workers: int, parse_special: bool = False):
-        self.args = (tokenizer.to_str(), parse_special, tokenizer.eos_id, tokenizer.bos_id, np.dtype(dtype).name)
         self.local = None
         self.pool = None
         self.pending: deque = deque()
@@ -67,8 +84,11 @@ class Encoder:
             import multiprocessing as mp
             from concurrent.futures import ProcessPoolExecutor
 
-            self.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init,
-                                            initargs=self.args)
+            args = (tokenizer.tk, parse_special, tokenizer.eos_id, tokenizer.bos_id, np.dtype(dtype).name, os.getpid())
+            self.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context(START_METHOD), initializer=_init,
+                                            initargs=args)
+            for _ in range(workers):  # every worker starts now (forked at the first submit, spawned one by one)
+                self.pool.submit(_started)
         else:
             self.local = (tokenizer.document_encoder(parse_special), tokenizer.eos_id, tokenizer.bos_id,
                           np.dtype(dtype))
@@ -77,7 +97,10 @@ class Encoder:
         if self.pool is None:
             self.pending.append((tag, encode_texts(texts, *self.local)))
         else:
-            self.pending.append((tag, self.pool.submit(encode_texts, texts)))
+            try:
+                self.pending.append((tag, self.pool.submit(encode_texts, texts)))
+            except BrokenProcessPool:
+                raise _worker_died() from None
 
     def results(self, drain: bool = False) -> Iterator[tuple[object, np.ndarray, np.ndarray]]:
         """Finished batches in order; waits only while too many are in flight (or all, if drain)."""
@@ -89,10 +112,7 @@ class Encoder:
                 try:
                     item = item.result()
                 except BrokenProcessPool:
-                    from kiln.errors import ResourceError
-
-                    raise ResourceError("a tokenizer worker process died (killed, or out of memory?); run again "
-                                        "with fewer data.workers; finished shards are kept") from None
+                    raise _worker_died() from None
             self.pending.popleft()
             yield (tag, *item)
 
@@ -106,3 +126,10 @@ class Encoder:
             for proc in list((pool._processes or {}).values()):
                 proc.terminate()
         pool.shutdown(wait=not cancel, cancel_futures=cancel)
+
+
+def _worker_died() -> Exception:
+    from kiln.errors import ResourceError
+
+    return ResourceError("a tokenizer worker process died (killed, or out of memory?); run again with fewer "
+                         "data.workers; finished shards are kept")

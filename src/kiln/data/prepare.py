@@ -6,10 +6,23 @@ The dataset's id hashes the sources' contents (sha256 of every file), the tokeni
 every setting that changes the output, so the same inputs reuse a dataset and any change makes
 a new one: a stale cache cannot be used. Documents are read in a fixed order by this process,
 validated, deduplicated by content hash and split train/val by that hash; a pool of worker
-processes encodes them in batches, and shards are written in order. Each finished shard is
-marked complete on disk; an interrupted prepare (Ctrl-C, kill -9) run again reads the sources
-again, passes over the documents of complete shards without encoding them and goes on from
-there. `manifest.json` is written last: without it no reader accepts the directory.
+processes encodes them in batches, and shards are written in order.
+
+The sources are read once: each file is hashed as it is read for encoding, so the id is known
+only at the end. The shards are written to `datasets/partial-<key>`, named by what identifies
+the inputs without reading them (each local file's path, size, inode and times; a remote one's
+ETag or checksum; a file with neither is hashed first), the tokenizer and the settings. At the
+end `manifest.json` is written and the directory is renamed to `datasets/<id>`: a directory
+named by an id is always complete. File hashes are remembered (`source-hashes.json`), so the
+same unchanged sources give the id before any reading, and a finished dataset is reused at once.
+
+Each finished shard is marked complete on disk; an interrupted prepare (Ctrl-C, kill -9) run
+again finds the same partial directory, reads the sources again, passes over the documents of
+complete shards without encoding them and goes on from there. A source changed in between
+changes the key: the work starts again in a new directory. Processes preparing the same sources
+take turns on a lock on the key; the later ones then find the hashes remembered and the dataset
+done. Two copies of the same files at different paths may be prepared at once: the second to
+finish finds the dataset in place and drops its own copy.
 """
 
 from __future__ import annotations
@@ -18,6 +31,7 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +43,7 @@ from kiln.data.encode import Encoder
 from kiln.data.lock import file_lock
 from kiln.data.records import Deduplicator, RecordChecker, is_val
 from kiln.data.report import build_report, print_report
-from kiln.data.sources import SourceFile, expand, iter_documents
+from kiln.data.sources import SourceFile, expand, file_sha256, iter_documents
 from kiln.data.tokenizer import Tokenizer, load_or_train
 from kiln.data.writer import ShardWriter, completed_shards
 from kiln.errors import DataError, ResourceError
@@ -40,48 +54,55 @@ POOL_MIN_BYTES = 2_000_000  # smaller inputs are encoded in this process (no poo
 SPLITS = ("train", "val")
 
 
-def hash_sources(files: list[SourceFile], cache: Path | None = None) -> list[dict]:
-    """[{path, bytes, sha256}] of every source file.
+class SourceHashes:
+    """The sha256 of source files, remembered under `cache` by what identifies a file's content
+    without reading it (see `key`), so an unchanged corpus is not read again only to be recognised."""
 
-    A local file's hash is remembered under `cache` keyed by its path, size, inode, mtime and
-    ctime (any write changes ctime, which no tool can set back), a remote one's by its URL, size
-    and ETag or checksum, so an unchanged corpus is not read again only to be recognised; other
-    files are read in full every time.
-    """
-    memo_path = cache / "source-hashes.json" if cache is not None else None
-    try:
-        memo = json.loads(memo_path.read_text()) if memo_path is not None else {}
-    except (OSError, ValueError):
-        memo = {}
-    out, fresh = [], {}
-    for sf in files:
-        key = _memo_key(sf)
-        if key is not None and key in memo:
-            out.append({"path": sf.url, "bytes": sf.size, "sha256": memo[key]})
-            fresh[key] = memo[key]
-            continue
-        h, n = hashlib.sha256(), 0
-        with sf.open_raw() as f:
-            while chunk := f.read(1 << 22):
-                h.update(chunk)
-                n += len(chunk)
-        out.append({"path": sf.url, "bytes": n, "sha256": h.hexdigest()})
-        if key is not None:
-            fresh[key] = h.hexdigest()
-    if memo_path is not None and fresh.keys() - memo.keys():
+    def __init__(self, files: list[SourceFile], cache: Path):
+        self.files, self.path = files, cache / "source-hashes.json"
+        self.keys = [_memo_key(sf) for sf in files]  # taken before any reading: a later write changes them
+
+    def known(self) -> list[dict | None]:
+        """{path, bytes, sha256} of each file whose hash is remembered, None for the others."""
+        memo = self._load()
+        return [{"path": sf.url, "bytes": sf.size, "sha256": memo[k]} if k is not None and k in memo else None
+                for sf, k in zip(self.files, self.keys)]
+
+    def all(self) -> list[dict]:
+        """{path, bytes, sha256} of every file; those not remembered are read now (and remembered)."""
+        out = [s or file_sha256(sf) for s, sf in zip(self.known(), self.files)]
+        self.remember(out)
+        return out
+
+    def remember(self, sources: list[dict]) -> None:
+        memo = self._load()
+        fresh = {k: s["sha256"] for k, s in zip(self.keys, sources) if k is not None and memo.get(k) != s["sha256"]}
+        if not fresh:
+            return
         memo.update(fresh)
-        memo_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo_path.with_name(f"{memo_path.name}.{os.getpid()}.tmp")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(memo))
-        os.replace(tmp, memo_path)
-    return out
+        os.replace(tmp, self.path)
+
+    def identities(self) -> list[str]:
+        """What names each file's content before it is read: its key, or its sha256 when it has none."""
+        return [k if k is not None else "sha256:" + file_sha256(sf)["sha256"] for sf, k in zip(self.files, self.keys)]
+
+    def _load(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
 
 
 def _memo_key(sf: SourceFile) -> str | None:
-    """What identifies a file's content without reading it, or None when nothing does."""
+    """What identifies a file's content without reading it, or None when nothing does: a local
+    file's path, size, inode, mtime and ctime (any write changes ctime, which no tool can set
+    back), a remote one's URL, size and ETag or checksum."""
     if sf.fs is None:
         st = os.stat(sf.path)
-        return f"{os.path.realpath(sf.path)}|{st.st_size}|{st.st_ino}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+        return f"{os.path.abspath(sf.path)}|{st.st_size}|{st.st_ino}|{st.st_mtime_ns}|{st.st_ctime_ns}"
     try:  # object stores: an ETag or content checksum changes with the content
         info = sf.fs.info(sf.path)
     except OSError:
@@ -129,37 +150,43 @@ def prepare(cfg, console=None, progress: bool = True, tokenizer: Tokenizer | Non
     import multiprocessing
 
     if getattr(multiprocessing.current_process(), "_inheriting", False):
-        # a tokenizer worker is importing the caller's script, which calls prepare at import time:
-        # without this it would wait forever on the lock its parent holds
+        # a spawned tokenizer worker is importing the caller's script, which calls prepare at import
+        # time: without this it would wait forever on the lock its parent holds
         raise DataError("prepare() ran while a worker process was starting: call it under "
                         "`if __name__ == \"__main__\":` in your script (worker processes import it)")
     start = time.perf_counter()
     cache = Path(cfg.cache_dir).expanduser()
     files = expand(cfg.sources, cfg.format, cfg.dataset_split)
-    sources = hash_sources(files, cache)
-    if tokenizer is None:
-        key = _digest([[s["sha256"] for s in sources], cfg.format, cfg.text_unit, cfg.field, cfg.dataset_split,
-                       cfg.max_record_bytes, cfg.min_chars, cfg.max_chars, cfg.max_bytes, cfg.tokenizer_train_bytes])
+    hashes = SourceHashes(files, cache)
+    if tokenizer is None and cfg.tokenizer:
+        tokenizer = Tokenizer.load(cfg.tokenizer, cfg.eos_token, cfg.bos_token)
+    elif tokenizer is None:  # a BPE trained on the sources is cached under their hashes
+        key = _digest([[s["sha256"] for s in hashes.all()], cfg.format, cfg.text_unit, cfg.field,
+                       cfg.dataset_split, cfg.max_record_bytes, cfg.min_chars, cfg.max_chars, cfg.max_bytes,
+                       cfg.tokenizer_train_bytes])
         tokenizer = load_or_train(cfg, _train_texts(cfg, files), key, cache)
     if tokenizer.eos_id is None:
         raise DataError("the tokenizer has no end-of-text token (tried <|endoftext|>, <|end_of_text|>, </s>, <eos>); "
                         "name one with data.eos_token")
     settings = settings_of(cfg, tokenizer)
-    ds_id = _digest({"format": FORMAT, "sources": [s["sha256"] for s in sources],
-                     "tokenizer": tokenizer.hash, "settings": settings})[:16]
-    out = cache / "datasets" / ds_id
-    reused = (out / "manifest.json").is_file()
+    datasets = cache / "datasets"
+    out = _finished(datasets, hashes.known(), tokenizer, settings)
+    reused = out is not None
     if not reused:
-        with file_lock(cache / "datasets" / f"{ds_id}.lock",
-                       f"waiting for another process preparing the same dataset ({out})", console):
-            reused = (out / "manifest.json").is_file()  # another process may have finished it meanwhile
+        key = _digest({"format": FORMAT, "sources": hashes.identities(), "tokenizer": tokenizer.hash,
+                       "settings": settings})[:16]
+        partial = datasets / f"partial-{key}"
+        with file_lock(datasets / f"{partial.name}.lock",
+                       f"waiting for another process preparing the same dataset ({partial})", console):
+            out = _finished(datasets, hashes.known(), tokenizer, settings)  # finished meanwhile by another process
+            reused = out is not None
             if not reused:
                 try:
-                    _build(cfg, files, sources, tokenizer, settings, out, console if progress else None, start)
+                    out = _build(cfg, hashes, tokenizer, settings, partial, console if progress else None, start)
                 except OSError as e:
                     if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                         raise
-                    raise ResourceError(f"no space left writing {out} ({e.strerror}); free some or set "
+                    raise ResourceError(f"no space left writing {partial} ({e.strerror}); free some or set "
                                         "data.cache_dir to a larger disk, then run again: finished shards "
                                         "are kept") from None
     ds = open_dataset(out, tokenizer.hash)
@@ -168,26 +195,43 @@ def prepare(cfg, console=None, progress: bool = True, tokenizer: Tokenizer | Non
     return ds
 
 
+def _dataset_id(sources: list[dict], tokenizer: Tokenizer, settings: dict) -> str:
+    return _digest({"format": FORMAT, "sources": [s["sha256"] for s in sources], "tokenizer": tokenizer.hash,
+                    "settings": settings})[:16]
+
+
+def _finished(datasets: Path, sources: list[dict | None], tokenizer: Tokenizer, settings: dict) -> Path | None:
+    """The complete dataset of these sources (all hashes known), or None."""
+    if any(s is None for s in sources):
+        return None
+    out = datasets / _dataset_id(sources, tokenizer, settings)
+    return out if (out / "manifest.json").is_file() else None
+
+
 def _workers(cfg, files: list[SourceFile]) -> int:
     n = cfg.workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     total = sum(f.size for f in files)
     return 1 if total < POOL_MIN_BYTES else max(1, n)
 
 
-def _build(cfg, files, sources, tokenizer: Tokenizer, settings: dict, out: Path, console, start: float) -> None:
+def _build(cfg, hashes: SourceHashes, tokenizer: Tokenizer, settings: dict, partial: Path, console,
+           start: float) -> Path:
+    """Write the dataset in `partial` (going on from its complete shards), then rename it to its id."""
+    files = hashes.files
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
-    out.mkdir(parents=True, exist_ok=True)
-    done = {s: completed_shards(out, s, dtype) for s in SPLITS}
+    encoder = Encoder(tokenizer, dtype, _workers(cfg, files), cfg.parse_special_tokens)  # before any thread
+    partial.mkdir(parents=True, exist_ok=True)
+    done = {s: completed_shards(partial, s, dtype) for s in SPLITS}
     skip = {s: sum(e["documents"] for e in done[s]) for s in SPLITS}
     seen = dict.fromkeys(SPLITS, 0)
-    writers = {s: ShardWriter(out, s, dtype, cfg.shard_tokens, first=len(done[s])) for s in SPLITS}
+    writers = {s: ShardWriter(partial, s, dtype, cfg.shard_tokens, first=len(done[s])) for s in SPLITS}
     checker = RecordChecker.from_config(cfg)
     dedup = Deduplicator() if cfg.dedup else None
     total_bytes = sum(f.size for f in files)
     if cfg.max_bytes is not None:
         total_bytes = min(total_bytes, cfg.max_bytes)
     bar = _Bar(console, total_bytes)
-    encoder = Encoder(tokenizer, dtype, _workers(cfg, files), cfg.parse_special_tokens)
+    read_hashes: dict[int, dict] = {}
     batch: dict[str, list[str]] = {s: [] for s in SPLITS}
     size = dict.fromkeys(SPLITS, 0)
     read, chars = 0, 0
@@ -204,7 +248,8 @@ def _build(cfg, files, sources, tokenizer: Tokenizer, settings: dict, out: Path,
 
     try:
         with bar:
-            for doc in _limited(iter_documents(cfg, files, checker=checker, progress=bar.bytes), cfg.max_bytes):
+            docs = iter_documents(cfg, files, checker=checker, progress=bar.bytes, hashes=read_hashes)
+            for doc in _limited(docs, cfg.max_bytes):
                 read += 1
                 chars += len(doc.text)
                 bar.docs(1)
@@ -231,7 +276,7 @@ def _build(cfg, files, sources, tokenizer: Tokenizer, settings: dict, out: Path,
         encoder.close(cancel=True)
         kept = sum(w.index for w in writers.values())
         if console is not None:
-            console.print(f"prepare interrupted: {kept} shard(s) complete in {out}; run it again to finish")
+            console.print(f"prepare interrupted: {kept} shard(s) complete in {partial}; run it again to finish")
         raise
     except BaseException:
         encoder.close(cancel=True)  # no waiting on workers after a failure (a dead one can hang the pool)
@@ -244,23 +289,45 @@ def _build(cfg, files, sources, tokenizer: Tokenizer, settings: dict, out: Path,
         dropped = ", ".join(f"{n} {r}" for r, n in checker.dropped.items()) or "none"
         raise DataError(f"no training documents in data.sources={cfg.sources} ({read} documents read; dropped: "
                         f"{dropped}); check the files, data.format and data.field")
-    report = build_report(out, splits, checker, files=len(files), input_bytes=sum(s["bytes"] for s in sources),
+    # files cut short by max_bytes, or never reached, are hashed now
+    sources = [read_hashes.get(i) or file_sha256(sf) for i, sf in enumerate(files)]
+    hashes.remember(sources)
+    ds_id = _dataset_id(sources, tokenizer, settings)
+    report = build_report(partial, splits, checker, files=len(files), input_bytes=sum(s["bytes"] for s in sources),
                           read_documents=read, seconds=time.perf_counter() - start,
                           resumed_shards=sum(len(done[s]) for s in SPLITS),
                           max_bytes=cfg.max_bytes if cfg.max_bytes is not None and chars >= cfg.max_bytes else None)
-    tokenizer.save(out / "tokenizer.json")
-    (out / "report.json").write_text(json.dumps(report, indent=2))
+    tokenizer.save(partial / "tokenizer.json")
+    (partial / "report.json").write_text(json.dumps(report, indent=2))
     manifest = {
-        "format": FORMAT, "id": out.name, "dtype": np.dtype(dtype).name, "vocab_size": tokenizer.vocab_size,
+        "format": FORMAT, "id": ds_id, "dtype": np.dtype(dtype).name, "vocab_size": tokenizer.vocab_size,
         "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id, "tokenizer_hash": tokenizer.hash,
         "settings": settings, "settings_hash": _digest(settings)[:16], "sources": sources,
         "splits": {s: {"documents": sum(e["documents"] for e in v), "tokens": sum(e["tokens"] for e in v),
                        "shards": v} for s, v in splits.items()},
         "report": report, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    tmp = out / "manifest.json.tmp"
+    tmp = partial / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, out / "manifest.json")
+    os.replace(tmp, partial / "manifest.json")
+    out = partial.parent / ds_id
+    _publish(partial, out)
+    return out
+
+
+def _publish(partial: Path, out: Path) -> None:
+    """Rename the finished `partial` directory to `out`, unless a complete `out` is already there."""
+    try:
+        os.rename(partial, out)
+        return
+    except OSError:
+        if not out.is_dir():
+            raise
+    if (out / "manifest.json").is_file():  # the same content, prepared meanwhile from files at other paths
+        shutil.rmtree(partial)
+    else:  # an incomplete one, written in place by an earlier Kiln
+        shutil.rmtree(out)
+        os.rename(partial, out)
 
 
 class _Bar:

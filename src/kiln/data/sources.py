@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -188,19 +189,42 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
     return out
 
 
-class _Counting(io.RawIOBase):
-    """Counts the bytes read from a raw file (before decompression), for progress."""
+def file_sha256(sf: SourceFile) -> dict:
+    """{path, bytes, sha256} of a source file, read in full."""
+    h, n = hashlib.sha256(), 0
+    with sf.open_raw() as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            n += len(chunk)
+    return {"path": sf.url, "bytes": n, "sha256": h.hexdigest()}
 
-    def __init__(self, f: BinaryIO, progress: Callable[[int], None]):
+
+class _Tap(io.RawIOBase):
+    """A raw file read in order (before decompression): reports the bytes read for progress and
+    hashes them, so the file's sha256 comes with reading it."""
+
+    def __init__(self, f: BinaryIO, progress: Callable[[int], None] | None):
         self.f, self.progress = f, progress
+        self.sha256, self.bytes = hashlib.sha256(), 0
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, b) -> int:
         n = self.f.readinto(b)
-        self.progress(n or 0)
+        if n:
+            self.sha256.update(memoryview(b)[:n])
+            self.bytes += n
+        if self.progress is not None:
+            self.progress(n or 0)
         return n
+
+    def digest(self, url: str) -> dict:
+        """{path, bytes, sha256} of the whole file: what the reader left unread is read now."""
+        buf = bytearray(1 << 20)
+        while self.readinto(buf):
+            pass
+        return {"path": url, "bytes": self.bytes, "sha256": self.sha256.hexdigest()}
 
     def close(self) -> None:
         self.f.close()
@@ -225,12 +249,14 @@ def read_records(sf: SourceFile, f: BinaryIO, field: str, text_unit: str, limit:
 
 
 def iter_documents(cfg, files: list[SourceFile] | None = None, start: tuple[int, int] = (0, 0),
-                   checker: RecordChecker | None = None,
-                   progress: Callable[[int], None] | None = None) -> Iterator[Document]:
+                   checker: RecordChecker | None = None, progress: Callable[[int], None] | None = None,
+                   hashes: dict[int, dict] | None = None) -> Iterator[Document]:
     """Validated documents of `cfg.sources` (a DataConfig) from position `start` on.
 
     `checker` applies `cfg.on_bad_record` and keeps the counts of skipped records by reason;
     `progress` is called with the number of raw (compressed) input bytes read as reading goes.
+    `hashes`, if given, gets `{path, bytes, sha256}` under a file's index once its documents were
+    all read: hashed as it is read (columnar formats, which are not read in order, just before).
     Exact-duplicate removal is not done here (see `records.Deduplicator`).
     """
     files = expand(cfg.sources, cfg.format, cfg.dataset_split) if files is None else files
@@ -238,16 +264,19 @@ def iter_documents(cfg, files: list[SourceFile] | None = None, start: tuple[int,
     for fi in range(start[0], len(files)):
         sf = files[fi]
         skip = start[1] if fi == start[0] else 0
-        raw = sf.open_raw()
         columnar = sf.format in ("parquet", "arrow")
-        if progress is not None and not columnar:
-            raw = _Counting(raw, progress)
+        digest = file_sha256(sf) if hashes is not None and columnar else None
+        raw = sf.open_raw()
+        if not columnar and (progress is not None or hashes is not None):
+            raw = _Tap(raw, progress)
         try:
             with raw, (raw if columnar else sf.open(raw)) as f:
                 for index, line, value in read_records(sf, f, cfg.field, cfg.text_unit, cfg.max_record_bytes, skip):
                     text = checker.check(value, sf, index, line)
                     if text is not None:
                         yield Document(text, sf.url, fi, index, line)
+                if hashes is not None:
+                    hashes[fi] = digest or raw.digest(sf.url)
         except DataError as e:
             msg = str(e)
             raise DataError(msg if msg.startswith(sf.url) else f"{sf.url}: {msg}") from None

@@ -156,38 +156,43 @@ def test_no_documents_is_a_clear_error(tmp_path):
 KILLABLE = """
 import json, sys
 from kiln.config import DataConfig
-from kiln.data.prepare import prepare
-prepare(DataConfig(**json.loads(sys.argv[1])))
+from kiln.data import prepare as prepare_mod
+if __name__ == "__main__":
+    prepare_mod.POOL_MIN_BYTES = 0  # a pool even for this small corpus when workers > 1
+    prepare_mod.BATCH_BYTES = 5_000
+    prepare_mod.prepare(DataConfig(**json.loads(sys.argv[1])))
 """
 
 
-def test_kill_9_then_rerun_finishes_without_redoing_shards(corpus, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_kill_9_then_rerun_finishes_without_redoing_shards(corpus, tmp_path, workers):
     _, texts = corpus
-    cfg = config(corpus, tmp_path, shard_tokens=2_000, val_fraction=0.05)
+    cfg = config(corpus, tmp_path, shard_tokens=2_000, val_fraction=0.05, workers=workers)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen([sys.executable, "-c", KILLABLE, cfg.model_dump_json()], env=env)
     cache = tmp_path / "cache" / "datasets"
-    deadline, out = time.monotonic() + 60, None
+    deadline, partial = time.monotonic() + 60, None
     while time.monotonic() < deadline and proc.poll() is None:
-        done = list(cache.glob("*/train/00004.json"))
+        done = list(cache.glob("partial-*/train/00004.json"))
         if done:
-            out = done[0].parent.parent
+            partial = done[0].parent.parent
             break
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert out is not None and proc.returncode == -signal.SIGKILL, "prepare ended before it could be killed"
-    assert not (out / "manifest.json").exists()
+    assert partial is not None and proc.returncode == -signal.SIGKILL, "prepare ended before it could be killed"
+    assert not (partial / "manifest.json").exists()
+    assert [p.name for p in cache.iterdir() if not p.name.startswith("partial-")] == []  # no dataset id yet
     with pytest.raises(DataError, match="incomplete"):
-        open_dataset(out)
-    kept = {p.name: p.stat().st_mtime_ns for p in (out / "train").glob("0000[0-4].bin")}
+        open_dataset(partial)
+    kept = {p.name: p.stat().st_mtime_ns for p in (partial / "train").glob("0000[0-4].bin")}
     assert len(kept) == 5
 
-    ds = prepare(cfg)  # the rerun
-    assert ds.path == out
+    ds = prepare(cfg)  # the rerun (it would wait forever on the lock if a worker outlived the killed parent)
+    assert ds.path.parent == cache and not partial.exists()  # renamed to the id once complete
     assert ds.manifest["report"]["resumed_shards"] >= 5
-    assert {p: (out / "train" / p).stat().st_mtime_ns for p in kept} == kept  # not written again
-    assert not list(out.rglob("*.tmp"))
+    assert {p: (ds.path / "train" / p).stat().st_mtime_ns for p in kept} == kept  # not written again
+    assert not list(ds.path.rglob("*.tmp"))
     assert ds.verify() == []
     want = expected(texts, 0.05)
     for split in ("train", "val"):
