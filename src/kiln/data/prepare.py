@@ -8,21 +8,23 @@ a new one: a stale cache cannot be used. Documents are read in a fixed order by 
 validated, deduplicated by content hash and split train/val by that hash; a pool of worker
 processes encodes them in batches, and shards are written in order.
 
-The sources are read once: each file is hashed as it is read for encoding, so the id is known
-only at the end. The shards are written to `datasets/partial-<key>`, named by what identifies
-the inputs without reading them (each local file's path, size, inode and times; a remote one's
-ETag or checksum; a file with neither is hashed first), the tokenizer and the settings. At the
-end `manifest.json` is written and the directory is renamed to `datasets/<id>`: a directory
-named by an id is always complete. File hashes are remembered (`source-hashes.json`), so the
-same unchanged sources give the id before any reading, and a finished dataset is reused at once.
+The sources are read once: each file is hashed while it is read for encoding, so the id is
+known only at the end. Until then the shards go to `datasets/partial-<key>`, the key naming the
+inputs without reading them (a local file's path, size, inode and times, a remote one's ETag or
+checksum; a file with neither is hashed first), the tokenizer and the settings. At the end
+`manifest.json` is written and the directory renamed to `datasets/<id>`: a directory named by
+an id is complete. File hashes are remembered by that key (`source-hashes.json`), so unchanged
+sources give the id without reading and a finished dataset is reused at once. Files not
+recognised (copied, touched) whose sizes match those a dataset was made from (a
+`datasets/sizes-<hash>` marker) are hashed before anything else, so that copies reuse it too.
 
 Each finished shard is marked complete on disk; an interrupted prepare (Ctrl-C, kill -9) run
 again finds the same partial directory, reads the sources again, passes over the documents of
-complete shards without encoding them and goes on from there. A source changed in between
-changes the key: the work starts again in a new directory. Processes preparing the same sources
-take turns on a lock on the key; the later ones then find the hashes remembered and the dataset
-done. Two copies of the same files at different paths may be prepared at once: the second to
-finish finds the dataset in place and drops its own copy.
+complete shards without encoding them and goes on from there; a source changed in between
+changes the key, and the work starts again. Processes preparing the same sources take turns on
+a lock on the key: the later ones then find the hashes remembered and the dataset done. Copies
+of the same files at other paths may be prepared at once: the later to finish finds the
+dataset in place and drops its own.
 """
 
 from __future__ import annotations
@@ -55,21 +57,22 @@ SPLITS = ("train", "val")
 
 
 class SourceHashes:
-    """The sha256 of source files, remembered under `cache` by what identifies a file's content
-    without reading it (see `key`), so an unchanged corpus is not read again only to be recognised."""
+    """The sha256 of source files, known without reading them where possible: remembered under
+    `cache` by what identifies a file's content (`_memo_key`); a file with no such key is hashed now."""
 
     def __init__(self, files: list[SourceFile], cache: Path):
         self.files, self.path = files, cache / "source-hashes.json"
         self.keys = [_memo_key(sf) for sf in files]  # taken before any reading: a later write changes them
+        self.unkeyed = {i: file_sha256(files[i]) for i, k in enumerate(self.keys) if k is None}
 
     def known(self) -> list[dict | None]:
-        """{path, bytes, sha256} of each file whose hash is remembered, None for the others."""
+        """{path, bytes, sha256} of each file whose hash is known, None for the others."""
         memo = self._load()
-        return [{"path": sf.url, "bytes": sf.size, "sha256": memo[k]} if k is not None and k in memo else None
-                for sf, k in zip(self.files, self.keys)]
+        return [self.unkeyed.get(i) or ({"path": sf.url, "bytes": sf.size, "sha256": memo[k]} if k in memo else None)
+                for i, (sf, k) in enumerate(zip(self.files, self.keys))]
 
     def all(self) -> list[dict]:
-        """{path, bytes, sha256} of every file; those not remembered are read now (and remembered)."""
+        """{path, bytes, sha256} of every file; those not known are read now (and remembered)."""
         out = [s or file_sha256(sf) for s, sf in zip(self.known(), self.files)]
         self.remember(out)
         return out
@@ -87,7 +90,7 @@ class SourceHashes:
 
     def identities(self) -> list[str]:
         """What names each file's content before it is read: its key, or its sha256 when it has none."""
-        return [k if k is not None else "sha256:" + file_sha256(sf)["sha256"] for sf, k in zip(self.files, self.keys)]
+        return [k if k is not None else "sha256:" + self.unkeyed[i]["sha256"] for i, k in enumerate(self.keys)]
 
     def _load(self) -> dict:
         try:
@@ -170,10 +173,16 @@ def prepare(cfg, console=None, progress: bool = True, tokenizer: Tokenizer | Non
                         "name one with data.eos_token")
     settings = settings_of(cfg, tokenizer)
     datasets = cache / "datasets"
-    out = _finished(datasets, hashes.known(), tokenizer, settings)
+    tokenizer_json = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()  # cheaper than tokenizer.hash
+    sizes = datasets / ("sizes-" + _digest({"format": FORMAT, "bytes": [sf.size for sf in files],
+                                              "tokenizer": tokenizer_json, "settings": settings})[:16])
+    known = hashes.known()
+    if None in known and sizes.is_file():  # files of these sizes made a dataset: these may be copies of them
+        known = hashes.all()
+    out = _finished(datasets, known, tokenizer, settings)
     reused = out is not None
     if not reused:
-        key = _digest({"format": FORMAT, "sources": hashes.identities(), "tokenizer": tokenizer.hash,
+        key = _digest({"format": FORMAT, "sources": hashes.identities(), "tokenizer": tokenizer_json,
                        "settings": settings})[:16]
         partial = datasets / f"partial-{key}"
         with file_lock(datasets / f"{partial.name}.lock",
@@ -183,6 +192,7 @@ def prepare(cfg, console=None, progress: bool = True, tokenizer: Tokenizer | Non
             if not reused:
                 try:
                     out = _build(cfg, hashes, tokenizer, settings, partial, console if progress else None, start)
+                    sizes.write_text(out.name)
                 except OSError as e:
                     if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                         raise
@@ -269,6 +279,10 @@ def _build(cfg, hashes: SourceHashes, tokenizer: Tokenizer, settings: dict, part
             for split in SPLITS:
                 if batch[split]:
                     encoder.submit(split, batch[split])
+            # while the workers finish: hash the files cut short by max_bytes or never reached, name the dataset
+            sources = [read_hashes.get(i) or file_sha256(sf) for i, sf in enumerate(files)]
+            ds_id = _dataset_id(sources, tokenizer, settings)
+            tokenizer.save(partial / "tokenizer.json")
             write(drain=True)
             for w in writers.values():
                 w.finish()
@@ -289,15 +303,11 @@ def _build(cfg, hashes: SourceHashes, tokenizer: Tokenizer, settings: dict, part
         dropped = ", ".join(f"{n} {r}" for r, n in checker.dropped.items()) or "none"
         raise DataError(f"no training documents in data.sources={cfg.sources} ({read} documents read; dropped: "
                         f"{dropped}); check the files, data.format and data.field")
-    # files cut short by max_bytes, or never reached, are hashed now
-    sources = [read_hashes.get(i) or file_sha256(sf) for i, sf in enumerate(files)]
     hashes.remember(sources)
-    ds_id = _dataset_id(sources, tokenizer, settings)
     report = build_report(partial, splits, checker, files=len(files), input_bytes=sum(s["bytes"] for s in sources),
                           read_documents=read, seconds=time.perf_counter() - start,
                           resumed_shards=sum(len(done[s]) for s in SPLITS),
                           max_bytes=cfg.max_bytes if cfg.max_bytes is not None and chars >= cfg.max_bytes else None)
-    tokenizer.save(partial / "tokenizer.json")
     (partial / "report.json").write_text(json.dumps(report, indent=2))
     manifest = {
         "format": FORMAT, "id": ds_id, "dtype": np.dtype(dtype).name, "vocab_size": tokenizer.vocab_size,

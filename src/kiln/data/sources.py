@@ -146,7 +146,7 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
             return
         seen.add(url)
         local = isinstance(fs, LocalFileSystem)
-        size = Path(path).stat().st_size if local else int(fs.size(path) or 0)
+        size = os.stat(path).st_size if local else int(fs.size(path) or 0)
         out.append(SourceFile(url, path, size, form, comp, lenient, None if local else fs))
 
     for spec in sources:
@@ -205,7 +205,7 @@ class _Tap(io.RawIOBase):
 
     def __init__(self, f: BinaryIO, progress: Callable[[int], None] | None):
         self.f, self.progress = f, progress
-        self.sha256, self.bytes = hashlib.sha256(), 0
+        self.sha256, self.bytes, self.at_end = hashlib.sha256(), 0, False
 
     def readable(self) -> bool:
         return True
@@ -215,15 +215,17 @@ class _Tap(io.RawIOBase):
         if n:
             self.sha256.update(memoryview(b)[:n])
             self.bytes += n
+        self.at_end = n == 0
         if self.progress is not None:
             self.progress(n or 0)
         return n
 
     def digest(self, url: str) -> dict:
         """{path, bytes, sha256} of the whole file: what the reader left unread is read now."""
-        buf = bytearray(1 << 20)
-        while self.readinto(buf):
-            pass
+        if not self.at_end:
+            buf = bytearray(1 << 16)
+            while self.readinto(buf):
+                pass
         return {"path": url, "bytes": self.bytes, "sha256": self.sha256.hexdigest()}
 
     def close(self) -> None:

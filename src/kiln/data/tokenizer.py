@@ -13,9 +13,11 @@ or normaliser gives a new hash; prepared datasets and checkpoints record it.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 from collections.abc import Iterable
+from functools import cached_property
 from pathlib import Path
 
 from kiln.errors import DataError
@@ -46,13 +48,23 @@ class Tokenizer:
 
     def __init__(self, tk, eos_token: str | None = "auto", bos_token: str | None = None):
         self.tk = tk
-        canonical = json.dumps(json.loads(tk.to_str()), sort_keys=True, separators=(",", ":"))
-        self.hash = hashlib.sha256(canonical.encode()).hexdigest()[:16]
         self.eos_id = _special(tk, eos_token, EOS_NAMES, "eos")
         self.bos_id = _special(tk, bos_token, BOS_NAMES, "bos")
         if bos_token == "auto" and self.bos_id is None:
             raise DataError(f"data.bos_token=auto: the tokenizer has none of {', '.join(BOS_NAMES)}; name its "
                             "BOS token or set data.bos_token=null")
+
+    @cached_property
+    def hash(self) -> str:
+        """sha256 (16 hex digits) of the tokenizer's JSON with sorted keys."""
+        collecting = gc.isenabled()
+        gc.disable()  # the parsed JSON (~100k objects, no cycles) would set off a full collection of a big process
+        try:
+            canonical = json.dumps(json.loads(self.tk.to_str()), sort_keys=True, separators=(",", ":"))
+        finally:
+            if collecting:
+                gc.enable()
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     @property
     def vocab_size(self) -> int:

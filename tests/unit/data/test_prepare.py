@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -197,6 +198,124 @@ def test_kill_9_then_rerun_finishes_without_redoing_shards(corpus, tmp_path, wor
     want = expected(texts, 0.05)
     for split in ("train", "val"):
         assert [ds.tokenizer.decode(doc[:-1]) for doc in read_docs(ds, split)] == want[split]
+
+
+def test_same_data_prepared_by_two_processes_at_once(corpus, tmp_path):
+    cfg = config(corpus, tmp_path, shard_tokens=2_000, workers=2)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    script = KILLABLE.replace("prepare_mod.prepare(", "print(prepare_mod.prepare(").replace("argv[1])))", "argv[1]))).path)")
+    procs = [subprocess.Popen([sys.executable, "-c", script, cfg.model_dump_json()], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert outs[0][0] == outs[1][0]  # the second waited on the lock, then found the first's dataset
+    datasets = tmp_path / "cache" / "datasets"
+    ds = open_dataset(outs[0][0].strip())
+    assert ds.verify() == [] and not list(datasets.glob("partial-*/"))
+    assert [p.name for p in datasets.iterdir() if p.is_dir()] == [ds.id]
+
+
+def test_source_hashes_are_taken_while_reading(tmp_path):
+    """Each source's sha256 in the manifest is the file's, whatever its format and compression, also for
+    files that max_bytes left unread."""
+    import csv
+    import gzip
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    texts = [p.read_text() for p in stdlib_files()[300:340]]
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in texts[:10]).encode()
+    (tmp_path / "a.txt").write_text(texts[10])
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(lines))
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
+    pq.write_table(pa.table({"text": texts[11:20]}), tmp_path / "d.parquet")
+    with open(tmp_path / "e.csv", "w", newline="") as f:
+        csv.writer(f).writerows([["text"], *([t] for t in texts[20:30])])
+    sources = [str(tmp_path / n) for n in ("a.txt", "b.jsonl.gz", "c.jsonl.zst", "d.parquet", "e.csv")]
+    train_bpe(texts, 300).save(tmp_path / "tok.json")
+    for max_bytes in (None, 1000):  # 1000: only a.txt is read, the others are hashed at the end
+        cfg = DataConfig(sources=sources, tokenizer=str(tmp_path / "tok.json"), max_bytes=max_bytes,
+                         on_bad_record="skip", cache_dir=str(tmp_path / f"cache{max_bytes}"))
+        ds = prepare(cfg)
+        assert [s["sha256"] for s in ds.manifest["sources"]] == [
+            hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in sources]
+        assert [s["bytes"] for s in ds.manifest["sources"]] == [os.path.getsize(f) for f in sources]
+
+
+def test_a_dataset_is_named_by_its_id_only_once_complete(corpus, tmp_path, monkeypatch):
+    from kiln.data import writer
+
+    real_finish, calls = writer.ShardWriter.finish, []
+
+    def finish_then_fail(self):
+        calls.append(1)
+        if len(calls) > 2:
+            raise RuntimeError("injected")
+        real_finish(self)
+
+    monkeypatch.setattr(writer.ShardWriter, "finish", finish_then_fail)
+    cfg = config(corpus, tmp_path)
+    with pytest.raises(RuntimeError, match="injected"):
+        prepare(cfg)
+    datasets = tmp_path / "cache" / "datasets"
+    (partial,) = [p for p in datasets.iterdir() if p.is_dir()]
+    assert partial.name.startswith("partial-") and not (partial / "manifest.json").exists()
+    monkeypatch.setattr(writer.ShardWriter, "finish", real_finish)
+    ds = prepare(cfg)
+    assert ds.manifest["report"]["resumed_shards"] == 2 and ds.verify() == []
+    assert [p.name for p in datasets.iterdir() if p.is_dir()] == [ds.id]
+
+
+def test_unchanged_or_copied_sources_reuse_the_dataset_without_encoding(corpus, tmp_path, monkeypatch):
+    d, _ = corpus
+    cfg = config(corpus, tmp_path)
+    first = prepare(cfg)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("encoded again")
+
+    monkeypatch.setattr(prepare_mod, "Encoder", fail)
+    monkeypatch.setattr(prepare_mod, "file_sha256", fail)
+    again = prepare(cfg)  # the remembered file hashes give the id: nothing is read
+    assert again.path == first.path
+    copy = tmp_path / "copy"  # new paths, inodes and times: hashed again, not encoded again
+    copy.mkdir()
+    for name in ("a.jsonl", "b.jsonl"):
+        (copy / name).write_bytes((d / name).read_bytes())
+    monkeypatch.undo()
+    monkeypatch.setattr(prepare_mod, "Encoder", fail)
+    assert prepare(cfg.model_copy(update={"sources": [str(copy / "*.jsonl")]})).path == first.path
+
+
+def test_sources_without_a_key_are_hashed_first_and_reused(corpus, tmp_path, monkeypatch):
+    """What a remote file without ETag or checksum gets: no remembered hash, so it is read to be recognised."""
+    monkeypatch.setattr(prepare_mod, "_memo_key", lambda sf: None)
+    cfg = config(corpus, tmp_path)
+    first = prepare(cfg)
+    assert not (tmp_path / "cache" / "source-hashes.json").exists()
+
+    def fail(*args, **kwargs):
+        raise AssertionError("encoded again")
+
+    monkeypatch.setattr(prepare_mod, "Encoder", fail)
+    assert prepare(cfg).path == first.path
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
+def test_a_script_without_main_guard_works_with_forked_workers(corpus, tmp_path):
+    cfg = config(corpus, tmp_path, workers=2)
+    script = tmp_path / "script.py"
+    script.write_text("import json, sys\nfrom kiln.config import DataConfig\nfrom kiln.data import prepare as p\n"
+                      "p.POOL_MIN_BYTES = 0\n"
+                      "print(p.prepare(DataConfig(**json.loads(sys.argv[1]))).path)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, str(script), cfg.model_dump_json()], env=env, capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    assert open_dataset(r.stdout.strip()).verify() == []
 
 
 def test_cli_prepare_reports_bad_records(tmp_path):
