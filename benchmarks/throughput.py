@@ -196,17 +196,10 @@ def _profile(trainer, attention: str, steps: int = 3) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with _sdpa_backend(attention), profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        _sync()
-        t0 = time.perf_counter()
         for _ in range(steps):
             trainer.train_step()
         _sync()
-        wall = time.perf_counter() - t0
-    averages = prof.key_averages()
-    print(averages.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
-    kernels = sum(e.self_device_time_total for e in averages) / 1e6  # microseconds -> seconds
-    print(f"GPU busy: {kernels / steps * 1e3:.1f} ms of kernels per step in {wall / steps * 1e3:.1f} ms of wall time "
-          f"({kernels / wall:.1%}; the profiler itself slows the host side)")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
 
 
 def run_hf_trainer(size: str, batch: int, seq: int, warmup: int, steps: int) -> Result:

@@ -22,7 +22,7 @@ class CheckpointEvery(Callback):
             self.ckpt.warm_up(trainer)
         if c.snapshot_every and step % c.snapshot_every == 0:
             self.ckpt.take_snapshot(trainer)
-        signame = self.guard.should_stop() if self.guard else None
+        signame = self.guard.should_stop(step) if self.guard else None
         if signame:
             path = self.ckpt.save(trainer, "preempt", blocking=True)
             raise Preempted(signame, step, path)

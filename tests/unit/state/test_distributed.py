@@ -44,7 +44,10 @@ with SignalGuard(group=ck.control_group) as guard:
     ck.wait()
     if rank == 1:
         os.kill(os.getpid(), signal.SIGTERM)
-    stop = guard.should_stop()
+    between = [guard.should_stop(step) for step in range(11, 20)]  # no collective between checks
+    stop = guard.should_stop(20)
+    assert guard.should_stop() == "SIGTERM"  # asked outside the step cadence: checked at once
+assert between == [None] * 9, (rank, between)
 assert stop == "SIGTERM", (rank, stop)
 if rank == 0:
     json.dump({"path": str(path), "expected": expected}, open(out, "w"))
