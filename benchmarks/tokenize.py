@@ -114,7 +114,8 @@ def run_hf(files: list[str], tok_path: str, workers: int, work: Path, fast: bool
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workers", type=int, default=os.cpu_count(), help="processes on each side (N)")
+    ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                    help="processes on each side (N); default: the cores this process may run on")
     ap.add_argument("--vocab", type=int, default=32000, help="size of the BPE both sides use")
     ap.add_argument("--repeat", type=int, default=1, help="runs per side; the best is kept")
     ap.add_argument("--out", help="write the result as JSON here too")
@@ -159,7 +160,8 @@ def main() -> None:
           f"hf datasets + tokenizers fast {best['hf-fast']:.2f} s -> {ratio_fast:.2f}x")
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": "python " + " ".join(sys.argv),
-        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "workers": args.workers,
+        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "cores_allowed": len(os.sched_getaffinity(0)), "workers": args.workers,
         "python": platform.python_version(), "kiln": kiln.__version__, "datasets": datasets.__version__,
         "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
         "corpus_files": len(files), "corpus_bytes": size, "tokens": len(outputs["kiln"]),
