@@ -14,12 +14,12 @@ batches), which is how a streaming reader resumes at a record.
 
 from __future__ import annotations
 
-import codecs
 import io
 import json
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
+from kiln.data.jsontext import JsonScanner
 from kiln.errors import DataError
 
 CHUNK = 1 << 20
@@ -81,13 +81,16 @@ def _lines(f: BinaryIO, limit: int) -> Iterator[tuple[int, bytes, bool]]:
 
 
 def read_text(f: BinaryIO, unit: str, limit: int, skip: int = 0) -> Iterator[Record]:
-    """Plain text: the whole file, each non-blank line, or each blank-line-separated block."""
+    """Plain text: the whole file (its bytes as they are), each non-blank line, or each block of lines
+    between blank ones (lines holding only spaces are blank). Lines end at \\n, \\r\\n or a lone \\r
+    (Python's universal newlines); the lines of a block are joined with \\n."""
     if unit == "file":
         if skip:
             return
         data = f.read(limit + 1)
         yield 0, 1, TOO_LONG if len(data) > limit else data.removeprefix(BOM)
         return
+    f = io.BufferedReader(_Newlines(f), buffer_size=CHUNK)
     index, block, block_line, block_len, too_long = 0, [], 0, 0, False
     in_block = False
     for lineno, line, long_line in _lines(f, limit):
@@ -117,14 +120,55 @@ def read_text(f: BinaryIO, unit: str, limit: int, skip: int = 0) -> Iterator[Rec
         yield index, block_line, TOO_LONG if too_long else b"".join(block).rstrip(b"\r\n")
 
 
+def json_type(value: Any) -> str:
+    """What a decoded JSON value is, in JSON's words."""
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+class _Newlines(io.RawIOBase):
+    """A binary stream with each \\r\\n and lone \\r read as \\n, piece by piece."""
+
+    def __init__(self, f: BinaryIO):
+        self.f, self.held, self.out = f, b"", memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while not self.out:
+            data = self.f.read(CHUNK)
+            at_end = not data
+            data, self.held = self.held + data, b""
+            if not data:
+                return 0
+            if data.endswith(b"\r") and not at_end:  # a \r\n may straddle two pieces: decide with the next
+                data, self.held = data[:-1], b"\r"
+            if b"\r" in data:
+                data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            self.out = memoryview(data)
+        n = min(len(b), len(self.out))
+        b[:n] = self.out[:n]
+        self.out = self.out[n:]
+        return n
+
+
 def _field(obj: Any, field: str) -> Any:
+    """The record's text field; `field` may name a nested key with dots ('meta.text'), used when the
+    record has no key with that literal name."""
     if isinstance(obj, str):  # a bare JSON string is the document itself
         return obj
     if not isinstance(obj, dict):
-        return Malformed(f"expected a JSON object with a '{field}' field, got {type(obj).__name__}")
-    value = obj.get(field)
-    if value is None:
-        return Missing(f"'{field}' is {'null' if field in obj else 'absent'}; it has: {', '.join(list(obj)[:8])}")
+        return Malformed(f"expected a JSON object with a '{field}' field, got {json_type(obj)}")
+    value, path = obj, []
+    for key in [field] if field in obj or "." not in field else field.split("."):
+        if not isinstance(value, dict):
+            return Missing(f"'{field}' is absent: '{'.'.join(path)}' is {json_type(value)}, not an object")
+        parent, value = value, value.get(key)
+        if value is None:
+            has = f"'{'.'.join(path)}' has" if path else "it has"
+            return Missing(f"'{field}' is {'null' if key in parent else 'absent'}; {has}: {', '.join(list(parent)[:8])}")
+        path.append(key)
     return value
 
 
@@ -154,13 +198,32 @@ def read_jsonl(f: BinaryIO, field: str, limit: int, skip: int = 0) -> Iterator[R
 
 
 def read_json(f: BinaryIO, field: str, limit: int, skip: int = 0) -> Iterator[Record]:
-    """A .json file: a top-level array of objects (streamed element by element), or JSON Lines."""
+    """A .json file: a top-level array of records (streamed element by element); an object that holds
+    the records in an array under one key (`{"version": 2, "data": [...]}`, as many datasets ship);
+    a single object, which is one record; or JSON Lines saved as .json.
+
+    An object is a record when it has `field` or holds no array; otherwise the elements of its one
+    array are the records (an object with arrays under several keys is an error: which one holds the
+    records is unclear). Invalid JSON is a DataError giving its line and column: a JSON text cannot be
+    read on past an error, so the rest of the file would be lost, not skipped.
+    """
     head = f.read(CHUNK).removeprefix(BOM)
-    start = head.lstrip()[:1]
-    if start != b"[":
+    first, _, rest = head.lstrip().partition(b"\n")
+    if first[:1] == b"{" and rest.strip()[:1] == b"{" and _one_value(first):  # JSON Lines in a .json file
         yield from read_jsonl(io.BufferedReader(_Prefixed(head, f)), field, limit, skip)
         return
-    yield from _read_json_array(head, f, field, limit, skip)
+    s, index = JsonScanner(head, f, limit, CHUNK), 0
+    while c := s.peek():
+        if c == "[":
+            records = s.elements()
+        elif c == "{":
+            records = _object_records(s, field)
+        else:
+            records = iter([(s.line_at(), s.value())])
+        for line, value in records:
+            if index >= skip:
+                yield index, line, _field(value, field)
+            index += 1
 
 
 class _Prefixed(io.RawIOBase):
@@ -183,39 +246,52 @@ class _Prefixed(io.RawIOBase):
         return len(data)
 
 
-def _read_json_array(head: bytes, f: BinaryIO, field: str, limit: int, skip: int) -> Iterator[Record]:
-    decoder, utf8 = json.JSONDecoder(), codecs.getincrementaldecoder("utf-8")()
-    index, eof, read = 0, False, len(head)
+def _one_value(line: bytes) -> bool:
     try:
-        buf = utf8.decode(head)
-        pos = buf.index("[") + 1
-        while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n,":
-                pos += 1
-            if pos < len(buf) and buf[pos] == "]":
-                return
-            try:
-                obj, end = decoder.raw_decode(buf, pos)
-            except ValueError as e:
-                if eof:
-                    yield index, None, Malformed(f"element {index + 1} of the array is not valid JSON ({e.msg})")
-                    return
-                if len(buf) - pos > limit:
-                    raise DataError(f"element {index + 1} of the JSON array is longer than "
-                                    f"data.max_record_bytes={limit} bytes and cannot be skipped inside an "
-                                    "array; raise the limit or convert the file to JSON Lines") from None
-                more = f.read(CHUNK)
-                eof, read = not more, read + len(more)
-                buf = buf[pos:] + utf8.decode(more, final=eof)
-                pos = 0
-                continue
-            if index >= skip:
-                yield index, None, _field(obj, field)
-            index += 1
-            pos = end
-    except UnicodeDecodeError:
-        raise DataError(f"not valid UTF-8 (within the first {read} bytes, element {index + 1} of the array); "
-                        "fix the file or convert it to UTF-8") from None
+        _json_decode(line.decode("utf-8", "surrogateescape"))
+        return True
+    except ValueError:
+        return False
+
+
+def _object_records(s: JsonScanner, field: str) -> Iterator[tuple[int, Any]]:
+    """(line, value) of the records of a top-level object: itself, or the elements of its array."""
+    line = s.line_at()
+    obj = s.value(whole=False)
+    if obj is not JsonScanner.TOO_BIG:
+        arrays = [k for k, v in obj.items() if isinstance(v, list)] if field not in obj else []
+        if not arrays:
+            yield line, obj
+            return
+        if len(arrays) > 1:
+            raise s.error(f"the object holds arrays under several keys ({', '.join(arrays)}): "
+                          "it is not clear which holds the records. Convert the file to JSON Lines (one "
+                          "record per line) or to an array of records", line)
+        s.pos = s.start  # read again, the records one by one, each with its line
+    s.pos += 1  # '{'
+    found = None  # the key of the records array
+    while (c := s.peek()) != "}":
+        key = s.value()
+        if not isinstance(key, str) or s.peek() != ":":
+            raise s.error("invalid JSON (expected a \"key\": value pair in the object)")
+        s.pos += 1
+        if s.peek() == "[" and key != field:
+            if found is not None:
+                raise s.error(f"the top-level object holds arrays under several keys ({found}, {key}): it is "
+                              "not clear which holds the records. Convert the file to JSON Lines (one record "
+                              "per line) or to an array of records")
+            found = key
+            yield from s.elements()
+        elif key == field and found is None:
+            raise s.error(f"the object is one record longer than data.max_record_bytes={s.limit} "
+                          "bytes; raise the limit or convert the file to JSON Lines", line)
+        else:
+            s.value()  # metadata beside the records ("version": 2)
+        if (c := s.peek()) not in (",", "}"):
+            raise s.error(f"invalid JSON (expected ',' or '}}' after an object member, found {c!r})" if c else
+                          "the file ends inside a JSON object (truncated?)")
+        s.pos += c == ","
+    s.pos += 1
 
 
 def read_parquet(f: BinaryIO, field: str, skip: int = 0) -> Iterator[Record]:
@@ -227,11 +303,31 @@ def read_parquet(f: BinaryIO, field: str, skip: int = 0) -> Iterator[Record]:
         pf = pq.ParquetFile(f)
     except (pa.ArrowInvalid, OSError) as e:
         raise DataError(f"not a readable parquet file ({e})") from None
-    names = pf.schema_arrow.names
-    if field not in names:
-        yield from _missing_column(pf.metadata.num_rows, field, names, skip)
+    column, keys, missing = _nested_column(pf.schema_arrow, field)
+    if missing is not None:
+        yield from _missing_column(pf.metadata.num_rows, missing, skip)
         return
-    yield from _column_batches(pf.iter_batches(columns=[field], batch_size=1024), skip)
+    yield from _column_batches(pf.iter_batches(columns=[column], batch_size=1024), skip, keys)
+
+
+def _nested_column(schema, field: str) -> tuple[str, list[str], str | None]:
+    """(column, struct keys inside it, None) of `field`, or (.., .., why) when there is no such column.
+    A dotted field ('meta.text') names a key of a struct column when no column has that literal name."""
+    import pyarrow as pa
+
+    names = schema.names
+    if field in names or "." not in field or field.split(".")[0] not in names:
+        why = None if field in names else f"the file has no column '{field}' (it has: {', '.join(map(str, names))})"
+        return field, [], why
+    column, *keys = field.split(".")
+    t, path = schema.field(column).type, column
+    for key in keys:
+        if not pa.types.is_struct(t) or t.get_field_index(key) < 0:
+            has = f"its keys: {', '.join(t.field(i).name for i in range(t.num_fields))}" \
+                if pa.types.is_struct(t) else f"it is {t}, not a struct"
+            return column, keys, f"the column '{path}' has no key '{key}' ({has})"
+        t, path = t.field(key).type, f"{path}.{key}"
+    return column, keys, None
 
 
 def read_arrow(f: BinaryIO, field: str, skip: int = 0) -> Iterator[Record]:
@@ -241,7 +337,6 @@ def read_arrow(f: BinaryIO, field: str, skip: int = 0) -> Iterator[Record]:
     try:
         reader = pa.ipc.open_stream(f)
         batches = iter(reader)
-        names = reader.schema.names
     except pa.ArrowInvalid:
         f.seek(0)
         try:
@@ -249,18 +344,22 @@ def read_arrow(f: BinaryIO, field: str, skip: int = 0) -> Iterator[Record]:
         except pa.ArrowInvalid as e:
             raise DataError(f"not an Arrow IPC file ({e})") from None
         batches = (rf.get_batch(i) for i in range(rf.num_record_batches))
-        names = rf.schema.names
-    if field not in names:
-        yield from _missing_column(sum(b.num_rows for b in batches), field, names, skip)
+        schema = rf.schema
+    else:
+        schema = reader.schema
+    column, keys, missing = _nested_column(schema, field)
+    if missing is not None:
+        yield from _missing_column(sum(b.num_rows for b in batches), missing, skip)
         return
-    yield from _column_batches((b.select([field]) for b in batches), skip)
+    yield from _column_batches((b.select([column]) for b in batches), skip, keys)
 
 
-def read_csv(f: BinaryIO, field: str, delimiter: str, skip: int = 0) -> Iterator[Record]:
+def read_csv(f: BinaryIO, field: str, delimiter: str, skip: int = 0, limit: int = 64 << 20) -> Iterator[Record]:
     """CSV/TSV with a header row: the `field` column, streamed in blocks; quoted newlines allowed.
 
     A row with the wrong number of columns is reported as malformed (with its line) and is not
-    counted as a record.
+    counted as a record. A file of only a header has no records. Blocks hold a row of up to about
+    `limit` bytes (a longer row cannot be passed over inside a CSV file: it is a DataError).
     """
     import csv as pycsv
 
@@ -269,8 +368,10 @@ def read_csv(f: BinaryIO, field: str, delimiter: str, skip: int = 0) -> Iterator
 
     header = f.readline().removeprefix(BOM)
     names = next(iter(pycsv.reader([header.decode("utf-8", "replace")], delimiter=delimiter)), None)
-    if not names:
+    first = f.read(1)
+    if not names or not first:
         return
+    f = io.BufferedReader(_Prefixed(first, f), buffer_size=CHUNK)
     names = [n.strip() for n in names]
     bad: list[tuple[int | None, str]] = []
 
@@ -280,15 +381,16 @@ def read_csv(f: BinaryIO, field: str, delimiter: str, skip: int = 0) -> Iterator
         return "skip"
 
     parse = csv.ParseOptions(delimiter=delimiter, newlines_in_values=True, invalid_row_handler=on_bad_row)
-    read = csv.ReadOptions(column_names=names, block_size=CHUNK, use_threads=False)
-    if field not in names:
-        rows = sum(b.num_rows for b in csv.open_csv(f, read_options=read, parse_options=parse))
-        yield from _missing_column(rows, field, names, skip)
-        return
-    convert = csv.ConvertOptions(include_columns=[field], column_types={field: pa.binary()},
-                                 strings_can_be_null=False, quoted_strings_can_be_null=False)
+    block = min(max(CHUNK, limit + (1 << 16)), 1 << 30)  # a row may span two blocks, not three
+    read = csv.ReadOptions(column_names=names, block_size=block, use_threads=False)
+    index = 0
     try:
-        index = 0
+        if field not in names:
+            rows = sum(b.num_rows for b in csv.open_csv(f, read_options=read, parse_options=parse))
+            yield from _missing_column(rows, f"the file has no column '{field}' (it has: {', '.join(names)})", skip)
+            return
+        convert = csv.ConvertOptions(include_columns=[field], column_types={field: pa.binary()},
+                                     strings_can_be_null=False, quoted_strings_can_be_null=False)
         for batch in csv.open_csv(f, read_options=read, parse_options=parse, convert_options=convert):
             if index >= skip:
                 yield from ((-1, line, Malformed(why)) for line, why in bad)
@@ -299,10 +401,16 @@ def read_csv(f: BinaryIO, field: str, delimiter: str, skip: int = 0) -> Iterator
         for line, why in bad:
             yield -1, line, Malformed(why)
     except pa.ArrowInvalid as e:
-        raise DataError(f"malformed CSV ({e}); fix the file or check data.format") from None
+        if "straddl" in str(e):  # pyarrow's words for a row longer than a block
+            raise DataError(f"a row after row {index} is longer than data.max_record_bytes={limit} bytes, "
+                            "which a CSV file cannot skip; raise data.max_record_bytes (or look for an "
+                            "unclosed quote there)") from None
+        raise DataError(f"malformed CSV after row {index} ({e}); fix the file or check data.format") from None
 
 
-def _column_batches(batches, skip: int) -> Iterator[Record]:
+def _column_batches(batches, skip: int, keys: list[str] = ()) -> Iterator[Record]:
+    import pyarrow.compute as pc
+
     index, skip = 0, max(skip, 0)
     for batch in batches:
         n = batch.num_rows
@@ -310,6 +418,8 @@ def _column_batches(batches, skip: int) -> Iterator[Record]:
             index += n
             continue
         col = batch.column(0)
+        for key in keys:  # a key inside a struct column (null where the struct is null)
+            col = pc.struct_field(col, key)
         values = col.to_pylist()
         for i in range(max(0, skip - index), n):
             v = values[i]
@@ -317,7 +427,7 @@ def _column_batches(batches, skip: int) -> Iterator[Record]:
         index += n
 
 
-def _missing_column(rows: int, field: str, names: list[str], skip: int) -> Iterator[Record]:
-    missing = Missing(f"the file has no column '{field}' (it has: {', '.join(map(str, names))}); set data.field")
+def _missing_column(rows: int, why: str, skip: int) -> Iterator[Record]:
+    missing = Missing(why)
     for i in range(skip, rows):
         yield i, None, missing

@@ -61,6 +61,8 @@ class RecordChecker:
     def check(self, value: Any, sf: SourceFile, index: int, line: int | None) -> str | None:
         """The record's text, or None if it is dropped (raises under the 'error' policy)."""
         if isinstance(value, bytes):
+            if len(value) > self.limit:  # CSV fields and binary columns: the readers do not bound them
+                return self._bad("too_long", f"{len(value)} bytes", sf, index, line)
             try:
                 text = value.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -72,7 +74,10 @@ class RecordChecker:
                 try:
                     size = len(text.encode("utf-8"))
                 except UnicodeEncodeError as e:
-                    return self._bad("invalid_utf8", f"character {e.start} is a lone surrogate", sf, index, line)
+                    c = ord(text[e.start])  # a byte a reader could not decode comes as U+DC80..U+DCFF
+                    why = f"byte 0x{c - 0xDC00:02X} is not UTF-8" if 0xDC80 <= c <= 0xDCFF else \
+                        f"it holds a lone surrogate \\u{c:04x}"
+                    return self._bad("invalid_utf8", f"character {e.start + 1}: {why}", sf, index, line)
                 if size > self.limit:
                     return self._bad("too_long", f"{size} bytes", sf, index, line)
         elif value is readers.TOO_LONG:
@@ -84,7 +89,7 @@ class RecordChecker:
         elif isinstance(value, readers.Malformed):
             return self._bad("malformed", value.why, sf, index, line)
         else:
-            return self._bad("wrong_type", f"got {type(value).__name__} {str(value)[:40]!r}", sf, index, line)
+            return self._bad("wrong_type", f"got {readers.json_type(value)}: {str(value)[:40]!r}", sf, index, line)
         if not text or text.isspace():
             return self._bad("empty", "", sf, index, line)
         if len(text) < self.min_chars:

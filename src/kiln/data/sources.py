@@ -81,9 +81,43 @@ class SourceFile:
             except ImportError:
                 raise DataError(f"{self.url}: reading .zst files needs the 'zstandard' package: "
                                 "pip install 'kiln[zstd]'") from None
-            return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True),
-                                     buffer_size=readers.CHUNK)
+            return io.BufferedReader(_Zstd(raw, zstandard.ZstdDecompressor()), buffer_size=readers.CHUNK)
         return raw if isinstance(raw, io.BufferedReader) else io.BufferedReader(raw, buffer_size=readers.CHUNK)
+
+
+class _Zstd(io.RawIOBase):
+    """Zstandard frames decompressed one after another. A stream that ends inside a frame (a
+    truncated file) raises EOFError: zstandard's own readers end quietly there, which would drop
+    the rest of the file without a word."""
+
+    PIECE = 1 << 16  # compressed bytes fed at a time: bounds the output of one call
+
+    def __init__(self, raw: BinaryIO, decompressor):
+        self.raw, self.new = raw, decompressor.decompressobj
+        self.d, self.in_frame, self.out = self.new(), False, memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while not self.out:
+            data = self.raw.read(self.PIECE)
+            if not data:
+                if self.in_frame:
+                    raise EOFError("the zstd stream ends inside a frame (the file is truncated)")
+                return 0
+            out = []
+            while data:
+                self.in_frame = True
+                out.append(self.d.decompress(data))
+                data = b""
+                if self.d.eof:  # a frame ended; what follows it starts the next one
+                    data, self.d, self.in_frame = self.d.unused_data, self.new(), False
+            self.out = memoryview(b"".join(out))
+        n = min(len(b), len(self.out))
+        b[:n] = self.out[:n]
+        self.out = self.out[n:]
+        return n
 
 
 def stdlib_files() -> list[Path]:
@@ -242,7 +276,7 @@ def read_records(sf: SourceFile, f: BinaryIO, field: str, text_unit: str, limit:
     if sf.format == "json":
         return readers.read_json(f, field, limit, skip)
     if sf.format in ("csv", "tsv"):
-        return readers.read_csv(f, field, "," if sf.format == "csv" else "\t", skip)
+        return readers.read_csv(f, field, "," if sf.format == "csv" else "\t", skip, limit)
     if sf.compression:
         raise DataError(f"{sf.url}: {sf.format} files cannot be read compressed; decompress it first")
     if sf.format == "parquet":

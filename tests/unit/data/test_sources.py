@@ -155,3 +155,17 @@ def test_byte_order_mark_is_not_text(tmp_path):
     (tmp_path / "c.txt").write_bytes(bom + b"hi")
     (tmp_path / "d.json").write_bytes(bom + b'[{"text": "arr"}]')
     assert texts(tmp_path, [tmp_path]) == ["x", "hello", "hi", "arr"]
+
+
+def test_truncated_zstd_is_an_error_not_a_shorter_file(tmp_path):
+    import zstandard
+
+    body = "".join(json.dumps({"text": f"doc {i} " * 20}) + "\n" for i in range(2000)).encode()
+    z = zstandard.ZstdCompressor().compress(body)
+    (tmp_path / "a.jsonl.zst").write_bytes(z[: len(z) // 2])
+    (tmp_path / "b.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(b"a\n") + z[:0] +
+                                         zstandard.ZstdCompressor().compress(b"b\n"))  # frames one after another
+    for policy in ("error", "skip"):
+        with pytest.raises(DataError, match=r"a\.jsonl\.zst: cannot read .*ends inside a frame"):
+            texts(tmp_path, [tmp_path / "a.jsonl.zst"], on_bad_record=policy)
+    assert texts(tmp_path, [tmp_path / "b.txt.zst"], text_unit="line") == ["a", "b"]

@@ -1,0 +1,106 @@
+"""Format readers on inputs users bring: JSON as datasets ship it, CSV edge cases, old line ends."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from kiln.config import DataConfig
+from kiln.data.records import RecordChecker
+from kiln.data.sources import iter_documents
+from kiln.errors import DataError
+
+DOCS = [f"doc {i}" for i in range(5)]
+
+
+def read(path, **kw) -> list[str]:
+    return [d.text for d in iter_documents(DataConfig(sources=[str(path)], **kw))]
+
+
+def test_json_object_holding_the_records(tmp_path):
+    recs = [{"text": t} for t in DOCS]
+    (tmp_path / "a.json").write_text(json.dumps({"version": "1.0", "data": recs}))  # one line
+    (tmp_path / "b.json").write_text(json.dumps({"data": recs, "version": "1.0"}, indent=2))
+    (tmp_path / "c.json").write_text(json.dumps({"text": "one record", "tags": ["x", "y"]}, indent=2))
+    assert read(tmp_path / "a.json") == DOCS
+    assert read(tmp_path / "b.json") == DOCS
+    assert read(tmp_path / "c.json") == ["one record"]  # has the field: a record, its arrays are not records
+    docs = list(iter_documents(DataConfig(sources=[str(tmp_path / "b.json")])))
+    assert [d.line for d in docs] == [3, 6, 9, 12, 15]  # each element's own line
+    (tmp_path / "d.json").write_text(json.dumps({"train": recs, "test": recs}))
+    with pytest.raises(DataError, match=r"d\.json: line 1: the object holds arrays under several keys \(train, test\)"):
+        read(tmp_path / "d.json")
+
+
+def test_json_object_larger_than_a_record_is_streamed(tmp_path, monkeypatch):
+    from kiln.data import readers
+
+    monkeypatch.setattr(readers, "CHUNK", 64)
+    docs = [f"doc {i} ✓" for i in range(300)]
+    (tmp_path / "a.json").write_text(json.dumps({"meta": {"n": 1}, "rows": [{"text": t} for t in docs]}))
+    assert read(tmp_path / "a.json", max_record_bytes=200) == docs
+
+
+def test_invalid_json_names_line_and_column_under_both_policies(tmp_path):
+    (tmp_path / "a.json").write_text('[\n {"text": "ok"},\n {"text": "bad" "x"},\n {"text": "lost"}\n]')
+    (tmp_path / "b.json").write_text(json.dumps([{"text": t} for t in DOCS])[:-15])  # truncated
+    for policy in ("error", "skip"):
+        with pytest.raises(DataError, match=r"a\.json: line 3 column 17: invalid JSON \(Expecting ','"):
+            read(tmp_path / "a.json", on_bad_record=policy)  # skipping would drop the rest unseen
+        with pytest.raises(DataError, match=r"b\.json: line 1 column \d+: .*truncated"):
+            read(tmp_path / "b.json", on_bad_record=policy)
+
+
+def test_json_single_object_and_bad_bytes(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps({"text": "whole file"}, indent=2))
+    assert read(tmp_path / "a.json") == ["whole file"]
+    (tmp_path / "b.json").write_bytes(b'[{"text": "ok"},\n{"text": "caf\xe9"},\n{"text": "fine"}]')
+    with pytest.raises(DataError, match=r"b\.json:2: the record is not valid UTF-8 \(character 4: byte 0xE9"):
+        read(tmp_path / "b.json")
+    assert read(tmp_path / "b.json", on_bad_record="skip") == ["ok", "fine"]  # one record, not the file
+
+
+def test_nested_field(tmp_path):
+    rows = [{"meta": {"text": t}, "id": i} for i, t in enumerate(DOCS)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"meta.text": "literal"}\n')
+    assert read(tmp_path / "a.jsonl", field="meta.text") == DOCS + ["literal"]
+    (tmp_path / "b.jsonl").write_text('{"meta": {"title": "t"}}\n{"meta": "s"}\n')
+    with pytest.raises(DataError, match=r"b\.jsonl:1: .*'meta\.text' is absent; 'meta' has: title"):
+        read(tmp_path / "b.jsonl", field="meta.text")
+    with pytest.raises(DataError, match=r"b\.jsonl:2: .*'meta' is a string, not an object"):
+        list(iter_documents(DataConfig(sources=[str(tmp_path / "b.jsonl")], field="meta.text"), start=(0, 1)))
+    pq.write_table(pa.table({"meta": [{"text": t, "n": 1} for t in DOCS]}), tmp_path / "c.parquet")
+    assert read(tmp_path / "c.parquet", field="meta.text") == DOCS
+    with pytest.raises(DataError, match=r"column 'meta' has no key 'body' \(its keys: text, n\)"):
+        read(tmp_path / "c.parquet", field="meta.body")
+
+
+def test_csv_header_only_and_fields_longer_than_a_block(tmp_path):
+    (tmp_path / "a.csv").write_text("id,text\n")
+    assert read(tmp_path / "a.csv", on_bad_record="skip") == []
+    big = "x" * (3 << 20)  # longer than a read block
+    (tmp_path / "b.csv").write_text(f"id,text\n1,small\n2,{big}\n3,after\n")
+    assert read(tmp_path / "b.csv") == ["small", big, "after"]
+    checker = RecordChecker("skip", max_record_bytes=1 << 20)
+    cfg = DataConfig(sources=[str(tmp_path / "b.csv")], max_record_bytes=1 << 20)
+    with pytest.raises(DataError, match=r"b\.csv: a row after row 1 is longer than data\.max_record_bytes"):
+        list(iter_documents(cfg, checker=checker))
+    (tmp_path / "c.csv").write_text("id,text\n1,small\n2," + "y" * 5000 + "\n3,after\n")
+    cfg = DataConfig(sources=[str(tmp_path / "c.csv")], max_record_bytes=1000, on_bad_record="skip")
+    checker = RecordChecker.from_config(cfg)
+    assert [d.text for d in iter_documents(cfg, checker=checker)] == ["small", "after"]
+    assert dict(checker.dropped) == {"too_long": 1}
+
+
+@pytest.mark.parametrize("end", [b"\r\n", b"\r"])
+def test_crlf_and_lone_cr_line_ends(tmp_path, monkeypatch, end):
+    from kiln.data import readers
+
+    monkeypatch.setattr(readers, "CHUNK", 3)  # a \r\n straddles read pieces
+    (tmp_path / "a.txt").write_bytes(end.join([b"one", b"two", b"", b"three", b" ", b"four"]) + end)
+    docs = list(iter_documents(DataConfig(sources=[str(tmp_path / "a.txt")], text_unit="line")))
+    assert [(d.text, d.line) for d in docs] == [("one", 1), ("two", 2), ("three", 4), ("four", 6)]
+    assert read(tmp_path / "a.txt", text_unit="paragraph") == ["one\ntwo", "three", "four"]
