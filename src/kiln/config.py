@@ -121,9 +121,11 @@ class DataConfig(Section):
     format: Literal["auto", "text", "jsonl", "json", "parquet", "csv", "tsv", "arrow"] = "auto"
     """Format of the source files; 'auto' goes by the file suffix (unknown suffixes read as text)."""
     text_unit: Literal["file", "line", "paragraph"] = "file"
-    """For text files: a document per file, per non-blank line, or per blank-line-separated block."""
+    """For text files: a document per file, per non-blank line, or per blank-line-separated block
+    (lines end at \\n, \\r\\n or a lone \\r)."""
     field: str = "text"
-    """The field (JSON) or column (parquet, CSV/TSV, arrow) that holds each document's text."""
+    """The field (JSON) or column (parquet, CSV/TSV, arrow) that holds each document's text; 'meta.text'
+    reads key 'text' inside object or struct 'meta' (a key or column literally named 'meta.text' wins)."""
     dataset_split: str = "train"
     """For a saved Hugging Face DatasetDict directory: the split to read."""
     max_bytes: int | None = 8_000_000
