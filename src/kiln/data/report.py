@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.data.records import REASONS, RecordChecker
+from kiln.data.records import EXAMPLES, REASONS, RecordChecker
 
 
 def doc_lengths(root: Path, shards: list[dict], cap: int = 10_000_000) -> np.ndarray:
@@ -26,7 +26,8 @@ def doc_lengths(root: Path, shards: list[dict], cap: int = 10_000_000) -> np.nda
 
 def build_report(root: Path, splits: dict[str, list[dict]], checker: RecordChecker, *, files: int,
                  input_bytes: int, read_documents: int, seconds: float, resumed_shards: int,
-                 max_bytes: int | None = None) -> dict:
+                 max_bytes: int | None = None, passed_over: list[str] = ()) -> dict:
+    """The report of a prepared dataset; `passed_over`: files in source directories not read (unknown type)."""
     lengths = doc_lengths(root, [s for shards in splits.values() for s in shards])
     out = {s: {"documents": sum(x["documents"] for x in v), "tokens": sum(x["tokens"] for x in v),
                "shards": len(v)} for s, v in splits.items()}
@@ -39,7 +40,8 @@ def build_report(root: Path, splits: dict[str, list[dict]], checker: RecordCheck
                "max": int(qs[5]), "mean": round(float(lengths.mean()), 1)}
     dropped = dict(sorted(checker.dropped.items()))
     return {
-        "files": files, "input_bytes": input_bytes, "documents_read": read_documents,
+        "files": files, "files_passed_over": len(passed_over), "passed_over_examples": list(passed_over[:EXAMPLES]),
+        "input_bytes": input_bytes, "documents_read": read_documents,
         "stopped_at_max_bytes": max_bytes,
         "documents": docs, "tokens": tokens, "splits": out,
         "dropped": dropped, "dropped_examples": {k: checker.examples[k] for k in dropped},
@@ -63,6 +65,9 @@ def print_report(report: dict, console, path: Path, reused: bool = False) -> Non
                        f"{report['documents_read']:,} documents read"
                        + (f" (stopped at data.max_bytes={report['stopped_at_max_bytes']:,} characters)"
                           if report.get("stopped_at_max_bytes") else ""))
+    if report.get("files_passed_over"):
+        t.add_row("passed over", f"{report['files_passed_over']:,} file(s) of unknown type in source directories, not "
+                                 f"read (e.g. {', '.join(report['passed_over_examples'])}); name a file to read it")
     for name, s in report["splits"].items():
         t.add_row(name, f"{s['documents']:,} documents, {s['tokens']:,} tokens, {s['shards']} shard(s)")
     d = report["document_tokens"]

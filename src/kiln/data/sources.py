@@ -166,22 +166,45 @@ def _hf_saved(fs, path: str, split: str) -> list[str] | None:
     return [join(path, d["filename"]) for d in state.get("_data_files", [])]
 
 
-def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") -> list[SourceFile]:
-    """Resolve source specs to files in a fixed order; a spec that matches nothing is an error."""
+class SourceList(list):
+    """The files of `expand`, plus `passed_over`: the files of directories that were not read (their
+    type is not a known format), reported by `kiln prepare`."""
+
+    passed_over: list[str]
+
+
+def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") -> SourceList:
+    """Resolve source specs to files in a fixed order; a spec that matches nothing is an error.
+
+    A file reached twice (the same source given twice, a path and its file:// URL, a symbolic link
+    and its target) is read once. In a directory, files of unknown type (README without a suffix,
+    images) are passed over and listed in `passed_over`; hidden ones (.git, .DS_Store) silently.
+    """
     import fsspec
     from fsspec.implementations.local import LocalFileSystem
 
-    out: list[SourceFile] = []
-    seen: set[str] = set()
+    out = SourceList()
+    out.passed_over = []
+    seen: set[tuple[str, str]] = set()
 
-    def add(fs, path: str, url: str, explicit: bool, lenient: bool = False, force: str | None = None) -> None:
+    def add(fs, path: str, url: str, explicit: bool, lenient: bool = False, force: str | None = None) -> bool:
+        """Whether `path` is a source file (added now or before)."""
         form, comp = _detect(path, force or fmt, explicit)
-        if form is None or url in seen:
-            return
-        seen.add(url)
+        if form is None:
+            out.passed_over.append(url)
+            return False
         local = isinstance(fs, LocalFileSystem)
-        size = os.stat(path).st_size if local else int(fs.size(path) or 0)
-        out.append(SourceFile(url, path, size, form, comp, lenient, None if local else fs))
+        try:
+            st = os.stat(path) if local else None
+        except FileNotFoundError:
+            raise DataError(f"{url} is a broken symbolic link (to {os.readlink(path)}); remove it or restore "
+                            "its target") from None
+        key = ("file", f"{st.st_dev}:{st.st_ino}") if local else (str(fs.protocol), fs._strip_protocol(path))
+        if key not in seen:
+            seen.add(key)
+            size = st.st_size if local else int(fs.size(path) or 0)
+            out.append(SourceFile(url, path, size, form, comp, lenient, None if local else fs))
+        return True
 
     for spec in sources:
         if spec == STDLIB:
@@ -197,27 +220,29 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
 
         def url(p: str, prefix: str = prefix) -> str:
             return p if p.startswith(prefix) else prefix + p
-        before = len(out)
+        found = False
         try:
             if fs.isdir(path):
                 arrow = _hf_saved(fs, path, dataset_split)
                 if arrow is not None:
                     for p in arrow:
-                        add(fs, p, url(p), True, force="arrow")
+                        found |= add(fs, p, url(p), True, force="arrow")
                 else:
                     for p in sorted(fs.find(path)):
                         if not any(part.startswith(".") for part in p[len(path):].split("/")):
-                            add(fs, p, url(p), False)
+                            found |= add(fs, p, url(p), False)
             elif fs.isfile(path):
-                add(fs, path, spec, True)
+                found = add(fs, path, spec, True)
+            elif not glob.has_magic(path):
+                raise DataError(f"data source '{spec}' does not exist. Check the path or URL in data.sources.")
             else:
                 matches = fs.glob(path, recursive=True) if "://" in spec else glob.glob(path, recursive=True)
                 for p in sorted(matches):
                     if fs.isfile(p):
-                        add(fs, p, url(p), True)
+                        found |= add(fs, p, url(p), True)
         except OSError as e:
             raise DataError(f"data source '{spec}': {e}. Check the path or URL in data.sources.") from None
-        if len(out) == before:
+        if not found:
             raise DataError(f"data source '{spec}' matches no readable file (formats: .txt .md .py .jsonl .json "
                             ".parquet .csv .tsv .arrow, optionally .gz or .zst). Check the path in data.sources.")
     return out

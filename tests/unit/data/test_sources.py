@@ -169,3 +169,34 @@ def test_truncated_zstd_is_an_error_not_a_shorter_file(tmp_path):
         with pytest.raises(DataError, match=r"a\.jsonl\.zst: cannot read .*ends inside a frame"):
             texts(tmp_path, [tmp_path / "a.jsonl.zst"], on_bad_record=policy)
     assert texts(tmp_path, [tmp_path / "b.txt.zst"], text_unit="line") == ["a", "b"]
+
+
+def test_a_file_reached_twice_is_read_once(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("a")
+    (tmp_path / "link.txt").symlink_to(tmp_path / "d" / "a.txt")
+    specs = [tmp_path / "d" / "a.txt", tmp_path / "d" / "a.txt", tmp_path / "d", f"file://{tmp_path}/d/a.txt",
+             tmp_path / "link.txt"]
+    assert [f.url for f in expand([str(s) for s in specs])] == [str(tmp_path / "d" / "a.txt")]
+
+
+def test_paths_that_lead_nowhere(tmp_path):
+    with pytest.raises(DataError, match=r"'.*missing\.txt' does not exist"):
+        expand([str(tmp_path / "missing.txt")])
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "ok.txt").write_text("ok")
+    (tmp_path / "d" / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    with pytest.raises(DataError, match=r"gone\.txt is a broken symbolic link \(to .*nowhere\.txt\)"):
+        expand([str(tmp_path / "d")])
+
+
+def test_unknown_files_in_a_directory_are_listed(tmp_path):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "a.jsonl").write_text('{"text": "x"}\n')
+    (d / "LICENSE").write_text("license")
+    (d / "logo.png").write_bytes(b"\x89PNG")
+    (d / ".DS_Store").write_bytes(b"\x00\x00")
+    files = expand([str(d)])
+    assert [f.url for f in files] == [str(d / "a.jsonl")]
+    assert files.passed_over == [str(d / "LICENSE"), str(d / "logo.png")]  # hidden files pass silently

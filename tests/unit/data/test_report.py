@@ -1,0 +1,39 @@
+"""The prepare report: every drop counted by reason, files passed over, the printed table and report.json agree."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+
+from kiln.config import DataConfig
+from kiln.data.prepare import prepare
+from kiln.data.tokenizer import train_bpe
+
+
+def test_report_counts_each_reason_and_matches_what_is_printed(tmp_path):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    good = [f"document number {i} with some words" for i in range(40)]
+    bad = ['{"title": "x"}', '{"text": 5}', '{"text": "  "}', '{"text": "' + "y" * 300 + '"}', '{"text": "ab"}',
+           '{"text": "' + "z" * 150 + '"}', "{not json"]
+    (d / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in good) + "\n".join(bad) + "\n")
+    (d / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in good[:3]))  # duplicates
+    (d / "NOTES").write_text("not data")
+    train_bpe(good, 300).save(tmp_path / "tokenizer.json")
+    cfg = DataConfig(sources=[str(d)], tokenizer=str(tmp_path / "tokenizer.json"), cache_dir=str(tmp_path / "c"),
+                     on_bad_record="skip", max_record_bytes=200, min_chars=3, max_chars=100, val_fraction=0,
+                     workers=1)
+    console = Console(record=True, width=200)
+    ds = prepare(cfg, console)
+    report = json.loads((ds.path / "report.json").read_text())
+    assert report["dropped"] == {"duplicate": 3, "empty": 1, "long": 1, "malformed": 1, "missing_field": 1,
+                                 "short": 1, "too_long": 1, "wrong_type": 1}
+    assert report["documents"] == 40 and report["documents_read"] == 40 + 3  # duplicates are read, then dropped
+    assert report["files"] == 2 and report["files_passed_over"] == 1
+    assert report["dropped_examples"]["wrong_type"] == [f"{d / 'a.jsonl'}:42"]
+    assert report == ds.manifest["report"]
+    printed = console.export_text()
+    for reason, n in report["dropped"].items():
+        assert f"dropped: {reason}" in printed and f" {n} (record " in printed
+    assert "passed over  1 file(s)" in printed and str(d / "NOTES") in printed
