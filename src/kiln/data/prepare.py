@@ -306,7 +306,7 @@ def _build(cfg, hashes: SourceHashes, tokenizer: Tokenizer, settings: dict, part
     hashes.remember(sources)
     report = build_report(partial, splits, checker, files=len(files), input_bytes=sum(s["bytes"] for s in sources),
                           read_documents=read, seconds=time.perf_counter() - start,
-                          resumed_shards=sum(len(done[s]) for s in SPLITS),
+                          resumed_shards=sum(len(done[s]) for s in SPLITS), passed_over=files.passed_over,
                           max_bytes=cfg.max_bytes if cfg.max_bytes is not None and chars >= cfg.max_bytes else None)
     (partial / "report.json").write_text(json.dumps(report, indent=2))
     manifest = {
