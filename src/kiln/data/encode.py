@@ -123,8 +123,15 @@ class Encoder:
         pool, self.pool = self.pool, None
         if cancel:
             # a pool broken by a dead worker can hang in shutdown(wait=True) on the survivors
-            for proc in list((pool._processes or {}).values()):
+            procs = list((pool._processes or {}).values())
+            for proc in procs:
                 proc.terminate()
+            for proc in procs:
+                proc.join()
+            # a worker stopped while sending a result leaves half a message in the result pipe: the pool's
+            # thread would wait for the rest forever (and the interpreter on it at exit). With every worker
+            # gone, closing this process's end of the pipe makes that read end, and the pool break.
+            pool._result_queue._writer.close()
         pool.shutdown(wait=not cancel, cancel_futures=cancel)
 
 

@@ -416,3 +416,43 @@ def test_a_killed_worker_is_a_resource_error(corpus, tmp_path, monkeypatch):
         stop.set()
         killer.join()
     assert prepare(cfg).verify() == []
+
+
+HALF_SENT = """
+import concurrent.futures.process as cfp, json, os, struct, sys, time
+from pathlib import Path
+from kiln.config import DataConfig
+from kiln.data import prepare as prepare_mod
+real = cfp._sendback_result
+def half_sent(result_queue, work_id, result=None, **kw):
+    if result is None:  # a worker's start-up task
+        return real(result_queue, work_id, result, **kw)
+    with result_queue._wlock:  # a result's header and part of its body, then nothing more
+        os.write(result_queue._writer.fileno(), struct.pack("!i", 1 << 20) + bytes(1000))
+        Path(sys.argv[2]).touch()
+        time.sleep(120)
+cfp._sendback_result = half_sent  # in the forked workers
+if __name__ == "__main__":
+    prepare_mod.POOL_MIN_BYTES = 0
+    prepare_mod.prepare(DataConfig(**json.loads(sys.argv[1])))
+"""
+
+
+def test_ctrl_c_while_a_worker_sends_a_result_exits(corpus, tmp_path):
+    """Ctrl-C stops the workers; one stopped halfway through sending a result used to leave the pool's
+    thread reading the rest forever, so the interrupted prepare never exited."""
+    cfg = config(corpus, tmp_path, workers=2)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    marker = tmp_path / "half-sent"
+    proc = subprocess.Popen([sys.executable, "-c", HALF_SENT, cfg.model_dump_json(), str(marker)], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert marker.exists(), proc.stderr.read() if proc.poll() is not None else "no worker sent a result"
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert "KeyboardInterrupt" in err and proc.returncode != 0
