@@ -63,18 +63,47 @@ class PreparedDataset:
         return [(self.path / f"{s['name']}.bin", self.path / f"{s['name']}.idx", int(s["tokens"]))
                 for s in self.split(split)["shards"]]
 
+    def damage(self) -> str | None:
+        """A cheap check, from file sizes alone, that every file the manifest names is in place: the
+        first problem found, or None. (A changed byte of the same size needs `verify`.)"""
+        if not (self.path / "tokenizer.json").is_file():
+            return "tokenizer.json is missing"
+        item = self.dtype.itemsize
+        for split in self.manifest["splits"]:
+            for s in self.split(split)["shards"]:
+                for suffix, size in ((".bin", s["tokens"] * item), (".idx", s["documents"] * 8)):
+                    f = self.path / f"{s['name']}{suffix}"
+                    try:
+                        actual = f.stat().st_size
+                    except OSError as e:
+                        return f"{s['name']}{suffix}: {e.strerror}"
+                    if actual != size:
+                        return f"{s['name']}{suffix}: {actual} bytes, the manifest says {size}"
+        return None
+
     def verify(self) -> list[str]:
-        """Re-hash every shard and the tokenizer; one line per problem (empty: all good)."""
+        """Re-hash every shard and the tokenizer; one line per problem (empty: all good). Shard files
+        that the manifest does not name are problems too (a manifest edited to drop a shard)."""
         problems: list[str] = []
         try:
-            if Tokenizer.load(self.path / "tokenizer.json").hash != self.manifest["tokenizer_hash"]:
+            text = (self.path / "tokenizer.json").read_text()
+            if Tokenizer.from_str(text, None, None).hash != self.manifest["tokenizer_hash"]:
                 problems.append("tokenizer.json: its hash differs from the manifest's tokenizer_hash")
-        except DataError as e:
-            problems.append(str(e))
+        except OSError as e:
+            problems.append(f"tokenizer.json: cannot read ({e.strerror})")
+        except Exception as e:  # the Rust side raises plain Exceptions on bad JSON
+            problems.append(f"tokenizer.json: not a valid tokenizer ({e})")
         item = self.dtype.itemsize
         for split in self.manifest["splits"]:
             for s in self.split(split)["shards"]:
                 problems.extend(_check_shard(self.path, s, item))
+        named = {f"{s['name']}{x}" for sp in self.manifest["splits"] for s in self.split(sp)["shards"]
+                 for x in (".bin", ".idx")}
+        for split in self.manifest["splits"]:
+            d = self.path / split
+            for f in sorted(d.iterdir()) if d.is_dir() else []:
+                if f.suffix in (".bin", ".idx") and f"{split}/{f.name}" not in named:
+                    problems.append(f"{split}/{f.name}: a shard file the manifest does not name")
         return problems
 
 
@@ -102,6 +131,35 @@ def _check_shard(root: Path, s: dict, item: int) -> list[str]:
     return out
 
 
+def manifest_problems(m) -> list[str]:
+    """What is missing or inconsistent in a manifest's structure (empty: none)."""
+    if not isinstance(m, dict):
+        return ["it is not a JSON object"]
+    out = [f"no {k!r}" for k in ("id", "dtype", "vocab_size", "eos_id", "tokenizer_hash", "splits") if k not in m]
+    if out:
+        return out
+    if m["dtype"] not in ("uint16", "uint32"):
+        out.append(f"dtype {m['dtype']!r} is not uint16 or uint32")
+    splits = m["splits"]
+    if not isinstance(splits, dict) or "train" not in splits:
+        return [*out, "no 'train' split"]
+    for name, sp in splits.items():
+        try:
+            shards = sp["shards"]
+            for i, s in enumerate(shards):
+                if s["name"] != f"{name}/{i:05d}" or int(s["tokens"]) < 1 or int(s["documents"]) < 1 \
+                        or not isinstance(s["sha256"], str):
+                    out.append(f"split {name!r}: shard entry {i} is not {name}/{i:05d} with tokens, documents, sha256")
+                    break
+            else:
+                for k in ("tokens", "documents"):
+                    if int(sp[k]) != sum(int(s[k]) for s in shards):
+                        out.append(f"split {name!r}: {k} {sp[k]} is not the sum over its {len(shards)} shard(s)")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            out.append(f"split {name!r}: malformed ({e!r})")
+    return out
+
+
 def open_dataset(path: str | Path, tokenizer_hash: str | None = None) -> PreparedDataset:
     """Open a prepared dataset directory; refuse one that is incomplete or made by another tokenizer."""
     p = Path(path).expanduser()
@@ -114,10 +172,16 @@ def open_dataset(path: str | Path, tokenizer_hash: str | None = None) -> Prepare
     try:
         manifest = json.loads(mf.read_text())
     except (OSError, ValueError) as e:
-        raise DataError(f"{mf}: cannot read the manifest ({e}); prepare the dataset again") from None
-    if manifest.get("format") != FORMAT:
-        raise DataError(f"{p}: dataset format {manifest.get('format')!r}, this Kiln reads {FORMAT!r}; "
+        raise DataError(f"{mf}: cannot read the manifest ({e}); run the same `kiln prepare` again: it "
+                        "replaces a damaged dataset") from None
+    fmt = manifest.get("format") if isinstance(manifest, dict) else None
+    if fmt != FORMAT:
+        raise DataError(f"{p}: dataset format {fmt!r}, this Kiln reads {FORMAT!r}; "
                         "prepare it again with this version")
+    problems = manifest_problems(manifest)
+    if problems:
+        raise DataError(f"{mf}: the manifest is damaged ({'; '.join(problems)}); run the same `kiln prepare` "
+                        "again: it replaces a damaged dataset")
     if tokenizer_hash is not None and manifest["tokenizer_hash"] != tokenizer_hash:
         raise DataError(f"prepared dataset {p} was tokenized with tokenizer {manifest['tokenizer_hash']}, but this run "
                         f"uses tokenizer {tokenizer_hash}: its token ids would mean other text. Prepare the data "

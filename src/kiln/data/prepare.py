@@ -25,6 +25,13 @@ changes the key, and the work starts again. Processes preparing the same sources
 a lock on the key: the later ones then find the hashes remembered and the dataset done. Copies
 of the same files at other paths may be prepared at once: the later to finish finds the
 dataset in place and drops its own.
+
+A finished dataset is reused only after a cheap check: its manifest is whole and consistent and
+every file it names has the size it says (stat calls, no reading). A damaged one (a shard truncated
+or deleted, the manifest edited) is removed and made again, saying so. A changed byte of the same
+size is found only by re-hashing every shard: `kiln prepare --verify DIR` does that; remove the
+directory it condemns and prepare again. Before it takes its lock, a prepare removes what
+interrupted ones left and no live process uses (`kiln.data.stale`).
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from kiln.data.lock import file_lock
 from kiln.data.records import Deduplicator, RecordChecker, is_val
 from kiln.data.report import build_report, print_report
 from kiln.data.sources import SourceFile, expand, file_sha256, iter_documents
+from kiln.data.stale import INPUTS, remove_stale, write_inputs
 from kiln.data.tokenizer import Tokenizer, load_or_train
 from kiln.data.writer import ShardWriter, completed_shards
 from kiln.errors import DataError, ResourceError
@@ -104,14 +112,26 @@ def _memo_key(sf: SourceFile) -> str | None:
     file's path, size, inode, mtime and ctime (any write changes ctime, which no tool can set
     back), a remote one's URL, size and ETag or checksum."""
     if sf.fs is None:
-        st = os.stat(sf.path)
-        return f"{os.path.abspath(sf.path)}|{st.st_size}|{st.st_ino}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+        return _local_key(sf.path)
     try:  # object stores: an ETag or content checksum changes with the content
         info = sf.fs.info(sf.path)
     except OSError:
         return None
     tag = next((info[k] for k in ("ETag", "etag", "md5Hash", "crc32c", "checksum") if info.get(k)), None)
     return f"{sf.url}|{info.get('size')}|{tag}" if tag else None
+
+
+def _local_key(path: str) -> str:
+    st = os.stat(path)
+    return f"{os.path.abspath(path)}|{st.st_size}|{st.st_ino}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+
+
+def _local_key_now(recorded: str) -> str | None:
+    """The memo key the local file of a recorded key has now (None: it is gone)."""
+    try:
+        return _local_key(recorded.rsplit("|", 4)[0])
+    except OSError:
+        return None
 
 
 def settings_of(cfg, tokenizer: Tokenizer) -> dict:
@@ -180,14 +200,24 @@ def prepare(cfg, console=None, progress: bool = True, tokenizer: Tokenizer | Non
     if None in known and sizes.is_file():  # files of these sizes made a dataset: these may be copies of them
         known = hashes.all()
     out = _finished(datasets, known, tokenizer, settings)
+    if out is not None and _damage(out, tokenizer) is not None:
+        out = None  # replaced below, under the lock
     reused = out is not None
     if not reused:
         key = _digest({"format": FORMAT, "sources": hashes.identities(), "tokenizer": tokenizer_json,
                        "settings": settings})[:16]
         partial = datasets / f"partial-{key}"
+        remove_stale(datasets, partial.name, _local_key_now, console)
         with file_lock(datasets / f"{partial.name}.lock",
                        f"waiting for another process preparing the same dataset ({partial})", console):
             out = _finished(datasets, hashes.known(), tokenizer, settings)  # finished meanwhile by another process
+            why = _damage(out, tokenizer) if out is not None else None
+            if why is not None:
+                if console is not None:
+                    console.print(f"{out} is damaged ({why}); removing it and preparing it again",
+                                  highlight=False)
+                _remove(out)
+                out = None
             reused = out is not None
             if not reused:
                 try:
@@ -218,6 +248,24 @@ def _finished(datasets: Path, sources: list[dict | None], tokenizer: Tokenizer, 
     return out if (out / "manifest.json").is_file() else None
 
 
+def _damage(out: Path, tokenizer: Tokenizer) -> str | None:
+    """Why the finished dataset `out` cannot be reused (from its manifest and file sizes), or None."""
+    try:
+        return open_dataset(out, tokenizer.hash).damage()
+    except DataError as e:
+        return str(e)
+
+
+def _remove(d: Path) -> None:
+    """Delete a directory, renamed first so that no reader takes it for complete meanwhile."""
+    aside = d.with_name(f"damaged-{d.name}-{os.getpid()}")
+    try:
+        os.rename(d, aside)
+    except FileNotFoundError:  # removed by another process meanwhile
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def _workers(cfg, files: list[SourceFile]) -> int:
     n = cfg.workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     total = sum(f.size for f in files)
@@ -231,6 +279,7 @@ def _build(cfg, hashes: SourceHashes, tokenizer: Tokenizer, settings: dict, part
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
     encoder = Encoder(tokenizer, dtype, _workers(cfg, files), cfg.parse_special_tokens)  # before any thread
     partial.mkdir(parents=True, exist_ok=True)
+    write_inputs(partial, hashes.keys)
     done = {s: completed_shards(partial, s, dtype) for s in SPLITS}
     skip = {s: sum(e["documents"] for e in done[s]) for s in SPLITS}
     seen = dict.fromkeys(SPLITS, 0)
@@ -317,6 +366,7 @@ def _build(cfg, hashes: SourceHashes, tokenizer: Tokenizer, settings: dict, part
                        "shards": v} for s, v in splits.items()},
         "report": report, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    (partial / INPUTS).unlink(missing_ok=True)
     tmp = partial / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, partial / "manifest.json")

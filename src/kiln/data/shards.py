@@ -76,11 +76,14 @@ class TokenStream:
                 tokens = np.memmap(bin_path, dtype=self.dtype, mode="r")
                 ends = np.memmap(idx_path, dtype="<u8", mode="r").view(np.ndarray)  # page cache, shared by ranks
             except (OSError, ValueError) as e:
-                raise DataError(f"cannot read shard {bin_path} ({e}); run `kiln prepare --verify` on its "
-                                "dataset, or prepare it again") from None
-            if tokens.size != n or ends.size == 0 or int(ends[-1]) != n or int(ends[0]) == 0:
+                raise DataError(f"cannot read shard {bin_path} ({e}); run the same `kiln prepare` again: it "
+                                "replaces a damaged dataset") from None
+            if tokens.size != n or ends.size == 0 or int(ends[-1]) != n or int(ends[0]) == 0 \
+                    or not bool(np.all(ends[1:] > ends[:-1])):
                 raise DataError(f"shard {bin_path} does not match its manifest or index ({tokens.size} tokens, "
-                                f"manifest says {n}); the dataset is damaged: prepare it again")
+                                f"manifest says {n}; index of {ends.size} documents ending at "
+                                f"{int(ends[-1]) if ends.size else 0}): the dataset is damaged. Run the same "
+                                "`kiln prepare` again: it replaces a damaged dataset")
             self.bins.append(tokens.view(np.ndarray))  # plain array view: no memmap overhead per slice
             self.ends.append(ends)
             sizes.append(int(n))

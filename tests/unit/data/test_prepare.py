@@ -456,3 +456,50 @@ def test_ctrl_c_while_a_worker_sends_a_result_exits(corpus, tmp_path):
     finally:
         proc.kill()
     assert "KeyboardInterrupt" in err and proc.returncode != 0
+
+
+def _truncate(ds):
+    with open(ds.path / "train" / "00001.bin", "r+b") as f:
+        f.truncate(100)
+
+
+def _edit_manifest(ds):
+    m = json.loads((ds.path / "manifest.json").read_text())
+    del m["splits"]["train"]["shards"][1]  # the split's totals still count it
+    (ds.path / "manifest.json").write_text(json.dumps(m))
+
+
+DAMAGE = {
+    "truncated shard": _truncate,
+    "deleted index": lambda ds: (ds.path / "train" / "00001.idx").unlink(),
+    "deleted shard": lambda ds: (ds.path / "train" / "00002.bin").unlink(),
+    "deleted tokenizer": lambda ds: (ds.path / "tokenizer.json").unlink(),
+    "manifest not JSON": lambda ds: (ds.path / "manifest.json").write_text('{"format": "kiln-shards/1", '),
+    "manifest without splits": lambda ds: (ds.path / "manifest.json").write_text(json.dumps(
+        {k: v for k, v in ds.manifest.items() if k != "splits"})),
+    "manifest edited": _edit_manifest,
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_dataset_is_prepared_again_not_reused(corpus, tmp_path, damage):
+    """A finished dataset is checked cheaply (manifest, file sizes) before reuse; a damaged one is removed
+    and made again, and the loader refuses it with a message saying so."""
+    from kiln.data.loader import PackedLoader
+
+    cfg = config(corpus, tmp_path)
+    first = prepare(cfg)
+    DAMAGE[damage](first)
+    with pytest.raises(DataError, match="damaged|cannot read"):
+        PackedLoader.from_datasets(open_dataset(first.path, first.tokenizer.hash), "train", 64, 2)
+    again = prepare(cfg)
+    assert again.path == first.path and again.manifest["report"]["resumed_shards"] == 0
+    assert again.verify() == [] and again.manifest["splits"] == first.manifest["splits"]
+    assert sorted(p.name for p in again.path.parent.iterdir() if p.is_dir()) == [first.id]
+
+
+def test_verify_names_shard_files_the_manifest_does_not(corpus, tmp_path):
+    ds = prepare(config(corpus, tmp_path))
+    n = len(ds.manifest["splits"]["train"]["shards"])
+    (ds.path / "train" / f"{n:05d}.bin").write_bytes(b"\1\0")
+    assert ds.verify() == [f"train/{n:05d}.bin: a shard file the manifest does not name"]

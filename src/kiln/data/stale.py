@@ -1,0 +1,110 @@
+"""Housekeeping of `<data.cache_dir>/datasets/`: what interrupted or superseded prepares leave behind.
+
+    remove_stale(datasets, keep="partial-<key>", key_of=..., console=...)   # at the start of a prepare
+
+A prepare writes its shards in `partial-<key>` while it holds the lock `partial-<key>.lock` (an
+flock: the kernel drops it when the process dies, kill -9 included). So a staging directory whose
+lock another process holds is being filled, and is never touched; one whose lock can be taken was
+left by a prepare that was interrupted. Holding that lock, it is removed when it can never be
+resumed or is old:
+
+- its sources changed: the key named their exact path, size, inode and times (`inputs.json`,
+  written when the directory is made), so a changed, touched or removed file means no prepare will
+  ever pick it up again;
+- nothing was written in it for `PARTIAL_KEEP_DAYS` days (a prepare run again soon after its
+  interruption still finds its finished shards).
+
+Also removed: `sizes-*` markers of datasets that are gone, `damaged-*` directories (a damaged dataset
+being deleted), and lock files no process holds (left by earlier versions).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kiln.data.lock import try_lock
+
+PARTIAL_KEEP_DAYS = 7
+INPUTS = "inputs.json"
+
+
+def write_inputs(partial: Path, keys: list[str | None]) -> None:
+    """Record what names the sources of `partial` (their memo keys), unless already recorded."""
+    f = partial / INPUTS
+    if not f.is_file():
+        tmp = partial / f"{INPUTS}.tmp"
+        tmp.write_text(json.dumps({"keys": keys}))
+        tmp.replace(f)
+
+
+def _last_write(d: Path) -> float:
+    times = [d.stat().st_mtime]
+    for sub in ("train", "val"):
+        try:
+            times.append((d / sub).stat().st_mtime)
+        except OSError:
+            pass
+    return max(times)
+
+
+def _why_stale(partial: Path, key_of: Callable[[str], str | None], now: float) -> str | None:
+    """Why an abandoned staging directory can go, or None to keep it."""
+    try:
+        keys = json.loads((partial / INPUTS).read_text())["keys"]
+    except (OSError, ValueError, KeyError, TypeError):
+        keys = []
+    for k in keys:
+        if isinstance(k, str) and k.startswith("/") and key_of(k) != k:
+            return f"its source {k.rsplit('|', 4)[0]} changed or is gone, so it cannot be resumed"
+    try:
+        age = now - _last_write(partial)
+    except OSError:
+        return None
+    if age > PARTIAL_KEEP_DAYS * 86400:
+        return f"untouched for {age / 86400:.0f} days"
+    return None
+
+
+def remove_stale(datasets: Path, keep: str, key_of: Callable[[str], str | None], console=None) -> list[Path]:
+    """Remove what interrupted prepares left in `datasets` and no live process uses (see the module doc);
+    `keep` is the staging directory this prepare resumes. `key_of(key)` is the memo key a local source
+    file has now (None if gone), given its recorded key. Returns what was removed."""
+    if not datasets.is_dir():
+        return []
+    removed: list[Path] = []
+    now = time.time()
+    names = sorted(p.name for p in datasets.iterdir())
+    partials = {n.removesuffix(".lock") for n in names if n.startswith("partial-")}
+    for name in sorted(partials - {keep}):
+        d = datasets / name
+        with try_lock(datasets / f"{name}.lock") as held:  # the lock file goes when released
+            if not held or not d.is_dir():
+                continue
+            why = _why_stale(d, key_of, now)
+            if why:
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(d)
+                if console is not None:
+                    console.print(f"removed {d}: an interrupted prepare's shards; {why}", highlight=False)
+    for name in names:
+        p = datasets / name
+        if name.startswith("damaged-"):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+        elif name.startswith("sizes-") and "." not in name:
+            try:
+                target = p.read_text().strip()
+            except OSError:
+                continue
+            if target and not (datasets / target / "manifest.json").is_file():
+                p.unlink(missing_ok=True)
+                removed.append(p)
+    tokenizers = datasets.parent / "tokenizers"
+    for lock in tokenizers.glob("*.lock") if tokenizers.is_dir() else []:
+        with try_lock(lock):  # taken: no process trains that tokenizer; released: the file is gone
+            pass
+    return removed
