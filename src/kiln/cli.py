@@ -112,8 +112,8 @@ def prepare(
         if problems:
             for p in problems:
                 err_console.print(f"[bold red]bad:[/] {p}", highlight=False)
-            err_console.print(f"{len(problems)} problem(s) in {ds.path}; prepare it again (remove the directory "
-                              "first)", highlight=False)
+            err_console.print(f"{len(problems)} problem(s) in {ds.path}; remove that directory, then run the same "
+                              "`kiln prepare` again", highlight=False)
             raise typer.Exit(1)
         console.print(f"ok: {ds.path}: {shards} shard(s) and the tokenizer match the manifest", highlight=False)
         return
