@@ -31,12 +31,11 @@ every file it names has the size it says (stat calls, no reading). A damaged one
 or deleted, the manifest edited) is removed and made again, saying so. A changed byte of the same
 size is found only by re-hashing every shard: `kiln prepare --verify DIR` does that; remove the
 directory it condemns and prepare again. Before it takes its lock, a prepare removes what
-interrupted ones left and no live process uses (`kiln.data.stale`).
+interrupted ones left and no live process uses (`kiln.data.cache`).
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -47,16 +46,16 @@ from pathlib import Path
 
 import numpy as np
 
+from kiln.data.cache import INPUTS, cache_errors, open_cache, remove_stale, write_inputs
 from kiln.data.dataset import FORMAT, PreparedDataset, open_dataset
 from kiln.data.encode import Encoder
 from kiln.data.lock import file_lock
 from kiln.data.records import Deduplicator, RecordChecker, is_val
 from kiln.data.report import build_report, print_report
 from kiln.data.sources import SourceFile, expand, file_sha256, iter_documents
-from kiln.data.stale import INPUTS, remove_stale, write_inputs
 from kiln.data.tokenizer import Tokenizer, load_or_train
 from kiln.data.writer import ShardWriter, completed_shards
-from kiln.errors import DataError, ResourceError
+from kiln.errors import DataError
 
 BATCH_BYTES = 1 << 18  # text per encoding task: small enough to keep every worker busy to the end
 BATCH_DOCS = 4096
@@ -178,7 +177,16 @@ def prepare(cfg, console=None, progress: bool = True, tokenizer: Tokenizer | Non
         raise DataError("prepare() ran while a worker process was starting: call it under "
                         "`if __name__ == \"__main__\":` in your script (worker processes import it)")
     start = time.perf_counter()
-    cache = Path(cfg.cache_dir).expanduser()
+    cache = open_cache(cfg.cache_dir)
+    with cache_errors(cache):
+        ds, reused = _prepare(cfg, cache, console, progress, tokenizer, start)
+    if console is not None:
+        print_report(ds.manifest["report"], console, ds.path, reused)
+    return ds
+
+
+def _prepare(cfg, cache: Path, console, progress: bool, tokenizer: Tokenizer | None,
+             start: float) -> tuple[PreparedDataset, bool]:
     files = expand(cfg.sources, cfg.format, cfg.dataset_split)
     hashes = SourceHashes(files, cache)
     if tokenizer is None and cfg.tokenizer:
@@ -220,19 +228,9 @@ def prepare(cfg, console=None, progress: bool = True, tokenizer: Tokenizer | Non
                 out = None
             reused = out is not None
             if not reused:
-                try:
-                    out = _build(cfg, hashes, tokenizer, settings, partial, console if progress else None, start)
-                    sizes.write_text(out.name)
-                except OSError as e:
-                    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                        raise
-                    raise ResourceError(f"no space left writing {partial} ({e.strerror}); free some or set "
-                                        "data.cache_dir to a larger disk, then run again: finished shards "
-                                        "are kept") from None
-    ds = open_dataset(out, tokenizer.hash)
-    if console is not None:
-        print_report(ds.manifest["report"], console, out, reused)
-    return ds
+                out = _build(cfg, hashes, tokenizer, settings, partial, console if progress else None, start)
+                sizes.write_text(out.name)
+    return open_dataset(out, tokenizer.hash), reused
 
 
 def _dataset_id(sources: list[dict], tokenizer: Tokenizer, settings: dict) -> str:

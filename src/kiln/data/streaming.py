@@ -44,6 +44,7 @@ def _sources_key(files) -> str:
 
 def streaming_tokenizer(cfg):
     """data.tokenizer, or a BPE trained on the first data.tokenizer_train_bytes of the sources (cached)."""
+    from kiln.data.cache import cache_errors, open_cache
     from kiln.data.sources import iter_documents
     from kiln.data.tokenizer import load_or_train
 
@@ -59,7 +60,12 @@ def streaming_tokenizer(cfg):
                 return
 
     key = f"stream-{_sources_key(files)}-{cfg.format}-{cfg.text_unit}-{cfg.field}-{limit}"
-    tok = load_or_train(cfg, texts(), key, Path(cfg.cache_dir).expanduser())
+    if cfg.tokenizer:
+        tok = load_or_train(cfg, texts(), key, Path(cfg.cache_dir).expanduser())  # loaded: the cache is not used
+    else:
+        cache = open_cache(cfg.cache_dir)
+        with cache_errors(cache):
+            tok = load_or_train(cfg, texts(), key, cache)
     if tok.eos_id is None:
         raise DataError("the tokenizer has no end-of-text token; set data.eos_token to one of its tokens")
     return tok

@@ -1,5 +1,8 @@
-"""Housekeeping of `<data.cache_dir>/datasets/`: what interrupted or superseded prepares leave behind.
+"""The cache directory (`data.cache_dir`): opened writable, its write errors made clear, and the
+housekeeping of what interrupted or superseded prepares leave in `datasets/`.
 
+    root = open_cache(cfg.cache_dir)            # ConfigError if it cannot be a writable directory
+    with cache_errors(root): ...                # OSErrors on files under root: ResourceError/ConfigError
     remove_stale(datasets, keep="partial-<key>", key_of=..., console=...)   # at the start of a prepare
 
 A prepare writes its shards in `partial-<key>` while it holds the lock `partial-<key>.lock` (an
@@ -20,16 +23,54 @@ being deleted), and lock files no process holds (left by earlier versions).
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from kiln.data.lock import try_lock
+from kiln.errors import ConfigError, ResourceError
 
 PARTIAL_KEEP_DAYS = 7
 INPUTS = "inputs.json"
+
+
+def open_cache(cache_dir: str) -> Path:
+    """`cache_dir` (made if missing), checked to be a directory this process can write in."""
+    root = Path(cache_dir).expanduser()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=root)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        why = "a file is in the way" if e.errno in (errno.EEXIST, errno.ENOTDIR) else e.strerror
+        raise ConfigError(f"data.cache_dir={cache_dir}: cannot write there ({why}: {e.filename}); set "
+                          "data.cache_dir to a writable directory") from None
+    return root
+
+
+@contextmanager
+def cache_errors(root: Path) -> Iterator[None]:
+    """Turn an OSError on a file under `root` into a KilnError that says what to do (others pass)."""
+    try:
+        yield
+    except OSError as e:
+        names = [str(n) for n in (e.filename, e.filename2) if n]
+        if not any(n == str(root) or n.startswith(str(root) + os.sep) for n in names) \
+                and e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = names[0] if names else str(root)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ResourceError(f"no space left writing {where} ({e.strerror}); free some or set data.cache_dir "
+                                "to a larger disk, then run again: finished shards are kept") from None
+        raise ConfigError(f"cannot write {where} in data.cache_dir ({e.strerror}); set data.cache_dir to a "
+                          "writable directory, or fix that path's permissions") from None
 
 
 def write_inputs(partial: Path, keys: list[str | None]) -> None:

@@ -1,4 +1,4 @@
-"""remove_stale: what interrupted prepares leave in the cache goes, what a live process fills stays."""
+"""The cache directory: opened writable, clear write errors, and what interrupted prepares leave goes."""
 
 from __future__ import annotations
 
@@ -13,8 +13,14 @@ import pytest
 
 from kiln.config import DataConfig
 from kiln.data import prepare as prepare_mod
+from kiln.data.cache import (
+    PARTIAL_KEEP_DAYS,
+    cache_errors,
+    open_cache,
+    remove_stale,
+    write_inputs,
+)
 from kiln.data.prepare import _local_key, _local_key_now, prepare
-from kiln.data.stale import PARTIAL_KEEP_DAYS, remove_stale, write_inputs
 from kiln.data.tokenizer import train_bpe
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="no fcntl: a live prepare cannot be told apart")
@@ -47,8 +53,8 @@ def test_abandoned_staging_directories_go_when_they_can_never_be_resumed_or_are_
     src.write_text("one")
     changed.write_text("two")
     resumable = staging(datasets, "partial-aaaa", src)
-    stale_source = staging(datasets, "partial-bbbb", changed)
-    old = staging(datasets, "partial-cccc", src, age_days=PARTIAL_KEEP_DAYS + 1)
+    staging(datasets, "partial-bbbb", changed)
+    staging(datasets, "partial-cccc", src, age_days=PARTIAL_KEEP_DAYS + 1)
     live = staging(datasets, "partial-dddd", changed, age_days=PARTIAL_KEEP_DAYS + 1)
     mine = staging(datasets, "partial-eeee", changed)
     changed.write_text("two, edited")  # the key of partial-bbbb named the old file
@@ -106,3 +112,33 @@ def test_a_prepare_run_after_the_data_was_edited_removes_the_interrupted_ones_sh
     assert sorted(p.name for p in datasets.iterdir()) == sorted([ds.id, *(p.name for p in datasets.glob("sizes-*"))])
     assert not list((tmp_path / "cache").rglob("*.lock")) and not (ds.path / "inputs.json").exists()
     assert prepare_mod.prepare(cfg).path == ds.path
+
+
+def test_a_cache_dir_that_cannot_be_a_directory_is_a_config_error(tmp_path):
+    from kiln.errors import ConfigError
+
+    (tmp_path / "a.txt").write_text("some text")
+    (tmp_path / "file").write_text("x")
+    for where in ("file", "file/sub"):
+        cfg = DataConfig(sources=[str(tmp_path / "a.txt")], cache_dir=str(tmp_path / where), vocab_size=300)
+        with pytest.raises(ConfigError, match=f"data.cache_dir={tmp_path / where}: cannot write there .*set "
+                                              "data.cache_dir to a writable directory"):
+            prepare(cfg)
+    assert open_cache(str(tmp_path / "new" / "cache")).is_dir()  # a missing one is made
+
+
+def test_write_errors_under_the_cache_say_what_to_do(tmp_path):
+    import errno
+
+    from kiln.errors import ConfigError, ResourceError
+
+    root = tmp_path / "cache"
+    with pytest.raises(ResourceError, match="no space left writing .*free some or set data.cache_dir"):
+        with cache_errors(root):
+            raise OSError(errno.ENOSPC, "No space left on device")  # a write() names no file
+    with pytest.raises(ConfigError, match=f"cannot write {root / 'datasets' / 'x'} in data.cache_dir"):
+        with cache_errors(root):
+            raise OSError(errno.EROFS, "Read-only file system", str(root / "datasets" / "x"))
+    with pytest.raises(FileNotFoundError):  # not the cache's: passed on as it is
+        with cache_errors(root):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(tmp_path / "elsewhere"))
