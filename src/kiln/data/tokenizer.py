@@ -66,9 +66,12 @@ class Tokenizer:
                 gc.enable()
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
-    @property
+    @cached_property
     def vocab_size(self) -> int:
-        return self.tk.get_vocab_size(with_added_tokens=True)
+        """Largest token id + 1: the ids a model must embed (a vocabulary may skip ids, so this can exceed
+        the number of tokens)."""
+        n = self.tk.get_vocab_size(with_added_tokens=True)
+        return max(n, max(self.tk.get_vocab(with_added_tokens=True).values(), default=-1) + 1)
 
     def encode(self, text: str) -> list[int]:
         return self.tk.encode(text, add_special_tokens=False).ids

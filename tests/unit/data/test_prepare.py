@@ -503,3 +503,18 @@ def test_verify_names_shard_files_the_manifest_does_not(corpus, tmp_path):
     n = len(ds.manifest["splits"]["train"]["shards"])
     (ds.path / "train" / f"{n:05d}.bin").write_bytes(b"\1\0")
     assert ds.verify() == [f"train/{n:05d}.bin: a shard file the manifest does not name"]
+
+
+def test_a_vocabulary_with_ids_above_its_size_gives_wide_enough_shards(tmp_path):
+    """Token ids may skip numbers: the shard dtype and the vocabulary size follow the largest id."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    tk = HFTokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "<|endoftext|>": 70_000}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.save(str(tmp_path / "holes.json"))
+    (tmp_path / "a.txt").write_text("a a b")
+    ds = prepare(DataConfig(sources=[str(tmp_path / "a.txt")], tokenizer=str(tmp_path / "holes.json"),
+                            val_fraction=0.0, cache_dir=str(tmp_path / "cache")))
+    assert ds.dtype == np.uint32 and ds.manifest["vocab_size"] == 70_001 and ds.tokenizer.vocab_size == 70_001
+    assert read_docs(ds, "train") == [[1, 1, 0, 70_000]]
