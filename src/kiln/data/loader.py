@@ -15,6 +15,14 @@ holds the global position (next global sample, samples taken per dataset), ident
 rank, so a run resumed on another number of ranks with the same global batch continues at the
 same sample, with no token seen twice or skipped.
 
+Resuming with another shape (`check_resume_shape`): another train.seq_len is refused (the rows
+would be cut elsewhere). The state also records the batch it was saved with (B per rank, world):
+a resume on another number of ranks with the same per-rank B would change the global batch
+without anyone asking, so it is a ConfigError that names the train.batch_size keeping the global
+batch (or says the global batch does not divide by the new number of ranks). A train.batch_size
+changed on purpose (the checkpoint's config check asks for --resume force) is a defined
+continuation: the next batch starts at the next global sample, whatever its new size.
+
 Each batch is (tokens, targets, doc_ids): int64 (B, T), int64 (B, T) and int32 (B, T) with the
 index of each position's document within its row (None when document masking is off). With
 `pin_memory` the tensors are in pinned memory, for non-blocking copies to the GPU.
@@ -32,11 +40,30 @@ from kiln.data.mixture import Mixture
 from kiln.data.order import permute, round_keys
 from kiln.data.prefetch import Prefetcher
 from kiln.data.shards import TokenStream
-from kiln.errors import DataError
+from kiln.errors import ConfigError, DataError
 
 CHUNK = 4096  # row positions permuted at a time
 
 Batch = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+
+
+def check_resume_shape(saved: dict, batch_size: int, world: int) -> None:
+    """ConfigError when a saved position is resumed on another number of ranks with the same per-rank
+    batch (the global batch would change unasked). States saved before the batch was recorded pass."""
+    if "batch_size" not in saved or "world" not in saved:
+        return
+    b, w = int(saved["batch_size"]), int(saved["world"])
+    if w == world or b != batch_size:
+        return
+    g = b * w
+    if g % world:
+        divisors = [str(n) for n in range(1, g + 1) if g % n == 0]
+        raise ConfigError(f"the checkpoint's global batch is {g} ({b} per rank x {w} ranks), which {world} ranks "
+                          f"cannot share evenly: resume on {', '.join(divisors)} ranks, or choose a new "
+                          "train.batch_size with --resume force (the next batch starts at the next sample)")
+    raise ConfigError(f"the checkpoint's global batch is {g} ({b} per rank x {w} ranks); on {world} ranks keep it "
+                      f"with train.batch_size={g // world} (and --resume force, as the batch size is a saved "
+                      f"setting), or keep train.batch_size={b} on {w} ranks")
 
 
 class RowLayout:
@@ -145,8 +172,8 @@ class PackedRows:
         return tokens, targets, doc_ids
 
     def state_dict(self) -> dict:
-        return {"sample": int(self.sample), "seq_len": self.T, "seed": self.seed,
-                "taken": {name: int(t) for name, t in zip(self.names, self.taken)}}
+        return {"sample": int(self.sample), "seq_len": self.T, "seed": self.seed, "batch_size": self.B,
+                "world": self.world, "taken": {name: int(t) for name, t in zip(self.names, self.taken)}}
 
     def load_state_dict(self, state: dict) -> None:
         try:
@@ -161,6 +188,7 @@ class PackedRows:
         if seed != self.seed:
             raise DataError(f"the saved loader position is for train.seed={seed}, this run has {self.seed}; "
                             f"resume with train.seed={seed} to continue the same data order")
+        check_resume_shape(state, self.B, self.world)
         if set(taken) != set(self.names):
             raise DataError(f"the saved loader position is for datasets {sorted(taken)} but this run reads "
                             f"{sorted(self.names)}; the data changed since the checkpoint. Resume with the same "

@@ -6,7 +6,10 @@ encoded as [BOS] ids EOS, back to back. Global row g is the window of T + 1 toke
 token g*T of the stream; rank r of w takes rows r*B .. r*B + B - 1 of each global batch of w*B, as
 the packed loader does. The position is (epoch, file, record, token offset in that document): a
 resumed run reopens that file, skips to that record without decoding the ones before it where
-the format allows, and continues at that token, whatever the number of ranks.
+the format allows, and continues at that token, whatever the number of ranks. The position also
+holds the hash of that document's text: a resume whose sources changed (a file added, removed or
+resized, or the record at the position now another document, say after an edit in place) is
+refused rather than continued at a wrong place.
 
 What streaming gives up: rows come in stream order (no global shuffle), every rank reads the whole
 stream (and keeps its share), and exact-duplicate removal is off (it would need to remember
@@ -82,7 +85,7 @@ class StreamRows:
         self.encoder = tokenizer.document_encoder(cfg.parse_special_tokens)  # as prepare encodes documents
         self.files = _sources(cfg)
         self.key = _sources_key(self.files)
-        self.position = {"epoch": 0, "file": 0, "record": 0, "offset": 0, "chars": 0, "sample": 0}
+        self.position = {"epoch": 0, "file": 0, "record": 0, "offset": 0, "chars": 0, "sample": 0, "doc": None}
         self._reset_buffer()
 
     # ------------------------------------------------------------------ documents
@@ -94,7 +97,8 @@ class StreamRows:
         return [self.files[i] for i in perm]
 
     def _documents(self, epoch: int, start: tuple[int, int], chars_before: int):
-        """(epoch, file, record, chars_before, tokens) of this split's documents from `start` on, all epochs."""
+        """(epoch, file, record, chars_before, tokens, text hash) of this split's documents from `start` on,
+        all epochs."""
         from kiln.data.encode import encode_texts
         from kiln.data.records import doc_hash, is_val
         from kiln.data.sources import iter_documents
@@ -104,8 +108,9 @@ class StreamRows:
             batch, found, total = [], False, chars_before
             for doc in iter_documents(self.cfg, self._order(epoch), start=start):
                 size = len(doc.text)  # data.max_bytes counts characters, as `kiln prepare` does
-                if is_val(doc_hash(doc.text), frac) == want_val:
-                    batch.append((doc.file_index, doc.record_index, total, doc.text))
+                h = doc_hash(doc.text)
+                if is_val(h, frac) == want_val:
+                    batch.append((doc.file_index, doc.record_index, total, doc.text, h))
                 total += size
                 if len(batch) >= ENCODE_BATCH:
                     yield from self._encode(epoch, batch, encode_texts)
@@ -122,17 +127,18 @@ class StreamRows:
 
     def _encode(self, epoch: int, batch: list, encode_texts):
         tokens, lengths = encode_texts([b[3] for b in batch], self.encoder, self.tok.eos_id, self.tok.bos_id, np.int64)
-        for (fi, ri, before, _), doc in zip(batch, np.split(tokens, np.cumsum(lengths)[:-1])):
-            yield epoch, fi, ri, before, doc
+        for (fi, ri, before, _, h), doc in zip(batch, np.split(tokens, np.cumsum(lengths)[:-1])):
+            yield epoch, fi, ri, before, doc, h
 
     def _reset_buffer(self) -> None:
         p = self.position
         if getattr(self, "_docs", None) is not None:
             self._docs.close()  # closes the file it was reading
         self._docs = None  # the generator, started on first use
-        self._buf: deque = deque()  # (epoch, file, record, chars_before, tokens) from the position on
+        self._buf: deque = deque()  # (epoch, file, record, chars_before, tokens, hash) from the position on
         self._avail = 0  # tokens in the buffer from the position on
         self._skip = p["offset"]
+        self._expect = p.get("doc")  # the hash of the document at the position, checked when it is read
 
     def _fill(self, need: int) -> None:
         if self._docs is None:
@@ -140,11 +146,18 @@ class StreamRows:
             self._docs = self._documents(p["epoch"], (p["file"], p["record"]), p["chars"])
         while self._avail < need:
             item = next(self._docs)
+            if self._expect is not None:
+                if (item[1], item[2], item[5]) != (self.position["file"], self.position["record"], self._expect):
+                    where = self._order(self.position["epoch"])[self.position["file"]].url
+                    raise DataError(f"cannot resume the stream: record {self.position['record']} of {where} is "
+                                    "not the document the run was reading; the source files changed since the "
+                                    "checkpoint. Resume with the same files, or start a new run from the weights")
+                self._expect = None
             if self._skip:  # resuming inside this document
                 if item[4].size <= self._skip:
                     raise DataError(f"cannot resume the stream: document {item[1]}:{item[2]} is shorter than the "
                                     "saved offset; the source files changed since the checkpoint")
-                item = (*item[:4], item[4][self._skip:])
+                item = (*item[:4], item[4][self._skip:], item[5])
                 self._skip = 0
             self._buf.append(item)
             self._avail += item[4].size
@@ -184,20 +197,22 @@ class StreamRows:
                 n -= toks.size
                 off = 0
             else:
-                self._buf[0] = (*self._buf[0][:4], toks[n:])
+                self._buf[0] = (*self._buf[0][:4], toks[n:], self._buf[0][5])
                 self._avail -= n
                 off, n = off + n, 0
         self._fill(1)
-        epoch, fi, ri, before, _ = self._buf[0]
-        self.position.update(epoch=epoch, file=fi, record=ri, chars=before, offset=off,
+        epoch, fi, ri, before, _, h = self._buf[0]
+        self.position.update(epoch=epoch, file=fi, record=ri, chars=before, offset=off, doc=h,
                              sample=self.position["sample"] + self.B * self.world)
 
     def state_dict(self) -> dict:
-        return {**self.position, "seq_len": self.T, "seed": self.seed, "split": self.split, "sources": self.key}
+        return {**self.position, "seq_len": self.T, "seed": self.seed, "split": self.split, "sources": self.key,
+                "batch_size": self.B, "world": self.world}
 
     def load_state_dict(self, state: dict) -> None:
         try:
             pos = {k: int(state[k]) for k in ("epoch", "file", "record", "offset", "chars", "sample")}
+            pos["doc"] = None if state.get("doc") is None else int(state["doc"])  # absent in older saves
             seq_len, seed, key = int(state["seq_len"]), int(state["seed"]), str(state["sources"])
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"the saved streaming position is malformed ({e!r}); was it saved by a prepared-data "
@@ -205,6 +220,9 @@ class StreamRows:
         if seq_len != self.T or seed != self.seed:
             raise DataError(f"the saved stream position is for train.seq_len={seq_len}, train.seed={seed}; this run "
                             f"has {self.T} and {self.seed}. Resume with the saved values")
+        from kiln.data.loader import check_resume_shape
+
+        check_resume_shape(state, self.B, self.world)
         if key != self.key:
             raise DataError("the source files changed since the stream position was saved (names or sizes differ); "
                             "resume with the same data.sources, or start a new run from the weights")

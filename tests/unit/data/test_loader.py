@@ -8,7 +8,7 @@ import torch
 
 from kiln.data.loader import PackedLoader
 from kiln.data.shards import write_shard
-from kiln.errors import DataError
+from kiln.errors import ConfigError, DataError
 
 from .conftest import make_stream
 
@@ -158,3 +158,26 @@ def test_errors_in_the_prefetch_thread_reach_the_caller(stream):
     loader.rows.layouts[0].stream.bins[0] = None  # a reader that fails
     with pytest.raises(TypeError):
         take(loader, 200)
+
+
+def test_resume_on_other_ranks_with_the_same_per_rank_batch_is_refused(stream):
+    """The global batch would change unasked: the error names the batch size that keeps it, or says the
+    new number of ranks cannot share it. A batch size changed on purpose continues at the next sample."""
+    ts, _ = stream
+    loaders = [PackedLoader(ts, T, 4, seed=3, rank=r, world=2, prefetch=0) for r in range(2)]
+    for ld in loaders:
+        next(ld)
+    state = loaders[0].state_dict()
+    assert (state["batch_size"], state["world"]) == (4, 2)
+    with pytest.raises(ConfigError, match=r"global batch is 8 \(4 per rank x 2 ranks\); on 1 ranks keep it with "
+                                          "train.batch_size=8"):
+        PackedLoader(ts, T, 4, seed=3).load_state_dict(state)
+    with pytest.raises(ConfigError, match="which 3 ranks cannot share evenly: resume on 1, 2, 4, 8 ranks"):
+        PackedLoader(ts, T, 4, seed=3, rank=0, world=3).load_state_dict(state)
+    reference = PackedLoader(ts, T, 11, seed=3, prefetch=0)
+    expected = positions(take(reference, 1)[0])[1][8:]  # samples 8 .. 10 of the run
+    changed = PackedLoader(ts, T, 3, seed=3, prefetch=0)  # batch size changed on purpose (--resume force)
+    changed.load_state_dict(state)
+    np.testing.assert_array_equal(positions(next(changed))[1], expected)
+    old = {k: v for k, v in state.items() if k not in ("batch_size", "world")}  # saved before they were recorded
+    PackedLoader(ts, T, 4, seed=3).load_state_dict(old)

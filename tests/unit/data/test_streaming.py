@@ -115,3 +115,59 @@ def test_changed_sources_refuse_the_saved_position(corpus, tmp_path):
     (tmp_path / "src" / "part3.txt").write_text("a new file changes the stream\n")
     with pytest.raises(DataError, match="source files changed"):
         loader(cfg, tok).load_state_dict(state)
+
+
+@pytest.fixture
+def packed_sources(tmp_path):
+    """The same kind of documents as gzip and zstd JSON Lines and a parquet file."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    texts = [f"document {i} says " + "something long enough " * (1 + i % 7) for i in range(90)]
+    src = tmp_path / "packed"
+    src.mkdir()
+    lines = lambda part: "".join(json.dumps({"text": t}) + "\n" for t in part).encode()  # noqa: E731
+    (src / "a.jsonl.gz").write_bytes(gzip.compress(lines(texts[:30])))
+    (src / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines(texts[30:60])))
+    pq.write_table(pa.table({"text": texts[60:]}), src / "c.parquet", row_group_size=7)
+    cfg = DataConfig(sources=[str(src)], vocab_size=300, val_fraction=0.1, cache_dir=str(tmp_path / "cache"),
+                     max_bytes=None)
+    return cfg, streaming_tokenizer(cfg)
+
+
+@pytest.mark.parametrize("cut", [3, 11, 19])
+def test_exact_resume_in_compressed_and_parquet_sources(packed_sources, cut):
+    cfg, tok = packed_sources
+    full = take(loader(cfg, tok), 40)  # more than an epoch
+    first = loader(cfg, tok)
+    head = take(first, cut)
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = loader(cfg, tok)
+    resumed.load_state_dict(state)
+    assert same(head + take(resumed, 40 - cut), full)
+
+
+def test_a_source_edited_in_place_refuses_the_saved_position(corpus, tmp_path):
+    """Same names and sizes, but the record at the position is another document: refused, not resumed
+    at a wrong place."""
+    cfg, tok = corpus
+    ld = loader(cfg.model_copy(update={"shuffle": False}), tok)
+    take(ld, 3)
+    state = ld.state_dict()
+    files = sorted((tmp_path / "src").iterdir())
+    path = files[state["file"]]
+    lines = path.read_text().splitlines(keepends=True)
+    i = state["record"] if path.suffix == ".jsonl" else next(
+        n for n, line in enumerate(lines) if line.startswith(f"line {state['record']}:"))
+    lines[i] = lines[i].replace(f"{state['record']}: ", f"{state['record']}; ", 1)  # same size
+    size = path.stat().st_size
+    path.write_text("".join(lines))
+    assert path.stat().st_size == size
+    with pytest.raises(DataError, match=f"record {state['record']} of .*{path.name} is not the document the run "
+                                        "was reading; the source files changed"):
+        resumed = loader(cfg.model_copy(update={"shuffle": False}), tok)
+        resumed.load_state_dict(state)
+        next(resumed)
