@@ -518,3 +518,30 @@ def test_a_vocabulary_with_ids_above_its_size_gives_wide_enough_shards(tmp_path)
                             val_fraction=0.0, cache_dir=str(tmp_path / "cache")))
     assert ds.dtype == np.uint32 and ds.manifest["vocab_size"] == 70_001 and ds.tokenizer.vocab_size == 70_001
     assert read_docs(ds, "train") == [[1, 1, 0, 70_000]]
+
+
+def test_a_prepare_killed_while_another_waits_on_its_lock(corpus, tmp_path):
+    """The waiter gets the lock when the holder dies (kill -9), goes on from its finished shards, and
+    leaves no lock file or staging directory behind."""
+    cfg = config(corpus, tmp_path, shard_tokens=2_000, val_fraction=0.05)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    script = KILLABLE.replace("prepare_mod.prepare(", "print(prepare_mod.prepare(").replace("argv[1])))", "argv[1]))).path)")
+    stalls = KILLABLE.replace("if __name__", "from kiln.data import writer\nfinish = writer.ShardWriter.finish\n"
+                              "def stall(self):\n    finish(self)\n    if self.index == 3:\n        time.sleep(60)\n"
+                              "writer.ShardWriter.finish = stall\nif __name__").replace("import json", "import json, time")
+    holder = subprocess.Popen([sys.executable, "-c", stalls, cfg.model_dump_json()], env=env)
+    cache = tmp_path / "cache"
+    deadline = time.monotonic() + 60
+    while not list(cache.glob("datasets/partial-*/train/00002.json")) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    waiter = subprocess.Popen([sys.executable, "-c", script, cfg.model_dump_json()], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    assert waiter.poll() is None  # waiting on the lock
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    out, err = waiter.communicate(timeout=120)
+    assert holder.returncode == -signal.SIGKILL and waiter.returncode == 0, err
+    ds = open_dataset(out.strip())
+    assert ds.manifest["report"]["resumed_shards"] >= 3 and ds.verify() == []
+    assert not list(cache.rglob("*.lock")) and not list(cache.glob("datasets/partial-*"))
