@@ -23,6 +23,8 @@ import numpy as np
 
 from kiln.errors import DataError
 
+_REMEDY = "delete {0} and run the same `kiln prepare` again (`kiln prepare --verify {0}` lists every problem)"
+
 
 def _write_atomic(path: Path, chunks: Sequence[bytes | memoryview]) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -76,14 +78,14 @@ class TokenStream:
                 tokens = np.memmap(bin_path, dtype=self.dtype, mode="r")
                 ends = np.memmap(idx_path, dtype="<u8", mode="r").view(np.ndarray)  # page cache, shared by ranks
             except (OSError, ValueError) as e:
-                raise DataError(f"cannot read shard {bin_path} ({e}); run the same `kiln prepare` again: it "
-                                "replaces a damaged dataset") from None
+                raise DataError(f"cannot read shard {bin_path} ({e}); {_REMEDY.format(Path(bin_path).parent.parent)}"
+                                ) from None
             if tokens.size != n or ends.size == 0 or int(ends[-1]) != n or int(ends[0]) == 0 \
                     or not bool(np.all(ends[1:] > ends[:-1])):
                 raise DataError(f"shard {bin_path} does not match its manifest or index ({tokens.size} tokens, "
                                 f"manifest says {n}; index of {ends.size} documents ending at "
-                                f"{int(ends[-1]) if ends.size else 0}): the dataset is damaged. Run the same "
-                                "`kiln prepare` again: it replaces a damaged dataset")
+                                f"{int(ends[-1]) if ends.size else 0}): the dataset is damaged; "
+                                f"{_REMEDY.format(Path(bin_path).parent.parent)}")
             self.bins.append(tokens.view(np.ndarray))  # plain array view: no memmap overhead per slice
             self.ends.append(ends)
             sizes.append(int(n))
