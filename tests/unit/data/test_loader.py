@@ -143,6 +143,13 @@ def test_too_little_data_and_damaged_shards(tmp_path):
 
     with pytest.raises(DataError, match="does not match"):
         TokenStream([(binp, binp.with_suffix(".idx"), entry["tokens"])], np.uint16, name="bad")
+    entry = write_shard(tmp_path / "bad2", "train/00000", [np.arange(1, n) for n in (9, 5, 12)], np.uint16)
+    idx = tmp_path / "bad2" / "train" / "00000.idx"
+    ends = np.fromfile(idx, "<u8")
+    ends[0] = ends[1] + 1  # one flipped bit in the index: same size, out of order
+    ends.tofile(idx)
+    with pytest.raises(DataError, match=f"damaged; delete {tmp_path / 'bad2'} and run the same `kiln prepare` again"):
+        TokenStream([(idx.with_suffix(".bin"), idx, entry["tokens"])], np.uint16, name="bad2")
 
 
 def test_no_document_ids_when_masking_is_off(stream):
