@@ -164,8 +164,14 @@ def open_dataset(path: str | Path, tokenizer_hash: str | None = None) -> Prepare
     """Open a prepared dataset directory; refuse one that is incomplete or made by another tokenizer."""
     p = Path(path).expanduser()
     mf = p / "manifest.json"
+    if p.is_file():
+        raise DataError(f"{p} is a file, not a prepared dataset (a directory under <data.cache_dir>/datasets/ "
+                        "that `kiln prepare` printed)")
     if not p.is_dir():
         raise DataError(f"prepared dataset {p} does not exist; make it with `kiln prepare CONFIG`")
+    if not mf.is_file() and not (p / "train").is_dir():
+        raise DataError(f"{p} is not a prepared dataset (no manifest.json, no train/ shards): give the directory "
+                        "`kiln prepare` printed, under <data.cache_dir>/datasets/")
     if not mf.is_file():
         raise DataError(f"prepared dataset {p} is incomplete (no manifest.json): its prepare was interrupted. "
                         "Run the same `kiln prepare` again to finish it")

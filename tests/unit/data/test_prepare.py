@@ -145,6 +145,10 @@ def test_open_dataset_refuses_other_tokenizer_and_incomplete(corpus, tmp_path):
     (ds.path / "manifest.json").unlink()
     with pytest.raises(DataError, match="incomplete .*Run the same `kiln prepare` again"):
         open_dataset(ds.path)
+    with pytest.raises(DataError, match="is not a prepared dataset .*give the directory `kiln prepare` printed"):
+        open_dataset(ds.path / "train")
+    with pytest.raises(DataError, match="is a file, not a prepared dataset"):
+        open_dataset(ds.path / "report.json")
 
 
 def test_no_documents_is_a_clear_error(tmp_path):
