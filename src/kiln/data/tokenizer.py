@@ -129,6 +129,11 @@ class Tokenizer:
 
 def _from_transformers(directory: Path):
     """The fast tokenizer of a local Hugging Face tokenizer directory without tokenizer.json."""
+    known = ("tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "vocab.txt")
+    if not any((directory / name).is_file() for name in known):
+        raise DataError(f"{directory} holds no tokenizer files (tokenizer.json, {', '.join(known)}); set "
+                        "data.tokenizer to a tokenizer.json or a Hugging Face tokenizer directory, or to null to "
+                        "train one on the sources")
     try:
         from transformers import AutoTokenizer
     except ImportError:

@@ -62,6 +62,9 @@ def test_bad_tokenizer_paths(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(DataError, match="not a valid tokenizer.json"):
         Tokenizer.load(tmp_path / "bad.json")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="empty holds no tokenizer files"):
+        Tokenizer.load(tmp_path / "empty")
 
 
 def test_hf_directory_without_tokenizer_json(tok_file, tmp_path):
