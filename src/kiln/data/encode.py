@@ -13,7 +13,10 @@ All workers are started when the Encoder is made, so the caller makes it before 
 of its own (a progress bar's); the pool's own threads start after the fork. A worker ignores
 SIGINT (the parent stops the pool), uses one thread (TOKENIZERS_PARALLELISM=false) and, on Linux,
 is killed when its parent dies, so a parent killed with SIGKILL leaves no worker behind to hold
-its files and locks.
+its files and locks. A spawned worker loads the tokenizer from a temporary file: the start message
+sent to it stays small, so a worker that fails while starting (a script that calls prepare
+without a `__main__` guard) breaks the pool with an error instead of blocking its parent on a full
+pipe.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import tempfile
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
@@ -36,6 +40,10 @@ _state: dict = {}
 def _init(tk, parse_special: bool, eos_id: int, bos_id: int | None, dtype: str, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops the pool
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    if isinstance(tk, str):  # spawned: the path of the tokenizer's JSON
+        from tokenizers import Tokenizer
+
+        tk = Tokenizer.from_file(tk)
     if sys.platform == "linux":
         import ctypes
 
@@ -78,13 +86,20 @@ class Encoder:
     def __init__(self, tokenizer, dtype, workers: int, parse_special: bool = False):
         self.local = None
         self.pool = None
+        self.tmp = None
         self.pending: deque = deque()
         self.max_pending = 4 * workers + 2
         if workers > 1:
             import multiprocessing as mp
             from concurrent.futures import ProcessPoolExecutor
 
-            args = (tokenizer.tk, parse_special, tokenizer.eos_id, tokenizer.bos_id, np.dtype(dtype).name, os.getpid())
+            tk = tokenizer.tk
+            if START_METHOD != "fork":
+                fd, self.tmp = tempfile.mkstemp(prefix="kiln-tokenizer-", suffix=".json")
+                os.close(fd)
+                tk.save(self.tmp)
+                tk = self.tmp
+            args = (tk, parse_special, tokenizer.eos_id, tokenizer.bos_id, np.dtype(dtype).name, os.getpid())
             self.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context(START_METHOD), initializer=_init,
                                             initargs=args)
             for _ in range(workers):  # every worker starts now (forked at the first submit, spawned one by one)
@@ -133,10 +148,15 @@ class Encoder:
             # gone, closing this process's end of the pipe makes that read end, and the pool break.
             pool._result_queue._writer.close()
         pool.shutdown(wait=not cancel, cancel_futures=cancel)
+        if self.tmp is not None:
+            os.unlink(self.tmp)
+            self.tmp = None
 
 
 def _worker_died() -> Exception:
     from kiln.errors import ResourceError
 
-    return ResourceError("a tokenizer worker process died (killed, or out of memory?); run again with fewer "
-                         "data.workers; finished shards are kept")
+    return ResourceError("a tokenizer worker process died: killed, out of memory (run again with fewer "
+                         "data.workers), or, if an error is printed above, it failed while starting (where "
+                         "workers are spawned, as on macOS and Windows, call prepare() in a script under "
+                         "`if __name__ == \"__main__\":`); finished shards are kept")
