@@ -134,8 +134,10 @@ class DataConfig(Section):
     on_bad_record: Literal["error", "skip"] = "error"
     """A record with a missing field, wrong type, invalid UTF-8, empty or over-long text: 'error' stops
     with its file and line, 'skip' drops it and counts it in the prepare report."""
-    max_record_bytes: int = 64 << 20
-    """A record longer than this is bad (too_long); also bounds the memory one record may take."""
+    max_record_bytes: int = 16 << 20
+    """A record longer than this many bytes (16 MiB) is bad (too_long). It bounds the memory one record
+    may take: reading it, and encoding it, where the tokenizer library needs about 120 bytes per byte of
+    the document in each worker (2 GB for 16 MiB)."""
     min_chars: int = 0
     """Filter: drop documents shorter than this many characters (counted in the report)."""
     max_chars: int | None = None

@@ -47,7 +47,7 @@ NL = b"\n"
 class RecordChecker:
     """Validates raw records and applies the length filters; counts what it drops."""
 
-    def __init__(self, policy: str = "error", max_record_bytes: int = 64 << 20, min_chars: int = 0,
+    def __init__(self, policy: str = "error", max_record_bytes: int = 16 << 20, min_chars: int = 0,
                  max_chars: int | None = None):
         self.policy, self.limit = policy, max_record_bytes
         self.min_chars, self.max_chars = min_chars, max_chars
