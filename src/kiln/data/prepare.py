@@ -50,6 +50,7 @@ from kiln.data.cache import INPUTS, cache_errors, open_cache, remove_stale, writ
 from kiln.data.dataset import FORMAT, PreparedDataset, open_dataset
 from kiln.data.encode import Encoder
 from kiln.data.lock import file_lock
+from kiln.data.progress import PrepareBar
 from kiln.data.records import Deduplicator, RecordChecker, is_val
 from kiln.data.report import build_report, print_report
 from kiln.data.sources import SourceFile, expand, file_sha256, iter_documents
@@ -287,7 +288,7 @@ def _build(cfg, hashes: SourceHashes, tokenizer: Tokenizer, settings: dict, part
     total_bytes = sum(f.size for f in files)
     if cfg.max_bytes is not None:
         total_bytes = min(total_bytes, cfg.max_bytes)
-    bar = _Bar(console, total_bytes)
+    bar = PrepareBar(console, total_bytes)
     read_hashes: dict[int, dict] = {}
     batch: dict[str, list[str]] = {s: [] for s in SPLITS}
     size = dict.fromkeys(SPLITS, 0)
@@ -386,44 +387,3 @@ def _publish(partial: Path, out: Path) -> None:
     else:  # an incomplete one, written in place by an earlier Kiln
         shutil.rmtree(out)
         os.rename(partial, out)
-
-
-class _Bar:
-    """A rich progress bar over input bytes, with documents/s, tokens/s and ETA; silent without console."""
-
-    def __init__(self, console, total_bytes: int):
-        self.p = None
-        self.n_docs, self.n_tokens, self.t0 = 0, 0, time.perf_counter()
-        if console is None:
-            return
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.p = Progress(TextColumn("prepare"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                          TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=console,
-                          transient=True)
-        self.task = self.p.add_task("prepare", total=max(total_bytes, 1), rate="")
-        self.last = 0.0
-
-    def __enter__(self):
-        if self.p is not None:
-            self.p.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.p is not None:
-            self.p.__exit__(*exc)
-
-    def bytes(self, n: int) -> None:
-        if self.p is not None:
-            self.p.advance(self.task, n)
-
-    def docs(self, n: int) -> None:
-        self.n_docs += n
-
-    def tokens(self, n: int) -> None:
-        self.n_tokens += n
-        now = time.perf_counter()
-        if self.p is not None and now - self.last > 0.5:
-            dt = now - self.t0
-            self.p.update(self.task, rate=f"{self.n_docs / dt:,.0f} docs/s {self.n_tokens / dt:,.0f} tokens/s")
-            self.last = now
