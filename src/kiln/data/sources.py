@@ -178,7 +178,9 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
 
     A file reached twice (the same source given twice, a path and its file:// URL, a symbolic link
     and its target) is read once. In a directory, files of unknown type (README without a suffix,
-    images) are passed over and listed in `passed_over`; hidden ones (.git, .DS_Store) silently.
+    images) are passed over and listed in `passed_over`; hidden ones (.git, .DS_Store) silently. A
+    directory that holds record files (jsonl, json, parquet, csv, tsv) has its text files (README.md,
+    notes.txt) passed over too, unless data.format says otherwise: name text files there with a glob.
     """
     import fsspec
     from fsspec.implementations.local import LocalFileSystem
@@ -228,8 +230,14 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
                     for p in arrow:
                         found |= add(fs, p, url(p), True, force="arrow")
                 else:
-                    for p in sorted(fs.find(path)):
-                        if not any(part.startswith(".") for part in p[len(path):].split("/")):
+                    files = [p for p in sorted(fs.find(path))
+                             if not any(part.startswith(".") for part in p[len(path):].split("/"))]
+                    # beside records (jsonl, parquet, ...) a text file is documentation (README.md), not data
+                    records = fmt == "auto" and any(_detect(p, fmt, False)[0] not in (None, "text") for p in files)
+                    for p in files:
+                        if records and _detect(p, fmt, False)[0] == "text":
+                            out.passed_over.append(url(p))
+                        else:
                             found |= add(fs, p, url(p), False)
             elif fs.isfile(path):
                 found = add(fs, path, spec, True)

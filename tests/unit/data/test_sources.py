@@ -97,10 +97,13 @@ def test_directories_globs_order(tmp_path):
     (d / "b.txt").write_text("b")
     (d / "a.md").write_text("a")
     (d / "sub" / "c.jsonl").write_text(json.dumps({"text": "c"}) + "\n")
+    assert texts(tmp_path, [d / "*.txt", d / "**" / "*.jsonl"]) == ["b", "c"]
     (d / "image.png").write_bytes(b"\x89PNG")  # unknown suffix: not read from a directory
     (d / ".hidden.txt").write_text("hidden")
-    assert texts(tmp_path, [d]) == ["a", "b", "c"]
-    assert texts(tmp_path, [d / "*.txt", d / "**" / "*.jsonl"]) == ["b", "c"]
+    assert texts(tmp_path, [d / "sub", d / "a.md", d / "b.txt"]) == ["c", "a", "b"]
+    assert texts(tmp_path, [d]) == ["c"]  # beside records, text files are documentation (test below)
+    (d / "sub" / "c.jsonl").unlink()
+    assert texts(tmp_path, [d]) == ["a", "b"]
     assert texts(tmp_path, [d / "b.txt", d / "a.md"]) == ["b", "a"]  # order as given
     with pytest.raises(DataError, match="matches no readable file"):
         expand([str(d / "*.csv")])
@@ -113,7 +116,8 @@ def test_fsspec_urls(tmp_path):
     fs.pipe("/kiln-test/a.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in DOCS).encode())
     fs.pipe("/kiln-test/b.txt", b"from memory")
     (tmp_path / "local.txt").write_text("local")
-    assert texts(tmp_path, ["memory://kiln-test/"]) == DOCS + ["from memory"]
+    assert texts(tmp_path, ["memory://kiln-test/"]) == DOCS  # b.txt, text beside records, is passed over
+    assert [u.rsplit("/", 1)[1] for u in expand(["memory://kiln-test/"]).passed_over] == ["b.txt"]
     assert texts(tmp_path, ["memory://kiln-test/*.txt", f"file://{tmp_path}/local.txt"]) == ["from memory", "local"]
     files = expand(["memory://kiln-test/a.jsonl"])
     assert files[0].url == "memory://kiln-test/a.jsonl" and files[0].size > 0
@@ -154,7 +158,7 @@ def test_byte_order_mark_is_not_text(tmp_path):
     (tmp_path / "b.csv").write_bytes(bom + b"text,id\nhello,1\n")
     (tmp_path / "c.txt").write_bytes(bom + b"hi")
     (tmp_path / "d.json").write_bytes(bom + b'[{"text": "arr"}]')
-    assert texts(tmp_path, [tmp_path]) == ["x", "hello", "hi", "arr"]
+    assert texts(tmp_path, sorted(tmp_path.glob("?.*"))) == ["x", "hello", "hi", "arr"]
 
 
 def test_truncated_zstd_is_an_error_not_a_shorter_file(tmp_path):
@@ -193,10 +197,14 @@ def test_paths_that_lead_nowhere(tmp_path):
 def test_unknown_files_in_a_directory_are_listed(tmp_path):
     d = tmp_path / "corpus"
     d.mkdir()
-    (d / "a.jsonl").write_text('{"text": "x"}\n')
+    (d / "data").mkdir()
+    (d / "data" / "a.jsonl").write_text('{"text": "x"}\n')
     (d / "LICENSE").write_text("license")
+    (d / "README.md").write_text("# a dataset card")
     (d / "logo.png").write_bytes(b"\x89PNG")
     (d / ".DS_Store").write_bytes(b"\x00\x00")
     files = expand([str(d)])
-    assert [f.url for f in files] == [str(d / "a.jsonl")]
-    assert files.passed_over == [str(d / "LICENSE"), str(d / "logo.png")]  # hidden files pass silently
+    assert [f.url for f in files] == [str(d / "data" / "a.jsonl")]
+    # hidden files pass silently; README.md is text beside records, so documentation
+    assert files.passed_over == [str(d / "LICENSE"), str(d / "README.md"), str(d / "logo.png")]
+    assert [f.url for f in expand([str(d)], fmt="text")][:2] == [str(d / "LICENSE"), str(d / "README.md")]

@@ -32,7 +32,8 @@ def corpus(tmp_path):
             for j, t in enumerate(chunk):
                 f.write(json.dumps({"text": f"{j}: {t}"}) + "\n")
     (src / "part2.txt").write_text("\n".join(f"line {j}: {t}" for j, t in enumerate(texts[90:])))
-    cfg = DataConfig(sources=[str(src)], text_unit="line", vocab_size=300, val_fraction=0.1,
+    cfg = DataConfig(sources=[str(src / "*.jsonl"), str(src / "*.txt")], text_unit="line", vocab_size=300,
+                     val_fraction=0.1,
                      cache_dir=str(tmp_path / "cache"), max_bytes=None, dedup=False)
     return cfg, streaming_tokenizer(cfg)
 
