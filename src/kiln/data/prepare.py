@@ -53,7 +53,7 @@ from kiln.data.lock import file_lock
 from kiln.data.progress import PrepareBar
 from kiln.data.records import Deduplicator, RecordChecker, is_val
 from kiln.data.report import build_report, print_report
-from kiln.data.sources import SourceFile, expand, file_sha256, iter_documents
+from kiln.data.sources import READERS_VERSION, SourceFile, expand, file_sha256, iter_documents
 from kiln.data.tokenizer import Tokenizer, load_or_train
 from kiln.data.writer import ShardWriter, completed_shards
 from kiln.errors import DataError
@@ -136,7 +136,7 @@ def _local_key_now(recorded: str) -> str | None:
 
 def settings_of(cfg, tokenizer: Tokenizer) -> dict:
     """Everything besides the inputs and the tokenizer that changes the prepared tokens."""
-    return {"format": cfg.format, "text_unit": cfg.text_unit, "field": cfg.field,
+    return {"readers": READERS_VERSION, "format": cfg.format, "text_unit": cfg.text_unit, "field": cfg.field,
             "dataset_split": cfg.dataset_split, "max_bytes": cfg.max_bytes,
             "max_record_bytes": cfg.max_record_bytes, "min_chars": cfg.min_chars, "max_chars": cfg.max_chars,
             "dedup": cfg.dedup, "val_fraction": cfg.val_fraction, "shard_tokens": cfg.shard_tokens,
@@ -193,7 +193,7 @@ def _prepare(cfg, cache: Path, console, progress: bool, tokenizer: Tokenizer | N
     if tokenizer is None and cfg.tokenizer:
         tokenizer = Tokenizer.load(cfg.tokenizer, cfg.eos_token, cfg.bos_token)
     elif tokenizer is None:  # a BPE trained on the sources is cached under their hashes
-        key = _digest([[s["sha256"] for s in hashes.all()], cfg.format, cfg.text_unit, cfg.field,
+        key = _digest([[s["sha256"] for s in hashes.all()], READERS_VERSION, cfg.format, cfg.text_unit, cfg.field,
                        cfg.dataset_split, cfg.max_record_bytes, cfg.min_chars, cfg.max_chars, cfg.max_bytes,
                        cfg.tokenizer_train_bytes])
         tokenizer = load_or_train(cfg, _train_texts(cfg, files), key, cache)

@@ -32,6 +32,9 @@ from kiln.data.records import RecordChecker
 from kiln.errors import DataError
 
 STDLIB = "@stdlib"
+# How files become documents: raised whenever a reader gives other documents for the same bytes (as
+# when lone CR bytes began to end lines), so datasets and tokenizers made by the old readers are not reused
+READERS_VERSION = 2
 TEXT_SUFFIXES = {".txt", ".text", ".md", ".markdown", ".rst", ".py", ".tex"}
 DATA_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
                  ".csv": "csv", ".tsv": "tsv", ".arrow": "arrow"}

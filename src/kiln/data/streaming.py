@@ -48,7 +48,7 @@ def _sources_key(files) -> str:
 def streaming_tokenizer(cfg):
     """data.tokenizer, or a BPE trained on the first data.tokenizer_train_bytes of the sources (cached)."""
     from kiln.data.cache import cache_errors, open_cache
-    from kiln.data.sources import iter_documents
+    from kiln.data.sources import READERS_VERSION, iter_documents
     from kiln.data.tokenizer import load_or_train
 
     files = _sources(cfg)
@@ -62,7 +62,7 @@ def streaming_tokenizer(cfg):
             if total >= limit:
                 return
 
-    key = f"stream-{_sources_key(files)}-{cfg.format}-{cfg.text_unit}-{cfg.field}-{limit}"
+    key = f"stream-{_sources_key(files)}-{READERS_VERSION}-{cfg.format}-{cfg.text_unit}-{cfg.field}-{limit}"
     if cfg.tokenizer:
         tok = load_or_train(cfg, texts(), key, Path(cfg.cache_dir).expanduser())  # loaded: the cache is not used
     else:

@@ -549,3 +549,11 @@ def test_a_prepare_killed_while_another_waits_on_its_lock(corpus, tmp_path):
     ds = open_dataset(out.strip())
     assert ds.manifest["report"]["resumed_shards"] >= 3 and ds.verify() == []
     assert not list(cache.rglob("*.lock")) and not list(cache.glob("datasets/partial-*"))
+
+
+def test_new_readers_make_a_new_dataset(corpus, tmp_path, monkeypatch):
+    """Readers that give other documents for the same bytes (READERS_VERSION) never reuse the old dataset."""
+    first = prepare(config(corpus, tmp_path))
+    monkeypatch.setattr(prepare_mod, "READERS_VERSION", prepare_mod.READERS_VERSION + 1)
+    second = prepare(config(corpus, tmp_path))
+    assert second.path != first.path and second.manifest["settings"]["readers"] == prepare_mod.READERS_VERSION
