@@ -180,14 +180,31 @@ def load_or_train(cfg, texts: Iterable[str], texts_key: str, cache_dir: Path) ->
             specials.append(bos)
     key = hashlib.sha256(json.dumps([texts_key, cfg.vocab_size, specials]).encode()).hexdigest()[:16]
     path = cache_dir / "tokenizers" / f"bpe-{cfg.vocab_size}-{key}" / "tokenizer.json"
-    if not path.is_file():
+    tok = _cached(path, eos, bos)
+    if tok is None:
         from kiln.data.lock import file_lock
 
         with file_lock(path.parent.with_suffix(".lock")):  # one process trains, the others wait for it
-            if not path.is_file():
+            tok = _cached(path, eos, bos)
+            if tok is None:
                 tok = train_bpe(texts, cfg.vocab_size, specials)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(f".tmp{id(tok)}")
                 tok.save(tmp)
                 tmp.replace(path)
-    return Tokenizer.load(path, eos, bos)
+                tok = Tokenizer.load(path, eos, bos)
+    return tok
+
+
+def _cached(path: Path, eos: str, bos: str | None) -> Tokenizer | None:
+    """The trained tokenizer cached at `path`, or None if there is none or it is damaged (a truncated
+    file: trained again)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    if not path.is_file():
+        return None
+    try:
+        tk = HFTokenizer.from_file(str(path))
+    except Exception:  # the Rust side raises plain Exceptions on bad JSON
+        return None
+    return Tokenizer(tk, eos, bos)

@@ -89,5 +89,8 @@ def test_trained_tokenizer_is_cached(tmp_path):
     assert a.bos_id is not None and a.eos_id == 0
     b = load_or_train(cfg, iter(()), "key1", tmp_path)  # not trained again: nothing to train on here
     assert b.hash == a.hash
+    (cached,) = (tmp_path / "tokenizers").glob("bpe-280-*/tokenizer.json")
+    cached.write_text(cached.read_text()[:100])  # damaged (a disk filled up, a bad copy): trained again
+    assert load_or_train(cfg, iter(CORPUS), "key1", tmp_path).hash == a.hash
     with pytest.raises(DataError, match="too small"):
         load_or_train(cfg.model_copy(update={"vocab_size": 100}), iter(CORPUS), "key2", tmp_path)
