@@ -105,8 +105,11 @@ def build_data(cfg: RunConfig, device: torch.device, rank: int | None = None, wo
 
         tok = streaming_tokenizer(d)
         train = StreamingLoader(d, tok, "train", t.seq_len, t.batch_size, rank=rank, world=world, **common)
-        val = StreamingLoader(d, tok, "val", t.seq_len, t.batch_size, **{**common, "prefetch": 0})
-        return RunData(tok, train, val, [], f"data: streaming {', '.join(d.sources)} (vocab {tok.vocab_size})",
+        val = None
+        if d.val_fraction > 0:
+            val = StreamingLoader(d, tok, "val", t.seq_len, t.batch_size, **{**common, "prefetch": 0})
+        return RunData(tok, train, val, [], f"data: streaming {', '.join(d.sources)} (vocab {tok.vocab_size})"
+                       + ("" if val is not None else "\nvalidation: none, data.val_fraction=0"),
                        stream_key=train.rows.key)
 
     from kiln.data.loader import PackedLoader
@@ -116,13 +119,15 @@ def build_data(cfg: RunConfig, device: torch.device, rank: int | None = None, wo
     train = PackedLoader.from_datasets(datasets, "train", t.seq_len, t.batch_size, weights=weights, rank=rank,
                                        world=world, shuffle=d.shuffle, **common)
     with_val = [(ds, w) for ds, w in zip(datasets, weights) if _split_tokens(ds, "val") > t.seq_len]
-    if not with_val:
-        raise DataError(f"no validation tokens: the 'val' split of {datasets[0].path} has fewer than "
-                        f"train.seq_len + 1 = {t.seq_len + 1}; raise data.val_fraction or give more data")
-    val = PackedLoader.from_datasets([ds for ds, _ in with_val], "val", t.seq_len, t.batch_size,
-                                     weights=[w for _, w in with_val], **{**common, "prefetch": 0})
+    val = None
+    if with_val:
+        val = PackedLoader.from_datasets([ds for ds, _ in with_val], "val", t.seq_len, t.batch_size,
+                                         weights=[w for _, w in with_val], **{**common, "prefetch": 0})
     lines = [f"data: {ds.path} ({_split_tokens(ds, 'train'):,} train / {_split_tokens(ds, 'val'):,} val tokens"
              + (f", weight {w / sum(weights):.3f})" if len(datasets) > 1 else ")")
              for ds, w in zip(datasets, weights)]
+    if val is None:
+        lines.append(f"validation: none, no run is evaluated (no 'val' split holds train.seq_len + 1 = "
+                     f"{t.seq_len + 1} tokens; raise data.val_fraction, now {d.val_fraction}, to evaluate)")
     tok = datasets[0].tokenizer
     return RunData(tok, train, val, datasets, "\n".join(lines) + f"\ntokenizer: vocab {tok.vocab_size}")

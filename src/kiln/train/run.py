@@ -89,8 +89,9 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
     final = train_guarded(trainer, checkpointer, guard, run_dir, console.print)
     if final is None:  # preempted: the checkpoint is written, nothing else to do
         return run_dir
-    console.print(f"validation loss: {first['val_loss']:.4f} at start -> {final['val_loss']:.4f} "
-                  f"after {trainer.step} steps")
+    if final:
+        console.print(f"validation loss: {first['val_loss']:.4f} at start -> {final['val_loss']:.4f} "
+                      f"after {trainer.step} steps")
 
     if cfg.checkpoint.save_final:
         out = save_model(model, cfg.model, tok, run_dir / "model")

@@ -91,7 +91,10 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
-        """Mean loss and perplexity over the same eval_batches validation batches every time."""
+        """Mean loss and perplexity over the same eval_batches validation batches every time ({} when
+        the data has no validation split)."""
+        if self.val_loader is None:
+            return {}
         with self.meter.paused():  # evaluation time is not counted in training tokens/s
             self.model.eval()
             self.val_loader.reset()
