@@ -10,6 +10,7 @@ every problem with its full key path and, for typos, the closest valid key.
 from __future__ import annotations
 
 import difflib
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -350,6 +351,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         source = str(file)
         data = _read_yaml(file)
     problems: list[str] = []
+    keys = {item.partition("=")[0].strip() for item in overrides}
+    for given, other in (("data.mixture", "data.sources"), ("data.sources", "data.mixture")):
+        if given in keys and other not in keys and isinstance(data.get("data"), dict):
+            data["data"].pop(other.split(".")[1], None)  # an override of one replaces the file's other
     for item in overrides:
         try:
             _apply_override(data, item)
@@ -420,8 +425,12 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
 def _section_at(loc: tuple) -> type[BaseModel] | None:
     cls: type[BaseModel] = RunConfig
     for part in loc:
+        if isinstance(part, int):  # an item of a list field (data.mixture.0): its section was taken below
+            continue
         field = cls.model_fields.get(str(part))
         ann = field.annotation if field else None
+        if typing.get_origin(ann) is list:  # list[Section]
+            ann = typing.get_args(ann)[0]
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return None
         cls = ann
@@ -435,7 +444,10 @@ def _describe(err: dict[str, Any]) -> str:
         parent = _section_at(loc[:-1])
         name = str(loc[-1])
         hint = ""
-        if parent is not None:
+        field, colon, value = name.partition(":")
+        if colon and parent is not None and field.strip() in parent.model_fields:
+            hint = f"; YAML needs a space after the colon: '{field.strip()}: {value.strip()}'"
+        elif parent is not None:
             close = difflib.get_close_matches(name, list(parent.model_fields), n=1, cutoff=0.6)
             if close:
                 suggestion = ".".join(map(str, loc[:-1] + (close[0],)))

@@ -101,7 +101,20 @@ BAD_OVERRIDES = {  # name: (overrides, what the error must say)
     "override_into_a_value": (["train.lr.peak=1"], "is a value, not a section"),
     "sequence_longer_than_the_model": (["train.seq_len=4096"],
                                        "train.seq_len=4096 is longer than model.max_seq_len=2048"),
+    "yaml_colon_without_space": (["data.mixture=[{sources: [a.jsonl], weight:0.5}]"],
+                                 "YAML needs a space after the colon: 'weight: 0.5'"),
+    "typo_in_a_list_item_suggests": (["data.mixture=[{sources: [a.jsonl], wieght: 1}]"],
+                                     "did you mean 'data.mixture.0.weight'"),
+    "sources_and_mixture_both_given": (["data.sources=[a.txt]", "data.mixture=[{sources: [b.txt]}]"],
+                                       "either data.sources or data.mixture"),
 }
+
+
+def test_an_override_of_sources_or_mixture_replaces_the_files_other():
+    cfg = load_config("quickstart", ["data.mixture=[{sources: [a.jsonl], weight: 2}, {sources: [b.jsonl]}]"])
+    assert [e.sources for e in cfg.data.mixture] == [["a.jsonl"], ["b.jsonl"]]
+    with pytest.raises(ConfigError, match="either data.sources or data.mixture"):
+        load_config("quickstart", ["data.mixture=[{sources: [a.jsonl]}]", "data.sources=[b.jsonl]"])
 
 
 @pytest.mark.parametrize("overrides,message", BAD_OVERRIDES.values(), ids=BAD_OVERRIDES.keys())
