@@ -76,9 +76,18 @@ def fingerprints(cfg: RunConfig, dataset) -> dict[str, Any]:
 
 
 def check_compatible(meta: dict[str, Any], cfg: RunConfig, prints: dict[str, Any], force: bool,
-                     log: Callable[[str], None]) -> None:
-    """StateError naming every difference of config or data, unless `force` (then they are listed)."""
+                     log: Callable[[str], None], world: int = 1) -> None:
+    """StateError naming every difference of config or data, unless `force` (then they are listed).
+
+    A train.batch_size that keeps the global batch on another number of processes (`world`; 16 x 2
+    saved, 32 x 1 now) is no difference: that is an elastic resume, and the loader continues exactly."""
     diffs = config_differences(meta.get("config", {}), cfg.model_dump(mode="json"))
+    saved_batch = meta.get("config", {}).get("train", {}).get("batch_size")
+    saved_world = int(meta.get("world_size", 1))
+    if saved_world != world and saved_batch is not None and saved_batch * saved_world == cfg.train.batch_size * world:
+        diffs = [d for d in diffs if not d.startswith("train.batch_size:")]
+        log(f"elastic resume: {saved_world} -> {world} process(es), train.batch_size {saved_batch} -> "
+            f"{cfg.train.batch_size} keeps the global batch of {saved_batch * saved_world}")
     saved = meta.get("fingerprints", {})
     for key, what in (("dataset", "prepared dataset"), ("tokenizer", "tokenizer")):
         if saved.get(key) != prints.get(key):

@@ -8,7 +8,7 @@ import torch
 from rich.console import Console
 
 from kiln.config import RunConfig
-from kiln.data.build import build_data
+from kiln.data.build import build_data, data_position
 from kiln.dist.ac import apply_ac
 from kiln.dist.compile import apply_compile
 from kiln.errors import ConfigError, ResourceError
@@ -55,7 +55,8 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
                           f"{tok.vocab_size}; raise it or leave it null")
     prints = fingerprints(cfg, data)
     if resume_from is not None:
-        check_compatible(read_meta(resume_from), cfg, prints, resume == "force", console.print)
+        check_compatible(read_meta(resume_from), cfg, prints, resume == "force", console.print,
+                         world=data_position()[1])
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
     tcfg = cfg.train

@@ -117,3 +117,16 @@ def test_signal_guard_turns_the_first_signal_into_a_request():
         os.kill(os.getpid(), signal.SIGTERM)
         assert guard.should_stop() == "SIGTERM"
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_batch_size_that_keeps_the_global_batch_on_other_ranks_is_an_elastic_resume(trainer_factory):
+    t, paths = three_checkpoints(trainer_factory)
+    meta = {**read_meta(paths[-1]), "world_size": 2}  # as if saved by 2 processes
+    b = t.cfg.train.batch_size
+    cfg = t.cfg.model_copy(deep=True)
+    cfg.train.batch_size = 2 * b
+    logs = []
+    check_compatible(meta, cfg, PRINTS, force=False, log=logs.append, world=1)  # same global batch
+    assert "elastic resume: 2 -> 1" in logs[0]
+    with pytest.raises(StateError, match=f"train.batch_size: {b} -> {2 * b}"):
+        check_compatible(meta, cfg, PRINTS, force=False, log=print, world=2)  # global batch doubled
