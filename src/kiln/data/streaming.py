@@ -86,6 +86,10 @@ class StreamRows:
         self.files = _sources(cfg)
         self.key = _sources_key(self.files)
         self.position = {"epoch": 0, "file": 0, "record": 0, "offset": 0, "chars": 0, "sample": 0, "doc": None}
+        from kiln.data.records import RecordChecker
+
+        self.checker = RecordChecker.from_config(cfg)  # counts skips in the first epoch this process reads
+        self.counted_epoch: int | None = None
         self._reset_buffer()
 
     # ------------------------------------------------------------------ documents
@@ -106,7 +110,10 @@ class StreamRows:
         frac, limit, want_val = self.cfg.val_fraction, self.cfg.max_bytes, self.split == "val"
         while True:
             batch, found, total = [], False, chars_before
-            for doc in iter_documents(self.cfg, self._order(epoch), start=start):
+            if self.counted_epoch is None:
+                self.counted_epoch = epoch
+            checker = self.checker if epoch == self.counted_epoch else None
+            for doc in iter_documents(self.cfg, self._order(epoch), start=start, checker=checker):
                 size = len(doc.text)  # data.max_bytes counts characters, as `kiln prepare` does
                 h = doc_hash(doc.text)
                 if is_val(h, frac) == want_val:
@@ -266,6 +273,11 @@ class StreamingLoader:
             self._replay.append((batch, self._state))
             self._at += 1
         return batch
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Records skipped (data.on_bad_record=skip) or filtered, by reason, in the first epoch read."""
+        return dict(self.rows.checker.dropped)
 
     def state_dict(self) -> dict:
         return dict(self._state)

@@ -93,6 +93,10 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
     if final:
         console.print(f"validation loss: {first['val_loss']:.4f} at start -> {final['val_loss']:.4f} "
                       f"after {trainer.step} steps")
+    dropped = getattr(train_loader, "dropped", None)  # streaming: prepare's report shows them otherwise
+    if dropped:
+        console.print(f"streaming skipped records in epoch {train_loader.rows.counted_epoch} (from where this "
+                      f"process began reading): " + ", ".join(f"{n} {r}" for r, n in sorted(dropped.items())))
 
     if cfg.checkpoint.save_final:
         out = save_model(model, cfg.model, tok, run_dir / "model")

@@ -172,3 +172,14 @@ def test_a_source_edited_in_place_refuses_the_saved_position(corpus, tmp_path):
         resumed = loader(cfg.model_copy(update={"shuffle": False}), tok)
         resumed.load_state_dict(state)
         next(resumed)
+
+
+def test_skipped_records_are_counted_once_per_run(corpus, tmp_path):
+    cfg, tok = corpus
+    bad = tmp_path / "src" / "part9.jsonl"
+    bad.write_text('{"text": "a good record that is long enough to keep"}\n{"text": 7}\nnot json\n{"other": 1}\n')
+    cfg = cfg.model_copy(update={"on_bad_record": "skip", "shuffle": False})
+    ld = loader(cfg, tok)
+    take(ld, 150)  # more than one epoch: the second pass over the sources is not counted again
+    assert ld.rows.position["epoch"] >= 1
+    assert ld.dropped == {"wrong_type": 1, "malformed": 1, "missing_field": 1}
