@@ -349,8 +349,11 @@ def _build(cfg, hashes: SourceHashes, tokenizer: Tokenizer, settings: dict, part
     splits = {s: done[s] + writers[s].written for s in SPLITS}
     if not sum(e["tokens"] for e in splits["train"]):
         dropped = ", ".join(f"{n} {r}" for r, n in checker.dropped.items()) or "none"
+        val = sum(e["documents"] for e in splits["val"])
+        fix = (f"give more documents or lower data.val_fraction={cfg.val_fraction}" if val else
+               "check the files, data.format and data.field")
         raise DataError(f"no training documents in data.sources={cfg.sources} ({read} documents read; dropped: "
-                        f"{dropped}); check the files, data.format and data.field")
+                        f"{dropped}; to validation: {val}); {fix}")
     hashes.remember(sources)
     report = build_report(partial, splits, checker, files=len(files), input_bytes=sum(s["bytes"] for s in sources),
                           read_documents=read, seconds=time.perf_counter() - start,

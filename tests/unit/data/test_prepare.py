@@ -154,8 +154,12 @@ def test_open_dataset_refuses_other_tokenizer_and_incomplete(corpus, tmp_path):
 def test_no_documents_is_a_clear_error(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"text": ""}\n{"text": " "}\n')
     cfg = DataConfig(sources=[str(tmp_path / "a.jsonl")], on_bad_record="skip", cache_dir=str(tmp_path / "c"))
-    with pytest.raises(DataError, match=r"no training documents .*dropped: 2 empty"):
+    with pytest.raises(DataError, match=r"no training documents .*dropped: 2 empty; to validation: 0\); check"):
         prepare(cfg)
+    one = next(t for t in ("a", "b", "c", "d", "e", "f") if is_val(doc_hash(t * 20), 0.5))  # lands in val
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": one * 20}) + "\n")
+    with pytest.raises(DataError, match=r"to validation: 1\); give more documents or lower data.val_fraction=0.5"):
+        prepare(cfg.model_copy(update={"val_fraction": 0.5}))
 
 
 KILLABLE = """
