@@ -1,10 +1,11 @@
-"""Peak memory of `kiln prepare` on a multi-GB JSON Lines file against a file 16x smaller.
+"""Peak memory of `kiln prepare` on a multi-GB JSON Lines (or JSON array) file against a file 16x smaller.
 
 Streaming readers, bounded in-flight batches and shard-at-a-time writing should make the peak
 resident memory of the whole process tree (the prepare process and its tokenizer workers) the
 same for both files: bounded by batch size, not by file size.
 
     python benchmarks/prepare_memory.py --gb 2 --workers 2
+    python benchmarks/prepare_memory.py --gb 2 --workers 2 --format json   # one JSON array of records
 
 Writes the input files under --dir (default /tmp/kiln-bench-mem) if missing: Python standard
 library source files as JSON records, each record made unique, so deduplication keeps them all.
@@ -32,19 +33,23 @@ print(json.dumps(ds.manifest["report"]))
 
 
 def make_input(path: Path, size: int) -> None:
+    """JSON records of stdlib source, one per line (.jsonl) or as the items of one array (.json)."""
     if path.is_file() and path.stat().st_size >= size:
         return
     from kiln.data.sources import stdlib_files
 
     texts = [p.read_text(errors="replace") for p in stdlib_files()]
+    array = path.suffix == ".json"
     tmp = path.with_suffix(".tmp")
     written, i = 0, 0
     with open(tmp, "w") as f:
+        f.write("[\n" if array else "")
         while written < size:
-            line = json.dumps({"text": f"# copy {i}\n" + texts[i % len(texts)]}) + "\n"
+            line = ("," if array and i else "") + json.dumps({"text": f"# copy {i}\n" + texts[i % len(texts)]}) + "\n"
             f.write(line)
             written += len(line)
             i += 1
+        f.write("]\n" if array else "")
     tmp.replace(path)
 
 
@@ -74,7 +79,7 @@ def tree_rss(pid: int) -> int:
 
 
 def run(path: Path, cache: Path, workers: int) -> dict:
-    cfg = {"sources": [str(path)], "format": "jsonl", "max_bytes": None, "cache_dir": str(cache),
+    cfg = {"sources": [str(path)], "format": path.suffix[1:], "max_bytes": None, "cache_dir": str(cache),
            "workers": workers, "tokenizer": str(cache / "tokenizer.json")}
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(cfg)], stdout=subprocess.PIPE, text=True)
@@ -96,10 +101,11 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=2.0, help="size of the large input file")
     ap.add_argument("--workers", type=int, default=os.cpu_count())
     ap.add_argument("--dir", default="/tmp/kiln-bench-mem")
+    ap.add_argument("--format", choices=["jsonl", "json"], default="jsonl")
     args = ap.parse_args()
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
-    big, small = d / "big.jsonl", d / "small.jsonl"
+    big, small = d / f"big.{args.format}", d / f"small.{args.format}"
     make_input(big, int(args.gb * 1e9))
     make_input(small, int(args.gb * 1e9 / 16))
     cache = d / "cache"
@@ -120,6 +126,7 @@ def main() -> None:
           f"peak RSS ratio {ratio:.2f}x")
     print(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(),
                       "cores": os.cpu_count(), "python": platform.python_version(), "workers": args.workers,
+                      "format": args.format,
                       "command": "python benchmarks/prepare_memory.py " + " ".join(sys.argv[1:]),
                       "runs": results, "rss_ratio": round(ratio, 3)}, indent=1))
 
