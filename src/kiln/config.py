@@ -127,6 +127,11 @@ class DataConfig(Section):
     field: str = "text"
     """The field (JSON) or column (parquet, CSV/TSV, arrow) that holds each document's text; 'meta.text'
     reads key 'text' inside object or struct 'meta' (a key or column literally named 'meta.text' wins)."""
+    csv_quoting: bool = True
+    """.csv/.tsv fields may be quoted with '"' (as pandas, Python's csv module and spreadsheets write them,
+    so a field can hold the delimiter or a newline). Set false for files whose quotes are plain text, as in
+    tab-separated corpora where no field holds a tab or newline: with quoting on, a field that begins with
+    a quote there loses its quotes."""
     dataset_split: str = "train"
     """For a saved Hugging Face DatasetDict directory: the split to read."""
     max_bytes: int | None = 8_000_000

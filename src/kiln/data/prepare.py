@@ -137,6 +137,7 @@ def _local_key_now(recorded: str) -> str | None:
 def settings_of(cfg, tokenizer: Tokenizer) -> dict:
     """Everything besides the inputs and the tokenizer that changes the prepared tokens."""
     return {"readers": READERS_VERSION, "format": cfg.format, "text_unit": cfg.text_unit, "field": cfg.field,
+            "csv_quoting": cfg.csv_quoting,
             "dataset_split": cfg.dataset_split, "max_bytes": cfg.max_bytes,
             "max_record_bytes": cfg.max_record_bytes, "min_chars": cfg.min_chars, "max_chars": cfg.max_chars,
             "dedup": cfg.dedup, "val_fraction": cfg.val_fraction, "shard_tokens": cfg.shard_tokens,
@@ -193,9 +194,9 @@ def _prepare(cfg, cache: Path, console, progress: bool, tokenizer: Tokenizer | N
     if tokenizer is None and cfg.tokenizer:
         tokenizer = Tokenizer.load(cfg.tokenizer, cfg.eos_token, cfg.bos_token)
     elif tokenizer is None:  # a BPE trained on the sources is cached under their hashes
-        key = _digest([[s["sha256"] for s in hashes.all()], READERS_VERSION, cfg.format, cfg.text_unit, cfg.field,
-                       cfg.dataset_split, cfg.max_record_bytes, cfg.min_chars, cfg.max_chars, cfg.max_bytes,
-                       cfg.tokenizer_train_bytes])
+        key = _digest([[s["sha256"] for s in hashes.all()], READERS_VERSION, cfg.csv_quoting, cfg.format,
+                       cfg.text_unit, cfg.field, cfg.dataset_split, cfg.max_record_bytes, cfg.min_chars,
+                       cfg.max_chars, cfg.max_bytes, cfg.tokenizer_train_bytes])
         tokenizer = load_or_train(cfg, _train_texts(cfg, files), key, cache)
     if tokenizer.eos_id is None:
         raise DataError("the tokenizer has no end-of-text token (tried <|endoftext|>, <|end_of_text|>, </s>, <eos>); "

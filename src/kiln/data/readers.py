@@ -354,8 +354,10 @@ def read_arrow(f: BinaryIO, field: str, skip: int = 0) -> Iterator[Record]:
     yield from _column_batches((b.select([column]) for b in batches), skip, keys)
 
 
-def read_csv(f: BinaryIO, field: str, delimiter: str, skip: int = 0, limit: int = 64 << 20) -> Iterator[Record]:
-    """CSV/TSV with a header row: the `field` column, streamed in blocks; quoted newlines allowed.
+def read_csv(f: BinaryIO, field: str, delimiter: str, skip: int = 0, limit: int = 64 << 20,
+             quoting: bool = True) -> Iterator[Record]:
+    """CSV/TSV with a header row: the `field` column, streamed in blocks; quoted newlines allowed
+    (with `quoting`; without it a quote is plain text and a row ends at each newline).
 
     A row with the wrong number of columns is reported as malformed (with its line) and is not
     counted as a record. A file of only a header has no records. Blocks hold a row of up to about
@@ -367,7 +369,8 @@ def read_csv(f: BinaryIO, field: str, delimiter: str, skip: int = 0, limit: int 
     from pyarrow import csv
 
     header = f.readline().removeprefix(BOM)
-    names = next(iter(pycsv.reader([header.decode("utf-8", "replace")], delimiter=delimiter)), None)
+    names = next(iter(pycsv.reader([header.decode("utf-8", "replace")], delimiter=delimiter,
+                                   quoting=pycsv.QUOTE_MINIMAL if quoting else pycsv.QUOTE_NONE)), None)
     first = f.read(1)
     if not names or not first:
         return
@@ -380,7 +383,8 @@ def read_csv(f: BinaryIO, field: str, delimiter: str, skip: int = 0, limit: int 
         bad.append((line, f"expected {row.expected_columns} columns, got {row.actual_columns}"))
         return "skip"
 
-    parse = csv.ParseOptions(delimiter=delimiter, newlines_in_values=True, invalid_row_handler=on_bad_row)
+    parse = csv.ParseOptions(delimiter=delimiter, quote_char='"' if quoting else False, newlines_in_values=quoting,
+                             invalid_row_handler=on_bad_row)
     block = min(max(CHUNK, limit + (1 << 16)), 1 << 30)  # a row may span two blocks, not three
     read = csv.ReadOptions(column_names=names, block_size=block, use_threads=False)
     index = 0

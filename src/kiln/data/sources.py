@@ -304,7 +304,7 @@ class _Tap(io.RawIOBase):
 
 
 def read_records(sf: SourceFile, f: BinaryIO, field: str, text_unit: str, limit: int,
-                 skip: int = 0) -> Iterator[readers.Record]:
+                 skip: int = 0, csv_quoting: bool = True) -> Iterator[readers.Record]:
     if sf.format == "text":
         return readers.read_text(f, text_unit, limit, skip)
     if sf.format == "jsonl":
@@ -312,7 +312,7 @@ def read_records(sf: SourceFile, f: BinaryIO, field: str, text_unit: str, limit:
     if sf.format == "json":
         return readers.read_json(f, field, limit, skip)
     if sf.format in ("csv", "tsv"):
-        return readers.read_csv(f, field, "," if sf.format == "csv" else "\t", skip, limit)
+        return readers.read_csv(f, field, "," if sf.format == "csv" else "\t", skip, limit, csv_quoting)
     if sf.compression:
         raise DataError(f"{sf.url}: {sf.format} files cannot be read compressed; decompress it first")
     if sf.format == "parquet":
@@ -343,7 +343,8 @@ def iter_documents(cfg, files: list[SourceFile] | None = None, start: tuple[int,
             raw = _Tap(raw, progress)
         try:
             with raw, (raw if columnar else sf.open(raw)) as f:
-                for index, line, value in read_records(sf, f, cfg.field, cfg.text_unit, cfg.max_record_bytes, skip):
+                for index, line, value in read_records(sf, f, cfg.field, cfg.text_unit, cfg.max_record_bytes, skip,
+                                                          cfg.csv_quoting):
                     text = checker.check(value, sf, index, line)
                     if text is not None:
                         yield Document(text, sf.url, fi, index, line)

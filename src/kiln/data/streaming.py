@@ -62,7 +62,8 @@ def streaming_tokenizer(cfg):
             if total >= limit:
                 return
 
-    key = f"stream-{_sources_key(files)}-{READERS_VERSION}-{cfg.format}-{cfg.text_unit}-{cfg.field}-{limit}"
+    key = (f"stream-{_sources_key(files)}-{READERS_VERSION}-{cfg.csv_quoting}-{cfg.format}-{cfg.text_unit}-"
+           f"{cfg.field}-{limit}")
     if cfg.tokenizer:
         tok = load_or_train(cfg, texts(), key, Path(cfg.cache_dir).expanduser())  # loaded: the cache is not used
     else:

@@ -78,6 +78,20 @@ def test_nested_field(tmp_path):
         read(tmp_path / "c.parquet", field="meta.body")
 
 
+def test_tsv_quotes_as_written_by_pandas_or_as_plain_text(tmp_path):
+    import csv
+
+    texts = ['"Hello," she said.', 'a tab\there and\na newline', 'say "hi" there']
+    with open(tmp_path / "quoted.tsv", "w", newline="") as f:  # as pandas / Python's csv module write them
+        w = csv.writer(f, dialect="excel-tab")
+        w.writerows([["text", "id"], *[[t, i] for i, t in enumerate(texts)]])
+    assert read(tmp_path / "quoted.tsv") == texts
+    raw = ['"Hello," she said.', "say \"hi\" there", '"all quoted"']  # a corpus whose quotes are text
+    (tmp_path / "raw.tsv").write_text("text\tid\n" + "".join(f"{t}\t{i}\n" for i, t in enumerate(raw)))
+    assert read(tmp_path / "raw.tsv", csv_quoting=False) == raw
+    assert read(tmp_path / "raw.tsv")[0] == "Hello, she said."  # what quoting does to them (docstring)
+
+
 def test_csv_header_only_and_fields_longer_than_a_block(tmp_path):
     (tmp_path / "a.csv").write_text("id,text\n")
     assert read(tmp_path / "a.csv", on_bad_record="skip") == []
