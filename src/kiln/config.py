@@ -196,6 +196,8 @@ class DataConfig(Section):
     def _check_loader(self) -> DataConfig:
         if self.mixture and "sources" in self.model_fields_set:
             raise ValueError("give either data.sources or data.mixture, not both")
+        if not self.mixture and not self.sources:
+            raise ValueError("data.sources is empty: name files, directories, globs or URLs (or '@stdlib')")
         if self.mixture and self.streaming:
             raise ValueError("data.streaming reads data.sources; it does not take a data.mixture")
         if self.prefetch < 0:

@@ -105,6 +105,7 @@ BAD_OVERRIDES = {  # name: (overrides, what the error must say)
                                  "YAML needs a space after the colon: 'weight: 0.5'"),
     "typo_in_a_list_item_suggests": (["data.mixture=[{sources: [a.jsonl], wieght: 1}]"],
                                      "did you mean 'data.mixture.0.weight'"),
+    "no_sources": (["data.sources=[]"], "data.sources is empty"),
     "sources_and_mixture_both_given": (["data.sources=[a.txt]", "data.mixture=[{sources: [b.txt]}]"],
                                        "either data.sources or data.mixture"),
 }

@@ -71,8 +71,10 @@ class SourceFile:
     def open_raw(self) -> BinaryIO:
         try:
             return self.fs.open(self.path, "rb") if self.fs is not None else open(self.path, "rb")
-        except OSError as e:
-            raise DataError(f"{self.url}: cannot open ({e}); check data.sources") from None
+        except Exception as e:  # a remote filesystem's own errors too
+            if not isinstance(e, OSError) and self.fs is None:
+                raise
+            raise DataError(f"{self.url}: cannot open ({type(e).__name__}: {e}); check data.sources") from None
 
     def open(self, raw: BinaryIO) -> BinaryIO:
         """`raw` decompressed as needed, buffered for readline."""
@@ -218,8 +220,14 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
                 add(local, str(p), str(p), True, lenient=True, force="text")
             continue
         if "://" in spec:
-            fs, path = fsspec.core.url_to_fs(spec)
             prefix = spec.split("://", 1)[0] + "://"
+            try:
+                fs, path = fsspec.core.url_to_fs(spec)
+            except ImportError as e:  # fsspec names the package of the protocol
+                raise DataError(f"data source '{spec}': {str(e).rstrip('. ')} (needed for {prefix} URLs), or copy "
+                                "the files to a local path") from None
+            except Exception as e:  # an implementation's own error (a malformed URL, ...)
+                raise DataError(f"data source '{spec}': not a usable URL ({type(e).__name__}: {e})") from None
         else:
             fs, path, prefix = fsspec.filesystem("file"), str(Path(spec).expanduser()), ""
 
@@ -251,8 +259,13 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
                 for p in sorted(matches):
                     if fs.isfile(p):
                         found |= add(fs, p, url(p), True)
-        except OSError as e:
-            raise DataError(f"data source '{spec}': {e}. Check the path or URL in data.sources.") from None
+        except DataError:
+            raise
+        except Exception as e:  # remote filesystems raise their own errors too (credentials, HTTP, ...)
+            if not isinstance(e, OSError) and not prefix:
+                raise
+            raise DataError(f"data source '{spec}': {type(e).__name__}: {str(e).rstrip('. ')}. Check the path or "
+                            "URL in data.sources (and, for a URL, its credentials).") from None
         if not found:
             raise DataError(f"data source '{spec}' matches no readable file (formats: .txt .md .py .jsonl .json "
                             ".parquet .csv .tsv .arrow, optionally .gz or .zst). Check the path in data.sources.")

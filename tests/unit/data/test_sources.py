@@ -208,3 +208,10 @@ def test_unknown_files_in_a_directory_are_listed(tmp_path):
     # hidden files pass silently; README.md is text beside records, so documentation
     assert files.passed_over == [str(d / "LICENSE"), str(d / "README.md"), str(d / "logo.png")]
     assert [f.url for f in expand([str(d)], fmt="text")][:2] == [str(d / "LICENSE"), str(d / "README.md")]
+
+
+def test_urls_that_cannot_be_read_are_data_errors():
+    with pytest.raises(DataError, match=r"'nosuchprotocol://x/a.jsonl': not a usable URL"):
+        expand(["nosuchprotocol://x/a.jsonl"])
+    with pytest.raises(DataError, match="does not exist"):
+        expand(["memory://kiln-test-absent/a.jsonl"])
