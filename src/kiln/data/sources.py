@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
-from kiln.data import readers
+from kiln.data import readers, tables
 from kiln.data.records import RecordChecker
 from kiln.errors import DataError
 
@@ -325,12 +325,12 @@ def read_records(sf: SourceFile, f: BinaryIO, field: str, text_unit: str, limit:
     if sf.format == "json":
         return readers.read_json(f, field, limit, skip)
     if sf.format in ("csv", "tsv"):
-        return readers.read_csv(f, field, "," if sf.format == "csv" else "\t", skip, limit, csv_quoting)
+        return tables.read_csv(f, field, "," if sf.format == "csv" else "\t", skip, limit, csv_quoting)
     if sf.compression:
         raise DataError(f"{sf.url}: {sf.format} files cannot be read compressed; decompress it first")
     if sf.format == "parquet":
-        return readers.read_parquet(f, field, skip)
-    return readers.read_arrow(f, field, skip)
+        return tables.read_parquet(f, field, skip)
+    return tables.read_arrow(f, field, skip)
 
 
 def iter_documents(cfg, files: list[SourceFile] | None = None, start: tuple[int, int] = (0, 0),

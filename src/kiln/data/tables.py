@@ -1,0 +1,158 @@
+"""Readers of table formats: parquet, Arrow IPC (Hugging Face `save_to_disk`) and CSV/TSV.
+
+Each yields `(index, line, value)` records as the readers in `kiln.data.readers` do (see there),
+reading the `field` column one batch at a time; a dotted field ('meta.text') names a key inside a
+struct column.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from typing import BinaryIO
+
+from kiln.data.readers import BOM, CHUNK, MISSING, Malformed, Missing, Record, _Prefixed
+from kiln.errors import DataError
+
+
+def read_parquet(f: BinaryIO, field: str, skip: int = 0) -> Iterator[Record]:
+    """Parquet: the `field` column, read one row group batch at a time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(f)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"not a readable parquet file ({e})") from None
+    column, keys, missing = _nested_column(pf.schema_arrow, field)
+    if missing is not None:
+        yield from _missing_column(pf.metadata.num_rows, missing, skip)
+        return
+    yield from _column_batches(pf.iter_batches(columns=[column], batch_size=1024), skip, keys)
+
+
+def _nested_column(schema, field: str) -> tuple[str, list[str], str | None]:
+    """(column, struct keys inside it, None) of `field`, or (.., .., why) when there is no such column.
+    A dotted field ('meta.text') names a key of a struct column when no column has that literal name."""
+    import pyarrow as pa
+
+    names = schema.names
+    if field in names or "." not in field or field.split(".")[0] not in names:
+        why = None if field in names else f"the file has no column '{field}' (it has: {', '.join(map(str, names))})"
+        return field, [], why
+    column, *keys = field.split(".")
+    t, path = schema.field(column).type, column
+    for key in keys:
+        if not pa.types.is_struct(t) or t.get_field_index(key) < 0:
+            has = f"its keys: {', '.join(t.field(i).name for i in range(t.num_fields))}" \
+                if pa.types.is_struct(t) else f"it is {t}, not a struct"
+            return column, keys, f"the column '{path}' has no key '{key}' ({has})"
+        t, path = t.field(key).type, f"{path}.{key}"
+    return column, keys, None
+
+
+def read_arrow(f: BinaryIO, field: str, skip: int = 0) -> Iterator[Record]:
+    """Arrow IPC (what Hugging Face `save_to_disk` writes): stream format, or file format."""
+    import pyarrow as pa
+
+    try:
+        reader = pa.ipc.open_stream(f)
+        batches = iter(reader)
+    except pa.ArrowInvalid:
+        f.seek(0)
+        try:
+            rf = pa.ipc.open_file(f)
+        except pa.ArrowInvalid as e:
+            raise DataError(f"not an Arrow IPC file ({e})") from None
+        batches = (rf.get_batch(i) for i in range(rf.num_record_batches))
+        schema = rf.schema
+    else:
+        schema = reader.schema
+    column, keys, missing = _nested_column(schema, field)
+    if missing is not None:
+        yield from _missing_column(sum(b.num_rows for b in batches), missing, skip)
+        return
+    yield from _column_batches((b.select([column]) for b in batches), skip, keys)
+
+
+def read_csv(f: BinaryIO, field: str, delimiter: str, skip: int = 0, limit: int = 64 << 20,
+             quoting: bool = True) -> Iterator[Record]:
+    """CSV/TSV with a header row: the `field` column, streamed in blocks; quoted newlines allowed
+    (with `quoting`; without it a quote is plain text and a row ends at each newline).
+
+    A row with the wrong number of columns is reported as malformed (with its line) and is not
+    counted as a record. A file of only a header has no records. Blocks hold a row of up to about
+    `limit` bytes (a longer row cannot be passed over inside a CSV file: it is a DataError).
+    """
+    import csv as pycsv
+
+    import pyarrow as pa
+    from pyarrow import csv
+
+    header = f.readline().removeprefix(BOM)
+    names = next(iter(pycsv.reader([header.decode("utf-8", "replace")], delimiter=delimiter,
+                                   quoting=pycsv.QUOTE_MINIMAL if quoting else pycsv.QUOTE_NONE)), None)
+    first = f.read(1)
+    if not names or not first:
+        return
+    f = io.BufferedReader(_Prefixed(first, f), buffer_size=CHUNK)
+    names = [n.strip() for n in names]
+    bad: list[tuple[int | None, str]] = []
+
+    def on_bad_row(row) -> str:
+        line = row.number + 1 if row.number is not None else None  # +1: the header was read above
+        bad.append((line, f"expected {row.expected_columns} columns, got {row.actual_columns}"))
+        return "skip"
+
+    parse = csv.ParseOptions(delimiter=delimiter, quote_char='"' if quoting else False, newlines_in_values=quoting,
+                             invalid_row_handler=on_bad_row)
+    block = min(max(CHUNK, limit + (1 << 16)), 1 << 30)  # a row may span two blocks, not three
+    read = csv.ReadOptions(column_names=names, block_size=block, use_threads=False)
+    index = 0
+    try:
+        if field not in names:
+            rows = sum(b.num_rows for b in csv.open_csv(f, read_options=read, parse_options=parse))
+            yield from _missing_column(rows, f"the file has no column '{field}' (it has: {', '.join(names)})", skip)
+            return
+        convert = csv.ConvertOptions(include_columns=[field], column_types={field: pa.binary()},
+                                     strings_can_be_null=False, quoted_strings_can_be_null=False)
+        for batch in csv.open_csv(f, read_options=read, parse_options=parse, convert_options=convert):
+            if index >= skip:
+                yield from ((-1, line, Malformed(why)) for line, why in bad)
+            bad.clear()
+            for record in _column_batches([batch], skip - index):
+                yield record[0] + index, None, record[2]
+            index += batch.num_rows
+        for line, why in bad:
+            yield -1, line, Malformed(why)
+    except pa.ArrowInvalid as e:
+        if "straddl" in str(e):  # pyarrow's words for a row longer than a block
+            raise DataError(f"a row after row {index} is longer than data.max_record_bytes={limit} bytes, "
+                            "which a CSV file cannot skip; raise data.max_record_bytes (or look for an "
+                            "unclosed quote there)") from None
+        raise DataError(f"malformed CSV after row {index} ({e}); fix the file or check data.format") from None
+
+
+def _column_batches(batches, skip: int, keys: list[str] = ()) -> Iterator[Record]:
+    import pyarrow.compute as pc
+
+    index, skip = 0, max(skip, 0)
+    for batch in batches:
+        n = batch.num_rows
+        if index + n <= skip:
+            index += n
+            continue
+        col = batch.column(0)
+        for key in keys:  # a key inside a struct column (null where the struct is null)
+            col = pc.struct_field(col, key)
+        values = col.to_pylist()
+        for i in range(max(0, skip - index), n):
+            v = values[i]
+            yield index + i, None, MISSING if v is None else v
+        index += n
+
+
+def _missing_column(rows: int, why: str, skip: int) -> Iterator[Record]:
+    missing = Missing(why)
+    for i in range(skip, rows):
+        yield i, None, missing
