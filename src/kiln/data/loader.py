@@ -62,8 +62,7 @@ def check_resume_shape(saved: dict, batch_size: int, world: int) -> None:
                           f"cannot share evenly: resume on {', '.join(divisors)} ranks, or choose a new "
                           "train.batch_size with --resume force (the next batch starts at the next sample)")
     raise ConfigError(f"the checkpoint's global batch is {g} ({b} per rank x {w} ranks); on {world} ranks keep it "
-                      f"with train.batch_size={g // world} (and --resume force, as the batch size is a saved "
-                      f"setting), or keep train.batch_size={b} on {w} ranks")
+                      f"with train.batch_size={g // world}, or keep train.batch_size={b} on {w} ranks")
 
 
 class RowLayout:
