@@ -18,7 +18,9 @@ resumed or is old:
   interruption still finds its finished shards).
 
 Also removed: `sizes-*` markers of datasets that are gone, `damaged-*` directories (a damaged dataset
-being deleted), and lock files no process holds (left by earlier versions).
+being deleted), lock files no process holds (left by earlier versions), and temporary files of a
+process killed while it wrote the source-hash memo or a trained tokenizer (`*.tmp*` older than a day:
+a live writer renames its own within seconds).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from kiln.data.lock import try_lock
 from kiln.errors import ConfigError, ResourceError
 
 PARTIAL_KEEP_DAYS = 7
+TMP_KEEP_SECONDS = 86400
 INPUTS = "inputs.json"
 
 
@@ -147,5 +150,12 @@ def remove_stale(datasets: Path, keep: str, key_of: Callable[[str], str | None],
     tokenizers = datasets.parent / "tokenizers"
     for lock in tokenizers.glob("*.lock") if tokenizers.is_dir() else []:
         with try_lock(lock):  # taken: no process trains that tokenizer; released: the file is gone
+            pass
+    for tmp in [*datasets.parent.glob("*.tmp"), *tokenizers.glob("*/tokenizer.tmp*")]:
+        try:
+            if now - tmp.stat().st_mtime > TMP_KEEP_SECONDS:
+                tmp.unlink()
+                removed.append(tmp)
+        except OSError:
             pass
     return removed

@@ -142,3 +142,18 @@ def test_write_errors_under_the_cache_say_what_to_do(tmp_path):
     with pytest.raises(FileNotFoundError):  # not the cache's: passed on as it is
         with cache_errors(root):
             raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(tmp_path / "elsewhere"))
+
+
+def test_temporary_files_of_killed_writers_go_after_a_day(tmp_path):
+    datasets = tmp_path / "datasets"
+    datasets.mkdir()
+    old_memo, new_memo = tmp_path / "source-hashes.json.123.tmp", tmp_path / "source-hashes.json.456.tmp"
+    (tmp_path / "tokenizers" / "bpe-300-ab").mkdir(parents=True)
+    old_tok = tmp_path / "tokenizers" / "bpe-300-ab" / "tokenizer.tmp140"
+    for f in (old_memo, new_memo, old_tok):
+        f.write_text("{")
+    day_ago = time.time() - 86400 - 60
+    for f in (old_memo, old_tok):
+        os.utime(f, (day_ago, day_ago))
+    removed = remove_stale(datasets, keep="partial-none", key_of=_local_key_now)
+    assert sorted(removed) == sorted([old_memo, old_tok]) and new_memo.is_file()  # a live writer's is kept
