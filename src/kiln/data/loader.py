@@ -3,7 +3,8 @@
 Layout. A split's shards form one circular token stream of L tokens (documents end with EOS). In
 epoch e a dataset has N = (L - 1) // T rows: row j is the window of T + 1 tokens starting at
 (o_e + j*T) mod L, where o_e in [0, T) is a seeded per-epoch shift, so documents are cut at new
-places every epoch; an epoch makes every token but fewer than T a target exactly once. Rows are visited in a seeded permutation of [0, N)
+places every epoch; an epoch makes every token but fewer than T a target exactly once. Rows are
+visited in a seeded permutation of [0, N)
 (`kiln.data.order.permute`, O(1) memory), so the k-th sample of a dataset is a pure function of
 (seed, dataset, k). Inputs are the first T tokens of a row, targets the last T.
 

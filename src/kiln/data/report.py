@@ -27,7 +27,7 @@ def doc_lengths(root: Path, shards: list[dict], cap: int = 10_000_000) -> np.nda
 def build_report(root: Path, splits: dict[str, list[dict]], checker: RecordChecker, *, files: int,
                  input_bytes: int, read_documents: int, seconds: float, resumed_shards: int,
                  max_bytes: int | None = None, passed_over: list[str] = ()) -> dict:
-    """The report of a prepared dataset; `passed_over`: files in source directories not read (unknown type)."""
+    """The report of a prepared dataset; `passed_over`: files in source directories not read (see `expand`)."""
     lengths = doc_lengths(root, [s for shards in splits.values() for s in shards])
     out = {s: {"documents": sum(x["documents"] for x in v), "tokens": sum(x["tokens"] for x in v),
                "shards": len(v)} for s, v in splits.items()}
@@ -66,8 +66,9 @@ def print_report(report: dict, console, path: Path, reused: bool = False) -> Non
                        + (f" (stopped at data.max_bytes={report['stopped_at_max_bytes']:,} characters)"
                           if report.get("stopped_at_max_bytes") else ""))
     if report.get("files_passed_over"):
-        t.add_row("passed over", f"{report['files_passed_over']:,} file(s) of unknown type in source directories, not "
-                                 f"read (e.g. {', '.join(report['passed_over_examples'])}); name a file to read it")
+        examples = ", ".join(report["passed_over_examples"])
+        t.add_row("passed over", f"{report['files_passed_over']:,} file(s) in source directories not read: of unknown "
+                                 f"type, or text beside record files (e.g. {examples}); name a file to read it")
     for name, s in report["splits"].items():
         t.add_row(name, f"{s['documents']:,} documents, {s['tokens']:,} tokens, {s['shards']} shard(s)")
     d = report["document_tokens"]

@@ -172,8 +172,8 @@ def _hf_saved(fs, path: str, split: str) -> list[str] | None:
 
 
 class SourceList(list):
-    """The files of `expand`, plus `passed_over`: the files of directories that were not read (their
-    type is not a known format), reported by `kiln prepare`."""
+    """The files of `expand`, plus `passed_over`: the files of directories that were not read (of
+    unknown type, or text beside record files), reported by `kiln prepare`."""
 
     passed_over: list[str]
 
@@ -241,12 +241,12 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
                     for p in arrow:
                         found |= add(fs, p, url(p), True, force="arrow")
                 else:
-                    files = [p for p in sorted(fs.find(path))
-                             if not any(part.startswith(".") for part in p[len(path):].split("/"))]
+                    kinds = {p: _detect(p, fmt, False)[0] for p in sorted(fs.find(path))
+                             if not any(part.startswith(".") for part in p[len(path):].split("/"))}
                     # beside records (jsonl, parquet, ...) a text file is documentation (README.md), not data
-                    records = fmt == "auto" and any(_detect(p, fmt, False)[0] not in (None, "text") for p in files)
-                    for p in files:
-                        if records and _detect(p, fmt, False)[0] == "text":
+                    records = fmt == "auto" and any(k not in (None, "text") for k in kinds.values())
+                    for p, kind in kinds.items():
+                        if records and kind == "text":
                             out.passed_over.append(url(p))
                         else:
                             found |= add(fs, p, url(p), False)

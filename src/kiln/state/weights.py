@@ -42,12 +42,14 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn
     try:
         cfg = ModelConfig.model_validate(json.loads(conf.read_text()))
     except ValueError as e:  # bad JSON or fields (pydantic's ValidationError is a ValueError)
-        raise StateError(f"{conf} is not a valid model config ({e}); `kiln train RUN_DIR` saves the model again from the run's newest checkpoint") from None
+        raise StateError(f"{conf} is not a valid model config ({e}); `kiln train RUN_DIR` saves the model "
+                         "again from the run's newest checkpoint") from None
     model = Transformer(cfg)
     try:
         state = load_file(str(weights))
     except Exception as e:  # safetensors raises its own error type on a damaged header or body
-        raise StateError(f"{weights} is damaged ({e}); `kiln train RUN_DIR` saves it again from the run's newest checkpoint") from None
+        raise StateError(f"{weights} is damaged ({e}); `kiln train RUN_DIR` saves it again from the run's newest "
+                         "checkpoint") from None
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     try:

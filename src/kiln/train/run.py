@@ -95,8 +95,8 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
                       f"after {trainer.step} steps")
     dropped = getattr(train_loader, "dropped", None)  # streaming: prepare's report shows them otherwise
     if dropped:
-        console.print(f"streaming skipped records in epoch {train_loader.rows.counted_epoch} (from where this "
-                      f"process began reading): " + ", ".join(f"{n} {r}" for r, n in sorted(dropped.items())))
+        console.print("streaming skipped records (first epoch read): "
+                      + ", ".join(f"{n} {r}" for r, n in sorted(dropped.items())), highlight=False)
 
     if cfg.checkpoint.save_final:
         out = save_model(model, cfg.model, tok, run_dir / "model")

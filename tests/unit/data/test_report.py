@@ -36,4 +36,4 @@ def test_report_counts_each_reason_and_matches_what_is_printed(tmp_path):
     printed = console.export_text()
     for reason, n in report["dropped"].items():
         assert f"dropped: {reason}" in printed and f" {n} (record " in printed
-    assert "1 file(s) of unknown type" in printed and str(d / "NOTES") in printed
+    assert "1 file(s) in source directories not read" in printed and str(d / "NOTES") in printed
