@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kiln.data.loader import PackedLoader
-from kiln.data.shards import TokenStream, write_shard
+from kiln.data.load.loader import PackedLoader
+from kiln.data.format.shards import TokenStream, write_shard
 
 
 def synthetic_shards(root: Path, tokens: int, mean_doc: float, shard_tokens: int = 20_000_000):
@@ -77,7 +77,7 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.dataset:
-            from kiln.data.dataset import open_dataset
+            from kiln.data.format.dataset import open_dataset
 
             ds = open_dataset(args.dataset)
             cases = {"dataset": (ds.shards("train"), ds.dtype)}

@@ -25,7 +25,7 @@ from pathlib import Path
 CHILD = """
 import sys, json
 from kiln.config import DataConfig
-from kiln.data.prepare import prepare
+from kiln.data.prepare.pipeline import prepare
 cfg = DataConfig(**json.loads(sys.argv[1]))
 ds = prepare(cfg)
 print(json.dumps(ds.manifest["report"]))
@@ -36,7 +36,7 @@ def make_input(path: Path, size: int) -> None:
     """JSON records of stdlib source, one per line (.jsonl) or as the items of one array (.json)."""
     if path.is_file() and path.stat().st_size >= size:
         return
-    from kiln.data.sources import stdlib_files
+    from kiln.data.read.sources import stdlib_files
 
     texts = [p.read_text(errors="replace") for p in stdlib_files()]
     array = path.suffix == ".json"
@@ -113,8 +113,8 @@ def main() -> None:
 
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir()
-    from kiln.data.sources import stdlib_files
-    from kiln.data.tokenizer import train_bpe
+    from kiln.data.read.sources import stdlib_files
+    from kiln.data.prepare.tokenizer import train_bpe
 
     train_bpe((p.read_text(errors="replace") for p in stdlib_files()[:400]), 32000).save(cache / "tokenizer.json")
     results = [run(small, cache, args.workers), run(big, cache, args.workers)]

@@ -3,7 +3,7 @@
 Both sides read the same files (one document per file), use the same tokenizer.json and the
 same number of processes, append EOS to every document and write the token ids to disk:
 
-  kiln       kiln.data.prepare.prepare: read, validate, tokenize in N worker processes, write
+  kiln       kiln.data.prepare.pipeline.prepare: read, validate, tokenize in N worker processes, write
              uint16 shards + document index + manifest with sha256 (dedup and val split off, so
              the outputs can be compared token for token).
   hf         datasets.load_dataset("text", sample_by="document") -> .map(batched=True, num_proc=N)
@@ -42,7 +42,7 @@ def corpus(root: str | None = None) -> list[str]:
     """The stdlib .py files that are non-empty valid UTF-8 without CR bytes or a byte order mark
     (datasets reads text with universal newlines and keeps a BOM; Kiln keeps CRs and drops a BOM:
     without either, both sides see exactly the same text)."""
-    from kiln.data.sources import stdlib_files
+    from kiln.data.read.sources import stdlib_files
 
     out = []
     for p in stdlib_files() if root is None else sorted(Path(root).rglob("*.py")):
@@ -59,7 +59,7 @@ def run_kiln(files: list[str], tok_path: str, workers: int, work: Path):
     import numpy as np
 
     from kiln.config import DataConfig
-    from kiln.data.prepare import prepare
+    from kiln.data.prepare.pipeline import prepare
 
     cfg = DataConfig(sources=files, format="text", max_bytes=None, tokenizer=tok_path, workers=workers,
                      val_fraction=0.0, dedup=False, cache_dir=str(work / "kiln"))
@@ -128,7 +128,7 @@ def main() -> None:
     import transformers
 
     import kiln
-    from kiln.data.tokenizer import train_bpe
+    from kiln.data.prepare.tokenizer import train_bpe
 
     files = corpus(args.corpus)
     size = sum(os.path.getsize(f) for f in files)

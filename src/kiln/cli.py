@@ -104,7 +104,7 @@ def prepare(
     from kiln.config import load_config
 
     if verify is not None:
-        from kiln.data.dataset import open_dataset
+        from kiln.data.format.dataset import open_dataset
 
         ds = open_dataset(verify)
         problems = ds.verify()
@@ -128,7 +128,7 @@ def prepare(
         for ds in prepare_all(data, console):
             print(ds.path)
         return
-    from kiln.data.prepare import prepare as run_prepare
+    from kiln.data.prepare.pipeline import prepare as run_prepare
 
     print(run_prepare(data, console).path)
 

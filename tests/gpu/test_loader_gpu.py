@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.data.loader import PackedLoader
-from kiln.data.shards import TokenStream, write_shard
+from kiln.data.load.loader import PackedLoader
+from kiln.data.format.shards import TokenStream, write_shard
 
 pytestmark = pytest.mark.gpu
 

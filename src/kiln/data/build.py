@@ -56,8 +56,8 @@ def data_position() -> tuple[int, int]:
 def prepare_all(data: DataConfig, console=None) -> list:
     """The prepared dataset of data.sources, or of each data.mixture entry (all with one tokenizer:
     the first entry's, which the later `sources` entries are prepared with)."""
-    from kiln.data.dataset import open_dataset
-    from kiln.data.prepare import prepare
+    from kiln.data.format.dataset import open_dataset
+    from kiln.data.prepare.pipeline import prepare
 
     if not data.mixture:
         return [prepare(data, console)]
@@ -68,7 +68,7 @@ def prepare_all(data: DataConfig, console=None) -> list:
             if out:
                 expected = out[0].tokenizer.hash
             else:  # the first entry sets the tokenizer: it must be data.tokenizer's, where one is given
-                from kiln.data.tokenizer import Tokenizer
+                from kiln.data.prepare.tokenizer import Tokenizer
 
                 expected = Tokenizer.load(data.tokenizer).hash if data.tokenizer else None
             try:
@@ -101,7 +101,7 @@ def build_data(cfg: RunConfig, device: torch.device, rank: int | None = None, wo
     common = dict(seed=t.seed, document_mask=d.document_mask, prefetch=d.prefetch,
                   pin_memory=d.pin_memory and device.type == "cuda")
     if d.streaming:
-        from kiln.data.streaming import StreamingLoader, streaming_tokenizer
+        from kiln.data.load.streaming import StreamingLoader, streaming_tokenizer
 
         tok = streaming_tokenizer(d)
         train = StreamingLoader(d, tok, "train", t.seq_len, t.batch_size, rank=rank, world=world, **common)
@@ -112,7 +112,7 @@ def build_data(cfg: RunConfig, device: torch.device, rank: int | None = None, wo
                        + ("" if val is not None else "\nvalidation: none, data.val_fraction=0"),
                        stream_key=train.rows.key)
 
-    from kiln.data.loader import PackedLoader
+    from kiln.data.load.loader import PackedLoader
 
     datasets = prepare_all(d, console)
     weights = [e.weight for e in d.mixture] or [1.0]

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kiln.config import ModelConfig
-from kiln.data.tokenizer import Tokenizer
+from kiln.data.prepare.tokenizer import Tokenizer
 from kiln.errors import StateError
 
 

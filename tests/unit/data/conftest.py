@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kiln.data.shards import TokenStream, write_shard
+from kiln.data.format.shards import TokenStream, write_shard
 
 
 def make_stream(root: Path, name: str, doc_lengths: list[list[int]], base: int = 0, dtype=np.uint32):

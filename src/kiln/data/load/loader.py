@@ -5,7 +5,7 @@ epoch e a dataset has N = (L - 1) // T rows: row j is the window of T + 1 tokens
 (o_e + j*T) mod L, where o_e in [0, T) is a seeded per-epoch shift, so documents are cut at new
 places every epoch; an epoch makes every token but fewer than T a target exactly once. Rows are
 visited in a seeded permutation of [0, N)
-(`kiln.data.order.permute`, O(1) memory), so the k-th sample of a dataset is a pure function of
+(`kiln.data.load.order.permute`, O(1) memory), so the k-th sample of a dataset is a pure function of
 (seed, dataset, k). Inputs are the first T tokens of a row, targets the last T.
 
 Mixtures. Global sample g comes from dataset `Mixture.sources(g)`, a pure function of (seed, g);
@@ -37,10 +37,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kiln.data.mixture import Mixture
-from kiln.data.order import permute, round_keys
-from kiln.data.prefetch import Prefetcher
-from kiln.data.shards import TokenStream
+from kiln.data.load.mixture import Mixture
+from kiln.data.load.order import permute, round_keys
+from kiln.data.load.prefetch import Prefetcher
+from kiln.data.format.shards import TokenStream
 from kiln.errors import ConfigError, DataError
 
 CHUNK = 4096  # row positions permuted at a time

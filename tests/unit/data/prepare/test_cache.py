@@ -12,23 +12,23 @@ import time
 import pytest
 
 from kiln.config import DataConfig
-from kiln.data import prepare as prepare_mod
-from kiln.data.cache import (
+from kiln.data.prepare import pipeline as prepare_mod
+from kiln.data.prepare.cache import (
     PARTIAL_KEEP_DAYS,
     cache_errors,
     open_cache,
     remove_stale,
     write_inputs,
 )
-from kiln.data.prepare import _local_key, _local_key_now, prepare
-from kiln.data.tokenizer import train_bpe
+from kiln.data.prepare.pipeline import _local_key, _local_key_now, prepare
+from kiln.data.prepare.tokenizer import train_bpe
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="no fcntl: a live prepare cannot be told apart")
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from kiln.data.lock import file_lock
+from kiln.data.prepare.lock import file_lock
 with file_lock(Path(sys.argv[1])):
     print("held", flush=True)
     time.sleep(60)
@@ -83,7 +83,7 @@ def test_abandoned_staging_directories_go_when_they_can_never_be_resumed_or_are_
 
 
 def test_a_prepare_run_after_the_data_was_edited_removes_the_interrupted_ones_shards(tmp_path, monkeypatch):
-    from kiln.data import writer
+    from kiln.data.prepare import writer
 
     texts = [f"document {i}: " + "word " * (i % 50) for i in range(400)]
     src = tmp_path / "a.jsonl"

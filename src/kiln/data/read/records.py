@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kiln.data import readers
+from kiln.data.read import readers
 from kiln.errors import DataError
 
 if TYPE_CHECKING:
-    from kiln.data.sources import SourceFile
+    from kiln.data.read.sources import SourceFile
 
 REASONS = {
     "missing_field": "has no text field",
@@ -99,7 +99,7 @@ class RecordChecker:
         return text
 
     def drop(self, reason: str, sf: SourceFile | str, index: int, line: int | None) -> None:
-        from kiln.data.sources import where
+        from kiln.data.read.sources import where
 
         self.dropped[reason] += 1
         ex = self.examples.setdefault(reason, [])
@@ -108,7 +108,7 @@ class RecordChecker:
         return None
 
     def _bad(self, reason: str, detail: str, sf: SourceFile, index: int, line: int | None) -> None:
-        from kiln.data.sources import where
+        from kiln.data.read.sources import where
 
         if self.policy == "error" and not sf.lenient:
             place = where(sf.url, index, line) if index >= 0 else f"{sf.url}:{line}"

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from kiln.data.lock import try_lock
+from kiln.data.prepare.lock import try_lock
 from kiln.errors import ConfigError, ResourceError
 
 PARTIAL_KEEP_DAYS = 7

@@ -31,7 +31,7 @@ every file it names has the size it says (stat calls, no reading). A damaged one
 or deleted, the manifest edited) is removed and made again, saying so. A changed byte of the same
 size is found only by re-hashing every shard: `kiln prepare --verify DIR` does that; remove the
 directory it condemns and prepare again. Before it takes its lock, a prepare removes what
-interrupted ones left and no live process uses (`kiln.data.cache`).
+interrupted ones left and no live process uses (`kiln.data.prepare.cache`).
 """
 
 from __future__ import annotations
@@ -46,16 +46,16 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.data.cache import INPUTS, cache_errors, open_cache, remove_stale, write_inputs
-from kiln.data.dataset import FORMAT, PreparedDataset, open_dataset
-from kiln.data.encode import Encoder
-from kiln.data.lock import file_lock
-from kiln.data.progress import PrepareBar
-from kiln.data.records import Deduplicator, RecordChecker, is_val
-from kiln.data.report import build_report, print_report
-from kiln.data.sources import READERS_VERSION, SourceFile, expand, file_sha256, iter_documents
-from kiln.data.tokenizer import Tokenizer, load_or_train
-from kiln.data.writer import ShardWriter, completed_shards
+from kiln.data.prepare.cache import INPUTS, cache_errors, open_cache, remove_stale, write_inputs
+from kiln.data.format.dataset import FORMAT, PreparedDataset, open_dataset
+from kiln.data.prepare.encode import Encoder
+from kiln.data.prepare.lock import file_lock
+from kiln.data.prepare.progress import PrepareBar
+from kiln.data.read.records import Deduplicator, RecordChecker, is_val
+from kiln.data.prepare.report import build_report, print_report
+from kiln.data.read.sources import READERS_VERSION, SourceFile, expand, file_sha256, iter_documents
+from kiln.data.prepare.tokenizer import Tokenizer, load_or_train
+from kiln.data.prepare.writer import ShardWriter, completed_shards
 from kiln.errors import DataError
 
 BATCH_BYTES = 1 << 18  # text per encoding task: small enough to keep every worker busy to the end

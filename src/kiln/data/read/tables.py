@@ -1,6 +1,6 @@
 """Readers of table formats: parquet, Arrow IPC (Hugging Face `save_to_disk`) and CSV/TSV.
 
-Each yields `(index, line, value)` records as the readers in `kiln.data.readers` do (see there),
+Each yields `(index, line, value)` records as the readers in `kiln.data.read.readers` do (see there),
 reading the `field` column one batch at a time; a dotted field ('meta.text') names a key inside a
 struct column.
 """
@@ -11,7 +11,7 @@ import io
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from kiln.data.readers import BOM, CHUNK, MISSING, Malformed, Missing, Record, _Prefixed
+from kiln.data.read.readers import BOM, CHUNK, MISSING, Malformed, Missing, Record, _Prefixed
 from kiln.errors import DataError
 
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from kiln.config import DataConfig
-from kiln.data.encode import encode_texts
-from kiln.data.tokenizer import Tokenizer, load_or_train, train_bpe
+from kiln.data.prepare.encode import encode_texts
+from kiln.data.prepare.tokenizer import Tokenizer, load_or_train, train_bpe
 from kiln.errors import DataError
 
 CORPUS = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int\n    y: int\n"] * 20

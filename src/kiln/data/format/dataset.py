@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.data.tokenizer import Tokenizer
+from kiln.data.prepare.tokenizer import Tokenizer
 from kiln.errors import DataError
 
 FORMAT = "kiln-shards/1"

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
-from kiln.data import readers, tables
-from kiln.data.records import RecordChecker
+from kiln.data.read import readers
+from kiln.data.read import tables
+from kiln.data.read.records import RecordChecker
 from kiln.errors import DataError
 
 STDLIB = "@stdlib"

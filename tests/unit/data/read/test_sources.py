@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from kiln.config import DataConfig
-from kiln.data.sources import expand, iter_documents, stdlib_files
+from kiln.data.read.sources import expand, iter_documents, stdlib_files
 from kiln.errors import DataError
 
 DOCS = ["first document\nwith two lines", "second, with a comma and \"quotes\"", "third\tone", "ünïcödé ✓"]
@@ -41,7 +41,7 @@ def test_jsonl_json_and_field(tmp_path):
 
 
 def test_json_array_larger_than_a_read_chunk(tmp_path, monkeypatch):
-    from kiln.data import readers
+    from kiln.data.read import readers
 
     monkeypatch.setattr(readers, "CHUNK", 64)  # elements and multi-byte characters straddle chunks
     docs = [f"doc {i} ✓ " + "é" * (i % 50) for i in range(200)]

@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from kiln.config import DataConfig
-from kiln.data.records import RecordChecker
-from kiln.data.sources import iter_documents
+from kiln.data.read.records import RecordChecker
+from kiln.data.read.sources import iter_documents
 from kiln.errors import DataError
 
 DOCS = [f"doc {i}" for i in range(5)]
@@ -36,7 +36,7 @@ def test_json_object_holding_the_records(tmp_path):
 
 
 def test_json_object_larger_than_a_record_is_streamed(tmp_path, monkeypatch):
-    from kiln.data import readers
+    from kiln.data.read import readers
 
     monkeypatch.setattr(readers, "CHUNK", 64)
     docs = [f"doc {i} ✓" for i in range(300)]
@@ -111,7 +111,7 @@ def test_csv_header_only_and_fields_longer_than_a_block(tmp_path):
 
 @pytest.mark.parametrize("end", [b"\r\n", b"\r"])
 def test_crlf_and_lone_cr_line_ends(tmp_path, monkeypatch, end):
-    from kiln.data import readers
+    from kiln.data.read import readers
 
     monkeypatch.setattr(readers, "CHUNK", 3)  # a \r\n straddles read pieces
     (tmp_path / "a.txt").write_bytes(end.join([b"one", b"two", b"", b"three", b" ", b"four"]) + end)

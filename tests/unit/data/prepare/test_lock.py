@@ -11,14 +11,14 @@ import time
 
 import pytest
 
-from kiln.data.lock import file_lock, try_lock
+from kiln.data.prepare.lock import file_lock, try_lock
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="no fcntl: no lock")
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from kiln.data.lock import file_lock
+from kiln.data.prepare.lock import file_lock
 with file_lock(Path(sys.argv[1])):
     print("held", flush=True)
     time.sleep(60)

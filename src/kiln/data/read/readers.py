@@ -1,4 +1,4 @@
-"""Format readers of text, JSON Lines and JSON (table formats: `kiln.data.tables`): one generator per
+"""Format readers of text, JSON Lines and JSON (table formats: `kiln.data.read.tables`): one generator per
 file format, yielding raw records with their position.
 
 Every reader takes a binary file object (already decompressed), streams it, and yields
@@ -20,7 +20,7 @@ import json
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from kiln.data.jsontext import JsonScanner
+from kiln.data.read.jsontext import JsonScanner
 
 CHUNK = 1 << 20
 BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, as some editors write at the start of a file

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from kiln.config import DataConfig
-from kiln.data import prepare as prepare_mod
-from kiln.data.dataset import open_dataset
-from kiln.data.prepare import prepare
-from kiln.data.records import doc_hash, is_val
-from kiln.data.sources import stdlib_files
-from kiln.data.tokenizer import train_bpe
+from kiln.data.prepare import pipeline as prepare_mod
+from kiln.data.format.dataset import open_dataset
+from kiln.data.prepare.pipeline import prepare
+from kiln.data.read.records import doc_hash, is_val
+from kiln.data.read.sources import stdlib_files
+from kiln.data.prepare.tokenizer import train_bpe
 from kiln.errors import DataError
 
 
@@ -165,7 +165,7 @@ def test_no_documents_is_a_clear_error(tmp_path):
 KILLABLE = """
 import json, sys
 from kiln.config import DataConfig
-from kiln.data import prepare as prepare_mod
+from kiln.data.prepare import pipeline as prepare_mod
 if __name__ == "__main__":
     prepare_mod.POOL_MIN_BYTES = 0  # a pool even for this small corpus when workers > 1
     prepare_mod.BATCH_BYTES = 5_000
@@ -254,7 +254,7 @@ def test_source_hashes_are_taken_while_reading(tmp_path):
 
 
 def test_a_dataset_is_named_by_its_id_only_once_complete(corpus, tmp_path, monkeypatch):
-    from kiln.data import writer
+    from kiln.data.prepare import writer
 
     real_finish, calls = writer.ShardWriter.finish, []
 
@@ -316,7 +316,7 @@ def test_sources_without_a_key_are_hashed_first_and_reused(corpus, tmp_path, mon
 def test_a_script_without_main_guard_works_with_forked_workers(corpus, tmp_path):
     cfg = config(corpus, tmp_path, workers=2)
     script = tmp_path / "script.py"
-    script.write_text("import json, sys\nfrom kiln.config import DataConfig\nfrom kiln.data import prepare as p\n"
+    script.write_text("import json, sys\nfrom kiln.config import DataConfig\nfrom kiln.data.prepare import pipeline as p\n"
                       "p.POOL_MIN_BYTES = 0\n"
                       "print(p.prepare(DataConfig(**json.loads(sys.argv[1]))).path)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -347,7 +347,7 @@ def test_cli_prepare_reports_bad_records(tmp_path):
 def test_full_disk_is_a_resource_error_and_keeps_finished_shards(corpus, tmp_path, monkeypatch):
     import errno
 
-    from kiln.data import writer
+    from kiln.data.prepare import writer
     from kiln.errors import ResourceError
 
     real_finish, calls = writer.ShardWriter.finish, []
@@ -430,7 +430,7 @@ HALF_SENT = """
 import concurrent.futures.process as cfp, json, os, struct, sys, time
 from pathlib import Path
 from kiln.config import DataConfig
-from kiln.data import prepare as prepare_mod
+from kiln.data.prepare import pipeline as prepare_mod
 real = cfp._sendback_result
 def half_sent(result_queue, work_id, result=None, **kw):
     if result is None:  # a worker's start-up task
@@ -493,7 +493,7 @@ DAMAGE = {
 def test_a_damaged_dataset_is_prepared_again_not_reused(corpus, tmp_path, damage):
     """A finished dataset is checked cheaply (manifest, file sizes) before reuse; a damaged one is removed
     and made again, and the loader refuses it with a message saying so."""
-    from kiln.data.loader import PackedLoader
+    from kiln.data.load.loader import PackedLoader
 
     cfg = config(corpus, tmp_path)
     first = prepare(cfg)
@@ -534,7 +534,7 @@ def test_a_prepare_killed_while_another_waits_on_its_lock(corpus, tmp_path):
     cfg = config(corpus, tmp_path, shard_tokens=2_000, val_fraction=0.05)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     script = KILLABLE.replace("prepare_mod.prepare(", "print(prepare_mod.prepare(").replace("argv[1])))", "argv[1]))).path)")
-    stalls = KILLABLE.replace("if __name__", "from kiln.data import writer\nfinish = writer.ShardWriter.finish\n"
+    stalls = KILLABLE.replace("if __name__", "from kiln.data.prepare import writer\nfinish = writer.ShardWriter.finish\n"
                               "def stall(self):\n    finish(self)\n    if self.index == 3:\n        time.sleep(60)\n"
                               "writer.ShardWriter.finish = stall\nif __name__").replace("import json", "import json, time")
     holder = subprocess.Popen([sys.executable, "-c", stalls, cfg.model_dump_json()], env=env)

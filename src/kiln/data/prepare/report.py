@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.data.records import EXAMPLES, REASONS, RecordChecker
+from kiln.data.read.records import EXAMPLES, REASONS, RecordChecker
 
 
 def doc_lengths(root: Path, shards: list[dict], cap: int = 10_000_000) -> np.ndarray:

@@ -7,8 +7,8 @@ import json
 from rich.console import Console
 
 from kiln.config import DataConfig
-from kiln.data.prepare import prepare
-from kiln.data.tokenizer import train_bpe
+from kiln.data.prepare.pipeline import prepare
+from kiln.data.prepare.tokenizer import train_bpe
 
 
 def test_report_counts_each_reason_and_matches_what_is_printed(tmp_path):

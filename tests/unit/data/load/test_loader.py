@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.data.loader import PackedLoader
-from kiln.data.shards import write_shard
+from kiln.data.load.loader import PackedLoader
+from kiln.data.format.shards import write_shard
 from kiln.errors import ConfigError, DataError
 
-from .conftest import make_stream
+from ..conftest import make_stream
 
 T, B = 16, 4
 
@@ -139,7 +139,7 @@ def test_too_little_data_and_damaged_shards(tmp_path):
     entry = write_shard(tmp_path / "bad", "train/00000", [np.arange(1, 40)], np.uint16)
     binp = tmp_path / "bad" / "train" / "00000.bin"
     binp.write_bytes(binp.read_bytes()[:-10])  # truncated
-    from kiln.data.shards import TokenStream
+    from kiln.data.format.shards import TokenStream
 
     with pytest.raises(DataError, match="does not match"):
         TokenStream([(binp, binp.with_suffix(".idx"), entry["tokens"])], np.uint16, name="bad")

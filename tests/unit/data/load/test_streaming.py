@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kiln.config import DataConfig
-from kiln.data.streaming import StreamingLoader, streaming_tokenizer
+from kiln.data.load.streaming import StreamingLoader, streaming_tokenizer
 from kiln.errors import DataError
 
 T, B = 32, 2
@@ -54,8 +54,8 @@ def same(a, b):
 def test_rows_follow_the_documents_in_order(corpus):
     cfg, tok = corpus
     cfg = cfg.model_copy(update={"shuffle": False})
-    from kiln.data.records import doc_hash, is_val
-    from kiln.data.sources import iter_documents
+    from kiln.data.read.records import doc_hash, is_val
+    from kiln.data.read.sources import iter_documents
 
     docs = [d.text for d in iter_documents(cfg) if not is_val(doc_hash(d.text), cfg.val_fraction)]
     stream = np.concatenate([tok.encode(t) + [tok.eos_id] for t in docs])

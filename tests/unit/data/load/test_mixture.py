@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln.data.loader import PackedLoader
-from kiln.data.mixture import Mixture
+from kiln.data.load.loader import PackedLoader
+from kiln.data.load.mixture import Mixture
 from kiln.errors import ConfigError
 
-from .conftest import make_stream
+from ..conftest import make_stream
 
 T = 8
 BASES = (0, 1_000_000, 2_000_000)
@@ -113,7 +113,7 @@ def test_mixture_from_the_run_config(tmp_path):
 
     from kiln.config import load_config
     from kiln.data.build import build_data
-    from kiln.data.prepare import prepare
+    from kiln.data.prepare.pipeline import prepare
     from kiln.errors import DataError
 
     a = _texts(tmp_path, "alpha", (collections, json_mod, argparse))

@@ -11,9 +11,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kiln.data.build import data_position
-from kiln.data.loader import PackedLoader
+from kiln.data.load.loader import PackedLoader
 
-from .conftest import make_stream
+from ..conftest import make_stream
 
 T, B, STEPS = 16, 3, 6
 

@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from kiln.config import DataConfig
-from kiln.data.records import Deduplicator, RecordChecker
-from kiln.data.sources import iter_documents
+from kiln.data.read.records import Deduplicator, RecordChecker
+from kiln.data.read.sources import iter_documents
 from kiln.errors import DataError
 
 
@@ -99,7 +99,7 @@ def test_deduplicator_beyond_its_merge_size(monkeypatch):
 
 def test_stdlib_is_lenient(tmp_path):
     """'@stdlib' skips its own few undecodable files instead of failing the quickstart."""
-    from kiln.data.sources import SourceFile
+    from kiln.data.read.sources import SourceFile
 
     checker = RecordChecker("error")
     sf = SourceFile("x.py", "x.py", 3, "text", lenient=True)

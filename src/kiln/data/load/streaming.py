@@ -26,14 +26,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kiln.data.prefetch import Prefetcher
+from kiln.data.load.prefetch import Prefetcher
 from kiln.errors import DataError
 
 ENCODE_BATCH = 64  # documents tokenized together
 
 
 def _sources(cfg):
-    from kiln.data.sources import expand
+    from kiln.data.read.sources import expand
 
     return expand(cfg.sources, cfg.format, cfg.dataset_split)
 
@@ -47,9 +47,9 @@ def _sources_key(files) -> str:
 
 def streaming_tokenizer(cfg):
     """data.tokenizer, or a BPE trained on the first data.tokenizer_train_bytes of the sources (cached)."""
-    from kiln.data.cache import cache_errors, open_cache
-    from kiln.data.sources import READERS_VERSION, iter_documents
-    from kiln.data.tokenizer import load_or_train
+    from kiln.data.prepare.cache import cache_errors, open_cache
+    from kiln.data.read.sources import READERS_VERSION, iter_documents
+    from kiln.data.prepare.tokenizer import load_or_train
 
     files = _sources(cfg)
     limit = min(cfg.tokenizer_train_bytes, cfg.max_bytes or cfg.tokenizer_train_bytes)
@@ -87,7 +87,7 @@ class StreamRows:
         self.files = _sources(cfg)
         self.key = _sources_key(self.files)
         self.position = {"epoch": 0, "file": 0, "record": 0, "offset": 0, "chars": 0, "sample": 0, "doc": None}
-        from kiln.data.records import RecordChecker
+        from kiln.data.read.records import RecordChecker
 
         self.checker = RecordChecker.from_config(cfg)  # counts skips in the first epoch this process reads
         self.counted_epoch: int | None = None
@@ -104,9 +104,9 @@ class StreamRows:
     def _documents(self, epoch: int, start: tuple[int, int], chars_before: int):
         """(epoch, file, record, chars_before, tokens, text hash) of this split's documents from `start` on,
         all epochs."""
-        from kiln.data.encode import encode_texts
-        from kiln.data.records import doc_hash, is_val
-        from kiln.data.sources import iter_documents
+        from kiln.data.prepare.encode import encode_texts
+        from kiln.data.read.records import doc_hash, is_val
+        from kiln.data.read.sources import iter_documents
 
         frac, limit, want_val = self.cfg.val_fraction, self.cfg.max_bytes, self.split == "val"
         while True:
@@ -228,7 +228,7 @@ class StreamRows:
         if seq_len != self.T or seed != self.seed:
             raise DataError(f"the saved stream position is for train.seq_len={seq_len}, train.seed={seed}; this run "
                             f"has {self.T} and {self.seed}. Resume with the saved values")
-        from kiln.data.loader import check_resume_shape
+        from kiln.data.load.loader import check_resume_shape
 
         check_resume_shape(state, self.B, self.world)
         if key != self.key:

@@ -182,7 +182,7 @@ def load_or_train(cfg, texts: Iterable[str], texts_key: str, cache_dir: Path) ->
     path = cache_dir / "tokenizers" / f"bpe-{cfg.vocab_size}-{key}" / "tokenizer.json"
     tok = _cached(path, eos, bos)
     if tok is None:
-        from kiln.data.lock import file_lock
+        from kiln.data.prepare.lock import file_lock
 
         with file_lock(path.parent.with_suffix(".lock")):  # one process trains, the others wait for it
             tok = _cached(path, eos, bos)

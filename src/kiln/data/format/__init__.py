@@ -1,0 +1,1 @@
+"""The on-disk format of a prepared dataset: manifest, token shards and document index."""

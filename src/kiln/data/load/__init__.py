@@ -1,0 +1,1 @@
+"""Loading batches while training: packed rows, mixtures, streaming and prefetch."""

@@ -1,0 +1,1 @@
+"""Reading raw sources: files, directories, globs and URLs, their formats, and record validation."""
