@@ -5,7 +5,9 @@
 
 Each file is read back after the copy and its sha256 compared with the checkpoint's meta.json,
 so an archive copy is known good before anything relies on it. A checkpoint kept only as the
-former best is deleted once a better one is verified.
+former best is deleted once a better one is verified. `fetch` brings a copy back into a local
+directory and verifies it there (meta.json against meta.sha256, every file against meta.json).
+When and how failures are retried is the `Archiver` policy's business (archiver.py).
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+import shutil
 from pathlib import Path
 from typing import Any
 
 from kiln.errors import StateError
-from kiln.state.verify import META, read_meta
+from kiln.state.verify import META, META_DIGEST, read_meta, verify
 
 INDEX = "index.json"
 
@@ -74,6 +77,8 @@ class Archive:
                 if self._sha256(posixpath.join(dest, name)) != info["sha256"]:
                     raise StateError(f"archive copy {posixpath.join(dest, name)} differs from {ckpt / name} after "
                                      "the copy; the archive location is unreliable. The local checkpoint is kept.")
+            if (ckpt / META_DIGEST).is_file():  # absent in checkpoints of format 1
+                self.fs.put_file(str(ckpt / META_DIGEST), posixpath.join(dest, META_DIGEST))
             self.fs.put_file(str(ckpt / META), posixpath.join(dest, META))
         except OSError as e:
             raise StateError(f"copying {ckpt} to the archive {self.url} failed: {e}. The local checkpoint is "
@@ -113,3 +118,25 @@ class Archive:
             return []
         names = [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self.root, detail=False)]
         return sorted(n for n in names if n.startswith("step_") and self.fs.exists(self._path(n, META)))
+
+    def fetch(self, name: str, local: Path) -> Path:
+        """Copy archived checkpoint `name` to the local directory `local` (absent) and verify it there.
+
+        StateError naming what is wrong if the copy does not verify (the partial copy is removed)."""
+        src = self._path(name)
+        local.mkdir(parents=True)
+        try:
+            for meta_file in (META_DIGEST, META):
+                if self.fs.exists(posixpath.join(src, meta_file)):
+                    self.fs.get_file(posixpath.join(src, meta_file), str(local / meta_file))
+            for file in read_meta(local)["files"]:
+                (local / file).parent.mkdir(parents=True, exist_ok=True)
+                self.fs.get_file(posixpath.join(src, file), str(local / file))
+            problems = verify(local)
+        except (OSError, StateError) as e:
+            problems = [str(e)]
+        if problems:
+            shutil.rmtree(local, ignore_errors=True)
+            raise StateError(f"the archive copy {src} is damaged or unreadable:\n" +
+                             "\n".join(f"  - {p}" for p in problems))
+        return local

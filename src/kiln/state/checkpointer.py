@@ -1,18 +1,23 @@
-"""The one checkpointer: everything a run needs to continue exactly, under fixed keys.
+"""The checkpointer: saves and loads a dict of `Stateful` parts under fixed keys (see parts.py).
 
 A checkpoint is a directory `<run_dir>/checkpoints/step_NNNNNNNN/`:
 
     __R_N.distcp, .metadata   torch.distributed.checkpoint (DCP) files: keys "model" and "optim",
                               sharded per process (FSDP2 DTensors reshard to a new world size)
     state.json                "scheduler", "loader", "trainer" (step, tokens_seen, last_eval),
-                              "fingerprints" (config and data), written by rank 0
+                              "fingerprints" (config and data), "reason"; written by rank 0
     rank<R>.json              "rng" of process R (Python, NumPy, torch CPU, CUDA)
     meta.json                 written last: step, config, every file with size and sha256
+    meta.sha256               the sha256 of meta.json (so the file list is itself verified)
 
 It is written into `.tmp-step_NNNNNNNN/` and renamed when complete, so a kill at any moment leaves
-either the whole checkpoint or none. With `async_save` the caller waits only while the state is
-copied into reusable CPU buffers; one background thread writes, hashes, renames, prunes and
-archives, one save at a time, and its failure is raised by the next `poll()`/`wait()`.
+either the whole checkpoint or none. Before a save, the free space is checked against the size of
+the newest checkpoint (retention may make room; see retention.py): a save that cannot fit does not
+start. With `async_save` the loop waits only while the state is copied into reusable CPU buffers
+(DCP's `DefaultStager`); `dcp.async_save` writes it in DCP's thread, and Kiln's one checkpoint
+thread then hashes, writes meta.json, renames and runs the policies, one save at a time; a failure
+is raised by the next `poll()`/`wait()`. What happens around a save (cadence, retention, archive,
+memory snapshots) are policies (policy.py), not this class's business.
 """
 
 from __future__ import annotations
@@ -25,48 +30,40 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.utils._pytree import tree_map
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from kiln import __version__
 from kiln.config import RunConfig
 from kiln.errors import KilnError, StateError
+from kiln.state import staging
+from kiln.state.parts import RANK_KEYS, SMALL_KEYS, TENSOR_KEYS, as_parts
+from kiln.state.policy import CheckpointPolicy
 from kiln.state.resume import verified
-from kiln.state.rng import rng_state, set_rng_state
-from kiln.state.rundir import CHECKPOINTS, TMP_PREFIX, checkpoints, step_dir_name, step_of
+from kiln.state.retention import KeepLast, check_room
+from kiln.state.rundir import CHECKPOINTS, TMP_PREFIX, checkpoints, step_dir_name
+from kiln.state.snapshot import MemorySnapshots, Snapshot
 from kiln.state.storage import ParallelFileSystemReader, hashing_writer
-from kiln.state.verify import FORMAT, META, fsync_dir, hash_tree, read_meta, write_json
+from kiln.state.verify import FORMAT, fsync_dir, hash_tree, read_meta, write_json, write_meta
+
+__all__ = ["Checkpointer", "Snapshot", "default_policies"]
+
+# DCP says so on every save and load of a single process; that is what Kiln asks for with no_dist
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 
-@dataclass
-class Snapshot:
-    """The whole state at one step, in CPU memory (tier one: rollback without touching the disk)."""
+class _AlreadyStaged(AsyncStager):
+    """For `dcp.async_save`: the state was staged by the checkpointer (which keeps the copy)."""
 
-    step: int
-    tensors: dict[str, Any]
-    small: dict[str, Any]
-    rng: dict[str, Any]
+    _synchronize_after_execute = False
 
-
-def _json_default(obj: Any) -> Any:
-    if isinstance(obj, (np.integer, np.floating, np.bool_)):
-        return obj.item()
-    if isinstance(obj, torch.Tensor) and obj.numel() == 1:
-        return obj.item()
-    raise TypeError(f"{type(obj).__name__} in a state_dict() is not JSON data; return plain numbers and lists")
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return getattr(model, "_orig_mod", model)  # torch.compile keeps the module it compiled here
+    def stage(self, state_dict):
+        return state_dict
 
 
 def _errno_of(exc: BaseException) -> OSError | None:
@@ -94,9 +91,21 @@ def _innermost(exc: BaseException) -> BaseException:
     return exc
 
 
+def default_policies(run_dir: Path, cfg: RunConfig, log: Callable[[str], None]) -> list[CheckpointPolicy]:
+    """The archive (when checkpoint.archive_url is set) and retention (checkpoint.keep_last), in that order."""
+    ccfg, policies = cfg.checkpoint, []
+    if ccfg.archive_url:
+        from kiln.state.archive import Archive
+        from kiln.state.archiver import Archiver
+
+        policies.append(Archiver(Archive(ccfg.archive_url, run_dir.name), run_dir, ccfg, log))
+    policies.append(KeepLast(run_dir, ccfg.keep_last, holders=list(policies), log=log))
+    return policies
+
+
 class Checkpointer:
     def __init__(self, run_dir: str | Path, cfg: RunConfig, fingerprints: dict[str, Any],
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, policies: list[CheckpointPolicy] | None = None):
         self.run_dir, self.cfg, self.ccfg = Path(run_dir), cfg, cfg.checkpoint
         self.dir = self.run_dir / CHECKPOINTS
         self.fingerprints, self.log = fingerprints, log
@@ -110,103 +119,97 @@ class Checkpointer:
         self.control_group = dist.new_group(backend="gloo") if self.distributed else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-checkpoint")
         self._pending: tuple[int, Future] | None = None
-        self._buffers: dict[str, Any] | None = None  # reused CPU copies of the tensors (pinned on CUDA)
-        self._buffers_ready: Future | None = None
-        self.snapshot: Snapshot | None = None
+        self._stager = None  # DCP stager: its CPU buffers (pinned on CUDA) are kept for the run
+        self._stager_ready: Future | None = None
+        self.staged: dict[str, Any] | None = None  # the CPU copy of the last async save
+        self.snapshots = MemorySnapshots(log)
         self.last_saved_step: int | None = None
-        self._warned_slow = False
-        self.archive = None
-        if self.ccfg.archive_url and self.rank == 0:
-            from kiln.state.archive import Archive
-
-            self.archive = Archive(self.ccfg.archive_url, self.run_dir.name)
-
-    # ------------------------------------------------------------------ capture
-
-    def _tensors(self, trainer) -> dict[str, Any]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model_sd, optim_sd = get_state_dict(_unwrap(trainer.model), trainer.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
-
-    def _small(self, trainer) -> dict[str, Any]:
-        state = {
-            "scheduler": trainer.scheduler.state_dict(),
-            "loader": trainer.train_loader.state_dict(),
-            "trainer": {"step": trainer.step, "tokens_seen": trainer.tokens_seen, "last_eval": trainer.last_eval},
-            "fingerprints": self.fingerprints,
-        }
-        return json.loads(json.dumps(state, default=_json_default))  # a detached, JSON-safe copy
-
-    def _copy_to_cpu(self, tensors: dict[str, Any], buffers: dict[str, Any] | None) -> dict[str, Any]:
-        """Copy `tensors` into `buffers` (allocated on first use, pinned when CUDA is used)."""
-        if buffers is None:
-            pin = torch.cuda.is_available() and torch.cuda.is_initialized()
-            try:
-                buffers = _create_cpu_state_dict(tensors, pin_memory=pin)
-            except RuntimeError as e:  # pinned (page-locked) memory is scarcer than plain memory
-                if not pin:
-                    raise
-                self.log(f"could not pin CPU memory for checkpoint staging ({e}); using plain memory (slower)")
-                buffers = _create_cpu_state_dict(tensors, pin_memory=False)
-        try:
-            _copy_state_dict(tensors, buffers, non_blocking=True)
-        except (ValueError, RuntimeError, KeyError):  # the state's layout changed: start over
-            buffers = _create_cpu_state_dict(tensors, pin_memory=False)
-            _copy_state_dict(tensors, buffers, non_blocking=True)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        return buffers
+        self._warned_slow = self._closed = False
+        if self.rank != 0:
+            policies = []
+        self.policies = default_policies(self.run_dir, cfg, log) if policies is None else list(policies)
 
     # ------------------------------------------------------------------ save
 
-    def warm_up(self, trainer) -> None:
+    def warm_up(self, state) -> None:
         """Allocate the pinned CPU buffers of the state in the background, so the first save only copies.
 
         Call after the first optimizer step (the optimizer's state exists then); a no-op off CUDA.
         """
-        if self._buffers is not None or self._buffers_ready is not None or trainer.step == 0:
+        parts = as_parts(state)
+        if self._stager is not None or parts["trainer"].state_dict()["step"] == 0 or not staging.on_cuda():
             return
-        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-            return
-        self._buffers_ready = self._pool.submit(_create_cpu_state_dict, self._tensors(trainer), pin_memory=True)
+        self._stager = staging.make_stager(self.log)
+        tensors = {k: parts[k].state_dict() for k in TENSOR_KEYS}
+        self._stager_ready = self._pool.submit(staging.warm_up, self._stager, tensors)
 
-    def save(self, trainer, reason: str = "periodic", blocking: bool | None = None) -> Path | None:
-        """Checkpoint the trainer's state at its current step. Returns where it will be complete.
+    def _check_room(self, step: int, tensors: dict[str, Any]) -> None:
+        problem = None
+        if self.rank == 0:
+            try:
+                check_room(self.run_dir, staging.tensor_bytes(tensors), step, self.policies, self.log)
+            except StateError as e:
+                problem = str(e)
+        if self.distributed:
+            box = [problem]
+            dist.broadcast_object_list(box, src=0, group=self.control_group)
+            problem = box[0]
+        if problem:
+            raise StateError(problem)
+
+    def save(self, state, reason: str = "periodic", blocking: bool | None = None) -> Path | None:
+        """Checkpoint `state` (a Trainer, or a dict of parts) at its step. Returns where it will be complete.
 
         Nothing is saved before the first step: a fresh start is that state, and capturing the
         optimizer's state before it exists would create it (and change the run).
         """
         t0 = time.perf_counter()
         self.wait()  # one save at a time; raises an earlier background failure
+        parts = as_parts(state)
+        step = int(parts["trainer"].state_dict()["step"])
         waited = time.perf_counter() - t0
         if waited > 1.0 and not self._warned_slow and reason == "periodic":
             self._warned_slow = True
-            self.log(f"training waited {waited:.1f} s at step {trainer.step} for the previous checkpoint to finish "
+            self.log(f"training waited {waited:.1f} s at step {step} for the previous checkpoint to finish "
                      f"writing; raise checkpoint.every (now {self.ccfg.every}) or use a faster disk")
-        if trainer.step == 0:
+        if step == 0:
             return None
-        target = self.dir / step_dir_name(trainer.step)
-        if self.last_saved_step == trainer.step and target.is_dir():
+        target = self.dir / step_dir_name(step)
+        if self.last_saved_step == step and target.is_dir():
             return target
         blocking = (not self.ccfg.async_save) if blocking is None else blocking
-        if self._buffers_ready is not None:
-            ready, self._buffers_ready = self._buffers_ready, None
+        tensors = {k: parts[k].state_dict() for k in TENSOR_KEYS}
+        self._check_room(step, tensors)
+        small = staging.json_copy({**{k: parts[k].state_dict() for k in SMALL_KEYS},
+                                   "fingerprints": self.fingerprints, "reason": reason})
+        rng = staging.json_copy({k: parts[k].state_dict() for k in RANK_KEYS})
+        tmp = self.dir / f"{TMP_PREFIX}{target.name}"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        writer = hashing_writer(tmp, self.ccfg.write_threads, self.ccfg.fsync)
+        self.last_saved_step = step
+        t0 = time.perf_counter()
+        if not self.ccfg.async_save:  # sync-only runs write straight from the live tensors: no CPU copy
+            self._finish(None, tensors, writer, tmp, target, small, rng, t0)
+            return target
+        if self._stager_ready is not None:
+            ready, self._stager_ready = self._stager_ready, None
             try:
-                self._buffers = ready.result()
+                ready.result()
             except RuntimeError as e:
                 self.log(f"allocating pinned checkpoint buffers failed ({e}); trying again at this save")
-        small, rng = self._small(trainer), rng_state()
-        small["reason"] = reason
-        self.last_saved_step = trainer.step
-        if not self.ccfg.async_save:  # sync-only runs write straight from the live tensors: no CPU copy
-            self._write(self._tensors(trainer), small, rng)
-            return target
-        self._buffers = self._copy_to_cpu(self._tensors(trainer), self._buffers)  # pinned, kept for the run
+        self._stager = self._stager or staging.make_stager(self.log)
+        try:
+            self._stager, self.staged = staging.stage(self._stager, tensors, self.log)
+            future = dcp.async_save(self.staged, storage_writer=writer, process_group=self.group,
+                                    async_stager=_AlreadyStaged(), no_dist=not self.distributed)
+        except BaseException as e:
+            self._failed(e, step, tmp)
+        self._pending = (step, self._pool.submit(self._finish, future, None, writer, tmp, target, small, rng, t0))
         if blocking:
-            self._write(self._buffers, small, rng)
-        else:
-            self._pending = (trainer.step, self._pool.submit(self._write, self._buffers, small, rng))
+            self.wait()
         return target
 
     def poll(self) -> None:
@@ -228,63 +231,90 @@ class Checkpointer:
             raise StateError(f"the background checkpoint of step {step} failed: {e!r}") from e
 
     def close(self) -> None:
-        """Wait for the last save and stop the background thread."""
+        """Wait for the last save, stop the background thread, and let the policies finish."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            for policy in self.policies:
+                try:
+                    policy.close()
+                except Exception as e:  # noqa: BLE001 - the checkpoints are complete; report and go on
+                    self.log(f"closing {type(policy).__name__} failed: {e}")
+            self.snapshots.close()
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
 
     def _barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
 
-    def _write(self, tensors: dict[str, Any], small: dict[str, Any], rng: dict[str, Any]) -> Path:
+    def _failed(self, e: BaseException, step: int, tmp: Path) -> None:
+        """Remove the unfinished save and raise `e` as a StateError that says what helps."""
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, KilnError):
+            raise e
+        os_err = _errno_of(e)
+        latest = checkpoints(self.run_dir)
+        intact = f"Earlier checkpoints are intact (latest: {latest[-1]})." if latest else \
+            "No earlier checkpoint exists."
+        if os_err is not None and os_err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StateError(f"disk full while writing the checkpoint of step {step} to {self.dir} "
+                             f"({os_err.strerror}). {intact} Something else filled the disk during the save: free "
+                             "space there or move the run directory to a larger disk (train.run_dir), then "
+                             "resume.") from None
+        if os_err is not None:
+            raise StateError(f"writing the checkpoint of step {step} to {self.dir} failed: {os_err}. "
+                             f"{intact}") from None
+        raise e
+
+    def _finish(self, future: Future | None, tensors: dict[str, Any] | None, writer, tmp: Path, final: Path,
+                small: dict[str, Any], rng: dict[str, Any], t0: float) -> Path:
+        """Every rank: the DCP files (written here from `tensors`, or by `future`), then the JSON parts;
+        rank 0 then completes the checkpoint."""
         step = small["trainer"]["step"]
-        name = step_dir_name(step)
-        tmp, final = self.dir / f"{TMP_PREFIX}{name}", self.dir / name
-        t0 = time.perf_counter()
         try:
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-            self._barrier()
-            writer = hashing_writer(tmp, self.ccfg.write_threads, self.ccfg.fsync)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            if future is None:
                 dcp.save(tensors, storage_writer=writer, process_group=self.group, no_dist=not self.distributed)
-            write_json(tmp / f"rank{self.rank}.json", {"rng": rng}, fsync=self.ccfg.fsync)
-            if self.rank == 0:
-                write_json(tmp / "state.json", small, fsync=self.ccfg.fsync)
-            digests = dict(getattr(writer.fs, "digests", {}))
-            if self.group is not None:  # every rank's digests, to rank 0
+            else:
+                future.result()
+            error = writer.fs.error
+            if error is None:
+                try:
+                    write_json(tmp / f"rank{self.rank}.json", rng, fsync=self.ccfg.fsync)
+                    if self.rank == 0:
+                        write_json(tmp / "state.json", small, fsync=self.ccfg.fsync)
+                except OSError as e:
+                    error = e
+            report = {"digests": dict(writer.fs.digests), "error": error}
+            if self.group is not None:  # every rank's digests and failure, to rank 0, and its verdict back
                 gathered = [None] * dist.get_world_size() if self.rank == 0 else None
-                dist.gather_object(digests, gathered, dst=0, group=self.group)
-                digests = {k: v for d in gathered or [] for k, v in d.items()}
+                dist.gather_object(report, gathered, dst=0, group=self.group)
+                verdict = [None]
+                if self.rank == 0:
+                    errors = [r["error"] for r in gathered if r["error"] is not None]
+                    report = {"digests": {k: v for r in gathered for k, v in r["digests"].items()},
+                              "error": errors[0] if errors else None}
+                    verdict = [report["error"]]
+                dist.broadcast_object_list(verdict, src=0, group=self.group)
+                error = verdict[0]
+            if error is not None:
+                raise error
             if self.rank == 0:
-                self._complete(tmp, final, small, time.perf_counter() - t0, digests)
+                self._complete(tmp, final, small, time.perf_counter() - t0, report["digests"])
             self._barrier()
         except BaseException as e:
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, KilnError):
-                raise
-            os_err = _errno_of(e)
-            latest = checkpoints(self.run_dir)
-            intact = f"Earlier checkpoints are intact (latest: {latest[-1]})." if latest else \
-                "No earlier checkpoint exists."
-            if os_err is not None and os_err.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StateError(f"disk full while writing the checkpoint of step {step} to {self.dir} "
-                                 f"({os_err.strerror}). {intact} Free space there, lower checkpoint.keep_last, "
-                                 "or point train.run_dir to a larger disk, then resume.") from None
-            if os_err is not None:
-                raise StateError(f"writing the checkpoint of step {step} to {self.dir} failed: {os_err}. "
-                                 f"{intact}") from None
-            raise
+            self._failed(e, step, tmp)
         return final
 
     def _complete(self, tmp: Path, final: Path, small: dict[str, Any], seconds: float,
                   digests: dict[str, dict[str, Any]]) -> None:
-        """Rank 0, after every rank wrote: hash the rest, write meta.json, rename into place, prune, archive."""
+        """Rank 0, after every rank wrote: hash the rest, write meta.json + digest, rename, run the policies."""
         t0 = time.perf_counter()
         files = hash_tree(tmp, threads=max(4, self.ccfg.write_threads), known=digests)
         hashing = time.perf_counter() - t0
@@ -300,38 +330,24 @@ class Checkpointer:
             "fingerprints": small["fingerprints"], "config": self.cfg.model_dump(mode="json"),
             "bytes": sum(f["bytes"] for f in files.values()), "files": files,
         }
-        write_json(tmp / META, meta, fsync=self.ccfg.fsync)
+        write_meta(tmp, meta, fsync=self.ccfg.fsync)
         if final.exists():  # the same step saved before (e.g. resumed then stopped at once): keep that one
             shutil.rmtree(tmp, ignore_errors=True)
             return
         os.rename(tmp, final)
         fsync_dir(self.dir)
-        self._retain(final)
-        if self.archive is not None:
-            self._archive(final, meta)
-
-    def _retain(self, newest: Path) -> None:
-        """Delete the oldest complete checkpoints beyond keep_last; the newest is complete already."""
-        for old in checkpoints(self.run_dir)[: -self.ccfg.keep_last]:
-            if old != newest and step_of(old) < step_of(newest):
-                doomed = old.with_name(f"{TMP_PREFIX}del-{old.name}")
-                os.rename(old, doomed)  # gone at once; a kill during the delete leaves only a .tmp- dir
-                shutil.rmtree(doomed, ignore_errors=True)
-
-    def _archive(self, ckpt: Path, meta: dict[str, Any]) -> None:
-        every, m = self.ccfg.every, self.ccfg.archive_every
-        if meta["reason"] == "final" or (m and every and meta["reason"] == "periodic" and
-                                         (meta["step"] // every) % m == 0):
-            self.archive.add(ckpt, "every")
-        best = self.archive.best_loss()
-        if self.ccfg.archive_best and meta["val_loss"] is not None and (best is None or meta["val_loss"] < best):
-            self.archive.add(ckpt, "best", meta["val_loss"])
+        for policy in self.policies:
+            try:
+                policy.after_save(final, meta)
+            except Exception as e:  # noqa: BLE001 - the checkpoint is complete; a policy's trouble is reported
+                self.log(f"{type(policy).__name__} after the checkpoint of step {step} failed: {e}")
 
     # ------------------------------------------------------------------ restore
 
-    def load(self, trainer, path: str | Path, check_hashes: bool = True) -> dict[str, Any]:
-        """Restore the trainer from a complete checkpoint, its hashes checked first. Returns its meta.json."""
-        path = Path(path)
+    def load(self, state, path: str | Path, check_hashes: bool = True) -> dict[str, Any]:
+        """Restore `state` (a Trainer, or a dict of parts) from a complete checkpoint, its hashes checked
+        first. Returns its meta.json."""
+        path, parts = Path(path), as_parts(state)
         if check_hashes:  # rank 0 re-hashes; StateError naming the damaged file and the previous good one
             problem = None
             if self.rank == 0:
@@ -346,13 +362,12 @@ class Checkpointer:
             if problem:
                 raise StateError(problem)
         meta = read_meta(path)
-        tensors = self._tensors(trainer)
+        tensors = {k: parts[k].state_dict() for k in TENSOR_KEYS}  # the live layout DCP reads into
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                dcp.load(tensors, storage_reader=ParallelFileSystemReader(path, self.ccfg.write_threads),
-                         process_group=self.group,
-                         no_dist=not self.distributed)
+            dcp.load(tensors, storage_reader=ParallelFileSystemReader(path, self.ccfg.write_threads),
+                     process_group=self.group, no_dist=not self.distributed)
+            for key in TENSOR_KEYS:
+                parts[key].load_state_dict(tensors[key])
         except (Exception, dcp.CheckpointException) as e:
             why = _errno_of(e) or _innermost(e)
             raise StateError(f"checkpoint {path} does not fit this model and optimizer: {why}. Resume with the "
@@ -360,52 +375,30 @@ class Checkpointer:
         try:
             small = json.loads((path / "state.json").read_text())
             rank_file = path / f"rank{self.rank}.json"
-            rng = json.loads(rank_file.read_text())["rng"] if rank_file.is_file() else None
-        except (OSError, ValueError, KeyError) as e:
+            ranked = json.loads(rank_file.read_text()) if rank_file.is_file() else None
+        except (OSError, ValueError) as e:
             raise StateError(f"checkpoint {path} has an unreadable state.json or rank file: {e}") from None
-        if rng is None:
+        for key in SMALL_KEYS:
+            parts[key].load_state_dict(small[key])
+        if ranked is None:
             self.log(f"checkpoint {path} was saved by {meta['world_size']} process(es); process {self.rank} "
                      "has no saved random state and keeps its seeded one")
-        self._restore(trainer, tensors, small, rng)
-        self.last_saved_step = trainer.step
+        else:
+            for key in RANK_KEYS:
+                parts[key].load_state_dict(ranked[key])
+        self.last_saved_step = int(parts["trainer"].state_dict()["step"])
         return meta
 
-    def _restore(self, trainer, tensors: dict[str, Any], small: dict[str, Any], rng: dict | None) -> None:
-        opt, sched = trainer.optimizer, trainer.scheduler
-        # the config decides hyperparameters (a forced resume may change them); the state brings moments
-        hyper = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in opt.param_groups]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            set_state_dict(_unwrap(trainer.model), opt, model_state_dict=tensors["model"],
-                           optim_state_dict=tensors["optim"])
-        for g, h, base in zip(opt.param_groups, hyper, sched.base_lrs):
-            g.update(h)
-            g["initial_lr"] = base
-        saved = small["scheduler"]
-        sched.last_epoch, sched._step_count = saved["last_epoch"], saved.get("_step_count", saved["last_epoch"] + 1)
-        for g, base, fn in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas):
-            g["lr"] = base * fn(sched.last_epoch)
-        sched._last_lr = [g["lr"] for g in opt.param_groups]
-        trainer.train_loader.load_state_dict(small["loader"])
-        t = small["trainer"]
-        trainer.step, trainer.tokens_seen, trainer.last_eval = t["step"], t["tokens_seen"], t["last_eval"]
-        if rng is not None:
-            set_rng_state(rng)
+    # ------------------------------------------------------------------ in-memory tier (snapshot.py)
 
-    # ------------------------------------------------------------------ in-memory tier
+    @property
+    def snapshot(self) -> Snapshot | None:
+        return self.snapshots.snapshot
 
-    def take_snapshot(self, trainer) -> Snapshot:
+    def take_snapshot(self, state) -> Snapshot:
         """Copy the whole state into CPU memory (buffers reused between snapshots)."""
-        buffers = self.snapshot.tensors if self.snapshot else None
-        tensors = self._copy_to_cpu(self._tensors(trainer), buffers)
-        self.snapshot = Snapshot(trainer.step, tensors, self._small(trainer), rng_state())
-        return self.snapshot
+        return self.snapshots.take(state)
 
-    def restore_snapshot(self, trainer) -> int:
-        """Roll the trainer back to the last snapshot. Returns its step."""
-        if self.snapshot is None:
-            raise StateError("no in-memory snapshot to roll back to; set checkpoint.snapshot_every")
-        s = self.snapshot
-        copy = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, s.tensors)  # keep s intact
-        self._restore(trainer, copy, s.small, s.rng)
-        return s.step
+    def restore_snapshot(self, state) -> int:
+        """Roll `state` back to the last snapshot. Returns its step."""
+        return self.snapshots.restore(state)

@@ -1,7 +1,9 @@
 """Choosing the checkpoint to resume from, and checking that it fits the config and the data.
 
 `--resume auto` takes the newest checkpoint whose files all match their hashes, and falls back,
-saying so, past damaged ones. A config that differs in what shapes the run (model, data, optimizer,
+saying so, past damaged ones. When no local checkpoint is good (all damaged, or none left) and
+checkpoint.archive_url is set, the newest archive copy that verifies is fetched into the run
+directory and resumed from. A config that differs in what shapes the run (model, data, optimizer,
 schedule, batch) is refused with the list of differences; `--resume force` accepts it. Settings
 that do not change the numbers (logging, checkpoint cadence, device, evaluation) may always change.
 """
@@ -152,15 +154,44 @@ def resume_target(cfg: RunConfig, mode: str, log: Callable[[str], None]) -> tupl
             log(f"--resume never: {run_dir} holds checkpoints, so this fresh run goes to {new}")
             cfg.train.run_dir = str(new)
         return make_run_dir(cfg), None
-    if not run_dir.is_dir():
+    if not run_dir.is_dir() and not cfg.checkpoint.archive_url:
         return make_run_dir(cfg), None
-    latest = _choose(run_dir, log)
+    latest = _choose(run_dir, log, cfg.checkpoint.archive_url)
     if latest is None:
         return make_run_dir(cfg), None
     return run_dir, latest
 
 
-def _choose(run_dir: Path, log: Callable[[str], None]) -> Path | None:
+def from_archive(run_dir: Path, url: str, log: Callable[[str], None]) -> Path | None:
+    """The newest archived checkpoint of this run that verifies, fetched into run_dir/checkpoints; None if
+    the archive has none. A local directory of the same name (damaged) is set aside first."""
+    from kiln.state.archive import Archive
+    from kiln.state.rundir import CHECKPOINTS, TMP_PREFIX
+
+    archive = Archive(url, run_dir.name)
+    try:
+        names = archive.list()
+    except Exception as e:  # noqa: BLE001 - an unreachable archive is reported, not a traceback
+        raise StateError(f"could not list the archive {archive.url}: {e}") from None
+    for name in reversed(names):
+        local = Path(run_dir) / CHECKPOINTS / name
+        tmp = local.with_name(f"{TMP_PREFIX}fetch-{name}")
+        try:
+            archive.fetch(name, tmp)
+        except StateError as e:
+            log(f"skipping archive copy {name}: {e}")
+            continue
+        if local.exists():
+            aside = local.with_name(f"{DAMAGED_PREFIX}{name}")
+            local.rename(aside)
+            log(f"moved damaged {name} to {aside} (kept for inspection)")
+        tmp.rename(local)
+        log(f"no good local checkpoint: fetched {name} from the archive {archive.url} (verified)")
+        return local
+    return None
+
+
+def _choose(run_dir: Path, log: Callable[[str], None], archive_url: str | None = None) -> Path | None:
     """Rank 0 verifies and tidies; with a process group, the other ranks take its choice."""
     import torch.distributed as dist
 
@@ -176,7 +207,23 @@ def _choose(run_dir: Path, log: Callable[[str], None]) -> Path | None:
                     aside = p.with_name(f"{DAMAGED_PREFIX}{p.name}")
                     p.rename(aside)
                     log(f"moved {p.name} to {aside}: it has no meta.json, so it cannot be verified (kept)")
-            latest = latest_good(run_dir, log)
+            try:
+                latest = latest_good(run_dir, log)
+            except StateError as e:
+                if not archive_url or rank != 0:
+                    raise
+                damaged = str(e)
+            else:
+                damaged = None
+            if latest is None and archive_url and rank == 0:
+                try:
+                    latest = from_archive(run_dir, archive_url, log)
+                except StateError as e:
+                    if damaged:
+                        raise StateError(f"{damaged}\n{e}") from None
+                    log(f"{e}; starting without it")
+                if latest is None and damaged:
+                    raise StateError(damaged)
             for p in checkpoints(run_dir) if latest is not None and rank == 0 else []:
                 if step_of(p) > step_of(latest):  # newer than the chosen one means damaged: keep, out of the way
                     aside = p.with_name(f"{DAMAGED_PREFIX}{p.name}")

@@ -2,7 +2,9 @@
 
 - `HashingFileSystem`: the writer's file system; the sha256 of every `.distcp` data file is computed
   from the bytes as they go to disk, so a save does not read its files back to hash them. A file
-  written out of order (a seek) is left to be hashed from disk.
+  written out of order (a seek) is left to be hashed from disk. A write that fails (a full disk) is
+  recorded in `error` and the rest of the save's writes are dropped: DCP's writer threads finish
+  quietly (no thread tracebacks on the console) and the checkpointer reports the error once.
 - `ParallelFileSystemReader`: a checkpoint holds `checkpoint.write_threads` data files per process;
   the stock reader reads them one after the other. Each file's requests go through the stock
   reader's own `read_data`, so the format stays DCP's; only the files are spread over threads.
@@ -24,16 +26,33 @@ from torch.futures import Future
 
 
 class _HashingStream:
-    """A write stream that hashes what passes through it; everything else goes to the file."""
+    """A write stream that hashes what passes through it; everything else goes to the file.
 
-    def __init__(self, f):
-        self.f, self.sha, self.size, self.in_order = f, hashlib.sha256(), 0, True
+    After a failed write (of this or another stream of the save) writes are dropped: the save is lost anyway."""
+
+    def __init__(self, f, fs: HashingFileSystem):
+        self.f, self.fs, self.sha, self.size, self.in_order = f, fs, hashlib.sha256(), 0, True
 
     def write(self, data) -> int:
-        n = self.f.write(data)
-        self.sha.update(memoryview(data)[:n] if n is not None else data)
-        self.size += len(memoryview(data)[:n]) if n is not None else len(data)
+        size = len(memoryview(data).cast("B"))
+        if self.fs.error is not None:
+            return size
+        try:
+            n = self.f.write(data)
+        except OSError as e:
+            self.fs.fail(e)
+            return size
+        view = memoryview(data).cast("B")
+        self.sha.update(view[:n] if n is not None else view)
+        self.size += n if n is not None else size
         return n
+
+    def flush(self) -> None:
+        if self.fs.error is None:
+            try:
+                self.f.flush()
+            except OSError as e:
+                self.fs.fail(e)
 
     def seek(self, *args):
         self.in_order = False
@@ -47,20 +66,32 @@ class HashingFileSystem(FileSystem):
     def __init__(self):
         super().__init__()
         self.digests: dict[str, dict[str, Any]] = {}  # file name -> {"bytes", "sha256"}
+        self.error: OSError | None = None  # the first failed write of the save
         self._lock = threading.Lock()
+
+    def fail(self, error: OSError) -> None:
+        with self._lock:
+            self.error = self.error or error
 
     @contextmanager
     def create_stream(self, path, mode: str):
-        with super().create_stream(path, mode) as f:
-            if "w" not in mode or not str(path).endswith(".distcp"):
+        if "w" not in mode:
+            with super().create_stream(path, mode) as f:
                 yield f
-                return
-            stream = _HashingStream(f)
-            yield stream
-            if stream.in_order:
-                with self._lock:
-                    self.digests[os.path.basename(str(path))] = {"bytes": stream.size,
-                                                                 "sha256": stream.sha.hexdigest()}
+            return
+        stream = None
+        try:
+            with super().create_stream(path, mode) as f:
+                stream = _HashingStream(f, self)
+                yield stream
+        except OSError as e:  # opening or closing (the last buffered bytes) failed
+            self.fail(e)
+            if stream is None:  # DCP writes on into nothing; the save reports the error when it returns
+                with open(os.devnull, "wb") as null:
+                    yield _HashingStream(null, self)
+        if stream is not None and stream.in_order and self.error is None and str(path).endswith(".distcp"):
+            with self._lock:
+                self.digests[os.path.basename(str(path))] = {"bytes": stream.size, "sha256": stream.sha.hexdigest()}
 
 
 def hashing_writer(path, threads: int, fsync: bool) -> dcp.FileSystemWriter:

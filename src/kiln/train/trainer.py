@@ -34,6 +34,15 @@ class Trainer:
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 \
             else contextlib.nullcontext
 
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer's own counters (saved under the key "trainer"; the rest of the state is its parts')."""
+        last = dict(self.last_eval) if self.last_eval is not None else None
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "last_eval": last}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        self.last_eval = dict(state["last_eval"]) if state.get("last_eval") is not None else None
+
     def _batch(self, loader) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Next (tokens, targets, doc_ids): tokens and targets on the device; doc_ids (None without
         document masking) stay where the loader made them: the model builds its mask from them."""

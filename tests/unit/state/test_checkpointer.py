@@ -64,7 +64,7 @@ def test_meta_lists_every_file_with_its_hash(trainer_factory):
     ck = checkpointer(t)
     path = ck.save(t)
     meta = read_meta(path)
-    on_disk = sorted(p.name for p in path.iterdir() if p.name != "meta.json")
+    on_disk = sorted(p.name for p in path.iterdir() if p.name not in ("meta.json", "meta.sha256"))
     assert sorted(meta["files"]) == on_disk
     assert {"state.json", "rank0.json", ".metadata"} <= set(on_disk)
     assert meta["step"] == 1 and meta["fingerprints"] == PRINTS and meta["config"]["model"]["size"] == "tiny"
@@ -118,6 +118,7 @@ def test_archive_every_mth_and_best_verified(trainer_factory, tmp_path):
         run_steps(t, 1)
         t.last_eval = {"step": t.step, "val_loss": val}
         ck.save(t)
+    ck.close()  # the archive is copied in the background; close() lets it finish
     arch = Archive(url, "run")
     index = arch.index()
     assert arch.list() == ["step_00000002", "step_00000004"]  # step 1 was best, then replaced by 2, then 4
@@ -127,7 +128,6 @@ def test_archive_every_mth_and_best_verified(trainer_factory, tmp_path):
     assert verify(tmp_path / "archive" / "run" / "step_00000002") == []
     fresh = trainer_factory()
     assert checkpointer(fresh).load(fresh, tmp_path / "archive" / "run" / "step_00000002")["step"] == 2
-    ck.close()
 
 
 @contextmanager
@@ -162,7 +162,7 @@ def disk_full_after(limit: int):
 
 
 @pytest.mark.parametrize("async_save", [False, True])
-def test_full_disk_raises_and_keeps_earlier_checkpoints(trainer_factory, async_save):
+def test_full_disk_raises_and_keeps_earlier_checkpoints(trainer_factory, async_save, capfd):
     t = trainer_factory(async_save=async_save)
     run_steps(t, 1)
     ck = checkpointer(t)
@@ -172,7 +172,8 @@ def test_full_disk_raises_and_keeps_earlier_checkpoints(trainer_factory, async_s
     with disk_full_after(100_000), pytest.raises(StateError, match="disk full") as err:
         ck.save(t)
         ck.wait()  # an async failure surfaces here (or at the next poll)
-    assert str(first) in str(err.value)
+    assert str(first) in str(err.value) and "keep_last" not in str(err.value)
+    assert "Traceback" not in capfd.readouterr().err  # no writer-thread tracebacks before the message
     run_dir = t.cfg.train.run_dir
     assert checkpoints(run_dir) == [first] and unfinished(run_dir) == [] and verify(first) == []
     ck.close()
@@ -231,8 +232,9 @@ def test_real_full_disk_keeps_the_earlier_checkpoint(small_disk):
     run_steps(t, 1)
     first = ck.save(t)  # about 1.4 MB: fits once, not twice
     run_steps(t, 1)
-    with pytest.raises(StateError, match="disk full.*step_00000001"):
+    with pytest.raises(StateError, match="disk full.*step_00000001") as err:
         ck.save(t)
+    assert "keep_last" not in str(err.value)  # keep_last=1 already: lowering it cannot help
     assert checkpoints(small_disk / "run") == [first] and verify(first) == []
     assert unfinished(small_disk / "run") == []
     fresh = make_trainer(small_disk / "run")
