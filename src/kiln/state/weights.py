@@ -20,7 +20,10 @@ def save_model(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer | None, 
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)  # the same tensor as embed_tokens.weight
     tmp = out / "model.safetensors.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt", "kiln": "native"})
+    # one metadata key only: safetensors keeps metadata in a Rust HashMap whose order changes from one
+    # call to the next, so two keys made identical models differ byte for byte (model_config.json says
+    # the layout is Kiln's own). The tensors are written sorted by dtype and name: deterministic.
+    save_file(state, str(tmp), metadata={"format": "pt"})
     tmp.replace(out / "model.safetensors")
     (out / "model_config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     if tokenizer is not None:

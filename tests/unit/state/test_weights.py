@@ -31,3 +31,15 @@ def test_damaged_files_are_state_errors(tmp_path):
         load_model(tmp_path)
     with pytest.raises(StateError, match="no saved model"):
         load_model(tmp_path / "nowhere")
+
+
+def test_identical_models_save_byte_identical_files(tmp_path):
+    import hashlib
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(size="tiny", vocab_size=97))
+    digests = set()
+    for i in range(12):  # safetensors' metadata order changed from one save to the next (1 in 2 each time)
+        out = save_model(model, model.cfg, None, tmp_path / f"m{i}")
+        digests.add(hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest())
+    assert len(digests) == 1
