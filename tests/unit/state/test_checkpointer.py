@@ -172,7 +172,7 @@ def test_full_disk_raises_and_keeps_earlier_checkpoints(trainer_factory, async_s
     with disk_full_after(100_000), pytest.raises(StateError, match="disk full") as err:
         ck.save(t)
         ck.wait()  # an async failure surfaces here (or at the next poll)
-    assert str(first) in str(err.value) and "keep_last" not in str(err.value)
+    assert str(first) in str(err.value) and "checkpoint.keep_last" not in str(err.value)
     assert "Traceback" not in capfd.readouterr().err  # no writer-thread tracebacks before the message
     run_dir = t.cfg.train.run_dir
     assert checkpoints(run_dir) == [first] and unfinished(run_dir) == [] and verify(first) == []
@@ -234,7 +234,7 @@ def test_real_full_disk_keeps_the_earlier_checkpoint(small_disk):
     run_steps(t, 1)
     with pytest.raises(StateError, match="disk full.*step_00000001") as err:
         ck.save(t)
-    assert "keep_last" not in str(err.value)  # keep_last=1 already: lowering it cannot help
+    assert "checkpoint.keep_last" not in str(err.value)  # keep_last=1 already: lowering it cannot help
     assert checkpoints(small_disk / "run") == [first] and verify(first) == []
     assert unfinished(small_disk / "run") == []
     fresh = make_trainer(small_disk / "run")
