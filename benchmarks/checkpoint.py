@@ -152,15 +152,13 @@ def main() -> None:
     r["kiln_load_verified_s"], _ = timed(lambda: ck.load(trainer, path, check_hashes=True), device)
     assert torch.equal(next(iter(model.parameters())).detach().flatten()[:1000], probe), "load lost the weights"
     print(f"kiln load {r['kiln_load_s']:.2f} s (with hash check {r['kiln_load_verified_s']:.2f} s)", flush=True)
-    ck.close()
-    ck._buffers = None
+    ck.close()  # its staging buffers go with it
     dump(r, args.json)
 
     # --- Kiln: async saves; the loop blocks only for the copy to CPU memory. As in training, the
     # pinned buffers are allocated in the background after the first step (warm_up).
     ck = Checkpointer(cfg.train.run_dir, cfg, {"bench": True}, print)
-    r["kiln_warm_up_s"], _ = timed(lambda: (ck.warm_up(trainer), ck._buffers_ready and ck._buffers_ready.result()),
-                                   device)
+    r["kiln_warm_up_s"], _ = timed(lambda: (ck.warm_up(trainer), ck.wait_warm_up()), device)
     for i in range(2):
         trainer.step += 1
         blocked, path = timed(lambda: ck.save(trainer, blocking=False), device)

@@ -55,7 +55,7 @@ def test_async_cuda_checkpoint_restores_exactly(tmp_path):
     path = ck.save(t)
     steps(t, 2)  # the weights change while the background write runs
     ck.wait()
-    assert next(iter(ck._buffers["model"].values())).is_pinned()
+    assert next(iter(ck.staged["model"].values())).is_pinned()  # DCP's stager, pinned buffers
 
     fresh = make(tmp_path / "run")
     Checkpointer(tmp_path / "run", fresh.cfg, {}, print).load(fresh, path)

@@ -14,7 +14,7 @@ It is written into `.tmp-step_NNNNNNNN/` and renamed when complete, so a kill at
 either the whole checkpoint or none. Before a save, the free space is checked against the size of
 the newest checkpoint (retention may make room; see retention.py): a save that cannot fit does not
 start. With `async_save` the loop waits only while the state is copied into reusable CPU buffers
-(DCP's `DefaultStager`); `dcp.async_save` writes it in DCP's thread, and Kiln's one checkpoint
+(staging.py says why these are Kiln's own); `dcp.async_save` writes the copy in DCP's thread, and Kiln's one checkpoint
 thread then hashes, writes meta.json, renames and runs the policies, one save at a time; a failure
 is raised by the next `poll()`/`wait()`. What happens around a save (cadence, retention, archive,
 memory snapshots) are policies (policy.py), not this class's business.
@@ -119,7 +119,7 @@ class Checkpointer:
         self.control_group = dist.new_group(backend="gloo") if self.distributed else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-checkpoint")
         self._pending: tuple[int, Future] | None = None
-        self._stager = None  # DCP stager: its CPU buffers (pinned on CUDA) are kept for the run
+        self._stager: staging.CpuStaging | None = None  # CPU buffers (pinned on CUDA), kept for the run
         self._stager_ready: Future | None = None
         self.staged: dict[str, Any] | None = None  # the CPU copy of the last async save
         self.snapshots = MemorySnapshots(log)
@@ -139,15 +139,20 @@ class Checkpointer:
         parts = as_parts(state)
         if self._stager is not None or parts["trainer"].state_dict()["step"] == 0 or not staging.on_cuda():
             return
-        self._stager = staging.make_stager(self.log)
+        self._stager = staging.CpuStaging()
         tensors = {k: parts[k].state_dict() for k in TENSOR_KEYS}
-        self._stager_ready = self._pool.submit(staging.warm_up, self._stager, tensors)
+        self._stager_ready = self._pool.submit(self._stager.allocate, tensors)
+
+    def wait_warm_up(self) -> None:
+        """Block until the buffers `warm_up` allocates are ready (for measurements)."""
+        if self._stager_ready is not None:
+            self._stager_ready.result()
 
     def _check_room(self, step: int, tensors: dict[str, Any]) -> None:
         problem = None
         if self.rank == 0:
             try:
-                check_room(self.run_dir, staging.tensor_bytes(tensors), step, self.policies, self.log)
+                check_room(self.run_dir, lambda: staging.tensor_bytes(tensors), step, self.policies, self.log)
             except StateError as e:
                 problem = str(e)
         if self.distributed:
@@ -200,7 +205,7 @@ class Checkpointer:
                 ready.result()
             except RuntimeError as e:
                 self.log(f"allocating pinned checkpoint buffers failed ({e}); trying again at this save")
-        self._stager = self._stager or staging.make_stager(self.log)
+        self._stager = self._stager or staging.CpuStaging()
         try:
             self._stager, self.staged = staging.stage(self._stager, tensors, self.log)
             future = dcp.async_save(self.staged, storage_writer=writer, process_group=self.group,
@@ -244,10 +249,7 @@ class Checkpointer:
                     policy.close()
                 except Exception as e:  # noqa: BLE001 - the checkpoints are complete; report and go on
                     self.log(f"closing {type(policy).__name__} failed: {e}")
-            self.snapshots.close()
-            if self._stager is not None:
-                self._stager.close()
-                self._stager = None
+            self._stager = self.staged = None
 
     def _barrier(self) -> None:
         if self.group is not None:

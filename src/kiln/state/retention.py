@@ -106,12 +106,12 @@ class KeepLast(CheckpointPolicy):
         return advice
 
 
-def check_room(run_dir: Path, estimate: int, step: int, policies: list[CheckpointPolicy],
+def check_room(run_dir: Path, estimate: Callable[[], int], step: int, policies: list[CheckpointPolicy],
                log: Callable[[str], None]) -> None:
     """StateError before a save that will not fit; policies make room first where that is safe."""
     ckpt_dir = Path(run_dir) / CHECKPOINTS
     found = checkpoints(run_dir)
-    base = size_of(found[-1]) if found else estimate
+    base = size_of(found[-1]) if found else estimate()  # the state's size: only before the first checkpoint
     needed = int(base * (1 + MARGIN)) + (64 << 10)
     free = free_bytes(ckpt_dir)
     if free >= needed:

@@ -3,9 +3,9 @@
 `take(parts, step)` copies every part (tensors into CPU buffers reused from one snapshot to the next,
 pinned on CUDA; the small parts as detached JSON-safe copies); `restore(parts)` loads them back, so
 weights, optimizer moments, schedule, loader position, counters and random generators are what they
-were at that step. A snapshot survives its restores (it can be restored again). The copy uses
-`torch.distributed.checkpoint.staging.DefaultStager` (its own buffers, apart from the checkpointer's,
-so a snapshot never shares memory with a checkpoint still being written).
+were at that step. A snapshot survives its restores (it can be restored again). The copy uses the
+checkpointer's staging (staging.py) with its own buffers, so a snapshot never shares memory with a
+checkpoint still being written.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from kiln.errors import StateError
 from kiln.state.parts import RANK_KEYS, SMALL_KEYS, TENSOR_KEYS, as_parts
-from kiln.state.staging import clone_tree, json_copy, make_stager, stage
+from kiln.state.staging import CpuStaging, clone_tree, json_copy, stage
 
 
 @dataclass
@@ -37,7 +37,7 @@ class MemorySnapshots:
         parts = as_parts(state)
         tensors = {k: parts[k].state_dict() for k in TENSOR_KEYS}
         if self._stager is None:
-            self._stager = make_stager(self.log)
+            self._stager = CpuStaging()
         self._stager, staged = stage(self._stager, tensors, self.log)
         small = json_copy({k: parts[k].state_dict() for k in SMALL_KEYS + RANK_KEYS})
         self.snapshot = Snapshot(int(small["trainer"]["step"]), staged, small)
@@ -56,6 +56,4 @@ class MemorySnapshots:
         return s.step
 
     def close(self) -> None:
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
+        self.snapshot, self._stager = None, None

@@ -1,56 +1,98 @@
 """Copies of the state that training may not change: CPU staging buffers and detached JSON parts.
 
-Staging uses `torch.distributed.checkpoint.staging.DefaultStager`, synchronous (the loop waits for the
-copy, then goes on while the copy is written), with pinned buffers and non-blocking copies on CUDA.
-Its buffers are kept per source tensor and reused by every later save, as Kiln's own staging did
-(0.26 s at 1B on an H100: the device-to-host copy at PCIe speed). What DCP's stager cannot do is
-allocate its pinned buffers without a copy; `warm_up` therefore stages once, from a side stream in
-a background thread right after the first step, so that the first checkpoint only copies. That
-copy is thrown away (the state changes under it), and it does not hold up training kernels.
+`CpuStaging` keeps one CPU buffer per tensor of the state (pinned on CUDA; a DTensor's buffer is a CPU
+DTensor of the same placements) and copies into it at every save, non-blocking, then waits for the
+copies: 0.26 s at 1B on an H100, the device-to-host copy at PCIe speed. `allocate` makes the buffers
+ahead of the first save, in a background thread, without copying.
+
+Why not `torch.distributed.checkpoint.staging.DefaultStager`: it copies whole untyped storages
+(`UntypedStorage.copy_`), which on the CPU measured 300x slower than tensor copies (0.3 s against
+1 ms for the 1.4 MB tiny state; 12 ms against 0.25 ms for one 64 KB storage), so CPU runs would wait
+on every save; and it cannot allocate its pinned buffers without a copy, so the first save of a
+GPU run would wait for pinning the whole state (about 7 s at 1B). DCP's `async_save` does write the
+staged copy (checkpointer.py).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import weakref
 from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
 
 
 def on_cuda() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-def make_stager(log: Callable[[str], None], pin: bool | None = None) -> DefaultStager:
-    """A synchronous DCP stager: pinned memory and non-blocking copies where CUDA is in use."""
-    cuda = on_cuda() if pin is None else pin
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=cuda))
+def _pin(t: torch.Tensor) -> None:
+    """Page-lock the memory of a CPU tensor (what `pin_memory=True` allocation does, for one we have)."""
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)) != 0:
+        raise RuntimeError("cudaHostRegister failed")
+    weakref.finalize(t.untyped_storage(), cudart.cudaHostUnregister, t.data_ptr()).atexit = False
 
 
-def stage(stager: DefaultStager, tensors: dict[str, Any], log: Callable[[str], None]) -> tuple[DefaultStager, Any]:
-    """Stage `tensors` (returns the stager used: a plain-memory one if pinning fails) and the CPU copy."""
+class CpuStaging:
+    """Reusable CPU copies of nested dicts/lists of tensors (the layout is checked at every copy)."""
+
+    def __init__(self, pin: bool | None = None):
+        self.pin = on_cuda() if pin is None else pin
+        self.buffers: Any = None
+
+    def _new(self, src: torch.Tensor) -> torch.Tensor:
+        if isinstance(src, DTensor):
+            buf = src.to("cpu")  # a CPU DTensor: same mesh and placements, local shard on the CPU
+            local = buf.to_local()
+            if self.pin and local.numel():
+                _pin(local)
+            return buf
+        return torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=self.pin and src.numel() > 0)
+
+    def _walk(self, src: Any, old: Any, copy: bool) -> Any:
+        if isinstance(src, torch.Tensor):
+            fits = (isinstance(old, torch.Tensor) and isinstance(old, DTensor) == isinstance(src, DTensor)
+                    and old.shape == src.shape and old.dtype == src.dtype
+                    and (not isinstance(src, DTensor) or old.to_local().shape == src.to_local().shape))
+            buf = old if fits else self._new(src)
+            if copy:
+                dst, s = (buf.to_local(), src.to_local()) if isinstance(src, DTensor) else (buf, src)
+                dst.copy_(s, non_blocking=self.pin)
+            return buf
+        if isinstance(src, dict):
+            return {k: self._walk(v, old.get(k) if isinstance(old, dict) else None, copy) for k, v in src.items()}
+        if isinstance(src, (list, tuple)):
+            olds = old if isinstance(old, (list, tuple)) and len(old) == len(src) else [None] * len(src)
+            return type(src)(self._walk(v, o, copy) for v, o in zip(src, olds))
+        return src
+
+    def allocate(self, tree: Any) -> None:
+        """Make the buffers for `tree` without copying (call in a background thread after the first step)."""
+        with torch.no_grad():
+            self.buffers = self._walk(tree, self.buffers, copy=False)
+
+    def stage(self, tree: Any) -> Any:
+        """Copy `tree` into the buffers (made or remade as needed); returns the staged tree."""
+        with torch.no_grad():
+            self.buffers = self._walk(tree, self.buffers, copy=True)
+        if on_cuda():
+            torch.cuda.synchronize()
+        return self.buffers
+
+
+def stage(staging: CpuStaging, tree: Any, log) -> tuple[CpuStaging, Any]:
+    """Stage `tree` (returns the staging used: a plain-memory one if pinning fails) and the CPU copy."""
     try:
-        return stager, stager.stage(tensors)
+        return staging, staging.stage(tree)
     except RuntimeError as e:  # pinned (page-locked) memory is scarcer than plain memory
-        if not on_cuda():
+        if not staging.pin:
             raise
         log(f"could not pin CPU memory for checkpoint staging ({e}); using plain memory (slower)")
-        stager.close()
-        plain = DefaultStager(StagingOptions(False, False, False, False))
-        return plain, plain.stage(tensors)
-
-
-def warm_up(stager: DefaultStager, tensors: dict[str, Any]) -> None:
-    """Allocate the stager's buffers (a throwaway copy, made from a side stream off the training stream)."""
-    if on_cuda():
-        with torch.cuda.stream(torch.cuda.Stream()):
-            stager.stage(tensors)
-    else:
-        stager.stage(tensors)
+        plain = CpuStaging(pin=False)
+        return plain, plain.stage(tree)
 
 
 def clone_tree(obj: Any) -> Any:
