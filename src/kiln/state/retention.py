@@ -101,8 +101,9 @@ class KeepLast(CheckpointPolicy):
         aside = set_aside(self.run_dir)
         if aside:
             size = sum(size_of(p) for p in aside)
-            advice.append(f"{len(aside)} damaged checkpoint(s) set aside by a resume ({', '.join(p.name for p in aside)}"
-                          f", {human(size)}) can be deleted once inspected.")
+            names = ", ".join(p.name for p in aside)
+            advice.append(f"{len(aside)} damaged checkpoint(s) set aside by a resume ({names}, {human(size)}) can "
+                          "be deleted once inspected.")
         return advice
 
 
