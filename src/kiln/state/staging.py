@@ -31,7 +31,7 @@ def on_cuda() -> bool:
 def _pin(t: torch.Tensor) -> None:
     """Page-lock the memory of a CPU tensor (what `pin_memory=True` allocation does, for one we have)."""
     cudart = torch.cuda.cudart()
-    if int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)) != 0:
+    if int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 1)) != 0:
         raise RuntimeError("cudaHostRegister failed")
     weakref.finalize(t.untyped_storage(), cudart.cudaHostUnregister, t.data_ptr()).atexit = False
 
