@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from kiln.config import DataConfig
-from kiln.data.prepare import pipeline as prepare_mod
 from kiln.data.format.dataset import open_dataset
+from kiln.data.prepare import pipeline as prepare_mod
 from kiln.data.prepare.pipeline import prepare
+from kiln.data.prepare.tokenizer import train_bpe
 from kiln.data.read.records import doc_hash, is_val
 from kiln.data.read.sources import stdlib_files
-from kiln.data.prepare.tokenizer import train_bpe
 from kiln.errors import DataError
 
 
@@ -223,7 +223,8 @@ def test_kill_9_then_rerun_finishes_without_redoing_shards(corpus, tmp_path, wor
 def test_same_data_prepared_by_two_processes_at_once(corpus, tmp_path):
     cfg = config(corpus, tmp_path, shard_tokens=2_000, workers=2)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    script = KILLABLE.replace("prepare_mod.prepare(", "print(prepare_mod.prepare(").replace("argv[1])))", "argv[1]))).path)")
+    script = KILLABLE.replace("prepare_mod.prepare(", "print(prepare_mod.prepare(")
+    script = script.replace("argv[1])))", "argv[1]))).path)")
     procs = [subprocess.Popen([sys.executable, "-c", script, cfg.model_dump_json()], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
@@ -328,7 +329,8 @@ def test_sources_without_a_key_are_hashed_first_and_reused(corpus, tmp_path, mon
 def test_a_script_without_main_guard_works_with_forked_workers(corpus, tmp_path):
     cfg = config(corpus, tmp_path, workers=2)
     script = tmp_path / "script.py"
-    script.write_text("import json, sys\nfrom kiln.config import DataConfig\nfrom kiln.data.prepare import pipeline as p\n"
+    script.write_text("import json, sys\nfrom kiln.config import DataConfig\n"
+                      "from kiln.data.prepare import pipeline as p\n"
                       "p.POOL_MIN_BYTES = 0\n"
                       "print(p.prepare(DataConfig(**json.loads(sys.argv[1]))).path)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -411,9 +413,8 @@ def test_a_killed_worker_is_a_resource_error(corpus, tmp_path, monkeypatch):
     """What the OOM killer does to a tokenizer worker: a clear error, and the next run completes."""
     import multiprocessing
 
-    from kiln.errors import ResourceError
-
     from kiln.data.prepare.encode import Encoder
+    from kiln.errors import ResourceError
 
     monkeypatch.setattr(prepare_mod, "POOL_MIN_BYTES", 0)
     monkeypatch.setattr(prepare_mod, "BATCH_BYTES", 2_000)
@@ -538,7 +539,8 @@ def test_a_prepare_killed_while_another_waits_on_its_lock(corpus, tmp_path):
     leaves no lock file or staging directory behind."""
     cfg = config(corpus, tmp_path, shard_tokens=2_000, val_fraction=0.05)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    script = KILLABLE.replace("prepare_mod.prepare(", "print(prepare_mod.prepare(").replace("argv[1])))", "argv[1]))).path)")
+    script = KILLABLE.replace("prepare_mod.prepare(", "print(prepare_mod.prepare(")
+    script = script.replace("argv[1])))", "argv[1]))).path)")
     script = script.replace("argv[1]))", "argv[1])), console=Console(stderr=True, width=400), progress=False")
     script = script.replace("if __name__", "from rich.console import Console\nif __name__", 1)  # says it waits
     holder = subprocess.Popen([sys.executable, "-c", stalling(KILLABLE, 3), cfg.model_dump_json()], env=env,
