@@ -48,11 +48,11 @@ def test_a_waiter_on_a_removed_lock_file_locks_the_path_anew(tmp_path):
     order, got, waiting, main_waits = [], threading.Event(), threading.Event(), threading.Event()
 
     def waiter():
-        with file_lock(path, "waiting", Signal(waiting)):
+        with file_lock(path, "waiting", EventConsole(waiting)):
             order.append("waiter")
             got.set()
-            assert main_waits.wait(10)  # hold the lock until the main thread waits for it
-            order.append("waiter done")
+            # hold the lock until the main thread waits for it
+            order.append("waiter done" if main_waits.wait(10) else "main never waited")
 
     with file_lock(path):
         t = threading.Thread(target=waiter)
@@ -62,14 +62,14 @@ def test_a_waiter_on_a_removed_lock_file_locks_the_path_anew(tmp_path):
     assert got.wait(10)
     with try_lock(path) as held:  # the waiter holds the lock of the file the path names now
         assert not held
-    with file_lock(path, "waiting", Signal(main_waits)):
+    with file_lock(path, "waiting", EventConsole(main_waits)):
         order.append("main")
     t.join()
     assert order == ["waiter", "waiter done", "main"]
     assert not path.exists()
 
 
-class Signal:
+class EventConsole:
     """A console for file_lock's waiting message: sets `event` when the lock is found taken."""
 
     def __init__(self, event: threading.Event):
