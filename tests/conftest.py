@@ -1,9 +1,12 @@
-"""Shared test setup: GPU-marked tests skip cleanly without CUDA; caches stay inside tmp dirs."""
+"""Shared test setup: GPU-marked tests skip cleanly without CUDA; caches stay inside tmp dirs; the
+process-wide loss kernel that `apply_compile` swaps is put back after each test."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+pytest_plugins = ["pytester"]  # tests/unit/dist/test_ac_compile.py runs pytest on this conftest
 
 
 def pytest_collection_modifyitems(config, items):
@@ -19,3 +22,14 @@ def pytest_collection_modifyitems(config, items):
 def _isolated_home(tmp_path_factory, monkeypatch):
     """Keep ~/.cache/kiln of the machine out of tests (the default cache_dir expands ~)."""
     monkeypatch.setenv("HOME", str(tmp_path_factory.getbasetemp() / "home"))
+
+
+@pytest.fixture(autouse=True)
+def _restore_loss_kernel():
+    """`kiln.dist.compile.apply_compile` swaps a compiled kernel into `ChunkKernel` for the whole process;
+    without this, every later test's loss would run (and compile) that kernel."""
+    from kiln.model.loss import ChunkKernel
+
+    saved = ChunkKernel.__dict__["fn"]  # the descriptor itself (a staticmethod), not what it gives
+    yield
+    ChunkKernel.fn = saved

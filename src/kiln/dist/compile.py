@@ -4,6 +4,7 @@ Each transformer block is compiled on its own (`nn.Module.compile`, in place): t
 one code object, so one compiled graph serves them all, compile time does not grow with depth,
 and activation checkpointing wraps cleanly inside. The chunked cross-entropy's elementwise kernel
 is compiled too, so the softmax, the loss and the logits' gradient are one fused pass per chunk.
+That kernel is process-wide (every model's loss uses it): `restore_loss_kernel` puts the plain one back.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ def apply_compile(model: nn.Module, loss: bool = True, scope: str = "blocks", mo
     if loss and loss_module.ChunkKernel.fn is loss_module.chunk_loss_and_grad:
         loss_module.ChunkKernel.fn = torch.compile(loss_module.chunk_loss_and_grad, fullgraph=True)
     return model
+
+
+def restore_loss_kernel() -> None:
+    """Undo the process-wide part of `apply_compile`: the loss of every model uses the plain (eager)
+    kernel again. Models already compiled keep their compiled blocks."""
+    loss_module.ChunkKernel.fn = staticmethod(loss_module.chunk_loss_and_grad)
 
 
 def compiled_graph_count() -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -32,35 +32,37 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 class Throughput:
-    """Measures the interval between two reads. `read` must follow a host sync (the loss read)."""
+    """Measures the interval between two reads. `read` must follow a host sync (the loss read).
+    `clock` gives seconds (time.perf_counter; tests pass a fake one)."""
 
-    def __init__(self, flops_per_token: float, device: torch.device, peak: float | None = None):
-        self.flops_per_token, self.device = flops_per_token, device
+    def __init__(self, flops_per_token: float, device: torch.device, peak: float | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.flops_per_token, self.device, self.clock = flops_per_token, device, clock
         self.peak = peak or peak_flops(device)
-        self._t0, self._step0, self._wait, self._paused = time.perf_counter(), 0, 0.0, 0.0
+        self._t0, self._step0, self._wait, self._paused = clock(), 0, 0.0, 0.0
 
     def start(self, step: int) -> None:
-        self._t0, self._step0, self._wait, self._paused = time.perf_counter(), step, 0.0, 0.0
+        self._t0, self._step0, self._wait, self._paused = self.clock(), step, 0.0, 0.0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
     @contextlib.contextmanager
     def waiting_for_data(self) -> Iterator[None]:
-        t = time.perf_counter()
+        t = self.clock()
         yield
-        self._wait += time.perf_counter() - t
+        self._wait += self.clock() - t
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Time inside (an evaluation, say) is not training time: tokens/s and MFU leave it out."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # queued training work finishes on the training clock
-        t = time.perf_counter()
+        t = self.clock()
         yield
-        self._paused += time.perf_counter() - t
+        self._paused += self.clock() - t
 
     def read(self, step: int, tokens_per_step: int) -> dict[str, float]:
-        now = time.perf_counter()
+        now = self.clock()
         dt = max(now - self._t0 - self._paused, 1e-9)
         tps = (step - self._step0) * tokens_per_step / dt
         out = {"tokens_per_s": tps, "data_wait": self._wait / dt}

@@ -1,11 +1,14 @@
 """Activation checkpointing and compilation change neither the numbers nor the state-dict keys."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from kiln.config import ModelConfig
 from kiln.dist.ac import apply_ac
-from kiln.dist.compile import apply_compile, compiled_graph_count
+from kiln.dist.compile import apply_compile, compiled_graph_count, restore_loss_kernel
+from kiln.model import loss as loss_module
 from kiln.model.llama import Transformer
 
 CFG = ModelConfig(size="tiny", vocab_size=256, max_seq_len=64)
@@ -54,3 +57,35 @@ def test_compiled_matches_eager_on_cpu(scope):
     assert abs(loss - loss0) < 1e-5 * abs(loss0)
     for n in g0:
         assert torch.allclose(g[n], g0[n], rtol=1e-4, atol=1e-6), n
+
+
+def test_restore_loss_kernel_undoes_the_swap():
+    apply_compile(Transformer(CFG))
+    assert loss_module.ChunkKernel.fn is not loss_module.chunk_loss_and_grad  # swapped, process-wide
+    restore_loss_kernel()
+    assert loss_module.ChunkKernel.fn is loss_module.chunk_loss_and_grad
+    h, w = torch.randn(8, 16, dtype=torch.float64), torch.randn(32, 16, dtype=torch.float64)
+    t = torch.randint(0, 32, (8,))
+    want = torch.nn.functional.cross_entropy(h @ w.t(), t)
+    assert torch.allclose(loss_module.linear_cross_entropy(h, w, t), want)  # a working loss again
+
+
+def test_the_swap_does_not_leak_into_the_next_test(pytester):
+    """Two tests run by pytest with this suite's conftest: the first compiles (the kernel is swapped
+    for the process), the second finds the plain kernel again."""
+    pytester.makeconftest((Path(__file__).parents[2] / "conftest.py").read_text())
+    pytester.makepyfile(test_two="""
+        from kiln.dist.compile import apply_compile
+        from kiln.config import ModelConfig
+        from kiln.model import loss
+        from kiln.model.llama import Transformer
+
+        def test_compiles():
+            apply_compile(Transformer(ModelConfig(size="tiny", vocab_size=256, max_seq_len=64)))
+            assert loss.ChunkKernel.fn is not loss.chunk_loss_and_grad
+
+        def test_then_plain():
+            assert loss.ChunkKernel.fn is loss.chunk_loss_and_grad
+    """)
+    pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=2)
+    assert loss_module.ChunkKernel.fn is loss_module.chunk_loss_and_grad

@@ -9,8 +9,7 @@ import torch
 
 from kiln.config import ModelConfig
 from kiln.errors import StateError
-from kiln.model.hf import (from_hf_config_dict, from_hf_state_dict, hf_config, to_hf_config_dict,
-                           to_hf_state_dict)
+from kiln.model.hf import from_hf_config_dict, from_hf_state_dict, hf_config, to_hf_config_dict, to_hf_state_dict
 from kiln.model.llama import Transformer
 
 transformers = pytest.importorskip("transformers")
@@ -22,6 +21,7 @@ def _stdlib_bytes(n: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
+@pytest.mark.slow  # 20 training steps of two models, each
 @pytest.mark.parametrize("tied", [True, False])
 def test_losses_match_hf_for_20_adamw_steps(tied):
     cfg = ModelConfig(size="tiny", vocab_size=256, tie_embeddings=tied, max_seq_len=64)

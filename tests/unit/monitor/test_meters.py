@@ -1,25 +1,39 @@
 """Throughput meters: tokens/s, MFU against a given or looked-up peak, and the data-wait fraction."""
 
-import time
-
+import pytest
 import torch
 
 from kiln.monitor.meters import Throughput, peak_flops
 
 
+class FakeClock:
+    """Seconds that pass only when the test says so."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def test_tokens_per_second_mfu_and_data_wait():
-    meter = Throughput(flops_per_token=1e9, device=torch.device("cpu"), peak=1e12)
+    clock = FakeClock()
+    meter = Throughput(flops_per_token=1e9, device=torch.device("cpu"), peak=1e12, clock=clock)
+    clock.advance(7.0)  # before start: not counted
     meter.start(step=10)
     with meter.waiting_for_data():
-        time.sleep(0.05)
-    time.sleep(0.05)
+        clock.advance(0.05)
+    clock.advance(0.05)
     m = meter.read(step=12, tokens_per_step=1000)
-    assert 2000 / 0.2 < m["tokens_per_s"] < 2000 / 0.1
-    assert abs(m["mfu"] - m["tokens_per_s"] * 1e9 / 1e12) < 1e-12
-    assert 0.3 < m["data_wait"] < 0.6
-    time.sleep(0.02)  # the next interval starts at the last read, with no waiting carried over
+    assert m["tokens_per_s"] == pytest.approx(2000 / 0.1)
+    assert m["mfu"] == pytest.approx(2000 / 0.1 * 1e9 / 1e12)
+    assert m["data_wait"] == pytest.approx(0.5)
+    clock.advance(0.02)  # the next interval starts at the last read, with no waiting carried over
     m2 = meter.read(step=13, tokens_per_step=1000)
-    assert m2["data_wait"] == 0.0 and m2["tokens_per_s"] < 1000 / 0.02
+    assert m2["data_wait"] == 0.0 and m2["tokens_per_s"] == pytest.approx(1000 / 0.02)
 
 
 def test_no_peak_on_cpu_means_no_mfu():
@@ -30,13 +44,17 @@ def test_no_peak_on_cpu_means_no_mfu():
 
 
 def test_paused_time_is_left_out():
-    meter = Throughput(flops_per_token=0.0, device=torch.device("cpu"))
+    clock = FakeClock()
+    meter = Throughput(flops_per_token=0.0, device=torch.device("cpu"), clock=clock)
     meter.start(0)
-    time.sleep(0.05)
+    clock.advance(0.05)
     with meter.paused():
-        time.sleep(0.3)
+        clock.advance(0.3)
     m = meter.read(1, 1000)
-    assert m["tokens_per_s"] > 1000 / 0.2  # 0.05 s of training, not 0.35
+    assert m["tokens_per_s"] == pytest.approx(1000 / 0.05)  # 0.05 s of training, not 0.35
+    assert "mfu" not in m
+    clock.advance(0.1)  # the pause is not carried into the next interval
+    assert meter.read(2, 1000)["tokens_per_s"] == pytest.approx(1000 / 0.1)
 
 
 def test_peak_table_picks_the_most_specific_name():

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kiln.state.checkpointer import Checkpointer
 
 from .conftest import make_trainer, run_steps
@@ -67,6 +69,7 @@ def launch_two(script: str, tmp_path: Path, run_dir: Path) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # torchrun, two processes, twice
 def test_two_ranks_save_once_and_resume_in_two_or_one(tmp_path):
     run_dir = tmp_path / "run"
     result = launch_two(WORKER, tmp_path, run_dir)
@@ -110,6 +113,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.slow  # torchrun, two processes
 def test_fsdp2_sharded_checkpoint_reshards_to_one_process(tmp_path):
     run_dir = tmp_path / "run"
     result = launch_two(FSDP_WORKER, tmp_path, run_dir)

@@ -6,6 +6,7 @@ import os
 import socket
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -43,6 +44,7 @@ def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # a real two-process gloo group
 def test_ranks_of_a_process_group_partition_the_stream(tmp_path):
     out = str(tmp_path / "out.pt")
     mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), out), nprocs=2, join=True)

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -16,12 +15,12 @@ from kiln.data.prepare.lock import file_lock, try_lock
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="no fcntl: no lock")
 
 HOLD = """
-import sys, time
+import signal, sys
 from pathlib import Path
 from kiln.data.prepare.lock import file_lock
 with file_lock(Path(sys.argv[1])):
     print("held", flush=True)
-    time.sleep(60)
+    signal.pause()  # until killed
 """
 
 
@@ -46,25 +45,35 @@ def test_a_waiter_on_a_removed_lock_file_locks_the_path_anew(tmp_path):
     """The holder removes the file as it lets go; a waiter that got the lock of that removed file must
     not believe it holds the path's lock (then two processes could hold it at once)."""
     path = tmp_path / "x.lock"
-    order, got = [], threading.Event()
+    order, got, waiting, main_waits = [], threading.Event(), threading.Event(), threading.Event()
 
     def waiter():
-        with file_lock(path):
+        with file_lock(path, "waiting", EventConsole(waiting)):
             order.append("waiter")
             got.set()
-            time.sleep(0.3)
-            order.append("waiter done")
+            # hold the lock until the main thread waits for it
+            order.append("waiter done" if main_waits.wait(10) else "main never waited")
 
     with file_lock(path):
         t = threading.Thread(target=waiter)
         t.start()
-        time.sleep(0.2)  # the waiter has opened the file and waits on it
+        assert waiting.wait(10)  # the waiter has opened the file and found it locked
         assert not got.is_set()
     assert got.wait(10)
     with try_lock(path) as held:  # the waiter holds the lock of the file the path names now
         assert not held
-    with file_lock(path):
+    with file_lock(path, "waiting", EventConsole(main_waits)):
         order.append("main")
     t.join()
     assert order == ["waiter", "waiter done", "main"]
     assert not path.exists()
+
+
+class EventConsole:
+    """A console for file_lock's waiting message: sets `event` when the lock is found taken."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def print(self, message: str) -> None:
+        self.event.set()

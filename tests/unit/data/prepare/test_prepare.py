@@ -7,19 +7,18 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kiln.config import DataConfig
-from kiln.data.prepare import pipeline as prepare_mod
 from kiln.data.format.dataset import open_dataset
+from kiln.data.prepare import pipeline as prepare_mod
 from kiln.data.prepare.pipeline import prepare
+from kiln.data.prepare.tokenizer import train_bpe
 from kiln.data.read.records import doc_hash, is_val
 from kiln.data.read.sources import stdlib_files
-from kiln.data.prepare.tokenizer import train_bpe
 from kiln.errors import DataError
 
 
@@ -172,24 +171,37 @@ if __name__ == "__main__":
     prepare_mod.prepare(DataConfig(**json.loads(sys.argv[1])))
 """
 
+STALL = """
+import signal
+from kiln.data.prepare import writer
+finish = writer.ShardWriter.finish
+def stall(self):
+    finish(self)
+    if self.split == "train" and self.index == {shards}:
+        print("stalled", flush=True)
+        signal.pause()  # until killed
+writer.ShardWriter.finish = stall
+"""
+
+
+def stalling(script: str, shards: int) -> str:
+    """`script` that prints "stalled" and stops for good once `shards` train shards are complete."""
+    return script.replace("if __name__", STALL.format(shards=shards) + "if __name__", 1)
+
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_kill_9_then_rerun_finishes_without_redoing_shards(corpus, tmp_path, workers):
     _, texts = corpus
     cfg = config(corpus, tmp_path, shard_tokens=2_000, val_fraction=0.05, workers=workers)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen([sys.executable, "-c", KILLABLE, cfg.model_dump_json()], env=env)
+    proc = subprocess.Popen([sys.executable, "-c", stalling(KILLABLE, 5), cfg.model_dump_json()], env=env,
+                            stdout=subprocess.PIPE, text=True)
     cache = tmp_path / "cache" / "datasets"
-    deadline, partial = time.monotonic() + 60, None
-    while time.monotonic() < deadline and proc.poll() is None:
-        done = list(cache.glob("partial-*/train/00004.json"))
-        if done:
-            partial = done[0].parent.parent
-            break
-        time.sleep(0.005)
+    stalled = proc.stdout.readline().strip() == "stalled"  # train shards 0 to 4 are complete
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert partial is not None and proc.returncode == -signal.SIGKILL, "prepare ended before it could be killed"
+    assert stalled and proc.returncode == -signal.SIGKILL, "prepare ended before it could be killed"
+    (partial,) = [p.parent for p in cache.glob("partial-*/train")]
     assert not (partial / "manifest.json").exists()
     assert [p.name for p in cache.iterdir() if not p.name.startswith("partial-")] == []  # no dataset id yet
     with pytest.raises(DataError, match="incomplete"):
@@ -211,7 +223,8 @@ def test_kill_9_then_rerun_finishes_without_redoing_shards(corpus, tmp_path, wor
 def test_same_data_prepared_by_two_processes_at_once(corpus, tmp_path):
     cfg = config(corpus, tmp_path, shard_tokens=2_000, workers=2)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    script = KILLABLE.replace("prepare_mod.prepare(", "print(prepare_mod.prepare(").replace("argv[1])))", "argv[1]))).path)")
+    script = KILLABLE.replace("prepare_mod.prepare(", "print(prepare_mod.prepare(")
+    script = script.replace("argv[1])))", "argv[1]))).path)")
     procs = [subprocess.Popen([sys.executable, "-c", script, cfg.model_dump_json()], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
@@ -316,7 +329,8 @@ def test_sources_without_a_key_are_hashed_first_and_reused(corpus, tmp_path, mon
 def test_a_script_without_main_guard_works_with_forked_workers(corpus, tmp_path):
     cfg = config(corpus, tmp_path, workers=2)
     script = tmp_path / "script.py"
-    script.write_text("import json, sys\nfrom kiln.config import DataConfig\nfrom kiln.data.prepare import pipeline as p\n"
+    script.write_text("import json, sys\nfrom kiln.config import DataConfig\n"
+                      "from kiln.data.prepare import pipeline as p\n"
                       "p.POOL_MIN_BYTES = 0\n"
                       "print(p.prepare(DataConfig(**json.loads(sys.argv[1]))).path)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -398,37 +412,31 @@ def test_vocabulary_above_uint16_gives_uint32_shards(tmp_path):
 def test_a_killed_worker_is_a_resource_error(corpus, tmp_path, monkeypatch):
     """What the OOM killer does to a tokenizer worker: a clear error, and the next run completes."""
     import multiprocessing
-    import threading
 
+    from kiln.data.prepare.encode import Encoder
     from kiln.errors import ResourceError
 
     monkeypatch.setattr(prepare_mod, "POOL_MIN_BYTES", 0)
     monkeypatch.setattr(prepare_mod, "BATCH_BYTES", 2_000)
     cfg = config(corpus, tmp_path, workers=2)
-    stop = threading.Event()
+    submit, killed = Encoder.submit, []
 
-    def kill_a_worker():
-        while not stop.is_set():
-            children = multiprocessing.active_children()
-            if children:
-                os.kill(children[0].pid, signal.SIGKILL)
-                return
-            time.sleep(0.01)
+    def kill_a_worker_then_submit(self, tag, texts):
+        if not killed:  # the workers are started; the first batch is on its way
+            killed.append(multiprocessing.active_children()[0].pid)
+            os.kill(killed[0], signal.SIGKILL)
+        submit(self, tag, texts)
 
-    killer = threading.Thread(target=kill_a_worker)
-    killer.start()
-    try:
-        with pytest.raises(ResourceError, match="tokenizer worker process died"):
-            prepare(cfg)
-    finally:
-        stop.set()
-        killer.join()
+    monkeypatch.setattr(Encoder, "submit", kill_a_worker_then_submit)
+    with pytest.raises(ResourceError, match="tokenizer worker process died"):
+        prepare(cfg)
+    assert killed
+    monkeypatch.setattr(Encoder, "submit", submit)
     assert prepare(cfg).verify() == []
 
 
 HALF_SENT = """
 import concurrent.futures.process as cfp, json, os, struct, sys, time
-from pathlib import Path
 from kiln.config import DataConfig
 from kiln.data.prepare import pipeline as prepare_mod
 real = cfp._sendback_result
@@ -437,7 +445,7 @@ def half_sent(result_queue, work_id, result=None, **kw):
         return real(result_queue, work_id, result, **kw)
     with result_queue._wlock:  # a result's header and part of its body, then nothing more
         os.write(result_queue._writer.fileno(), struct.pack("!i", 1 << 20) + bytes(1000))
-        Path(sys.argv[2]).touch()
+        os.write(1, b"half-sent\\n")
         time.sleep(120)
 cfp._sendback_result = half_sent  # in the forked workers
 if __name__ == "__main__":
@@ -451,13 +459,11 @@ def test_ctrl_c_while_a_worker_sends_a_result_exits(corpus, tmp_path):
     thread reading the rest forever, so the interrupted prepare never exited."""
     cfg = config(corpus, tmp_path, workers=2)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    marker = tmp_path / "half-sent"
-    proc = subprocess.Popen([sys.executable, "-c", HALF_SENT, cfg.model_dump_json(), str(marker)], env=env,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert marker.exists(), proc.stderr.read() if proc.poll() is not None else "no worker sent a result"
+    proc = subprocess.Popen([sys.executable, "-c", HALF_SENT, cfg.model_dump_json()], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.stdout.readline() != "half-sent\n":  # a worker stopped halfway through sending a result
+        proc.kill()
+        pytest.fail(f"no worker sent a result: {proc.communicate()[1]}")
     proc.send_signal(signal.SIGINT)
     try:
         _, err = proc.communicate(timeout=30)
@@ -533,18 +539,20 @@ def test_a_prepare_killed_while_another_waits_on_its_lock(corpus, tmp_path):
     leaves no lock file or staging directory behind."""
     cfg = config(corpus, tmp_path, shard_tokens=2_000, val_fraction=0.05)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    script = KILLABLE.replace("prepare_mod.prepare(", "print(prepare_mod.prepare(").replace("argv[1])))", "argv[1]))).path)")
-    stalls = KILLABLE.replace("if __name__", "from kiln.data.prepare import writer\nfinish = writer.ShardWriter.finish\n"
-                              "def stall(self):\n    finish(self)\n    if self.index == 3:\n        time.sleep(60)\n"
-                              "writer.ShardWriter.finish = stall\nif __name__").replace("import json", "import json, time")
-    holder = subprocess.Popen([sys.executable, "-c", stalls, cfg.model_dump_json()], env=env)
+    script = KILLABLE.replace("prepare_mod.prepare(", "print(prepare_mod.prepare(")
+    script = script.replace("argv[1])))", "argv[1]))).path)")
+    script = script.replace("argv[1]))", "argv[1])), console=Console(stderr=True, width=400), progress=False")
+    script = script.replace("if __name__", "from rich.console import Console\nif __name__", 1)  # says it waits
+    holder = subprocess.Popen([sys.executable, "-c", stalling(KILLABLE, 3), cfg.model_dump_json()], env=env,
+                              stdout=subprocess.PIPE, text=True)
     cache = tmp_path / "cache"
-    deadline = time.monotonic() + 60
-    while not list(cache.glob("datasets/partial-*/train/00002.json")) and time.monotonic() < deadline:
-        time.sleep(0.005)
+    assert holder.stdout.readline() == "stalled\n"  # train shards 0 to 2 are complete
     waiter = subprocess.Popen([sys.executable, "-c", script, cfg.model_dump_json()], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)
+    seen = []
+    while not (seen and "waiting for another process preparing the same dataset" in seen[-1]):
+        seen.append(waiter.stderr.readline())
+        assert seen[-1], f"the waiter did not wait on the lock: {seen}"
     assert waiter.poll() is None  # waiting on the lock
     holder.send_signal(signal.SIGKILL)
     holder.wait()
