@@ -375,15 +375,11 @@ class RunConfig(Section):
     def problems(self) -> list[Problem]:
         """The checks across sections (each section checks its own fields: see `all_problems`)."""
         out: list[Problem] = []
-        t, m, d = self.train, self.model, self.data
+        t, m = self.train, self.model
         if t.seq_len > m.max_seq_len:
             out.append((("train.seq_len", "model.max_seq_len"),
                         f"train.seq_len={t.seq_len} is longer than model.max_seq_len={m.max_seq_len}; raise "
                         "model.max_seq_len or shorten train.seq_len"))
-        if m.vocab_size is not None and d.trains_tokenizer and m.vocab_size < d.vocab_size:
-            out.append((("model.vocab_size", "model.size", "data.vocab_size", "data.tokenizer", "data.mixture"),
-                        f"model.vocab_size={m.vocab_size} is smaller than data.vocab_size={d.vocab_size}, the "
-                        "tokenizer trained here; raise model.vocab_size or leave it null (the tokenizer's size)"))
         return out
 
     def all_problems(self) -> list[tuple[str, tuple[str, ...], str]]:
