@@ -600,5 +600,7 @@ def describe_fields() -> str:
         lines.append(f"{sname}: {sfield.description or ''}")
         for name, f in section.model_fields.items():  # type: ignore[union-attr]
             ann = getattr(f.annotation, "__name__", None) or str(f.annotation).replace("typing.", "")
-            lines.append(f"  {sname}.{name} ({ann}, default {f.default!r}): {f.description or ''}")
+            bounds = "".join(f", {op} {getattr(c, attr)}" for c in f.metadata for attr, op in
+                             (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")) if hasattr(c, attr))
+            lines.append(f"  {sname}.{name} ({ann}{bounds}, default {f.default!r}): {f.description or ''}")
     return "\n".join(lines)
