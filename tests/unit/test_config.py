@@ -20,7 +20,8 @@ def test_defaults_are_valid_and_round_trip(tmp_path):
 
 def test_yaml_and_dotted_overrides(tmp_path):
     p = write(tmp_path, "train:\n  lr: 1.0e-3\n  max_steps: 50\nmodel:\n  n_layers: 2\n")
-    cfg = load_config(p, ["train.lr=3e-4", "model.n_layers=4", "model.tie_embeddings=false", "data.sources=[a.txt, b.txt]"])
+    cfg = load_config(p, ["train.lr=3e-4", "model.n_layers=4", "model.tie_embeddings=false",
+                          "data.sources=[a.txt, b.txt]"])
     assert cfg.train.lr == pytest.approx(3e-4)
     assert cfg.train.max_steps == 50
     assert cfg.model.n_layers == 4
