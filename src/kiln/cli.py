@@ -15,8 +15,10 @@ from kiln.errors import ConfigError, KilnError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, pretty_exceptions_enable=False,
                   help="Kiln: raw text to a trained causal language model.")
-console = Console()
-err_console = Console(stderr=True)
+# soft_wrap: lines are never broken by rich (it wraps at 80 columns when the output is not a terminal), so a
+# path or file:line in a message stays whole and can be copied
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
 _state = {"debug": False}
 
 
@@ -137,10 +139,15 @@ def prepare(
 def generate(
     run_dir: str = typer.Argument(..., help="Run directory of a finished `kiln train` (or its model/ folder)."),
     prompt: str = typer.Option("", "--prompt", "-p", help="Text to continue."),
-    max_new_tokens: int = typer.Option(100, "--max-new-tokens", "-n", help="Tokens to generate."),
-    temperature: float = typer.Option(0.8, "--temperature", "-t", help="Sampling temperature; 0 is greedy."),
-    top_k: int = typer.Option(50, "--top-k", help="Sample among the k most likely tokens (0: all)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for reproducible samples."),
+    max_new_tokens: int = typer.Option(100, "--max-new-tokens", "-n", min=1, help="Tokens to generate."),
+    temperature: float = typer.Option(0.8, "--temperature", "-t", min=0.0,
+                                      help="Sampling temperature: higher is more varied; 0 is greedy (always the "
+                                           "most likely token)."),
+    top_k: int = typer.Option(50, "--top-k", min=0, help="Sample among the k most likely tokens (0: all)."),
+    seed: Optional[int] = typer.Option(None, "--seed", min=0, help="Seed for reproducible samples."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1,
+                                          help="CPU threads of PyTorch (on the CPU only); default: 1 for a small "
+                                               "model, as train.threads."),
 ) -> None:
     """Sample text from a trained model.
 
@@ -150,15 +157,20 @@ def generate(
 
     from kiln.errors import ConfigError
     from kiln.model.generate import generate as sample
+    from kiln.model.generate import start_ids
     from kiln.state.weights import load_model
+    from kiln.train.threads import apply_threads
 
-    if max_new_tokens < 1:
-        raise ConfigError("--max-new-tokens must be at least 1")
-    model, tok = load_model(run_dir, "cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tok = load_model(run_dir, device)
     if tok is None:
         raise ConfigError(f"{run_dir} holds no tokenizer.json; cannot encode the prompt")
-    ids = tok.encode(prompt) if prompt else [tok.eos_id]
-    out = sample(model, ids, max_new_tokens, temperature, top_k or None, seed)
+    apply_threads(threads, device, sum(p.numel() for p in model.parameters()))
+    try:
+        ids = start_ids(tok, prompt)
+    except ValueError as e:
+        raise ConfigError(f"--prompt: {e}; give a prompt") from None
+    out = sample(model, ids, max_new_tokens, temperature, top_k or None, seed, vocab_size=tok.vocab_size)
     print(prompt + tok.decode(out))
 
 

@@ -5,21 +5,34 @@
 Every field has a type, a default where one makes sense and a one-line docstring, which is what
 `kiln train --help-config` prints. Unknown keys and bad values raise one `ConfigError` that lists
 every problem with its full key path and, for typos, the closest valid key.
+
+Bounds of single values are pydantic constraints on the fields; checks that involve several fields
+are each section's `problems()`. `load_config` reports all of them in one pass: it validates with
+those checks deferred, sets aside the values that failed, and runs every check whose fields are
+all valid, so a typo in one section never hides a wrong value in another.
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
+import re
+import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from kiln.errors import ConfigError
 
 PRESETS_DIR = Path(__file__).parent / "configs"
+
+
+# a problem found by a cross-field check: (the fields it involves, relative to the section; the message)
+Problem = tuple[tuple[str, ...], str]
+_DEFER = "kiln_defer_checks"  # validation context key: skip the cross-field checks (load_config runs them)
 
 
 class Section(BaseModel):
@@ -27,31 +40,43 @@ class Section(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
+    def problems(self) -> list[Problem]:
+        """Every inconsistency between this section's fields (their single values are already valid)."""
+        return []
+
+    @model_validator(mode="after")
+    def _check_problems(self, info: ValidationInfo) -> Section:
+        if not (info.context or {}).get(_DEFER):
+            found = self.problems()
+            if found:
+                raise ValueError("; ".join(msg for _, msg in found))
+        return self
+
 
 class ModelConfig(Section):
     size: str | None = None
     """Named size from the registry (tiny, 124m, 350m, 1b, 3b, 8b); fields set here override it."""
-    vocab_size: int | None = None
+    vocab_size: int | None = Field(None, ge=1, le=1 << 31)
     """Vocabulary size; null takes the tokenizer's, rounded up to a multiple of 64."""
-    d_model: int = 256
+    d_model: int = Field(256, ge=2)
     """Width of the residual stream."""
-    n_layers: int = 4
+    n_layers: int = Field(4, ge=1)
     """Number of transformer blocks."""
-    n_heads: int = 4
+    n_heads: int = Field(4, ge=1)
     """Number of query heads; d_model must divide evenly by it."""
-    n_kv_heads: int | None = None
+    n_kv_heads: int | None = Field(None, ge=1)
     """Number of key/value heads (grouped-query attention); null means n_heads."""
-    ffn_hidden: int | None = None
+    ffn_hidden: int | None = Field(None, ge=1)
     """Hidden width of the SwiGLU MLP; null means 8/3 * d_model rounded up to a multiple of 64."""
-    max_seq_len: int = 2048
+    max_seq_len: int = Field(2048, ge=1)
     """Longest sequence the model is meant for (recorded in exports)."""
-    rope_theta: float = 10000.0
+    rope_theta: float = Field(10000.0, gt=0)
     """Base of the rotary position embedding frequencies."""
-    norm_eps: float = 1e-5
+    norm_eps: float = Field(1e-5, gt=0, lt=1)
     """Epsilon of the RMSNorm layers."""
     tie_embeddings: bool = True
     """Share the input embedding and output projection weights."""
-    init_std: float = 0.02
+    init_std: float = Field(0.02, gt=0, le=1)
     """Standard deviation of the normal initialisation of linear and embedding weights."""
 
     @model_validator(mode="before")
@@ -68,15 +93,17 @@ class ModelConfig(Section):
             data = {**SIZES[size], **data}
         return data
 
-    @model_validator(mode="after")
-    def _check_shapes(self) -> ModelConfig:
+    def problems(self) -> list[Problem]:
+        out: list[Problem] = []
         if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
-        if (self.d_model // self.n_heads) % 2:
-            raise ValueError("head dimension (d_model / n_heads) must be even for rotary embeddings")
+            out.append((("d_model", "n_heads"), f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}"))
+        elif self.head_dim % 2:
+            out.append((("d_model", "n_heads"), f"head dimension d_model / n_heads = {self.head_dim} must be even "
+                                                "for rotary embeddings"))
         if self.n_heads % self.kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
-        return self
+            out.append((("n_heads", "n_kv_heads"),
+                        f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"))
+        return out
 
     @property
     def kv_heads(self) -> int:
@@ -98,16 +125,14 @@ class MixtureEntry(Section):
     """A prepared dataset directory (made by `kiln prepare`); its tokenizer must be the run's."""
     sources: list[str] | None = None
     """Or raw input files, directories or globs, prepared here with the run's tokenizer and data settings."""
-    weight: float = 1.0
+    weight: float = Field(1.0, gt=0)
     """Share of the samples drawn from this entry; weights are normalised to sum to one."""
 
-    @model_validator(mode="after")
-    def _one_input(self) -> MixtureEntry:
+    def problems(self) -> list[Problem]:
         if (self.dataset is None) == (self.sources is None):
-            raise ValueError("a mixture entry needs exactly one of 'dataset' (a prepared directory) or 'sources'")
-        if not self.weight > 0:
-            raise ValueError(f"weight must be positive, got {self.weight}")
-        return self
+            return [(("dataset", "sources"),
+                     "a mixture entry needs exactly one of 'dataset' (a prepared directory) or 'sources'")]
+        return []
 
 
 class DataConfig(Section):
@@ -134,27 +159,27 @@ class DataConfig(Section):
     a quote there loses its quotes."""
     dataset_split: str = "train"
     """For a saved Hugging Face DatasetDict directory: the split to read."""
-    max_bytes: int | None = 8_000_000
+    max_bytes: int | None = Field(8_000_000, ge=1)
     """Read at most this many characters of documents (null: all of them). Left unset, it is 8 MB when
     the sources are the built-in '@stdlib' (keeps the quickstart quick) and null for any other data."""
     on_bad_record: Literal["error", "skip"] = "error"
     """A record with a missing field, wrong type, invalid UTF-8, empty or over-long text: 'error' stops
     with its file and line, 'skip' drops it and counts it in the prepare report."""
-    max_record_bytes: int = 16 << 20
+    max_record_bytes: int = Field(16 << 20, ge=1)
     """A record longer than this many bytes (16 MiB) is bad (too_long). It bounds the memory one record
     may take: reading it, and encoding it, where the tokenizer library needs about 120 bytes per byte of
     the document in each worker (2 GB for 16 MiB)."""
-    min_chars: int = 0
+    min_chars: int = Field(0, ge=0)
     """Filter: drop documents shorter than this many characters (counted in the report)."""
-    max_chars: int | None = None
+    max_chars: int | None = Field(None, ge=1)
     """Filter: drop documents longer than this many characters (null: no limit)."""
     dedup: bool = True
     """Drop exact duplicate documents (same content hash), keeping the first."""
     tokenizer: str | None = None
     """A tokenizer.json or a local Hugging Face tokenizer directory; null trains a byte-level BPE on the sources."""
-    vocab_size: int = 4096
+    vocab_size: int = Field(4096, ge=1, le=1 << 31)
     """Vocabulary size of a tokenizer trained here."""
-    tokenizer_train_bytes: int = 200_000_000
+    tokenizer_train_bytes: int = Field(200_000_000, ge=1)
     """A tokenizer trained here learns from at most this many bytes of the documents."""
     eos_token: str = "auto"
     """Token appended after every document; 'auto': the tokenizer's <|endoftext|>, <|end_of_text|>, </s> or <eos>."""
@@ -163,11 +188,11 @@ class DataConfig(Section):
     parse_special_tokens: bool = False
     """Read special-token text inside documents (a literal '<|endoftext|>') as that special token; false
     encodes it as plain text, so no document can inject an EOS or BOS."""
-    val_fraction: float = 0.02
+    val_fraction: float = Field(0.02, ge=0, lt=1)
     """Fraction of documents held out for validation, chosen by document hash."""
-    shard_tokens: int = 100_000_000
+    shard_tokens: int = Field(100_000_000, ge=1)
     """Tokens per shard file; a shard is also the unit an interrupted prepare does not redo."""
-    workers: int | None = None
+    workers: int | None = Field(None, ge=1)
     """Processes that tokenize in `kiln prepare` (null: one per CPU core)."""
     cache_dir: str = "~/.cache/kiln"
     """Where tokenizers and prepared datasets are cached, keyed by their content hashes."""
@@ -179,7 +204,7 @@ class DataConfig(Section):
     """Visit packed rows in a new seeded order each epoch (streaming: the files); false keeps stream order."""
     streaming: bool = False
     """Read and tokenize the sources on the fly while training instead of preparing token shards first."""
-    prefetch: int = 2
+    prefetch: int = Field(2, ge=0)
     """Batches made ahead in a background thread (0: made inside the training loop)."""
     pin_memory: bool = True
     """On CUDA, give batches in pinned memory so copies to the GPU overlap compute."""
@@ -192,54 +217,70 @@ class DataConfig(Section):
             data = {**data, "max_bytes": 8_000_000 if quickstart else None}
         return data
 
-    @model_validator(mode="after")
-    def _check_loader(self) -> DataConfig:
+    @property
+    def trains_tokenizer(self) -> bool:
+        """True when a byte-level BPE of data.vocab_size is trained here (no tokenizer given or inherited
+        from a prepared dataset that comes first in the mixture)."""
+        return self.tokenizer is None and (not self.mixture or self.mixture[0].dataset is None)
+
+    def problems(self) -> list[Problem]:
+        out: list[Problem] = []
         if self.mixture and "sources" in self.model_fields_set:
-            raise ValueError("give either data.sources or data.mixture, not both")
+            out.append((("sources", "mixture"), "give either data.sources or data.mixture, not both"))
         if not self.mixture and not self.sources:
-            raise ValueError("data.sources is empty: name files, directories, globs or URLs (or '@stdlib')")
+            out.append((("sources", "mixture"),
+                        "data.sources is empty: name files, directories, globs or URLs (or '@stdlib')"))
         if self.mixture and self.streaming:
-            raise ValueError("data.streaming reads data.sources; it does not take a data.mixture")
-        if self.prefetch < 0:
-            raise ValueError(f"data.prefetch must be 0 or more, got {self.prefetch}")
-        if not 0 <= self.val_fraction < 1:
-            raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
-        if self.shard_tokens < 1 or self.max_record_bytes < 1 or (self.workers is not None and self.workers < 1):
-            raise ValueError("data.shard_tokens, data.max_record_bytes and data.workers must be positive")
+            out.append((("mixture", "streaming"), "data.streaming reads data.sources; it does not take a data.mixture"))
         if self.max_chars is not None and self.max_chars < self.min_chars:
-            raise ValueError(f"data.max_chars={self.max_chars} is below data.min_chars={self.min_chars}")
-        return self
+            out.append((("max_chars", "min_chars"),
+                        f"data.max_chars={self.max_chars} is below data.min_chars={self.min_chars}"))
+        if self.trains_tokenizer:
+            eos = "<|endoftext|>" if self.eos_token == "auto" else self.eos_token  # as data/prepare/tokenizer.py
+            bos = None if self.bos_token is None else "<|startoftext|>" if self.bos_token == "auto" else self.bos_token
+            need = 256 + len({eos, bos} - {None})
+            if self.vocab_size < need:
+                out.append((("vocab_size", "tokenizer", "eos_token", "bos_token", "mixture"),
+                            f"data.vocab_size={self.vocab_size} is too small for the byte-level BPE trained here: it "
+                            f"needs at least {need} (256 bytes + {need - 256} special token(s)); raise it (4096 is the "
+                            "default) or set data.tokenizer"))
+        return out
 
 
 class TrainConfig(Section):
-    seq_len: int = 256
+    seq_len: int = Field(256, ge=1)
     """Tokens per training sequence."""
-    batch_size: int = 8
+    batch_size: int = Field(8, ge=1)
     """Sequences per micro-batch on each device."""
-    grad_accum: int = 1
+    grad_accum: int = Field(1, ge=1)
     """Micro-batches accumulated per optimizer step."""
-    max_steps: int = 300
+    max_steps: int = Field(300, ge=1)
     """Optimizer steps to train for."""
-    lr: float = 2e-3
+    lr: float = Field(2e-3, gt=0, le=1)
     """Peak learning rate."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
     """Final learning rate as a fraction of the peak."""
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     """Learning-rate schedule after warmup: cosine decay, warmup-stable-decay, or constant."""
-    warmup_steps: int = 30
+    warmup_steps: int = Field(30, ge=0)
     """Linear warmup steps from zero to the peak learning rate."""
-    decay_fraction: float = 0.2
+    decay_fraction: float = Field(0.2, gt=0, le=1)
     """For 'wsd': the fraction of steps, at the end, spent decaying to min_lr."""
-    grad_clip: float = 1.0
+    grad_clip: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this value (0 disables clipping)."""
-    eval_every: int = 100
+    eval_every: int = Field(100, ge=0)
     """Evaluate on the validation split every N steps (0: only at the end)."""
-    eval_batches: int = 8
+    eval_batches: int = Field(8, ge=1)
     """Validation batches per evaluation."""
-    seed: int = 1337
+    seed: int = Field(1337, ge=0, lt=1 << 63)
     """Seed of weight initialisation, data order and sampling."""
     device: str = "auto"
     """'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
+    threads: int | None = Field(None, ge=1, le=1024)
+    """CPU threads of PyTorch in each process of a run on the CPU (torch.set_num_threads; GPU runs keep
+    PyTorch's default). null: 1 for a model under 20M parameters, whose small matrix products lose more to
+    keeping threads in step than they gain (measured: benchmarks/threads.py), else PyTorch's default (one per
+    physical core, or OMP_NUM_THREADS)."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """'bf16': autocast, with fp32 weights and optimizer state and a bf16 residual stream; 'fp32';
     or 'auto' (bf16 on CUDA, fp32 on CPU)."""
@@ -252,24 +293,31 @@ class TrainConfig(Section):
     """Recompute activations in the backward pass to save memory: 'selective' keeps each block's matrix
     product and attention outputs and recomputes its elementwise ops; 'full' recomputes whole blocks
     (3b on an H100 at batch 8: 61 GiB and 54% MFU selective, 46 GiB and 45% MFU full)."""
-    peak_tflops: float | None = None
+    peak_tflops: float | None = Field(None, gt=0)
     """Peak dense bf16 TFLOP/s of one device for the MFU metric; null looks the GPU up in a table."""
     run_dir: str | None = None
     """Run directory; null makes runs/<timestamp>."""
     sample_prompt: str = "def "
     """Prompt of the sample printed at the end of training."""
-    sample_tokens: int = 80
+    sample_tokens: int = Field(80, ge=0)
     """Tokens generated for that sample (0: no sample)."""
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", v):
+            raise ValueError("not a device; use auto, cpu, cuda or cuda:N")
+        return v
 
 
 class OptimConfig(Section):
-    weight_decay: float = 0.1
+    weight_decay: float = Field(0.1, ge=0)
     """AdamW weight decay, applied to matrices only (not norms, biases or embeddings)."""
-    beta1: float = 0.9
+    beta1: float = Field(0.9, ge=0, lt=1)
     """AdamW beta1."""
-    beta2: float = 0.95
+    beta2: float = Field(0.95, ge=0, lt=1)
     """AdamW beta2."""
-    eps: float = 1e-8
+    eps: float = Field(1e-8, gt=0)
     """AdamW epsilon."""
     fused: bool | None = None
     """Use the fused AdamW kernel; null: on CUDA only."""
@@ -278,42 +326,31 @@ class OptimConfig(Section):
 class CheckpointConfig(Section):
     save_final: bool = True
     """Save the trained model (safetensors + config) in the run directory at the end."""
-    every: int = 100
+    every: int = Field(100, ge=0)
     """Write a resumable checkpoint to <run_dir>/checkpoints/ every N steps (0: only at the end and on signals)."""
-    keep_last: int = 3
+    keep_last: int = Field(3, ge=1)
     """Keep the newest N checkpoints in the run directory; older ones are deleted once a newer one is complete."""
     async_save: bool = True
     """Write checkpoints in the background: the loop only waits while the state is copied to CPU memory
     (a pinned CPU copy of this process's share of the state is kept for the whole run)."""
-    snapshot_every: int = 0
+    snapshot_every: int = Field(0, ge=0)
     """Keep an in-memory copy of the whole state every N steps, for fast rollback (0: off; costs one state in RAM)."""
     archive_url: str | None = None
     """Archive location (a directory or any fsspec URL, e.g. s3://bucket/runs); null: no archive."""
-    archive_every: int = 0
+    archive_every: int = Field(0, ge=0)
     """Copy every M-th checkpoint to archive_url, verified after the copy (0: none but the best)."""
     archive_best: bool = True
     """Also keep the checkpoint with the lowest validation loss in archive_url."""
     fsync: bool = True
     """Flush checkpoint files to disk before a checkpoint is marked complete (survives power loss)."""
-    write_threads: int = 4
+    write_threads: int = Field(4, ge=1, le=256)
     """Threads (and files per process) that write a checkpoint; more threads, faster saves on fast disks."""
     on_signal: bool = True
     """On SIGTERM/SIGINT finish the step, write a checkpoint and exit 0; on a crash write an emergency one."""
 
-    @model_validator(mode="after")
-    def _check_counts(self) -> CheckpointConfig:
-        for name in ("every", "keep_last", "snapshot_every", "archive_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
-        if self.keep_last < 1:
-            raise ValueError("keep_last must be at least 1 (the newest checkpoint is what a resume needs)")
-        if self.write_threads < 1:
-            raise ValueError("write_threads must be at least 1")
-        return self
-
 
 class LoggingConfig(Section):
-    every: int = 10
+    every: int = Field(10, ge=1)
     """Read the loss back from the device and log every N steps."""
     console: bool = True
     """Show a progress bar and log lines on the console."""
@@ -335,12 +372,24 @@ class RunConfig(Section):
     logging: LoggingConfig = LoggingConfig()
     """Where metrics go."""
 
-    @model_validator(mode="after")
-    def _check_lengths(self) -> RunConfig:
-        if self.train.seq_len > self.model.max_seq_len:
-            raise ValueError(f"train.seq_len={self.train.seq_len} is longer than model.max_seq_len="
-                             f"{self.model.max_seq_len}; raise model.max_seq_len or shorten train.seq_len")
-        return self
+    def problems(self) -> list[Problem]:
+        """The checks across sections (each section checks its own fields: see `all_problems`)."""
+        out: list[Problem] = []
+        t, m = self.train, self.model
+        if t.seq_len > m.max_seq_len:
+            out.append((("train.seq_len", "model.max_seq_len"),
+                        f"train.seq_len={t.seq_len} is longer than model.max_seq_len={m.max_seq_len}; raise "
+                        "model.max_seq_len or shorten train.seq_len"))
+        return out
+
+    def all_problems(self) -> list[tuple[str, tuple[str, ...], str]]:
+        """Every cross-field problem of every section, as (where, full keys involved, message)."""
+        found = [(name, tuple(f"{name}.{k}" for k in keys), msg)
+                 for name in type(self).model_fields for keys, msg in getattr(self, name).problems()]
+        for i, entry in enumerate(self.data.mixture):
+            where = f"data.mixture.{i}"
+            found += [(where, tuple(f"{where}.{k}" for k in keys), msg) for keys, msg in entry.problems()]
+        return found + [("", keys, msg) for keys, msg in self.problems()]
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -367,16 +416,69 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             _apply_override(data, item)
         except ValueError as e:
             problems.append(str(e))
-    try:
-        cfg = RunConfig.model_validate(data)
-    except ValidationError as e:
-        problems.extend(_describe(err) for err in e.errors())
-        cfg = None
+    cfg, found = _validate_all(data)
+    problems += found
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ConfigError(f"{len(problems)} problem(s) in the config ({source}):\n{lines}")
     assert cfg is not None
     return cfg
+
+
+def _validate_all(data: dict[str, Any]) -> tuple[RunConfig | None, list[str]]:
+    """Validate `data` and describe every problem in it, of all sections, in one list.
+
+    The first pass checks single values (types, bounds, unknown keys) with the cross-field checks
+    deferred. The values that failed are set aside (their defaults stand in) and the config is built
+    again, then every cross-field check runs whose fields were all valid as given."""
+    found: list[tuple[int, str]] = []  # (section order, description)
+    order = {name: i for i, name in enumerate(RunConfig.model_fields)}
+
+    def add(key: str, text: str) -> None:
+        item = (order.get(key.split(".")[0], -1), text)
+        if item not in found:
+            found.append(item)
+
+    bad: list[str] = []  # keys of the values set aside
+    cfg = None
+    for _ in range(4):  # setting values aside cannot fail, but keep a bound on it
+        try:
+            cfg = RunConfig.model_validate(data, context={_DEFER: True})
+            break
+        except ValidationError as e:
+            for err in e.errors():
+                loc = _clean_loc(err["loc"])
+                add(".".join(map(str, loc)), _describe(err))
+                bad.append(".".join(map(str, loc)))
+                data = _without(data, loc)
+    if cfg is not None:
+        for where, keys, msg in cfg.all_problems():
+            if not any(k == b or k.startswith(b + ".") or b.startswith(k + ".") for k in keys for b in bad):
+                add(where or keys[0], f"{where}: {msg}" if where and not msg.startswith(where + ".") else msg)
+    found.sort(key=lambda item: item[0])  # stable: grouped by section, in the order found
+    return (cfg if not found else None), [text for _, text in found]
+
+
+def _clean_loc(loc: tuple) -> tuple:
+    """The key path of an error: validator names dropped, a list item's error set on the whole list."""
+    loc = tuple(p for p in loc if not str(p).startswith("function-"))
+    return loc[:-1] if loc and isinstance(loc[-1], int) else loc
+
+
+def _without(data: dict[str, Any], loc: tuple) -> dict[str, Any]:
+    """A copy of `data` without the value at `loc` (so the field's default stands in)."""
+    if not loc:
+        return data
+    data = copy.deepcopy(data)
+    node: Any = data
+    for part in loc[:-1]:
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            return data
+    if isinstance(node, dict):
+        node.pop(loc[-1], None)
+    return data
 
 
 def resolve_config_path(path: str | Path) -> Path:
@@ -411,11 +513,14 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise ValueError(f"override '{item}' is not KEY=VALUE (for example train.lr=3e-4)")
+    parts = key.strip().split(".")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
-    parts = key.strip().split(".")
+    text = _text_field(tuple(parts))
+    if text is not None and not raw.lstrip().startswith(("'", '"')) and not (text == "nullable" and value is None):
+        value = raw  # a text field takes the text as typed: YAML would strip 'The ' and read 'Q: a' as a mapping
     node = data
     for i, part in enumerate(parts[:-1]):
         path = tuple(parts[: i + 1])
@@ -427,6 +532,20 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
             raise ValueError(f"override '{item}': '{'.'.join(path)}' is a value, not a section")
         node = child
     node[parts[-1]] = value
+
+
+def _text_field(key: tuple[str, ...]) -> str | None:
+    """'text' for a str field at `key`, 'nullable' for a `str | None` one, None for any other key."""
+    section = _section_at(key[:-1])
+    field = section.model_fields.get(key[-1]) if section is not None else None
+    if field is None:
+        return None
+    if field.annotation is str:
+        return "text"
+    if typing.get_origin(field.annotation) in (typing.Union, types.UnionType) and \
+            set(typing.get_args(field.annotation)) == {str, type(None)}:
+        return "nullable"
+    return None
 
 
 def _section_at(loc: tuple) -> type[BaseModel] | None:
@@ -481,5 +600,7 @@ def describe_fields() -> str:
         lines.append(f"{sname}: {sfield.description or ''}")
         for name, f in section.model_fields.items():  # type: ignore[union-attr]
             ann = getattr(f.annotation, "__name__", None) or str(f.annotation).replace("typing.", "")
-            lines.append(f"  {sname}.{name} ({ann}, default {f.default!r}): {f.description or ''}")
+            bounds = "".join(f", {op} {getattr(c, attr)}" for c in f.metadata for attr, op in
+                             (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")) if hasattr(c, attr))
+            lines.append(f"  {sname}.{name} ({ann}{bounds}, default {f.default!r}): {f.description or ''}")
     return "\n".join(lines)

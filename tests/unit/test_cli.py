@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from kiln import __version__
 
 
@@ -49,3 +51,71 @@ def test_help_has_examples():
 def test_help_config_lists_documented_keys():
     r = kiln("train", "--help-config")
     assert r.returncode == 0 and "train.lr" in r.stdout and "Peak learning rate" in r.stdout
+
+
+def plain_env() -> dict:
+    """The environment of a user whose stderr is a pipe: no COLUMNS to widen rich's 80 columns."""
+    import os
+
+    return {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+
+
+@pytest.mark.parametrize("override,key", [("train.lr=-1", "train.lr"), ("train.batch_size=0", "train.batch_size"),
+                                          ("data.vocab_size=100", "data.vocab_size")])
+def test_a_bad_value_stops_before_anything_is_written_or_prepared(tmp_path, override, key):
+    r = kiln("train", override, f"data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert key in r.stderr and "1 problem(s)" in r.stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()
+
+
+def test_error_messages_are_not_wrapped_inside_paths(tmp_path):
+    deep = tmp_path / ("a_rather_long_directory_name_" * 3) / "config"
+    deep.mkdir(parents=True)
+    bad = deep / "broken.yaml"
+    bad.write_text("train:\n  lr: 1\n   max_steps: [\n")
+    assert len(str(bad)) > 80
+    r = subprocess.run([sys.executable, "-m", "kiln.cli", "train", str(bad)], capture_output=True, text=True,
+                       timeout=120, env=plain_env())
+    assert r.returncode == 2 and f"{bad}:3:" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A saved tiny model whose vocabulary (320) is padded beyond its tokenizer's (300)."""
+    import torch
+
+    from kiln.config import ModelConfig
+    from kiln.data.prepare.tokenizer import train_bpe
+    from kiln.model.llama import Transformer
+    from kiln.state.weights import save_model
+
+    tok = train_bpe(["def f(x):\n    return x * 2\n", "class A:\n    pass\n"] * 50, 300)
+    assert tok.vocab_size <= 300
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(size="tiny", vocab_size=320))
+    out = tmp_path_factory.mktemp("run")
+    save_model(model, model.cfg, tok, out / "model")
+    return out
+
+
+@pytest.mark.parametrize("args,option", [(["--top-k", "-1"], "--top-k"), (["--temperature", "-0.5"], "--temperature"),
+                                         (["-n", "0"], "--max-new-tokens"), (["--threads", "0"], "--threads")])
+def test_generate_refuses_bad_sampling_options(model_dir, args, option):
+    r = kiln("generate", str(model_dir), "--prompt", "def ", *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and option in r.stderr
+
+
+def test_generate_greedy_with_threads(model_dir):
+    r = kiln("generate", str(model_dir), "--prompt", "def ", "-n", "5", "--temperature", "0", "--top-k", "0",
+             "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("def ")
+    again = kiln("generate", str(model_dir), "--prompt", "def ", "-n", "5", "--temperature", "0", "--seed", "3")
+    assert again.stdout == r.stdout  # greedy: the seed does not matter
+
+
+def test_generate_help_says_zero_is_greedy():
+    r = kiln("generate", "--help")
+    assert r.returncode == 0 and "greedy" in r.stdout and "--threads" in r.stdout

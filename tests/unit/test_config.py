@@ -20,7 +20,8 @@ def test_defaults_are_valid_and_round_trip(tmp_path):
 
 def test_yaml_and_dotted_overrides(tmp_path):
     p = write(tmp_path, "train:\n  lr: 1.0e-3\n  max_steps: 50\nmodel:\n  n_layers: 2\n")
-    cfg = load_config(p, ["train.lr=3e-4", "model.n_layers=4", "model.tie_embeddings=false", "data.sources=[a.txt, b.txt]"])
+    cfg = load_config(p, ["train.lr=3e-4", "model.n_layers=4", "model.tie_embeddings=false",
+                          "data.sources=[a.txt, b.txt]"])
     assert cfg.train.lr == pytest.approx(3e-4)
     assert cfg.train.max_steps == 50
     assert cfg.model.n_layers == 4
@@ -122,3 +123,134 @@ def test_an_override_of_sources_or_mixture_replaces_the_files_other():
 def test_bad_override_is_a_config_error_that_says_why(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+DOZEN_MISTAKES = """\
+model:
+  d_model: 100
+  n_heads: 3
+  n_layrs: 2
+  norm_eps: -1
+  max_seq_len: 128
+data:
+  vocab_size: 100
+  val_fraction: 1.5
+  min_chars: 50
+  max_chars: 10
+  fromat: jsonl
+train:
+  seq_len: 256
+  lr: -1
+  batch_size: 0
+  schedule: linear
+  device: gpu
+  threads: 0
+optim:
+  beta2: 1.5
+checkpoint:
+  keep_last: 0
+logging:
+  every: often
+"""
+
+
+def test_a_dozen_mistakes_across_sections_come_out_in_one_error(tmp_path):
+    """Bounds, types, unknown keys and cross-field checks of every section, all at once (no rounds)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, DOZEN_MISTAKES))
+    msg = str(e.value)
+    expected = [
+        "model.norm_eps: Input should be greater than 0",
+        "model.n_layrs: unknown key; did you mean 'model.n_layers'?",
+        "d_model=100 is not divisible by n_heads=3",
+        "data.val_fraction: Input should be less than 1",
+        "data.fromat: unknown key; did you mean 'data.format'?",
+        "data.max_chars=10 is below data.min_chars=50",
+        "data.vocab_size=100 is too small for the byte-level BPE trained here: it needs at least 257",
+        "train.batch_size: Input should be greater than or equal to 1 (got 0)",
+        "train.lr: Input should be greater than 0 (got -1)",
+        "train.schedule: Input should be 'cosine', 'wsd' or 'constant'",
+        "train.device: not a device",
+        "train.threads: Input should be greater than or equal to 1",
+        "train.seq_len=256 is longer than model.max_seq_len=128",
+        "optim.beta2: Input should be less than 1",
+        "checkpoint.keep_last: Input should be greater than or equal to 1",
+        "logging.every: Input should be a valid integer",
+    ]
+    for part in expected:
+        assert part in msg, part
+    assert f"{len(expected)} problem(s)" in msg
+    assert msg.index("model.norm_eps") < msg.index("data.fromat") < msg.index("train.lr") < msg.index("logging.every")
+
+
+def test_a_cross_field_check_is_skipped_when_one_of_its_fields_is_itself_wrong():
+    """A bad value is reported once, not again through a check that read its default instead."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.max_seq_len=zero", "train.seq_len=4096"])
+    msg = str(e.value)
+    assert "1 problem(s)" in msg and "model.max_seq_len" in msg and "longer than" not in msg
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.lr=-1", "train.lr: Input should be greater than 0"),
+    ("train.lr=5", "train.lr: Input should be less than or equal to 1"),
+    ("train.batch_size=0", "train.batch_size: Input should be greater than or equal to 1"),
+    ("train.max_steps=0", "train.max_steps"),
+    ("train.seq_len=0", "train.seq_len"),
+    ("train.min_lr_ratio=2", "train.min_lr_ratio"),
+    ("train.seed=-3", "train.seed"),
+    ("model.n_layers=0", "model.n_layers"),
+    ("model.n_heads=0", "model.n_heads"),
+    ("model.vocab_size=0", "model.vocab_size"),
+    ("data.workers=0", "data.workers"),
+    ("data.prefetch=-1", "data.prefetch"),
+    ("data.mixture=[{sources: [a.txt], weight: 0}]", "data.mixture.0.weight: Input should be greater than 0"),
+    ("optim.eps=0", "optim.eps"),
+    ("checkpoint.write_threads=0", "checkpoint.write_threads"),
+    ("logging.every=0", "logging.every"),
+])
+def test_numeric_bounds_are_config_errors(override, message):
+    with pytest.raises(ConfigError, match="1 problem") as e:
+        load_config(None, [override])
+    assert message in str(e.value)
+
+
+def test_vocab_checks_know_which_tokenizer_is_trained():
+    with pytest.raises(ConfigError, match="needs at least 258"):  # EOS and a BOS of its own
+        load_config(None, ["data.vocab_size=257", "data.bos_token=auto"])
+    assert load_config(None, ["data.vocab_size=257"]).data.vocab_size == 257
+    assert load_config(None, ["data.vocab_size=100", "data.tokenizer=tok.json"]).data.tokenizer == "tok.json"
+
+
+def test_the_checks_still_hold_for_configs_built_in_code():
+    from pydantic import ValidationError
+
+    from kiln.config import DataConfig, ModelConfig
+
+    with pytest.raises(ValidationError, match="not divisible by n_heads"):
+        ModelConfig(d_model=100, n_heads=3)
+    with pytest.raises(ValidationError, match="too small for the byte-level BPE"):
+        DataConfig(vocab_size=10)
+    with pytest.raises(ValidationError, match="longer than model.max_seq_len"):
+        RunConfig.model_validate({"train": {"seq_len": 4096}})
+    cfg = RunConfig()
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        cfg.train.batch_size = 0
+
+
+@pytest.mark.parametrize("override,value", [
+    ("train.sample_prompt=The ", "The "),  # the shell has already removed the quotes of "The "
+    ("train.sample_prompt=  x = 1  # note", "  x = 1  # note"),
+    ("train.sample_prompt=Q: ", "Q: "),
+    ("train.sample_prompt='The '", "The "),
+    ("train.sample_prompt=123", "123"),
+    ("train.sample_prompt=", ""),
+])
+def test_a_text_override_is_kept_exactly(override, value):
+    assert load_config(None, [override]).train.sample_prompt == value
+
+
+def test_a_nullable_text_override_still_takes_null():
+    assert load_config(None, ["data.bos_token=null"]).data.bos_token is None
+    assert load_config(None, ["data.bos_token=auto"]).data.bos_token == "auto"
+    assert load_config(None, ["train.run_dir=2024"]).train.run_dir == "2024"

@@ -6,10 +6,31 @@ import torch
 from torch import nn
 
 
+def start_ids(tok, prompt: str) -> list[int]:
+    """Token ids to start sampling from: the prompt's, or for an empty prompt the tokenizer's EOS (or BOS),
+    the token every document follows."""
+    ids = tok.encode(prompt) if prompt else []
+    if not ids:
+        start = tok.eos_id if tok.eos_id is not None else tok.bos_id
+        if start is None:
+            raise ValueError("an empty prompt needs an EOS or BOS token to start from, and the tokenizer has none")
+        ids = [start]
+    return ids
+
+
 @torch.no_grad()
 def generate(model: nn.Module, ids: list[int], max_new_tokens: int, temperature: float = 0.8,
-             top_k: int | None = 50, seed: int | None = None, stop_id: int | None = None) -> list[int]:
-    """Append up to max_new_tokens sampled tokens to `ids` (temperature 0 is greedy)."""
+             top_k: int | None = 50, seed: int | None = None, stop_id: int | None = None,
+             vocab_size: int | None = None) -> list[int]:
+    """Append up to max_new_tokens sampled tokens to `ids`.
+
+    temperature 0 is greedy (the most likely token); top_k None or 0 samples among all tokens.
+    `vocab_size`: the tokenizer's; ids from there up to the model's (padded) vocabulary are never
+    produced, as the tokenizer cannot decode them."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be 0 (greedy) or more, got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k must be 0 or more (0 or None: all tokens), got {top_k}")
     device = next(model.parameters()).device
     gen = torch.Generator(device=device)
     gen.manual_seed(seed if seed is not None else torch.seed())
@@ -19,7 +40,9 @@ def generate(model: nn.Module, ids: list[int], max_new_tokens: int, temperature:
     model.eval()
     for _ in range(max_new_tokens):
         logits = model(tokens[:, -ctx_len:])[:, -1, :].float()  # (1, V)
-        if temperature <= 0:
+        if vocab_size is not None and vocab_size < logits.shape[-1]:
+            logits = logits[:, :vocab_size]  # (1, V_tok): the padding rows are no tokens
+        if temperature == 0:
             nxt = logits.argmax(dim=-1, keepdim=True)
         else:
             logits = logits / temperature

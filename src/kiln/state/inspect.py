@@ -34,7 +34,16 @@ def _status(path: Path, check: bool) -> str:
 def _manifest(meta: dict[str, Any]) -> list[str]:
     """The prepared dataset the checkpoint trained on, if it is still in the cache."""
     prints = meta.get("fingerprints", {})
-    cache = meta.get("config", {}).get("data", {}).get("cache_dir")
+    data = meta.get("config", {}).get("data", {})
+    cache, dataset = data.get("cache_dir"), str(prints.get("dataset"))
+    if data.get("streaming") or dataset.startswith("stream-"):  # no prepared dataset, so no manifest
+        return [f"data: streamed from {', '.join(data.get('sources') or ['?'])} (tokenized while training, no "
+                f"prepared dataset; source fingerprint {dataset.removeprefix('stream-')}), tokenizer "
+                f"{prints.get('tokenizer')}"]
+    if dataset.startswith("mix-"):  # several prepared datasets: their manifests are each entry's
+        return [f"data: mixture {dataset} of {len(data.get('mixture') or [])} entries (data.mixture), tokenizer "
+                f"{prints.get('tokenizer')}"
+                + (f", {prints['train_tokens']:,} train tokens" if prints.get("train_tokens") else "")]
     lines = [f"data: dataset {prints.get('dataset')}, tokenizer {prints.get('tokenizer')}"
              + (f", {prints['train_tokens']:,} train tokens" if prints.get("train_tokens") else "")]
     if cache and prints.get("dataset"):
@@ -50,14 +59,15 @@ def _manifest(meta: dict[str, Any]) -> list[str]:
 
 
 def describe_checkpoint(path: Path, compare: dict[str, Any] | None = None, check: bool = True,
-                        show_config: bool = True) -> str:
+                        show_config: bool = True, status: str | None = None) -> str:
+    """`status`: the hash status found already (by describe_run), instead of checking again."""
     meta = read_meta(path)
     lines = [
         f"checkpoint {path}",
         f"step {meta['step']:,}, {meta['tokens_seen']:,} tokens seen, saved {meta['time']} ({meta['reason']}), "
         f"{meta['world_size']} process(es), kiln {meta['versions']['kiln']}, torch {meta['versions']['torch']}",
         f"validation loss: {meta['val_loss']:.4f}" if meta.get("val_loss") is not None else "validation loss: -",
-        f"size: {_size(meta['bytes'])} in {len(meta['files'])} files; hashes: {_status(path, check)}",
+        f"size: {_size(meta['bytes'])} in {len(meta['files'])} files; hashes: {status or _status(path, check)}",
         *_manifest(meta),
     ]
     if compare is not None:
@@ -83,11 +93,12 @@ def describe_run(run_dir: Path, compare: dict[str, Any] | None = None, check: bo
     found = checkpoints(run_dir)
     lines.append(f"on disk ({run_dir / CHECKPOINTS}, keep_last={ccfg.get('keep_last', '?')}): "
                  f"{len(found)} checkpoint(s)" + ("" if found else " - nothing to resume from"))
+    status = {p: _status(p, check) for p in found}
     for p in found:
         meta = read_meta(p)
         val = f"val {meta['val_loss']:.4f}" if meta.get("val_loss") is not None else "val      -"
         lines.append(f"  {p.name}  step {meta['step']:>8,}  {meta['tokens_seen']:>14,} tokens  {val}  "
-                     f"{_size(meta['bytes']):>9}  {meta['reason']:<9}  {_status(p, check)}")
+                     f"{_size(meta['bytes']):>9}  {meta['reason']:<9}  {status[p]}")
     for p in set_aside(run_dir):
         lines.append(f"  {p.name}  damaged, set aside by a resume (kept for inspection)")
     for p in unfinished(run_dir):
@@ -112,7 +123,8 @@ def describe_run(run_dir: Path, compare: dict[str, Any] | None = None, check: bo
     model = run_dir / "model" / "model.safetensors"
     lines.append(f"final model: {model.parent if model.is_file() else 'none yet'}")
     if found:
-        lines += ["", "newest checkpoint:", describe_checkpoint(found[-1], compare, check=False, show_config=False)]
+        lines += ["", "newest checkpoint:", describe_checkpoint(found[-1], compare, show_config=False,
+                                                               status=status[found[-1]])]
     return "\n".join(lines)
 
 

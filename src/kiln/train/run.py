@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ from kiln.data.build import build_data, data_position
 from kiln.dist.ac import apply_ac
 from kiln.dist.compile import apply_compile
 from kiln.errors import ConfigError, ResourceError
-from kiln.model.generate import generate
+from kiln.model.generate import generate, start_ids
 from kiln.model.llama import Transformer
 from kiln.model.registry import flops_per_token, param_count
 from kiln.monitor.sinks import ConsoleSink, JsonlSink
@@ -23,6 +24,7 @@ from kiln.state.resume import check_compatible, fingerprints, resume_target
 from kiln.state.verify import read_meta
 from kiln.state.weights import save_model
 from kiln.train.events import EvalEvery
+from kiln.train.threads import apply_threads
 from kiln.train.trainer import Trainer
 
 
@@ -62,11 +64,12 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
     tcfg = cfg.train
     train_loader, val_loader = data.train, data.val
 
+    n_params = param_count(cfg.model)
+    threads = apply_threads(tcfg.threads, device, n_params)  # CPU only
     torch.manual_seed(tcfg.seed)
     model = Transformer(cfg.model).to(device)
-    n_params = param_count(cfg.model)
     console.print(f"model: {n_params / 1e6:.2f}M parameters ({cfg.model.n_layers} layers, d={cfg.model.d_model}) "
-                  f"on {device}")
+                  f"on {device}" + (f", {threads} thread(s)" if device.type == "cpu" else ""))
     apply_ac(model, tcfg.activation_checkpointing)
     if tcfg.compile:
         apply_compile(model, scope=tcfg.compile_scope)  # in place: state-dict keys stay the same
@@ -102,9 +105,11 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
         out = save_model(model, cfg.model, tok, run_dir / "model")
         console.print(f"model saved: {out}")
     if tcfg.sample_tokens:
-        ids = generate(model, tok.encode(tcfg.sample_prompt), tcfg.sample_tokens, seed=tcfg.seed)
+        ids = generate(model, start_ids(tok, tcfg.sample_prompt), tcfg.sample_tokens, seed=tcfg.seed,
+                       vocab_size=tok.vocab_size)
         console.rule("sample")
         console.print(tcfg.sample_prompt + tok.decode(ids), markup=False, highlight=False)
         console.rule()
-    console.print(f"sample again with: kiln generate {run_dir} --prompt 'def '")
+    console.print(f"sample again with: kiln generate {shlex.quote(str(run_dir))} --prompt "
+                  f"{shlex.quote(tcfg.sample_prompt)}", markup=False, highlight=False)
     return run_dir

@@ -44,3 +44,21 @@ def test_inspect_cli_error_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "kiln.cli", "inspect", str(tmp_path)], capture_output=True,
                           text=True, env={**os.environ, "COLUMNS": "400"})
     assert done.returncode == 2 and "neither a checkpoint" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_inspect_streaming_run_has_no_manifest_and_one_hash_status(trainer_factory, tmp_path):
+    t = trainer_factory()
+    cfg = t.cfg.model_copy(deep=True)
+    cfg.data.streaming = True
+    prints = {"config": "c0", "dataset": "stream-5eed5eed", "tokenizer": "t0", "train_tokens": None}
+    ck = Checkpointer(cfg.train.run_dir, cfg, prints, print)
+    run_steps(t, 2)
+    ck.save(t)
+    ck.close()
+    (tmp_path / "run" / "config.yaml").write_text(cfg.to_yaml())
+
+    out = describe(tmp_path / "run")
+    assert "manifest" not in out and "streamed from @stdlib" in out and "5eed5eed" in out
+    assert "step_00000002" in out and "hashes: ok" in out and "not verified" not in out
+    unchecked = describe(tmp_path / "run", check=False)
+    assert "hashes: not verified" in unchecked and " ok" not in unchecked

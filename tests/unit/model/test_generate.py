@@ -1,0 +1,53 @@
+"""Sampling: argument checks, greedy at temperature 0, and never an id the tokenizer does not have."""
+
+import pytest
+import torch
+
+from kiln.config import ModelConfig
+from kiln.model.generate import generate, start_ids
+from kiln.model.llama import Transformer
+
+TOKENS, PADDED = 300, 320  # the tokenizer's vocabulary, and the model's rounded up to a multiple of 64
+
+
+@pytest.fixture(scope="module")
+def padded_model() -> Transformer:
+    """A model whose padding rows (ids 300..319) would win every step: the real rows give logit 0."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(size="tiny", vocab_size=PADDED, tie_embeddings=False)).eval()
+    with torch.no_grad():
+        model.lm_head.weight[:TOKENS] = 0
+        model.lm_head.weight[TOKENS:] = torch.randn(PADDED - TOKENS, model.cfg.d_model) * 100
+    return model
+
+
+@pytest.mark.parametrize("temperature,top_k", [(0.0, None), (1.0, None), (1.0, 5), (0.8, 50)])
+def test_ids_beyond_the_tokenizer_are_never_sampled(padded_model, temperature, top_k):
+    unmasked = generate(padded_model, [1, 2, 3], 16, temperature, top_k, seed=0)
+    assert max(unmasked) >= TOKENS  # the padding rows do win without the tokenizer's size
+    out = generate(padded_model, [1, 2, 3], 16, temperature, top_k, seed=0, vocab_size=TOKENS)
+    assert len(out) == 16 and max(out) < TOKENS
+
+
+def test_temperature_zero_is_greedy_whatever_the_seed(padded_model):
+    a = generate(padded_model, [5, 6], 8, temperature=0, seed=1, vocab_size=TOKENS)
+    b = generate(padded_model, [5, 6], 8, temperature=0, seed=2, vocab_size=TOKENS)
+    assert a == b
+
+
+@pytest.mark.parametrize("kwargs,message", [({"temperature": -0.5}, "temperature must be 0"),
+                                            ({"top_k": -1}, "top_k must be 0 or more")])
+def test_bad_sampling_arguments_are_refused(padded_model, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        generate(padded_model, [1], 4, **kwargs)
+
+
+def test_an_empty_prompt_starts_from_eos_or_bos():
+    from kiln.data.prepare.tokenizer import Tokenizer, train_bpe
+
+    tok = train_bpe(["def f(x):\n    return x\n"] * 20, 280)
+    assert start_ids(tok, "def") == tok.encode("def") != []
+    assert start_ids(tok, "") == [tok.eos_id]
+    bare = Tokenizer(tok.tk, eos_token=None)
+    with pytest.raises(ValueError, match="the tokenizer has none"):
+        start_ids(bare, "")
