@@ -28,6 +28,19 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
+class RopeScaling(Section):
+    type: Literal["llama3", "linear"] = "llama3"
+    """'llama3' (Llama 3.1: low frequencies divided by factor, a smooth band between) or 'linear' (all of them)."""
+    factor: float = 8.0
+    """How much longer the context is than the one the model was trained on."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_position_embeddings / low_freq_factor are divided by factor."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are left as they are."""
+    original_max_position_embeddings: int = 8192
+    """llama3: the context length the model was first trained with."""
+
+
 class ModelConfig(Section):
     size: str | None = None
     """Named size from the registry (tiny, 124m, 350m, 1b, 3b, 8b); fields set here override it."""
@@ -53,6 +66,30 @@ class ModelConfig(Section):
     """Share the input embedding and output projection weights."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of linear and embedding weights."""
+    # --- options of imported architectures (Llama 3.1, Mistral, Qwen2, Nemotron); the defaults are Llama's
+    head_size: int | None = None
+    """Width of each attention head (Hugging Face's head_dim); null means d_model / n_heads."""
+    attention_bias: Literal["none", "qkv", "all"] = "none"
+    """Biases in attention: none (Llama, Mistral), on the q/k/v projections (Qwen2), or on all four."""
+    mlp_bias: bool = False
+    """Biases on the MLP's linear layers."""
+    mlp: Literal["swiglu", "relu2"] = "swiglu"
+    """MLP: 'swiglu' (gate, up, down projections) or 'relu2' (up, squared ReLU, down; Nemotron)."""
+    norm: Literal["rmsnorm", "layernorm1p"] = "rmsnorm"
+    """Normalisation: 'rmsnorm', or 'layernorm1p' (LayerNorm with bias whose scale is stored minus one; Nemotron)."""
+    rotary_fraction: float = 1.0
+    """Fraction of each head's dimensions that rotary embeddings rotate (the first ones; Nemotron: 0.5)."""
+    rope_scaling: RopeScaling | None = None
+    """Rotary frequency scaling for longer contexts (Llama 3.1 'llama3', or 'linear'); null: none."""
+    sliding_window: int | None = None
+    """Each token attends to at most this many latest tokens, itself included (Mistral); null: no limit."""
+    hf_model_type: Literal["llama", "mistral", "qwen2", "nemotron"] | None = None
+    """Hugging Face architecture that `kiln export` writes (set by init_from); null: the simplest that fits."""
+    init_from: str | None = None
+    """A local Hugging Face model directory (config.json + safetensors) whose architecture, weights and
+    tokenizer the run starts from; its config sets the model fields (set only max_seq_len beside it)."""
+    allow_pickle: bool = False
+    """Let init_from load pickled weights (.bin/.pt) when it has no safetensors: loading a pickle can run code."""
 
     @model_validator(mode="before")
     @classmethod
@@ -70,10 +107,15 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:
-        if self.d_model % self.n_heads:
+        if self.head_size is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
-        if (self.d_model // self.n_heads) % 2:
+        if self.head_dim % 2:
             raise ValueError("head dimension (d_model / n_heads) must be even for rotary embeddings")
+        if not 0 < self.rotary_fraction <= 1 or int(self.head_dim * self.rotary_fraction) % 2:
+            raise ValueError(f"rotary_fraction={self.rotary_fraction} must be in (0, 1] and rotate an even number "
+                             f"of the {self.head_dim} head dimensions")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {self.sliding_window}")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         return self
@@ -84,7 +126,7 @@ class ModelConfig(Section):
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
 
     @property
     def mlp_hidden(self) -> int:
@@ -337,7 +379,10 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _check_lengths(self) -> RunConfig:
-        if self.train.seq_len > self.model.max_seq_len:
+        if self.model.init_from and not self.data.tokenizer:  # the model's own tokenizer (prepare, train)
+            self.data = self.data.model_copy(update={"tokenizer": self.model.init_from})
+        from_model = self.model.init_from and "max_seq_len" not in self.model.model_fields_set
+        if self.train.seq_len > self.model.max_seq_len and not from_model:  # init_from: checked once it is read
             raise ValueError(f"train.seq_len={self.train.seq_len} is longer than model.max_seq_len="
                              f"{self.model.max_seq_len}; raise model.max_seq_len or shorten train.seq_len")
         return self
