@@ -14,6 +14,7 @@ directory without a final model (its newest checkpoint), or a Hugging Face model
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -166,8 +167,10 @@ def read_checkpoint_model(ckpt: Path) -> tuple[ModelConfig, dict[str, torch.Tens
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
     try:
-        dcp.load({"model": state}, checkpoint_id=str(ckpt), planner=DefaultLoadPlanner(allow_partial_load=True),
-                 no_dist=True)
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is meant
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": state}, checkpoint_id=str(ckpt), planner=DefaultLoadPlanner(allow_partial_load=True),
+                     no_dist=True)
     except Exception as e:  # DCP wraps storage and planning errors in its own types
         raise StateError(f"{ckpt}: the model weights cannot be read ({e}); `kiln inspect {ckpt}` checks it")
     return cfg, state, _checkpoint_tokenizer(ckpt, run_cfg, meta)
