@@ -89,7 +89,8 @@ def to_hf_config_dict(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
         "hidden_act": "relu2" if cfg.mlp == "relu2" else "silu", "max_position_embeddings": cfg.max_seq_len,
-        "rope_theta": cfg.rope_theta, "rope_parameters": rope,
+        "rope_theta": cfg.rope_theta, "rope_parameters": rope,  # transformers 5; 4.x reads rope_scaling
+        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if cfg.rope_scaling else None,
         "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std, "attention_dropout": 0.0,
     }
     if kind == "nemotron":
