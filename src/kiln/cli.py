@@ -175,6 +175,25 @@ def generate(
 
 
 @app.command()
+def export(
+    source: str = typer.Argument(..., help="A run directory, its model/ folder, a checkpoint directory "
+                                           "(checkpoints/step_...) or a Hugging Face model directory."),
+    to: str = typer.Option(..., "--to", help="Directory to write the Hugging Face model into."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16 or fp32 (default: as saved)."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer to ship with it (default: the "
+                                                                      "run's)."),
+) -> None:
+    """Write a model in the Hugging Face layout (safetensors, config.json, tokenizer files) that
+    AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load.
+
+    Example: kiln export runs/20261126-101500 --to exports/my-model --dtype bf16
+    """
+    from kiln.state.export import export_from
+
+    print(export_from(source, to, dtype, tokenizer))
+
+
+@app.command()
 def inspect(
     path: str = typer.Argument(..., help="A checkpoint directory (runs/X/checkpoints/step_...) or a run directory."),
     config: Optional[str] = typer.Option(None, "--config", "-c", help="Config file or preset to compare the "

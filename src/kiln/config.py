@@ -53,6 +53,19 @@ class Section(BaseModel):
         return self
 
 
+class RopeScaling(Section):
+    type: Literal["llama3", "linear"] = "llama3"
+    """'llama3' (Llama 3.1: low frequencies divided by factor, a smooth band between) or 'linear' (all of them)."""
+    factor: float = 8.0
+    """How much longer the context is than the one the model was trained on."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_position_embeddings / low_freq_factor are divided by factor."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are left as they are."""
+    original_max_position_embeddings: int = 8192
+    """llama3: the context length the model was first trained with."""
+
+
 class ModelConfig(Section):
     size: str | None = None
     """Named size from the registry (tiny, 124m, 350m, 1b, 3b, 8b); fields set here override it."""
@@ -78,6 +91,30 @@ class ModelConfig(Section):
     """Share the input embedding and output projection weights."""
     init_std: float = Field(0.02, gt=0, le=1)
     """Standard deviation of the normal initialisation of linear and embedding weights."""
+    # --- options of imported architectures (Llama 3.1, Mistral, Qwen2, Nemotron); the defaults are Llama's
+    head_size: int | None = Field(None, ge=2)
+    """Width of each attention head (Hugging Face's head_dim); null means d_model / n_heads."""
+    attention_bias: Literal["none", "qkv", "all"] = "none"
+    """Biases in attention: none (Llama, Mistral), on the q/k/v projections (Qwen2), or on all four."""
+    mlp_bias: bool = False
+    """Biases on the MLP's linear layers."""
+    mlp: Literal["swiglu", "relu2"] = "swiglu"
+    """MLP: 'swiglu' (gate, up, down projections) or 'relu2' (up, squared ReLU, down; Nemotron)."""
+    norm: Literal["rmsnorm", "layernorm1p"] = "rmsnorm"
+    """Normalisation: 'rmsnorm', or 'layernorm1p' (LayerNorm with bias whose scale is stored minus one; Nemotron)."""
+    rotary_fraction: float = Field(1.0, gt=0, le=1)
+    """Fraction of each head's dimensions that rotary embeddings rotate (the first ones; Nemotron: 0.5)."""
+    rope_scaling: RopeScaling | None = None
+    """Rotary frequency scaling for longer contexts (Llama 3.1 'llama3', or 'linear'); null: none."""
+    sliding_window: int | None = Field(None, ge=1)
+    """Each token attends to at most this many latest tokens, itself included (Mistral); null: no limit."""
+    hf_model_type: Literal["llama", "mistral", "qwen2", "nemotron"] | None = None
+    """Hugging Face architecture that `kiln export` writes (set by init_from); null: the simplest that fits."""
+    init_from: str | None = None
+    """A local Hugging Face model directory (config.json + safetensors) whose architecture, weights and
+    tokenizer the run starts from; its config sets the model fields (set only max_seq_len beside it)."""
+    allow_pickle: bool = False
+    """Let init_from load pickled weights (.bin/.pt) when it has no safetensors: loading a pickle can run code."""
 
     @model_validator(mode="before")
     @classmethod
@@ -95,11 +132,14 @@ class ModelConfig(Section):
 
     def problems(self) -> list[Problem]:
         out: list[Problem] = []
-        if self.d_model % self.n_heads:
+        if self.head_size is None and self.d_model % self.n_heads:
             out.append((("d_model", "n_heads"), f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}"))
         elif self.head_dim % 2:
-            out.append((("d_model", "n_heads"), f"head dimension d_model / n_heads = {self.head_dim} must be even "
-                                                "for rotary embeddings"))
+            out.append((("d_model", "n_heads", "head_size"), f"head dimension {self.head_dim} must be even for "
+                                                              "rotary embeddings"))
+        elif int(self.head_dim * self.rotary_fraction) % 2:
+            out.append((("rotary_fraction",), f"rotary_fraction={self.rotary_fraction} must rotate an even number "
+                                              f"of the {self.head_dim} head dimensions"))
         if self.n_heads % self.kv_heads:
             out.append((("n_heads", "n_kv_heads"),
                         f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"))
@@ -111,7 +151,7 @@ class ModelConfig(Section):
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
 
     @property
     def mlp_hidden(self) -> int:
@@ -372,11 +412,25 @@ class RunConfig(Section):
     logging: LoggingConfig = LoggingConfig()
     """Where metrics go."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _tokenizer_of_init_from(cls, data: Any) -> Any:
+        """With model.init_from and no data.tokenizer, the data is tokenized with the model's own tokenizer."""
+        if isinstance(data, dict):
+            model, dcfg = data.get("model"), data.get("data")
+            src = model.get("init_from") if isinstance(model, dict) else getattr(model, "init_from", None)
+            if src and isinstance(dcfg, dict | None) and not (dcfg or {}).get("tokenizer"):
+                data = {**data, "data": {**(dcfg or {}), "tokenizer": src}}
+            elif src and isinstance(dcfg, DataConfig) and not dcfg.tokenizer:
+                data = {**data, "data": dcfg.model_copy(update={"tokenizer": src})}
+        return data
+
     def problems(self) -> list[Problem]:
         """The checks across sections (each section checks its own fields: see `all_problems`)."""
         out: list[Problem] = []
         t, m = self.train, self.model
-        if t.seq_len > m.max_seq_len:
+        from_model = m.init_from and "max_seq_len" not in m.model_fields_set  # checked once init_from is read
+        if t.seq_len > m.max_seq_len and not from_model:
             out.append((("train.seq_len", "model.max_seq_len"),
                         f"train.seq_len={t.seq_len} is longer than model.max_seq_len={m.max_seq_len}; raise "
                         "model.max_seq_len or shorten train.seq_len"))

@@ -1,8 +1,15 @@
-"""Mapping between Kiln's model and Hugging Face `LlamaForCausalLM`: config and state dict, both ways.
+"""Mapping between Kiln's model and Hugging Face causal LMs: config and state dict, both ways.
+
+Four architectures map onto the native model (`kiln.model.llama.Transformer`):
+
+    model_type  class                 what Kiln's ModelConfig says for it
+    llama       LlamaForCausalLM      the defaults; rope_scaling (Llama 3.1), attention/mlp biases
+    mistral     MistralForCausalLM    sliding_window (where set), head_size
+    qwen2       Qwen2ForCausalLM      attention_bias='qkv', tied embeddings in the small ones
+    nemotron    NemotronForCausalLM   mlp='relu2' (no gate), norm='layernorm1p', rotary_fraction
 
 Kiln's modules carry HF's names without the `model.` prefix and use the same rotary layout, so the
-weights map one to one with no permutation. Export and import build on these functions; only
-`hf_config` imports transformers (an optional extra).
+weights map one to one with no permutation. Only `hf_config` imports transformers (an optional extra).
 """
 
 from __future__ import annotations
@@ -11,65 +18,170 @@ from typing import Any
 
 import torch
 
-from kiln.config import ModelConfig
+from kiln.config import ModelConfig, RopeScaling
 from kiln.errors import StateError
 
 _TOP_LEVEL = ("lm_head.",)  # keys HF keeps outside its `model.` submodule
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "nemotron": "NemotronForCausalLM"}
+
+
+def hf_model_type(cfg: ModelConfig) -> str:
+    """The Hugging Face model_type that holds `cfg`: the one it was imported from, else the simplest that fits."""
+    if cfg.hf_model_type is not None:
+        kind = cfg.hf_model_type
+    elif cfg.norm == "layernorm1p" or cfg.mlp == "relu2":
+        kind = "nemotron"
+    elif cfg.attention_bias == "qkv":
+        kind = "qwen2"
+    elif cfg.sliding_window is not None:
+        kind = "mistral"
+    else:
+        kind = "llama"
+    problems = _unsupported(cfg, kind)
+    if problems:
+        raise StateError(f"{ARCHITECTURES[kind]} cannot hold this model: {', '.join(problems)}; set "
+                         "model.hf_model_type to one that can, or leave it null")
+    return kind
+
+
+def _unsupported(cfg: ModelConfig, kind: str) -> list[str]:
+    wants = {  # option: value each architecture needs (None: any)
+        "llama": dict(norm="rmsnorm", mlp="swiglu", sliding_window=None, rotary_fraction=1.0,
+                      attention_bias=("none", "all")),
+        "mistral": dict(norm="rmsnorm", mlp="swiglu", attention_bias=("none",), mlp_bias=False,
+                        rotary_fraction=1.0, rope_scaling=None),
+        "qwen2": dict(norm="rmsnorm", mlp="swiglu", attention_bias=("qkv",), mlp_bias=False, rotary_fraction=1.0),
+        "nemotron": dict(norm="layernorm1p", mlp="relu2", sliding_window=None, attention_bias=("none", "all")),
+    }[kind]
+    out = []
+    for key, allowed in wants.items():
+        value = getattr(cfg, key)
+        ok = value in allowed if isinstance(allowed, tuple) else value == allowed
+        if not ok:
+            out.append(f"model.{key}={value}")
+    return out
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    s = cfg.rope_scaling
+    if s is not None and s.type == "linear":
+        rope.update(rope_type="linear", factor=s.factor)
+    elif s is not None:
+        rope.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
+                    high_freq_factor=s.high_freq_factor,
+                    original_max_position_embeddings=s.original_max_position_embeddings)
+    if cfg.rotary_fraction != 1.0:
+        rope["partial_rotary_factor"] = cfg.rotary_fraction
+    return rope
 
 
 def to_hf_config_dict(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
-    """The `config.json` fields of the equivalent `LlamaForCausalLM` (extra: e.g. bos/eos ids)."""
+    """The `config.json` fields of the equivalent Hugging Face model (extra: e.g. bos/eos ids, dtype)."""
     if cfg.vocab_size is None:
         raise ValueError("ModelConfig.vocab_size must be set to describe the model to Hugging Face")
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    kind = hf_model_type(cfg)
+    rope = _rope_parameters(cfg)
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[kind]], "model_type": kind,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_hidden,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_scaling": None, "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
-        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, **extra,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+        "hidden_act": "relu2" if cfg.mlp == "relu2" else "silu", "max_position_embeddings": cfg.max_seq_len,
+        "rope_theta": cfg.rope_theta, "rope_parameters": rope,  # transformers 5; 4.x reads rope_scaling
+        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if cfg.rope_scaling else None,
+        "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std, "attention_dropout": 0.0,
     }
+    if kind == "nemotron":
+        out.update(norm_eps=cfg.norm_eps, partial_rotary_factor=cfg.rotary_fraction)
+    else:
+        out["rms_norm_eps"] = cfg.norm_eps
+    if kind in ("llama", "nemotron"):
+        out.update(attention_bias=cfg.attention_bias == "all", mlp_bias=cfg.mlp_bias)
+    if kind == "mistral":
+        out["sliding_window"] = cfg.sliding_window  # written even when null: Mistral's default is 4096
+    if kind == "qwen2":
+        sliding = cfg.sliding_window is not None
+        out.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window,
+                   max_window_layers=0 if sliding else cfg.n_layers)
+    return {**out, **extra}
 
 
 def hf_config(cfg: ModelConfig, **extra: Any):
-    """A `transformers.LlamaConfig` for the same shape (needs the `hf` extra)."""
-    from transformers import LlamaConfig
+    """The transformers config object for the same model (needs the `hf` extra)."""
+    from transformers import AutoConfig
 
     fields = to_hf_config_dict(cfg, **extra)
-    for key in ("architectures", "model_type", "rope_scaling"):
-        fields.pop(key)
-    return LlamaConfig(**fields)
+    kind = fields.pop("model_type")
+    fields.pop("architectures")
+    return AutoConfig.for_model(kind, **fields)
+
+
+def _hf_problems(hf: dict[str, Any], kind: str) -> list[str]:
+    problems = []
+    act = hf.get("hidden_act", "relu2" if kind == "nemotron" else "silu")
+    if act != ("relu2" if kind == "nemotron" else "silu"):
+        problems.append(f"hidden_act={act}")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3", "linear", None):
+        problems.append(f"rope_type={rope_type} (Kiln has default, linear and llama3)")
+    if kind == "qwen2" and hf.get("use_sliding_window"):
+        layer_types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28)
+                                                else "full_attention" for i in range(hf["num_hidden_layers"])]
+        if set(layer_types) != {"sliding_attention"}:
+            problems.append("a sliding window on some layers only (use_sliding_window with max_window_layers > 0)")
+    if kind == "mistral" and hf.get("layer_types"):
+        problems.append("layer_types (alternating attention)")
+    return problems
 
 
 def from_hf_config_dict(hf: dict[str, Any]) -> ModelConfig:
-    """A ModelConfig from a Llama `config.json` dict; raises StateError for what Kiln cannot represent."""
-    if hf.get("model_type", "llama") != "llama":
-        raise StateError(f"model_type '{hf.get('model_type')}' is not a Llama model; Kiln imports Llama checkpoints")
-    problems = [f"{k}={hf[k]}" for k in ("attention_bias", "mlp_bias") if hf.get(k)]
-    if hf.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={hf['hidden_act']}")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        problems.append(f"rope_type={rope.get('rope_type', rope.get('type'))}")
-    d, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, d // heads):
-        problems.append(f"head_dim={hf['head_dim']} (Kiln needs hidden_size / num_attention_heads = {d // heads})")
+    """A ModelConfig from a `config.json` dict; raises StateError for what Kiln cannot represent."""
+    kind = hf.get("model_type", "llama")
+    if kind not in ARCHITECTURES:
+        raise StateError(f"model_type '{kind}' is not one Kiln's native model imports (it imports "
+                         f"{', '.join(ARCHITECTURES)})")
+    problems = _hf_problems(hf, kind)
     if problems:
-        raise StateError(f"this Llama config uses features Kiln's model does not have: {', '.join(problems)}")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        raise StateError(f"this {kind} config uses features Kiln's model does not have: {', '.join(problems)}")
+    d, heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or d // heads
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    scaling = None
+    if rope_type == "linear":
+        scaling = RopeScaling(type="linear", factor=rope["factor"])
+    elif rope_type == "llama3":
+        scaling = RopeScaling(type="llama3", factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
+                              high_freq_factor=rope["high_freq_factor"],
+                              original_max_position_embeddings=rope["original_max_position_embeddings"])
+    bias = bool(hf.get("attention_bias", False))
+    window = None
+    if kind == "mistral":
+        window = hf.get("sliding_window", 4096)  # Mistral's default when the key is absent
+    elif kind == "qwen2" and hf.get("use_sliding_window"):
+        window = hf.get("sliding_window", 4096)
+    fraction = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5 if kind == "nemotron" else 1.0))
     return ModelConfig(
         vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_hidden=hf["intermediate_size"],
-        max_seq_len=hf.get("max_position_embeddings", 2048), rope_theta=float(theta),
-        norm_eps=hf.get("rms_norm_eps", 1e-5), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        head_size=None if head_dim * heads == d else head_dim,
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        norm_eps=hf.get("norm_eps", 1e-5) if kind == "nemotron" else hf.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=hf.get("initializer_range", 0.02),
+        attention_bias="qkv" if kind == "qwen2" else ("all" if bias else "none"),
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        mlp="relu2" if kind == "nemotron" else "swiglu", norm="layernorm1p" if kind == "nemotron" else "rmsnorm",
+        rotary_fraction=float(fraction), rope_scaling=scaling, sliding_window=window, hf_model_type=kind,
     )
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], tie_embeddings: bool) -> dict[str, torch.Tensor]:
-    """Kiln state dict -> `LlamaForCausalLM` state dict (tied: lm_head.weight left out, as HF saves it)."""
+    """Kiln state dict -> Hugging Face state dict (tied: lm_head.weight left out, as HF saves it)."""
     out = {}
     for key, value in state.items():
         if key == "lm_head.weight" and tie_embeddings:
@@ -79,7 +191,7 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], tie_embeddings: bool) -> di
 
 
 def from_hf_state_dict(state: dict[str, torch.Tensor], tie_embeddings: bool) -> dict[str, torch.Tensor]:
-    """`LlamaForCausalLM` state dict -> Kiln state dict (rotary caches dropped; tied head filled in)."""
+    """Hugging Face state dict -> Kiln state dict (rotary caches dropped; tied head filled in)."""
     out = {}
     for key, value in state.items():
         if key.endswith("rotary_emb.inv_freq"):

@@ -2,6 +2,10 @@
 
 Module names follow Hugging Face's `LlamaForCausalLM` (without its `model.` prefix), and rotary
 embeddings use the same half-rotation layout, so weights map one to one in both directions.
+
+The options of the other architectures Kiln imports (biases, a gateless squared-ReLU MLP, LayerNorm1p,
+partial rotary, scaled rotary frequencies, a sliding window: see ModelConfig) are chosen when a module
+is built, as different submodules or flags read once, so the default Llama path runs the same code.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.config import ModelConfig
+from kiln.config import ModelConfig, RopeScaling
 from kiln.model.loss import linear_cross_entropy
 from kiln.model.masks import attend, doc_mask
 
@@ -31,9 +35,45 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rotary_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (T, head_dim) in the half-rotation layout."""
+class LayerNorm1P(nn.LayerNorm):
+    """LayerNorm whose scale is stored minus one (Nemotron): weight 0 is the identity scale. Computed in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__(dim, eps=eps)  # calls reset_parameters
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), self.normalized_shape, self.weight.float() + 1.0, self.bias.float(),
+                            self.eps).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+        nn.init.zeros_(self.bias)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    return LayerNorm1P(cfg.d_model, cfg.norm_eps) if cfg.norm == "layernorm1p" else RMSNorm(cfg.d_model, cfg.norm_eps)
+
+
+def scale_frequencies(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Rotary frequencies stretched for a longer context, as Hugging Face's 'linear' and 'llama3' rope types."""
+    if s.type == "linear":
+        return inv_freq / s.factor
+    old = s.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_tables(head_dim: int, seq_len: int, theta: float, device=None,
+                  scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (T, head_dim) in the half-rotation layout (head_dim: the rotated dims)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = scale_frequencies(inv_freq, scaling)
     t = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # (T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
@@ -48,15 +88,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates the first cos.shape[-1] dims of each head, passes the rest through (Nemotron)."""
+    r = cos.shape[-1]
+    return torch.cat((apply_rotary(x[..., :r], cos, sin), x[..., r:]), dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        d = cfg.d_model
-        self.q_proj = nn.Linear(d, self.n_heads * self.hd, bias=False)
-        self.k_proj = nn.Linear(d, self.n_kv * self.hd, bias=False)
-        self.v_proj = nn.Linear(d, self.n_kv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.hd, d, bias=False)
+        d, qkv_bias = cfg.d_model, cfg.attention_bias != "none"
+        self.q_proj = nn.Linear(d, self.n_heads * self.hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, self.n_kv * self.hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, self.n_kv * self.hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, d, bias=cfg.attention_bias == "all")
+        self.rotate = apply_rotary if cfg.rotary_fraction == 1.0 else apply_partial_rotary
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -65,31 +112,46 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
         # rotate in the (B, T, H, hd) layout the projections write: contiguous, so the fused
         # elementwise kernels (and their backward) read and write memory in order
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|KV, T, hd)
         y = attend(q, k, v, mask)  # (B, H, T, hd); mask: see kiln.model.masks
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, d)
 
 
 class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d, h = cfg.d_model, cfg.mlp_hidden
-        self.gate_proj = nn.Linear(d, h, bias=False)
-        self.up_proj = nn.Linear(d, h, bias=False)
-        self.down_proj = nn.Linear(h, d, bias=False)
+        d, h, b = cfg.d_model, cfg.mlp_hidden, cfg.mlp_bias
+        self.gate_proj = nn.Linear(d, h, bias=b)
+        self.up_proj = nn.Linear(d, h, bias=b)
+        self.down_proj = nn.Linear(h, d, bias=b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class ReluSquaredMLP(nn.Module):
+    """Nemotron's MLP without a gate: down(relu(up(x))**2)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, h, b = cfg.d_model, cfg.mlp_hidden, cfg.mlp_bias
+        self.up_proj = nn.Linear(d, h, bias=b)
+        self.down_proj = nn.Linear(h, d, bias=b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.square(F.relu(self.up_proj(x))))
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.input_layernorm = make_norm(cfg)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.post_attention_layernorm = make_norm(cfg)
+        self.mlp = ReluSquaredMLP(cfg) if cfg.mlp == "relu2" else MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
@@ -107,11 +169,12 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, self.embed_tokens.weight.device)
+        self.rot_dim = int(cfg.head_dim * cfg.rotary_fraction)  # dims of each head that rotary embeddings turn
+        cos, sin = self._rotary(cfg.max_seq_len, self.embed_tokens.weight.device)
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, hd)
         self.register_buffer("rope_sin", sin, persistent=False)
         if self.embed_tokens.weight.device.type != "meta":
@@ -127,23 +190,31 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         nn.init.normal_(self.embed_tokens.weight, std=std)
         for block in self.layers:
-            for lin in (block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj,
-                        block.mlp.gate_proj, block.mlp.up_proj):
-                nn.init.normal_(lin.weight, std=std)
-            for lin in (block.self_attn.o_proj, block.mlp.down_proj):
+            attn, mlp = block.self_attn, block.mlp
+            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, getattr(mlp, "gate_proj", None), mlp.up_proj):
+                if lin is not None:
+                    nn.init.normal_(lin.weight, std=std)
+            for lin in (attn.o_proj, mlp.down_proj):
                 nn.init.normal_(lin.weight, std=std / math.sqrt(2 * self.cfg.n_layers))
+            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.up_proj, mlp.down_proj,
+                        getattr(mlp, "gate_proj", None)):
+                if lin is not None and lin.bias is not None:
+                    nn.init.zeros_(lin.bias)
             block.input_layernorm.reset_parameters()
             block.post_attention_layernorm.reset_parameters()
         self.norm.reset_parameters()
         if not self.cfg.tie_embeddings:
             nn.init.normal_(self.lm_head.weight, std=std)
-        cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device)
+        cos, sin = self._rotary(self.cfg.max_seq_len, self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
+    def _rotary(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_tables(self.rot_dim, T, self.cfg.rope_theta, device, self.cfg.rope_scaling)
+
     def _rope(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         if T > self.rope_cos.shape[0]:  # longer than max_seq_len: extend on the fly (generation only)
-            return rotary_tables(self.cfg.head_dim, T, self.cfg.rope_theta, self.rope_cos.device)
+            return self._rotary(T, self.rope_cos.device)
         return self.rope_cos[:T], self.rope_sin[:T]
 
     def hidden(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,7 +228,7 @@ class Transformer(nn.Module):
             # carry the residual stream in the autocast dtype (bf16), not fp32: half the memory
             # traffic of every norm, residual add and saved activation; the weights stay fp32
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        mask = doc_mask(doc_ids, x.device)  # built once, shared by every layer
+        mask = doc_mask(doc_ids, x.device, self.cfg.sliding_window, tokens.shape[1])  # built once, for every layer
         for block in self.layers:
             x = block(x, cos, sin, mask)
         return self.norm(x)

@@ -10,6 +10,12 @@ index of each position's document within its row; on any device) and handed to e
   kernel in benchmarks/attention.py: flex was as fast or faster (results/attention.md);
 - elsewhere: SDPA with a boolean (B, 1, T, T) block-diagonal causal mask.
 
+A sliding window (Mistral: each position sees itself and the window - 1 before it) joins the same
+mask: the row positions of one document are consecutive, so "within the window" counts the same
+tokens in a packed row as in the document alone. Without doc_ids a window needs a mask of its own
+(a (1, 1, T, T) band, or a flex block mask, which skips the blocks left of the band); a window at
+least as long as the row is no constraint and keeps plain causal SDPA.
+
 The mask is always built eagerly (`doc_mask` is excluded from compilation), so a compiled block
 or a whole compiled model receives it as an input and never retraces its construction.
 """
@@ -51,33 +57,51 @@ def _block_mask_builder():
     return torch.compile(create_block_mask, dynamic=False)
 
 
-def block_mask(doc_ids: torch.Tensor, device: torch.device):
-    """doc_ids (B, T), on any device -> a flex-attention block mask on `device` (CUDA)."""
-    B, T = doc_ids.shape
+def block_mask(doc_ids: torch.Tensor | None, device: torch.device, window: int | None = None, T: int = 0):
+    """doc_ids (B, T), on any device (or None: one document) -> a flex-attention block mask on `device`
+    (CUDA); with `window`, each position also sees only itself and the window - 1 positions before it."""
+    B, T = (None, T) if doc_ids is None else doc_ids.shape
     _gpu["hopper"] = torch.cuda.get_device_capability(device)[0] == 9
-    docs = doc_ids.to(device, non_blocking=True)
+    docs = None if doc_ids is None else doc_ids.to(device, non_blocking=True)
 
     def same_doc_causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
 
-    return _block_mask_builder()(same_doc_causal, B, None, T, T, device=device)
+    def windowed(b, h, q_idx, kv_idx):
+        inside = (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+        return inside if docs is None else inside & (docs[b, q_idx] == docs[b, kv_idx])
+
+    mod = same_doc_causal if window is None else windowed
+    return _block_mask_builder()(mod, B, None, T, T, device=device)
 
 
-def dense_mask(doc_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """doc_ids (B, T) -> a boolean (B, 1, T, T) block-diagonal causal mask for SDPA."""
-    doc_ids = doc_ids.to(device)
-    T = doc_ids.shape[1]
+def dense_mask(doc_ids: torch.Tensor | None, device: torch.device, window: int | None = None,
+               T: int = 0) -> torch.Tensor:
+    """doc_ids (B, T) -> a boolean (B, 1, T, T) block-diagonal causal mask for SDPA (doc_ids None: (1, 1, T, T));
+    with `window`, each position also sees only itself and the window - 1 positions before it."""
+    T = T if doc_ids is None else doc_ids.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=device).tril_()
+    if window is not None:
+        causal.triu_(1 - window)  # q - kv < window
+    if doc_ids is None:
+        return causal[None, None]
+    doc_ids = doc_ids.to(device)
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
 
 
 @torch.compiler.disable  # built eagerly: a compiled model takes the finished mask as an input
-def doc_mask(doc_ids: torch.Tensor | None, device: torch.device | None = None):
-    """doc_ids (B, T), on any device -> a mask `attend` understands on `device` (None: plain causal)."""
-    if doc_ids is None:
+def doc_mask(doc_ids: torch.Tensor | None, device: torch.device | None = None, window: int | None = None,
+             T: int = 0):
+    """doc_ids (B, T), on any device -> a mask `attend` understands on `device` (None: plain causal).
+
+    window: a sliding window (None: none); T: the row length, needed only for a window without doc_ids."""
+    if window is not None and (window >= (T if doc_ids is None else doc_ids.shape[1])):
+        window = None  # the window reaches the start of every row: plain causal
+    if doc_ids is None and window is None:
         return None
-    device = doc_ids.device if device is None else device
-    return block_mask(doc_ids, device) if device.type == "cuda" else dense_mask(doc_ids, device)
+    device = (doc_ids.device if doc_ids is not None else torch.device("cpu")) if device is None else device
+    build = block_mask if device.type == "cuda" else dense_mask
+    return build(doc_ids, device, window, T)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:

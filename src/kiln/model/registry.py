@@ -33,12 +33,15 @@ def param_count(cfg: ModelConfig, vocab_size: int | None = None) -> int:
     v = vocab_size or cfg.vocab_size
     if v is None:
         raise ValueError("param_count needs a vocabulary size")
-    d, h, kv = cfg.d_model, cfg.mlp_hidden, cfg.kv_heads * cfg.head_dim
-    attn = d * d + 2 * d * kv + d * d
-    mlp = 3 * d * h
-    per_layer = attn + mlp + 2 * d  # two RMSNorm weights
+    d, h, kv, q = cfg.d_model, cfg.mlp_hidden, cfg.kv_heads * cfg.head_dim, cfg.n_heads * cfg.head_dim
+    attn = 2 * d * q + 2 * d * kv
+    attn += {"none": 0, "qkv": q + 2 * kv, "all": q + 2 * kv + d}[cfg.attention_bias]
+    gated = cfg.mlp == "swiglu"
+    mlp = (3 if gated else 2) * d * h + ((2 if gated else 1) * h + d if cfg.mlp_bias else 0)
+    norm = 2 * d if cfg.norm == "layernorm1p" else d  # LayerNorm1p has a bias
+    per_layer = attn + mlp + 2 * norm
     embed = v * d * (1 if cfg.tie_embeddings else 2)
-    return embed + cfg.n_layers * per_layer + d  # final norm
+    return embed + cfg.n_layers * per_layer + norm  # final norm
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, vocab_size: int | None = None) -> float:

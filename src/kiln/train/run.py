@@ -12,8 +12,9 @@ from kiln.config import RunConfig
 from kiln.data.build import build_data, data_position
 from kiln.dist.ac import apply_ac
 from kiln.dist.compile import apply_compile
-from kiln.errors import ConfigError, ResourceError
+from kiln.errors import ConfigError, DataError, ResourceError
 from kiln.model.generate import generate, start_ids
+from kiln.model.hf_import import load_init_weights, resolve_init_from
 from kiln.model.llama import Transformer
 from kiln.model.registry import flops_per_token, param_count
 from kiln.monitor.sinks import ConsoleSink, JsonlSink
@@ -40,10 +41,32 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def with_init_from(cfg: RunConfig) -> RunConfig:
+    """A copy of `cfg` whose model section is the architecture of model.init_from."""
+    model = resolve_init_from(cfg.model)
+    if cfg.train.seq_len > model.max_seq_len:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} is longer than the {model.max_seq_len} positions of "
+                          f"{cfg.model.init_from}; shorten train.seq_len or set model.max_seq_len")
+    return cfg.model_copy(update={"model": model})
+
+
+def check_model_tokenizer(cfg: RunConfig, tok) -> None:
+    """DataError unless the data was tokenized with model.init_from's own tokenizer."""
+    from kiln.data.prepare.tokenizer import Tokenizer
+
+    own = Tokenizer.load(cfg.model.init_from, cfg.data.eos_token, cfg.data.bos_token)
+    if own.hash != tok.hash:
+        raise DataError(f"the data is tokenized with tokenizer {tok.hash}, but model.init_from={cfg.model.init_from} "
+                        f"was trained with tokenizer {own.hash}: its token ids would mean other text to the model. "
+                        "Leave data.tokenizer unset (it then defaults to the model's) and prepare the data again")
+
+
 def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", callbacks: list = ()) -> Path:
     """Train per `cfg`; `resume` is auto, never or force (see kiln.state.resume); `callbacks` join the run's."""
     console = console or Console()
     device = resolve_device(cfg.train.device)
+    if cfg.model.init_from:  # the architecture comes from the Hugging Face directory's config.json
+        cfg = with_init_from(cfg)
     run_dir, resume_from = resume_target(cfg, resume, console.print)
     console.print(f"[bold]kiln[/] run directory: {run_dir}")
 
@@ -55,6 +78,8 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
     elif cfg.model.vocab_size < tok.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"{tok.vocab_size}; raise it or leave it null")
+    if cfg.model.init_from:
+        check_model_tokenizer(cfg, tok)
     prints = fingerprints(cfg, data)
     if resume_from is not None:
         check_compatible(read_meta(resume_from), cfg, prints, resume == "force", console.print,
@@ -67,7 +92,11 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
     n_params = param_count(cfg.model)
     threads = apply_threads(tcfg.threads, device, n_params)  # CPU only
     torch.manual_seed(tcfg.seed)
-    model = Transformer(cfg.model).to(device)
+    model = Transformer(cfg.model)
+    if cfg.model.init_from and resume_from is None:  # a resume takes every weight from its checkpoint
+        load_init_weights(model, cfg.model)
+        console.print(f"weights: {cfg.model.init_from}")
+    model = model.to(device)
     console.print(f"model: {n_params / 1e6:.2f}M parameters ({cfg.model.n_layers} layers, d={cfg.model.d_model}) "
                   f"on {device}" + (f", {threads} thread(s)" if device.type == "cpu" else ""))
     apply_ac(model, tcfg.activation_checkpointing)

@@ -55,13 +55,16 @@ def test_state_dict_round_trip_and_config():
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
     as_json = json.loads(json.dumps(to_hf_config_dict(cfg)))
     again = from_hf_config_dict(as_json)
-    assert again.model_dump() == cfg.model_dump() | {"size": None}
+    assert again.model_dump() == cfg.model_dump() | {"size": None, "hf_model_type": "llama"}
 
 
 def test_unsupported_hf_config_is_a_clear_error():
-    bad = to_hf_config_dict(ModelConfig(size="tiny", vocab_size=256)) | {"attention_bias": True, "hidden_act": "gelu"}
-    with pytest.raises(StateError, match="attention_bias=True, hidden_act=gelu"):
+    bad = to_hf_config_dict(ModelConfig(size="tiny", vocab_size=256)) | {"rope_parameters": {"rope_type": "yarn"},
+                                                                         "hidden_act": "gelu"}
+    with pytest.raises(StateError, match="hidden_act=gelu, rope_type=yarn"):
         from_hf_config_dict(bad)
+    with pytest.raises(StateError, match="model_type 'gemma' is not one Kiln's native model imports"):
+        from_hf_config_dict(bad | {"model_type": "gemma"})
     untied = to_hf_state_dict(Transformer(ModelConfig(size="tiny", vocab_size=256)).state_dict(), True)
     with pytest.raises(StateError, match="no lm_head.weight"):
         from_hf_state_dict(untied, tie_embeddings=False)

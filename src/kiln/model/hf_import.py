@@ -1,0 +1,127 @@
+"""Read a local Hugging Face model directory into Kiln's native model (`model.init_from`).
+
+    cfg = resolve_init_from(run_cfg.model)      # the ModelConfig that config.json describes
+    load_init_weights(model, cfg)               # its weights into a Transformer(cfg)
+
+A directory holds `config.json` and its weights as safetensors: one `model.safetensors`, or shards
+listed in `model.safetensors.index.json`. Pickled weights (`pytorch_model.bin`, `.pt`, `.pth`) are
+refused, since unpickling can run code, unless `model.allow_pickle` is true; even then they are read
+with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.config import ModelConfig
+from kiln.errors import ConfigError, StateError
+from kiln.model.hf import from_hf_config_dict, from_hf_state_dict
+
+SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+# fields init_from sets; a user may still choose these beside it
+_FREE = {"init_from", "allow_pickle", "max_seq_len", "size", "init_std"}
+
+
+def _dir(path: str | Path) -> Path:
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ConfigError(f"model.init_from: {p} is not a directory; give a local Hugging Face model directory "
+                          "(config.json and safetensors weights)")
+    return p
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    file = _dir(path) / "config.json"
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"model.init_from: {file.parent} has no config.json, so it is not a Hugging Face model "
+                          "directory") from None
+    except (OSError, ValueError) as e:
+        raise StateError(f"{file} cannot be read as JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise StateError(f"{file} is not a model config (a JSON {type(data).__name__})")
+    return data
+
+
+def weight_files(path: str | Path, allow_pickle: bool = False) -> list[Path]:
+    """The safetensors files of a model directory (the index's shards, in order); pickles only if allowed."""
+    p = _dir(path)
+    index = p / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise StateError(f"{index} is not a safetensors index with a weight_map ({e})") from None
+        missing = [n for n in names if not (p / n).is_file()]
+        if missing:
+            raise StateError(f"{index} lists shards that are not in {p}: {', '.join(missing)}; copy the whole model")
+        return [p / n for n in names]
+    if (p / SAFETENSORS).is_file():
+        return [p / SAFETENSORS]
+    single = sorted(p.glob("*.safetensors"))
+    if len(single) == 1:
+        return single
+    pickles = sorted(f for f in p.iterdir() if f.suffix in PICKLE_SUFFIXES and f.is_file())
+    if pickles and allow_pickle:
+        return pickles
+    if pickles:
+        raise StateError(
+            f"{pickles[0]}: the weights in {p} are pickled ({', '.join(f.name for f in pickles)}), and Kiln loads "
+            "safetensors only, since loading a pickle can run code. Convert them once with transformers: python -c "
+            f"\"from transformers import AutoModelForCausalLM as M; M.from_pretrained('{p}').save_pretrained("
+            f"'{p}-safetensors')\" and set model.init_from to the new directory; or, if you trust the file, set "
+            "model.allow_pickle=true")
+    raise StateError(f"{p} holds no weights: expected {SAFETENSORS} or {SAFETENSORS_INDEX} with its shards")
+
+
+def read_hf_state_dict(path: str | Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of a model directory by its Hugging Face name, on the CPU."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files(path, allow_pickle):
+        try:
+            if file.suffix == ".safetensors":
+                part = load_file(str(file))
+            else:
+                part = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # safetensors and torch.load raise their own types on damaged files
+            raise StateError(f"{file} cannot be read ({e}); copy it again from its source") from None
+        state.update(part)
+    return state
+
+
+def import_hf(path: str | Path, allow_pickle: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(ModelConfig, Kiln state dict) of a Hugging Face model directory."""
+    cfg = from_hf_config_dict(read_hf_config(path))
+    return cfg, from_hf_state_dict(read_hf_state_dict(path, allow_pickle), cfg.tie_embeddings)
+
+
+def resolve_init_from(model: ModelConfig) -> ModelConfig:
+    """The ModelConfig of a run with `model.init_from`: the directory's architecture, with the run's
+    max_seq_len where it sets one. ConfigError if the run also sets a field the directory decides."""
+    assert model.init_from is not None
+    imported = from_hf_config_dict(read_hf_config(model.init_from))
+    clash = [f"model.{k}={getattr(model, k)!r} (the model has {getattr(imported, k)!r})"
+             for k in sorted(model.model_fields_set - _FREE) if getattr(model, k) != getattr(imported, k)]
+    if clash:
+        raise ConfigError(f"model.init_from={model.init_from} sets the architecture from its config.json, but the "
+                          f"config also sets {'; '.join(clash)}: remove those fields")
+    keep = {k: getattr(model, k) for k in ("init_from", "allow_pickle", "max_seq_len")
+            if k in model.model_fields_set or k != "max_seq_len"}
+    return imported.model_copy(update=keep)
+
+
+def load_init_weights(model: torch.nn.Module, cfg: ModelConfig) -> None:
+    """Copy the weights of `cfg.init_from` into `model` (a Transformer built from `resolve_init_from`)."""
+    state = from_hf_state_dict(read_hf_state_dict(cfg.init_from, cfg.allow_pickle), cfg.tie_embeddings)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise StateError(f"the weights in {cfg.init_from} do not fit its config.json: {e}") from None

@@ -1,0 +1,195 @@
+"""Export a model in the Hugging Face layout, which transformers, vLLM and llama.cpp's converters read.
+
+    export_hf(model, cfg, tokenizer, "out/")            # from a model in memory
+    export_from("runs/X", "out/", dtype="bf16")         # what `kiln export` does
+
+The directory gets `config.json` (the architecture from `kiln.model.hf`), `generation_config.json`,
+the weights as safetensors (`model.safetensors`, or shards `model-0000K-of-0000N.safetensors` with
+`model.safetensors.index.json` above `max_shard_bytes`), and the tokenizer (`tokenizer.json`,
+`tokenizer_config.json` naming its special tokens). Sources `export_from` reads: a run's final
+`model/` directory (or the run directory holding it), a checkpoint directory (DCP), a run
+directory without a final model (its newest checkpoint), or a Hugging Face model directory.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.config import ModelConfig
+from kiln.data.prepare.tokenizer import Tokenizer
+from kiln.errors import StateError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MAX_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained
+
+
+def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig, tokenizer: Tokenizer | None,
+              out: str | Path, dtype: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write `model` (a Transformer or its state dict) and `tokenizer` to `out` in the Hugging Face layout;
+    `dtype` (fp32 or bf16) casts the floating-point weights, None keeps them as they are."""
+    from kiln.model.hf import to_hf_config_dict, to_hf_state_dict
+
+    if dtype is not None and dtype not in DTYPES:
+        raise StateError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
+    state = model if isinstance(model, dict) else model.state_dict()
+    out = Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", DTYPES[dtype] if dtype and v.is_floating_point() else v.dtype).contiguous()
+               for k, v in to_hf_state_dict(state, cfg.tie_embeddings).items()}
+    specials = _special_ids(tokenizer)
+    name = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
+    config = to_hf_config_dict(cfg, **specials, dtype=name, torch_dtype=name)
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", {"_from_model_config": True, **specials})
+    write_safetensors(tensors, out, max_shard_bytes)
+    if tokenizer is not None:
+        write_tokenizer(tokenizer, out, cfg.max_seq_len)
+    return out
+
+
+def _special_ids(tokenizer: Tokenizer | None) -> dict[str, Any]:
+    if tokenizer is None:
+        return {}
+    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> list[Path]:
+    """One model.safetensors, or shards in key order plus model.safetensors.index.json above the limit."""
+    from safetensors.torch import save_file
+
+    for old in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)  # a previous export's shards would mix with these
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(tensors):
+        n = tensors[key].numel() * tensors[key].element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensors[key]
+        size += n
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
+    for name, shard in zip(names, shards):
+        tmp = out / (name + ".tmp")
+        save_file(shard, str(tmp), metadata=meta)
+        tmp.replace(out / name)
+    if len(shards) > 1:
+        _write_json(out / "model.safetensors.index.json", index)
+    return [out / n for n in names]
+
+
+def write_tokenizer(tokenizer: Tokenizer, out: Path, max_len: int) -> None:
+    """tokenizer.json, plus a tokenizer_config.json that AutoTokenizer reads (a fast tokenizer with its
+    BOS/EOS tokens; the EOS doubles as padding)."""
+    tokenizer.save(out / "tokenizer.json")
+    name = tokenizer.tk.id_to_token
+    eos = name(tokenizer.eos_id) if tokenizer.eos_id is not None else None
+    bos = name(tokenizer.bos_id) if tokenizer.bos_id is not None else None
+    _write_json(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len, "bos_token": bos,
+        "eos_token": eos, "pad_token": eos, "add_bos_token": bos is not None, "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+    })
+
+
+# --------------------------------------------------------------------------- sources of an export
+
+
+def export_from(src: str | Path, to: str | Path, dtype: str | None = None, tokenizer: str | Path | None = None,
+                max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """`kiln export SRC --to TO`: find what SRC holds (see the module doc) and export it."""
+    from kiln.state.weights import load_model
+
+    p = Path(src).expanduser()
+    if not p.is_dir():
+        raise StateError(f"{p} is not a directory; give a run directory, its model/ folder, a checkpoint "
+                         "directory (checkpoints/step_...) or a Hugging Face model directory")
+    tok = Tokenizer.load(tokenizer) if tokenizer is not None else None
+    if (p / "model_config.json").is_file() or (p / "model" / "model_config.json").is_file():
+        model, saved_tok = load_model(p)
+        return export_hf(model, model.cfg, tok or saved_tok, to, dtype, max_shard_bytes)
+    if (p / "config.json").is_file():  # a Hugging Face directory: converted (e.g. to bf16, or re-sharded)
+        from kiln.model.hf_import import import_hf
+
+        cfg, state = import_hf(p)
+        return export_hf(state, cfg, tok or Tokenizer.load(p), to, dtype, max_shard_bytes)
+    ckpt = p
+    if not (p / ".metadata").is_file():
+        from kiln.state.rundir import checkpoints
+
+        found = checkpoints(p)
+        if not found:
+            raise StateError(f"{p} holds no final model (model/), no checkpoint and no Hugging Face model; give "
+                             "the directory of a `kiln train` run or one of its checkpoints")
+        ckpt = found[-1]
+    cfg, state, found_tok = read_checkpoint_model(ckpt)
+    return export_hf(state, cfg, tok or found_tok, to, dtype, max_shard_bytes)
+
+
+def read_checkpoint_model(ckpt: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
+    """The model config, model weights and (where it can be found) tokenizer of a checkpoint directory.
+
+    Reads only the "model" key of the DCP files through `torch.distributed.checkpoint`'s public load,
+    in this one process: a sharded checkpoint of any world size is gathered whole."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    from kiln.config import RunConfig
+    from kiln.model.llama import Transformer
+    from kiln.state.verify import read_meta
+
+    meta = read_meta(ckpt)
+    try:
+        run_cfg = RunConfig.model_validate(meta["config"])
+    except (KeyError, ValueError) as e:
+        raise StateError(f"{ckpt}: its meta.json has no valid config ({e})") from None
+    cfg = run_cfg.model
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    state = {k: torch.empty_like(v, device="cpu") for k, v in model.state_dict().items()}
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is meant
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": state}, checkpoint_id=str(ckpt), planner=DefaultLoadPlanner(allow_partial_load=True),
+                     no_dist=True)
+    except Exception as e:  # DCP wraps storage and planning errors in its own types
+        raise StateError(f"{ckpt}: the model weights cannot be read ({e}); `kiln inspect {ckpt}` checks it")
+    return cfg, state, _checkpoint_tokenizer(ckpt, run_cfg, meta)
+
+
+def _checkpoint_tokenizer(ckpt: Path, run_cfg, meta: dict) -> Tokenizer | None:
+    """The run's tokenizer: its final model/, data.tokenizer, or the prepared dataset the checkpoint names."""
+    run_dir = ckpt.parent.parent
+    want = (meta.get("fingerprints") or {}).get("tokenizer")
+    places = [run_dir / "model" / "tokenizer.json"]
+    if run_cfg.data.tokenizer:
+        places.append(Path(run_cfg.data.tokenizer).expanduser())
+    dataset = (meta.get("fingerprints") or {}).get("dataset")
+    if dataset:
+        places.append(Path(run_cfg.data.cache_dir).expanduser() / "datasets" / str(dataset) / "tokenizer.json")
+    for place in places:
+        if place.exists():
+            tok = Tokenizer.load(place, run_cfg.data.eos_token, run_cfg.data.bos_token)
+            if want is None or tok.hash == want:
+                return tok
+    raise StateError(f"the tokenizer of {ckpt} was not found (looked in {', '.join(map(str, places))}); give it "
+                     "with --tokenizer PATH")

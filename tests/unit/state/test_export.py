@@ -1,0 +1,152 @@
+"""Export in the Hugging Face layout: transformers loads it silently, with Kiln's logits; import then
+export is bit for bit; pickled weights are refused unless allowed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sysconfig
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kiln.config import ModelConfig, RopeScaling
+from kiln.data.prepare.tokenizer import Tokenizer, train_bpe
+from kiln.errors import StateError
+from kiln.model.hf import ARCHITECTURES
+from kiln.model.hf_import import import_hf, read_hf_state_dict, weight_files
+from kiln.model.llama import Transformer
+from kiln.state.export import export_from, export_hf
+from kiln.state.weights import save_model
+
+transformers = pytest.importorskip("transformers")
+
+BASE = dict(vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=64)
+ARCHS = {
+    "llama": dict(tie_embeddings=False),
+    "llama3.1": dict(rope_theta=500000.0, rope_scaling=RopeScaling(original_max_position_embeddings=16)),
+    "mistral": dict(sliding_window=8, head_size=48, tie_embeddings=False),
+    "qwen2": dict(attention_bias="qkv", rope_theta=1e6),
+    "nemotron": dict(mlp="relu2", norm="layernorm1p", rotary_fraction=0.5, attention_bias="all", tie_embeddings=False),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    text = Path(sysconfig.get_paths()["stdlib"], "argparse.py").read_text()[:40000]
+    return train_bpe(text.split("\n\n"), 320, ["<|endoftext|>", "<|startoftext|>"])
+
+
+def random_model(arch: str, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig(**BASE, **ARCHS[arch])).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # norms and biases too, so a dropped or misnamed one shows
+            p.copy_(torch.randn_like(p) * 0.1)
+    return model
+
+
+class Captured(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def load_quietly(path: Path):
+    """AutoModelForCausalLM and AutoTokenizer of `path`, with every warning they log or raise."""
+    handler, logger = Captured(), logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            tok = transformers.AutoTokenizer.from_pretrained(path)
+    finally:
+        logger.removeHandler(handler)
+    return hf, tok, handler.lines + [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_transformers_loads_export_with_equal_logits(arch, tokenizer, tmp_path):
+    model = random_model(arch)
+    export_hf(model, model.cfg, tokenizer, tmp_path)
+    hf, tok, messages = load_quietly(tmp_path)
+    assert messages == [], messages
+    kind = {"llama3.1": "llama"}.get(arch, arch)
+    assert hf.config.model_type == kind and type(hf).__name__ == ARCHITECTURES[kind]
+    tokens = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=tokens).logits, model(tokens), rtol=0, atol=1e-5)
+    text = "def parse_args(self, args=None):"
+    assert tok(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text)
+    assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id == tokenizer.eos_id == hf.config.eos_token_id
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == tokenizer.eos_id
+
+
+def test_sharded_bf16_export_and_import_are_bit_for_bit(tokenizer, tmp_path):
+    model = random_model("nemotron")
+    export_hf(model, model.cfg, tokenizer, tmp_path / "a", dtype="bf16", max_shard_bytes=60_000)
+    index = json.loads((tmp_path / "a" / "model.safetensors.index.json").read_text())
+    files = weight_files(tmp_path / "a")
+    assert len(files) > 2 and not (tmp_path / "a" / "model.safetensors").exists()
+    assert set(index["weight_map"].values()) == {f.name for f in files}
+    first = read_hf_state_dict(tmp_path / "a")
+    assert all(t.dtype == torch.bfloat16 for t in first.values())
+    assert set(first) == set(index["weight_map"])
+    hf, _, messages = load_quietly(tmp_path / "a")
+    assert messages == [] and json.loads((tmp_path / "a" / "config.json").read_text())["dtype"] == "bfloat16"
+    export_from(tmp_path / "a", tmp_path / "b")  # import, then export again: same tensors, same names
+    again = load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert again.keys() == first.keys()
+    for k in first:
+        assert torch.equal(again[k].view(torch.int16), first[k].view(torch.int16)), k
+
+
+def test_import_of_transformers_save_pretrained_round_trips(tokenizer, tmp_path):
+    """A directory transformers itself wrote (tied Qwen2): imported, exported, the same tensors bit for bit."""
+    model = random_model("qwen2")
+    export_hf(model, model.cfg, tokenizer, tmp_path / "kiln")
+    hf, _, _ = load_quietly(tmp_path / "kiln")
+    hf.save_pretrained(tmp_path / "hf")
+    cfg, state = import_hf(tmp_path / "hf")
+    assert cfg == model.cfg.model_copy(update={"hf_model_type": "qwen2"})
+    export_from(tmp_path / "hf", tmp_path / "out", tokenizer=tmp_path / "kiln")
+    original = read_hf_state_dict(tmp_path / "hf")
+    exported = read_hf_state_dict(tmp_path / "out")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+
+
+def test_export_from_a_run_model_directory_via_cli(tokenizer, tmp_path):
+    from typer.testing import CliRunner
+
+    from kiln.cli import app
+
+    model = random_model("llama")
+    save_model(model, model.cfg, tokenizer, tmp_path / "run" / "model")
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "run"), "--to", str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    hf, _, messages = load_quietly(tmp_path / "hf")
+    assert messages == []
+    tokens = torch.randint(0, 320, (1, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=tokens).logits, model(tokens), rtol=0, atol=1e-5)
+
+
+def test_pickled_weights_are_refused_unless_allowed(tokenizer, tmp_path):
+    model = random_model("llama")
+    export_hf(model, model.cfg, tokenizer, tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    with pytest.raises(StateError, match="pytorch_model.bin.*safetensors only.*save_pretrained.*allow_pickle=true"):
+        import_hf(tmp_path)
+    _, loaded = import_hf(tmp_path, allow_pickle=True)
+    assert torch.equal(loaded["embed_tokens.weight"], model.embed_tokens.weight)
