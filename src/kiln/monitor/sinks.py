@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from kiln.train.events import Callback
+from kiln.events import Callback
 
 
 class ConsoleSink(Callback):

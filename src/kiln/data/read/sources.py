@@ -29,7 +29,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 from kiln.data.read import readers
 from kiln.data.read import tables
-from kiln.data.read.records import RecordChecker
+from kiln.data.read.records import RecordChecker, where
 from kiln.errors import DataError
 
 STDLIB = "@stdlib"
@@ -52,11 +52,6 @@ class Document(NamedTuple):
     @property
     def origin(self) -> str:
         return where(self.source, self.record_index, self.line)
-
-
-def where(source: str, index: int, line: int | None) -> str:
-    """'file:line' for line-based formats, 'file row N' (1-based) for the others."""
-    return f"{source}:{line}" if line is not None else f"{source} row {index + 1}"
 
 
 @dataclass(frozen=True)
