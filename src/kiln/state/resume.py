@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,9 @@ from kiln.state.rundir import (
     DAMAGED_PREFIX,
     checkpoints,
     fresh_sibling,
+    from_rank0,
     make_run_dir,
+    process_rank,
     remove_unfinished,
     step_of,
     unfinished,
@@ -140,32 +141,40 @@ def resume_target(cfg: RunConfig, mode: str, log: Callable[[str], None]) -> tupl
 
     auto/force: resume from the newest good checkpoint in train.run_dir, if it has one.
     never: start fresh; when train.run_dir holds checkpoints, in a new directory beside it.
+    `kiln train` holds the directory (`hold_run_dir`) between the two steps, before anything is tidied.
     """
+    run_dir, may_resume = run_directory(cfg, mode, log)
+    return run_dir, (choose_checkpoint(run_dir, log) if may_resume else None)
+
+
+def run_directory(cfg: RunConfig, mode: str, log: Callable[[str], None]) -> tuple[Path, bool]:
+    """The run directory (created; rank 0's choice on every rank) and whether it may hold a run to resume."""
     if mode not in MODES:
         raise StateError(f"--resume {mode!r}: expected one of {', '.join(MODES)}")
-    if cfg.train.run_dir is None:
-        return make_run_dir(cfg), None
-    run_dir = Path(cfg.train.run_dir).expanduser()
-    if mode == "never":
-        if checkpoints(run_dir) or unfinished(run_dir):
+    rank, shared = process_rank()
+    found: tuple[Path | None, bool, str | None] = (None, False, None)
+    if rank == 0 or not shared:
+        run_dir = Path(cfg.train.run_dir).expanduser() if cfg.train.run_dir else None
+        if run_dir and mode == "never" and (checkpoints(run_dir) or unfinished(run_dir)):
             new = fresh_sibling(run_dir)
             log(f"--resume never: {run_dir} holds checkpoints, so this fresh run goes to {new}")
-            cfg.train.run_dir = str(new)
-        return make_run_dir(cfg), None
-    if not run_dir.is_dir():
-        return make_run_dir(cfg), None
-    latest = _choose(run_dir, log)
-    if latest is None:
-        return make_run_dir(cfg), None
-    return run_dir, latest
+            run_dir = new
+        may_resume = bool(run_dir) and mode != "never" and run_dir.is_dir()
+        try:
+            found = (make_run_dir(run_dir), may_resume, None)
+        except StateError as e:
+            found = (None, False, str(e))
+    run_dir, may_resume, error = from_rank0(found)
+    if error:
+        raise StateError(error)
+    return make_run_dir(run_dir), may_resume
 
 
-def _choose(run_dir: Path, log: Callable[[str], None]) -> Path | None:
-    """Rank 0 verifies and tidies; with a process group, the other ranks take its choice."""
-    import torch.distributed as dist
-
-    shared = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if shared else int(os.environ.get("RANK", "0"))
+def choose_checkpoint(run_dir: Path, log: Callable[[str], None]) -> Path | None:
+    """The newest good checkpoint of `run_dir` (None: none). Rank 0 verifies and tidies (removes saves
+    that never completed, sets damaged checkpoints aside), so call it only while holding the directory;
+    with a process group, the other ranks take its choice."""
+    rank, shared = process_rank()
     latest, error = None, None
     if rank == 0 or not shared:
         try:
@@ -185,9 +194,7 @@ def _choose(run_dir: Path, log: Callable[[str], None]) -> Path | None:
         except StateError as e:
             error = str(e)
     if shared:
-        box = [latest, error]
-        dist.broadcast_object_list(box, src=0)
-        latest, error = box
+        latest, error = from_rank0((latest, error))
     if error:
         raise StateError(error)
     return latest

@@ -8,27 +8,18 @@ and names each one that is missing, truncated or altered.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from kiln.errors import StateError
+from kiln.files import atomic_write_json, fsync_dir, sha256_file
+
+__all__ = ["FORMAT", "META", "fsync_dir", "hash_tree", "read_meta", "sha256_file", "verify", "write_json"]
 
 FORMAT = "kiln-checkpoint/1"
 META = "meta.json"
-_CHUNK = 8 << 20
-
-
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file, read in 8 MiB chunks (hashlib drops the GIL, so threads run in parallel)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def hash_tree(root: Path, threads: int = 8, known: dict[str, dict[str, Any]] | None = None) -> dict[str, dict]:
@@ -45,29 +36,9 @@ def hash_tree(root: Path, threads: int = 8, known: dict[str, dict[str, Any]] | N
     return {n: {"bytes": sizes[n], "sha256": digests[n] if n in digests else known[n]["sha256"]} for n in names}
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in `path` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_json(path: Path, data: dict, fsync: bool = True) -> None:
     """Write JSON through a temporary file and a rename, so a reader never sees half of it."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_json(path, data, fsync=fsync, indent=1)
 
 
 def read_meta(ckpt: str | Path) -> dict[str, Any]:
