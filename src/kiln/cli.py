@@ -59,7 +59,8 @@ def train(
     config; add `--resume force` to accept deliberate changes (e.g. train.max_steps=4000 train.lr=1e-4).
     A run stopped by SIGTERM or Ctrl-C writes a checkpoint first; Ctrl-C twice aborts at once.
     """
-    from kiln.config import describe_fields, load_config
+    from kiln.config import derive, describe_fields, load_config
+    from kiln.state.preempt import Interrupted
     from kiln.train.run import run
 
     if help_config:
@@ -78,10 +79,16 @@ def train(
                               "config file, or the directory of an earlier `kiln train`")
         cfg = load_config(run_dir / "config.yaml", overrides)
         if not any(o.strip().startswith("train.run_dir=") for o in overrides):
-            cfg.train.run_dir = str(run_dir)
+            cfg = derive(cfg, {"train.run_dir": str(run_dir)})
     else:
         cfg = load_config(config, overrides)
-    run(cfg, console, resume=resume)
+    try:
+        run(cfg, console, resume=resume)
+    except Interrupted as e:  # SIGINT/SIGTERM outside the training loop: what happened and what to do
+        if _state["debug"]:
+            raise
+        err_console.print(str(e), highlight=False)
+        raise typer.Exit(e.exit_code) from None
 
 
 @app.command()

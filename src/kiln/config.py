@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from kiln.errors import ConfigError
+from kiln.sizes import SIZES
 
 PRESETS_DIR = Path(__file__).parent / "configs"
 
@@ -36,9 +37,10 @@ _DEFER = "kiln_defer_checks"  # validation context key: skip the cross-field che
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, docstrings are the docs."""
+    """Base of every config section: unknown keys are errors, docstrings are the docs. Frozen: a
+    validated config is never changed in place; `derive()` makes a new one."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     def problems(self) -> list[Problem]:
         """Every inconsistency between this section's fields (their single values are already valid)."""
@@ -120,8 +122,6 @@ class ModelConfig(Section):
     @classmethod
     def _apply_size(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("size") is not None:
-            from kiln.model.registry import SIZES
-
             size = data["size"]
             if size not in SIZES:
                 close = difflib.get_close_matches(str(size), list(SIZES), n=1)
@@ -446,7 +446,10 @@ class RunConfig(Section):
         return found + [("", keys, msg) for keys, msg in self.problems()]
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        data = self.model_dump(mode="json")
+        if self.data.mixture:  # the unused default sources would make the file name both (refused on load)
+            data["data"].pop("sources", None)
+        return yaml.safe_dump(data, sort_keys=False)
 
 
 # --------------------------------------------------------------------------- loading
@@ -533,6 +536,26 @@ def _without(data: dict[str, Any], loc: tuple) -> dict[str, Any]:
     if isinstance(node, dict):
         node.pop(loc[-1], None)
     return data
+
+
+def derive(cfg: RunConfig, changes: dict[str, Any]) -> RunConfig:
+    """A new validated config: `cfg` with the dotted keys of `changes` set (`{"train.run_dir": "runs/a"}`).
+
+    `cfg` itself is frozen and stays as it was. The values `cfg` was given (not its defaults) are
+    validated again with the changes, so defaults that depend on them (a size preset, the quickstart's
+    data.max_bytes) come out as they would have from a file holding them all."""
+    data = cfg.model_dump(mode="json", exclude_unset=True)
+    for key, value in changes.items():
+        *sections, name = key.split(".")
+        node = data
+        for part in sections:
+            node = node.setdefault(part, {})
+        node[name] = value
+    cfg, problems = _validate_all(data)
+    if cfg is None:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise ConfigError(f"the config with {', '.join(changes)} changed is not valid:\n{lines}")
+    return cfg
 
 
 def resolve_config_path(path: str | Path) -> Path:

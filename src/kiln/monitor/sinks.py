@@ -10,7 +10,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from kiln.train.events import Callback
+from kiln.events import Callback
+from kiln.files import atomic_write
 
 
 class ConsoleSink(Callback):
@@ -69,9 +70,7 @@ class JsonlSink(Callback):
             s = rec.get("step", -1)
             if s < step or (s == step and rec.get("event") != kind):  # an eval at `step` is written again
                 keep.append(line)
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in keep))
-        tmp.replace(self.path)
+        atomic_write(self.path, "".join(f"{line}\n" for line in keep))
 
     def _open(self, trainer, kind: str | None) -> None:
         if self.file is None:  # first event of this process: trainer.step is where it (re)started

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiln.events import Callback
 from kiln.state.checkpointer import Checkpointer
 from kiln.state.preempt import Preempted, SignalGuard
-from kiln.train.events import Callback
 
 
 class CheckpointEvery(Callback):

@@ -124,3 +124,51 @@ def train_guarded(trainer, checkpointer, guard: SignalGuard | None, run_dir: Pat
     finally:
         checkpointer.close()
 
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM outside the training loop (start-up, the final save). It unwinds like Ctrl-C, so
+    `finally` blocks run and the run directory's lock is released; `kiln train` prints the message without
+    a traceback and exits 128 + the signal number (130 for SIGINT, 143 for SIGTERM)."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum, self.exit_code = signum, 128 + signum
+
+
+class StopSignals:
+    """While active, SIGTERM and SIGINT raise `Interrupted(signum, f"{name} {during}: {then}")`, whatever is
+    running (set `during` and `then` as the work moves on). With `defer`, the first signal is only noted
+    (`received`, with `deferred` printed) and the work goes on; a second one raises."""
+
+    def __init__(self, during: str, then: str, defer: bool = False, deferred: str = ""):
+        self.during, self.then, self.defer, self.deferred = during, then, defer, deferred
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+        self._pid = os.getpid()
+
+    def __enter__(self) -> StopSignals:
+        self._pid = os.getpid()
+        if threading.current_thread() is threading.main_thread():
+            for sig in SignalGuard.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if os.getpid() != self._pid:  # a forked worker (tokenizing, loading) inherited this handler: die of it
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        name = signal.Signals(signum).name
+        if self.defer and self.received is None:
+            self.received = name
+            print(f"\n{name} received {self.during}: {self.deferred} (send it again to abort now)",
+                  file=sys.stderr, flush=True)
+            return
+        self.__exit__()  # a third signal while unwinding gets the default handling
+        raise Interrupted(signum, f"{'second ' if self.received else ''}{name} {self.during}: {self.then}")

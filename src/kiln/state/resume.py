@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,9 @@ from kiln.state.rundir import (
     DAMAGED_PREFIX,
     checkpoints,
     fresh_sibling,
+    from_rank0,
     make_run_dir,
+    process_rank,
     remove_unfinished,
     step_of,
     unfinished,
@@ -142,61 +143,41 @@ def resume_target(cfg: RunConfig, mode: str, log: Callable[[str], None]) -> tupl
 
     auto/force: resume from the newest good checkpoint in train.run_dir, if it has one.
     never: start fresh; when train.run_dir holds checkpoints, in a new directory beside it.
+    `kiln train` holds the directory (`hold_run_dir`) between the two steps, before anything is tidied.
     """
+    run_dir, may_resume = run_directory(cfg, mode, log)
+    return run_dir, (choose_checkpoint(run_dir, log, cfg.checkpoint.archive_url) if may_resume else None)
+
+
+def run_directory(cfg: RunConfig, mode: str, log: Callable[[str], None]) -> tuple[Path, bool]:
+    """The run directory (created; rank 0's choice on every rank) and whether it may hold a run to resume."""
     if mode not in MODES:
         raise StateError(f"--resume {mode!r}: expected one of {', '.join(MODES)}")
-    if cfg.train.run_dir is None:
-        return make_run_dir(cfg), None
-    run_dir = Path(cfg.train.run_dir).expanduser()
-    if mode == "never":
-        if checkpoints(run_dir) or unfinished(run_dir):
+    rank, shared = process_rank()
+    found: tuple[Path | None, bool, str | None] = (None, False, None)
+    if rank == 0 or not shared:
+        run_dir = Path(cfg.train.run_dir).expanduser() if cfg.train.run_dir else None
+        if run_dir and mode == "never" and (checkpoints(run_dir) or unfinished(run_dir)):
             new = fresh_sibling(run_dir)
             log(f"--resume never: {run_dir} holds checkpoints, so this fresh run goes to {new}")
-            cfg.train.run_dir = str(new)
-        return make_run_dir(cfg), None
-    if not run_dir.is_dir() and not cfg.checkpoint.archive_url:
-        return make_run_dir(cfg), None
-    latest = _choose(run_dir, log, cfg.checkpoint.archive_url)
-    if latest is None:
-        return make_run_dir(cfg), None
-    return run_dir, latest
-
-
-def from_archive(run_dir: Path, url: str, log: Callable[[str], None]) -> Path | None:
-    """The newest archived checkpoint of this run that verifies, fetched into run_dir/checkpoints; None if
-    the archive has none. A local directory of the same name (damaged) is set aside first."""
-    from kiln.state.archive import Archive
-    from kiln.state.rundir import CHECKPOINTS, TMP_PREFIX
-
-    archive = Archive(url, run_dir.name)
-    try:
-        names = archive.list()
-    except Exception as e:  # noqa: BLE001 - an unreachable archive is reported, not a traceback
-        raise StateError(f"could not list the archive {archive.url}: {e}") from None
-    for name in reversed(names):
-        local = Path(run_dir) / CHECKPOINTS / name
-        tmp = local.with_name(f"{TMP_PREFIX}fetch-{name}")
+            run_dir = new
+        may_resume = bool(run_dir) and mode != "never" and (run_dir.is_dir() or bool(cfg.checkpoint.archive_url))
         try:
-            archive.fetch(name, tmp)
+            found = (make_run_dir(run_dir), may_resume, None)
         except StateError as e:
-            log(f"skipping archive copy {name}: {e}")
-            continue
-        if local.exists():
-            aside = local.with_name(f"{DAMAGED_PREFIX}{name}")
-            local.rename(aside)
-            log(f"moved damaged {name} to {aside} (kept for inspection)")
-        tmp.rename(local)
-        log(f"no good local checkpoint: fetched {name} from the archive {archive.url} (verified)")
-        return local
-    return None
+            found = (None, False, str(e))
+    run_dir, may_resume, error = from_rank0(found)
+    if error:
+        raise StateError(error)
+    return make_run_dir(run_dir), may_resume
 
 
-def _choose(run_dir: Path, log: Callable[[str], None], archive_url: str | None = None) -> Path | None:
-    """Rank 0 verifies and tidies; with a process group, the other ranks take its choice."""
-    import torch.distributed as dist
-
-    shared = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if shared else int(os.environ.get("RANK", "0"))
+def choose_checkpoint(run_dir: Path, log: Callable[[str], None], archive_url: str | None = None) -> Path | None:
+    """The newest good checkpoint of `run_dir` (None: none), or when no local one is good, the newest
+    verified copy in the archive at `archive_url`. Rank 0 verifies and tidies (removes saves
+    that never completed, sets damaged checkpoints aside), so call it only while holding the directory;
+    with a process group, the other ranks take its choice."""
+    rank, shared = process_rank()
     latest, error = None, None
     if rank == 0 or not shared:
         try:
@@ -232,9 +213,36 @@ def _choose(run_dir: Path, log: Callable[[str], None], archive_url: str | None =
         except StateError as e:
             error = str(e)
     if shared:
-        box = [latest, error]
-        dist.broadcast_object_list(box, src=0)
-        latest, error = box
+        latest, error = from_rank0((latest, error))
     if error:
         raise StateError(error)
     return latest
+
+
+def from_archive(run_dir: Path, url: str, log: Callable[[str], None]) -> Path | None:
+    """The newest archived checkpoint of this run that verifies, fetched into run_dir/checkpoints; None if
+    the archive has none. A local directory of the same name (damaged) is set aside first."""
+    from kiln.state.archive import Archive
+    from kiln.state.rundir import CHECKPOINTS, TMP_PREFIX
+
+    archive = Archive(url, run_dir.name)
+    try:
+        names = archive.list()
+    except Exception as e:  # noqa: BLE001 - an unreachable archive is reported, not a traceback
+        raise StateError(f"could not list the archive {archive.url}: {e}") from None
+    for name in reversed(names):
+        local = Path(run_dir) / CHECKPOINTS / name
+        tmp = local.with_name(f"{TMP_PREFIX}fetch-{name}")
+        try:
+            archive.fetch(name, tmp)
+        except StateError as e:
+            log(f"skipping archive copy {name}: {e}")
+            continue
+        if local.exists():
+            aside = local.with_name(f"{DAMAGED_PREFIX}{name}")
+            local.rename(aside)
+            log(f"moved damaged {name} to {aside} (kept for inspection)")
+        tmp.rename(local)
+        log(f"no good local checkpoint: fetched {name} from the archive {archive.url} (verified)")
+        return local
+    return None

@@ -1,6 +1,8 @@
 """The run directory: everything needed to reproduce, resume or sample from a run.
 
-    <run_dir>/config.yaml                the resolved config of the latest start or resume
+    <run_dir>/config.yaml                the resolved config of the latest start or resume (written once
+                                         the run has started or its checkpoint has loaded)
+    <run_dir>/.lock, .lock-holder.json   while a `kiln train` runs in it: its lock, and who holds it
     <run_dir>/metrics.jsonl              metrics, appended across resumes
     <run_dir>/checkpoints/step_00001200/ one complete checkpoint (meta.json lists its files)
     <run_dir>/checkpoints/.tmp-...       a save in progress, or one killed midway (never loaded)
@@ -10,25 +12,35 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
+import socket
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 from kiln.config import RunConfig
 from kiln.errors import StateError
+from kiln.files import atomic_write, atomic_write_json, try_lock
 from kiln.state.verify import META
 
 CHECKPOINTS = "checkpoints"
 TMP_PREFIX = ".tmp-"
 DAMAGED_PREFIX = ".damaged-"  # checkpoints found damaged and set aside by a resume; never deleted by Kiln
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
+CONFIG = "config.yaml"
+LOCK, HOLDER = ".lock", ".lock-holder.json"
 
 
-def make_run_dir(cfg: RunConfig, root: str | Path = "runs") -> Path:
-    """Create the run directory (train.run_dir, or runs/<timestamp>) and write config.yaml into it."""
-    if cfg.train.run_dir:
-        path = Path(cfg.train.run_dir).expanduser()
+def make_run_dir(path: str | Path | None, root: str | Path = "runs") -> Path:
+    """Create the run directory `path` (None: a new runs/<timestamp>); config.yaml comes later (write_config)."""
+    if path:
+        path = Path(path).expanduser()
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = Path(root) / stamp
@@ -37,10 +49,83 @@ def make_run_dir(cfg: RunConfig, root: str | Path = "runs") -> Path:
             path, n = Path(root) / f"{stamp}-{n}", n + 1
     try:
         path.mkdir(parents=True, exist_ok=True)
-        (path / "config.yaml").write_text(cfg.to_yaml())
     except OSError as e:
         raise StateError(f"cannot create run directory {path}: {e.strerror}. Choose another train.run_dir.") from None
     return path
+
+
+def write_config(run_dir: str | Path, cfg: RunConfig) -> None:
+    """Write `cfg` as the run's config.yaml, whole or not at all (a reader or a crash never sees half)."""
+    try:
+        atomic_write(Path(run_dir) / CONFIG, cfg.to_yaml())
+    except OSError as e:
+        raise StateError(f"cannot write {Path(run_dir) / CONFIG}: {e.strerror}. Check the run directory's "
+                         "permissions and free space.") from None
+
+
+def process_rank() -> tuple[int, bool]:
+    """(rank of this process, whether a process group joins it to others)."""
+    import torch.distributed as dist
+
+    shared = dist.is_available() and dist.is_initialized()
+    return (dist.get_rank() if shared else int(os.environ.get("RANK", "0"))), shared
+
+
+def from_rank0(value: Any) -> Any:
+    """Rank 0's `value` on every process of the group (the value itself without a group)."""
+    import torch.distributed as dist
+
+    if not process_rank()[1]:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@contextmanager
+def hold_run_dir(run_dir: str | Path) -> Iterator[None]:
+    """Hold the run directory for this job while the block runs: a second `kiln train` on it is refused
+    with a StateError naming the holder (process id, host, start time).
+
+    The lock is an OS lock (flock), so it dies with its process: a run killed with kill -9 never blocks
+    its resume. Rank 0 takes it for the whole job (the other ranks of the job read the directory and
+    never refuse each other); every rank gets rank 0's answer."""
+    run_dir = Path(run_dir)
+    rank, _ = process_rank()
+    if rank != 0:
+        error = from_rank0(None)
+        if error:
+            raise StateError(error)
+        yield
+        return
+    with ExitStack() as stack:
+        try:
+            held = stack.enter_context(try_lock(run_dir / LOCK))
+            error = None if held else _refusal(run_dir)
+        except OSError as e:  # told to every rank, so none waits for the others forever
+            error = f"cannot lock the run directory {run_dir}: {e.strerror}. Check its permissions."
+        from_rank0(error)
+        if error:
+            raise StateError(error)
+        holder = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)}
+        atomic_write_json(run_dir / HOLDER, holder, indent=1)  # beside the lock file: waiters may rewrite that
+        try:
+            yield
+        finally:
+            with suppress(OSError):
+                (run_dir / HOLDER).unlink()
+
+
+def _refusal(run_dir: Path) -> str:
+    try:
+        h = json.loads((run_dir / HOLDER).read_text())
+        who = f"process {h['pid']} on host {h['host']} (running since {h['since']}: {h['command']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        who = "another process (it is starting and has not written who it is yet)"
+    return (f"{run_dir} is in use by {who}. Two runs in one directory would overwrite each other's "
+            "checkpoints and metrics. Wait for it to finish or stop it (a killed run leaves no lock behind), "
+            "or give this run another train.run_dir.")
 
 
 def fresh_sibling(path: Path) -> Path:

@@ -13,29 +13,20 @@ file list is trusted as written. From `kiln-checkpoint/2` on, a missing `meta.sh
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from kiln.errors import StateError
+from kiln.files import atomic_write, atomic_write_json, fsync_dir, sha256_file
+
+__all__ = ["FORMAT", "META", "fsync_dir", "hash_tree", "read_meta", "sha256_file", "verify", "write_json"]
 
 FORMAT = "kiln-checkpoint/2"
 LEGACY_FORMATS = ("kiln-checkpoint/1",)  # no meta.sha256: read, with the file list trusted as written
 META = "meta.json"
 META_DIGEST = "meta.sha256"
-_CHUNK = 8 << 20
-
-
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file, read in 8 MiB chunks (hashlib drops the GIL, so threads run in parallel)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def hash_tree(root: Path, threads: int = 8, known: dict[str, dict[str, Any]] | None = None) -> dict[str, dict]:
@@ -53,42 +44,15 @@ def hash_tree(root: Path, threads: int = 8, known: dict[str, dict[str, Any]] | N
     return {n: {"bytes": sizes[n], "sha256": digests[n] if n in digests else known[n]["sha256"]} for n in names}
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in `path` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_json(path: Path, data: dict, fsync: bool = True) -> None:
     """Write JSON through a temporary file and a rename, so a reader never sees half of it."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_json(path, data, fsync=fsync, indent=1)
 
 
 def write_meta(ckpt: Path, meta: dict[str, Any], fsync: bool = True) -> None:
     """Write meta.json and its digest, meta.sha256 (both through a temporary file and a rename)."""
     write_json(ckpt / META, meta, fsync=fsync)
-    digest = sha256_file(ckpt / META)
-    tmp = ckpt / (META_DIGEST + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(f"{digest}  {META}\n")
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    os.replace(tmp, ckpt / META_DIGEST)
+    atomic_write(ckpt / META_DIGEST, f"{sha256_file(ckpt / META)}  {META}\n", fsync=fsync)
 
 
 def meta_digest_problem(ckpt: str | Path, meta_format: str | None) -> str | None:

@@ -1,38 +1,15 @@
-"""Events the trainer emits and the callbacks that subscribe to them.
-
-Logging, evaluation cadence and (later) checkpoint cadence are callbacks, not branches in the loop.
-"""
+"""The evaluation cadence, a callback of the training loop (`Callback` and `Events` live in kiln.events)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kiln.events import Callback, Events
+
 if TYPE_CHECKING:
     from kiln.train.trainer import Trainer
 
-
-class Callback:
-    """Override the hooks you need. `metrics` is a dict of plain Python numbers."""
-
-    def on_train_start(self, trainer: Trainer) -> None: ...
-
-    def on_step_end(self, trainer: Trainer, metrics: dict[str, Any] | None) -> None:
-        """Called after every optimizer step; `metrics` is set on logging steps only."""
-
-    def on_eval_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None: ...
-
-    def on_train_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None: ...
-
-
-class Events:
-    """Fans each event out to the callbacks, in order."""
-
-    def __init__(self, callbacks: list[Callback]):
-        self.callbacks = list(callbacks)
-
-    def emit(self, name: str, *args: Any) -> None:
-        for cb in self.callbacks:
-            getattr(cb, name)(*args)
+__all__ = ["Callback", "EvalEvery", "Events"]
 
 
 class EvalEvery(Callback):

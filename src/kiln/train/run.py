@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 
 import torch
 from rich.console import Console
 
-from kiln.config import RunConfig
+from kiln.config import RunConfig, derive
 from kiln.data.build import build_data, data_position
 from kiln.dist.ac import apply_ac
 from kiln.dist.compile import apply_compile
@@ -20,8 +21,9 @@ from kiln.model.registry import flops_per_token, param_count
 from kiln.monitor.sinks import ConsoleSink, JsonlSink
 from kiln.state.callback import CheckpointEvery
 from kiln.state.checkpointer import Checkpointer
-from kiln.state.preempt import SignalGuard, train_guarded
-from kiln.state.resume import check_compatible, fingerprints, resume_target
+from kiln.state.preempt import SignalGuard, StopSignals, train_guarded
+from kiln.state.resume import check_compatible, choose_checkpoint, fingerprints, run_directory
+from kiln.state.rundir import hold_run_dir, process_rank, write_config
 from kiln.state.verify import read_meta
 from kiln.state.weights import save_model
 from kiln.train.events import EvalEvery
@@ -47,7 +49,7 @@ def with_init_from(cfg: RunConfig) -> RunConfig:
     if cfg.train.seq_len > model.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} is longer than the {model.max_seq_len} positions of "
                           f"{cfg.model.init_from}; shorten train.seq_len or set model.max_seq_len")
-    return cfg.model_copy(update={"model": model})
+    return cfg.model_copy(update={"model": model})  # a new config; the given one is unchanged
 
 
 def check_model_tokenizer(cfg: RunConfig, tok) -> None:
@@ -62,29 +64,56 @@ def check_model_tokenizer(cfg: RunConfig, tok) -> None:
 
 
 def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", callbacks: list = ()) -> Path:
-    """Train per `cfg`; `resume` is auto, never or force (see kiln.state.resume); `callbacks` join the run's."""
+    """Train per `cfg`; `resume` is auto, never or force (see kiln.state.resume); `callbacks` join the run's.
+
+    The run directory is held (a second `kiln train` on it is refused) from before its checkpoints are
+    tidied until the end. SIGINT/SIGTERM outside the training loop raise `Interrupted` (start-up: clean
+    exit 130/143; the final model save: finished first, a second signal aborts)."""
     console = console or Console()
     device = resolve_device(cfg.train.device)
     if cfg.model.init_from:  # the architecture comes from the Hugging Face directory's config.json
         cfg = with_init_from(cfg)
-    run_dir, resume_from = resume_target(cfg, resume, console.print)
-    console.print(f"[bold]kiln[/] run directory: {run_dir}")
+    run_dir, may_resume = run_directory(cfg, resume, console.print)
+    cfg = derive(cfg, {"train.run_dir": str(run_dir)})
+    stops = StopSignals("during start-up", f"stopped before training; nothing in {run_dir} changed. Run the "
+                                           "same command again to go on (prepared data shards are kept)")
+    with hold_run_dir(run_dir), stops:
+        resume_from = choose_checkpoint(run_dir, console.print, cfg.checkpoint.archive_url) if may_resume else None
+        console.print(f"[bold]kiln[/] run directory: {run_dir}")
+        meta = read_meta(resume_from) if resume_from is not None else None
+        finished = meta is not None and meta["step"] >= cfg.train.max_steps
+        if finished and (not cfg.checkpoint.save_final or model_saved(run_dir / "model")):
+            console.print(f"this run has finished: its checkpoint {resume_from.name} reached train.max_steps="
+                          f"{cfg.train.max_steps}; nothing to do. To train it further, raise train.max_steps: "
+                          f"kiln train {run_dir} train.max_steps=N --resume force", highlight=False)
+            return run_dir
+        return _train(cfg, run_dir, resume_from, meta, finished, device, console, resume, callbacks, stops)
 
+
+def model_saved(path: Path) -> bool:
+    """Whether `path` holds the whole final model: weights, model config and tokenizer (written in that order)."""
+    try:
+        json.loads((path / "model_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
+
+
+def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict | None, finished: bool,
+           device: torch.device, console: Console, resume: str, callbacks: list, stops: StopSignals) -> Path:
     data = build_data(cfg, device, console=console)  # prepares, opens or streams cfg.data; this rank's loaders
     tok = data.tokenizer
     console.print(data.summary)
     if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = -(-tok.vocab_size // 64) * 64
+        cfg = derive(cfg, {"model.vocab_size": -(-tok.vocab_size // 64) * 64})
     elif cfg.model.vocab_size < tok.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"{tok.vocab_size}; raise it or leave it null")
     if cfg.model.init_from:
         check_model_tokenizer(cfg, tok)
     prints = fingerprints(cfg, data)
-    if resume_from is not None:
-        check_compatible(read_meta(resume_from), cfg, prints, resume == "force", console.print,
-                         world=data_position()[1])
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    if meta is not None:
+        check_compatible(meta, cfg, prints, resume == "force", console.print, world=data_position()[1])
 
     tcfg = cfg.train
     train_loader, val_loader = data.train, data.val
@@ -116,9 +145,16 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
     if resume_from is not None:
         meta = checkpointer.load(trainer, resume_from, check_hashes=False)  # verified when chosen
         console.print(f"resumed from {resume_from} (step {meta['step']}, {meta['tokens_seen']:,} tokens)")
-        first = trainer.last_eval or trainer.evaluate()
-    else:
-        first = trainer.evaluate()
+    if process_rank()[0] == 0:
+        write_config(run_dir, cfg)  # once the start or the resume has succeeded: a failed one leaves the old
+    if finished:  # the model save of a finished run did not complete: write it from the final checkpoint
+        checkpointer.close()
+        console.print(f"this run has finished (step {trainer.step}) but its model was not saved: writing it now")
+        _save_final(model, cfg, tok, run_dir, console)
+        return run_dir
+    first = (trainer.last_eval or trainer.evaluate()) if resume_from is not None else trainer.evaluate()
+    stops.during, stops.then = "during training", f"the last complete checkpoint is kept; resume with: kiln " \
+                                                   f"train {run_dir}"
     final = train_guarded(trainer, checkpointer, guard, run_dir, console.print)
     if final is None:  # preempted: the checkpoint is written, nothing else to do
         return run_dir
@@ -130,10 +166,10 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
         console.print("streaming skipped records (first epoch read): "
                       + ", ".join(f"{n} {r}" for r, n in sorted(dropped.items())), highlight=False)
 
-    if cfg.checkpoint.save_final:
-        out = save_model(model, cfg.model, tok, run_dir / "model")
-        console.print(f"model saved: {out}")
+    if cfg.checkpoint.save_final and not _save_final(model, cfg, tok, run_dir, console):
+        return run_dir  # a signal came during the save: stop here, as it asked
     if tcfg.sample_tokens:
+        stops.during, stops.then = "while sampling", "training and the model save are complete"
         ids = generate(model, start_ids(tok, tcfg.sample_prompt), tcfg.sample_tokens, seed=tcfg.seed,
                        vocab_size=tok.vocab_size)
         console.rule("sample")
@@ -142,3 +178,18 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
     console.print(f"sample again with: kiln generate {shlex.quote(str(run_dir))} --prompt "
                   f"{shlex.quote(tcfg.sample_prompt)}", markup=False, highlight=False)
     return run_dir
+
+
+def _save_final(model, cfg: RunConfig, tok, run_dir: Path, console: Console) -> bool:
+    """Save model/ (rank 0), finishing it whatever signal comes first (a second one aborts: the final
+    checkpoint is complete, and `kiln train RUN_DIR` writes model/ from it). False if a signal came."""
+    if process_rank()[0] != 0:
+        return True
+    with StopSignals("during the final model save", f"model/ is incomplete; the final checkpoint is complete "
+                     f"and `kiln train {run_dir}` writes model/ from it", defer=True,
+                     deferred="finishing the model save first") as saving:
+        out = save_model(model, cfg.model, tok, run_dir / "model")
+    console.print(f"model saved: {out}")
+    if saving.received:
+        console.print(f"stopped by {saving.received} after the model save; the run is complete", highlight=False)
+    return saving.received is None

@@ -12,7 +12,7 @@ from torch import nn
 from kiln.config import RunConfig
 from kiln.errors import TrainingError
 from kiln.monitor.meters import Throughput
-from kiln.train.events import Callback, Events
+from kiln.events import Callback, Events
 from kiln.train.optim import build_optimizer, build_scheduler
 
 

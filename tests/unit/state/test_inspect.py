@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+from kiln.config import derive
 from kiln.state.checkpointer import Checkpointer
 from kiln.state.inspect import describe
 
@@ -32,9 +33,7 @@ def test_inspect_run_and_checkpoint(trainer_factory, tmp_path):
     assert "step_00000006" in out and "DAMAGED" in out and "state.json" in out
     assert "archive (" in out and "kept for best" in out
 
-    changed = t.cfg.model_copy(deep=True)
-    changed.train.lr = 0.5
-    changed.logging.every = 3
+    changed = derive(t.cfg, {"train.lr": 0.5, "logging.every": 3})
     one = describe(tmp_path / "run" / "checkpoints" / "step_00000006", changed.model_dump(mode="json"))
     assert "step 6, 192 tokens seen" in one and "hashes: ok" in one and "123 train tokens" in one
     assert "* train.lr: 0.002 -> 0.5" in one and "  logging.every: 10 -> 3" in one
@@ -48,8 +47,7 @@ def test_inspect_cli_error_is_one_line(tmp_path):
 
 def test_inspect_streaming_run_has_no_manifest_and_one_hash_status(trainer_factory, tmp_path):
     t = trainer_factory()
-    cfg = t.cfg.model_copy(deep=True)
-    cfg.data.streaming = True
+    cfg = derive(t.cfg, {"data.streaming": True})
     prints = {"config": "c0", "dataset": "stream-5eed5eed", "tokenizer": "t0", "train_tokens": None}
     ck = Checkpointer(cfg.train.run_dir, cfg, prints, print)
     run_steps(t, 2)

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from kiln.config import RunConfig
+from kiln.config import RunConfig, derive
 from kiln.errors import StateError
 from kiln.state.checkpointer import Checkpointer
 from kiln.state.inspect import describe
@@ -89,8 +89,7 @@ def test_config_differences_ignore_what_does_not_change_the_numbers():
 def test_mismatch_names_what_differs_unless_forced(trainer_factory):
     t, paths = three_checkpoints(trainer_factory)
     meta = read_meta(paths[-1])
-    cfg = t.cfg.model_copy(deep=True)
-    cfg.train.max_steps = 99
+    cfg = derive(t.cfg, {"train.max_steps": 99})
     changed = {**PRINTS, "tokenizer": "t1"}
     with pytest.raises(StateError) as err:
         check_compatible(meta, cfg, changed, force=False, log=print)
@@ -123,8 +122,7 @@ def test_a_batch_size_that_keeps_the_global_batch_on_other_ranks_is_an_elastic_r
     t, paths = three_checkpoints(trainer_factory)
     meta = {**read_meta(paths[-1]), "world_size": 2}  # as if saved by 2 processes
     b = t.cfg.train.batch_size
-    cfg = t.cfg.model_copy(deep=True)
-    cfg.train.batch_size = 2 * b
+    cfg = derive(t.cfg, {"train.batch_size": 2 * b})
     logs = []
     check_compatible(meta, cfg, PRINTS, force=False, log=logs.append, world=1)  # same global batch
     assert "elastic resume: 2 -> 1" in logs[0]

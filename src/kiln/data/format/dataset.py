@@ -19,7 +19,6 @@ Layout (`<data.cache_dir>/datasets/<id>/`, the id a hash of inputs, tokenizer an
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -29,6 +28,7 @@ import numpy as np
 
 from kiln.data.prepare.tokenizer import Tokenizer
 from kiln.errors import DataError
+from kiln.files import hash_stream
 
 FORMAT = "kiln-shards/1"
 
@@ -110,13 +110,9 @@ class PreparedDataset:
 def _check_shard(root: Path, s: dict, item: int) -> list[str]:
     name, out = s["name"], []
     b, x = root / f"{name}.bin", root / f"{name}.idx"
-    h = hashlib.sha256()
     try:
-        size = 0
         with open(b, "rb") as f:
-            while chunk := f.read(1 << 22):
-                h.update(chunk)
-                size += len(chunk)
+            h, size = hash_stream(f)
         idx = x.read_bytes()
     except OSError as e:
         return [f"{name}: cannot read ({e.strerror})"]

@@ -15,25 +15,15 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from kiln.errors import DataError
+from kiln.files import atomic_write
 
 _REMEDY = "delete {0} and run the same `kiln prepare` again (`kiln prepare --verify {0}` lists every problem)"
-
-
-def _write_atomic(path: Path, chunks: Sequence[bytes | memoryview]) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        for c in chunks:
-            f.write(c)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def write_shard(directory: str | Path, name: str, docs: Sequence[np.ndarray], dtype) -> dict:
@@ -51,8 +41,8 @@ def write_shard(directory: str | Path, name: str, docs: Sequence[np.ndarray], dt
     ends = np.cumsum([a.size for a in arrays], dtype=np.uint64)
     bin_chunks = [memoryview(a).cast("B") for a in arrays if a.size]
     idx_bytes = ends.astype("<u8").tobytes()
-    _write_atomic(base.with_name(base.name + ".idx"), [idx_bytes])
-    _write_atomic(base.with_name(base.name + ".bin"), bin_chunks)
+    atomic_write(base.with_name(base.name + ".idx"), idx_bytes)
+    atomic_write(base.with_name(base.name + ".bin"), bin_chunks)
     h = hashlib.sha256()
     for c in [*bin_chunks, idx_bytes]:
         h.update(c)

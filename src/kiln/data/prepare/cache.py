@@ -35,8 +35,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from kiln.data.prepare.lock import try_lock
 from kiln.errors import ConfigError, ResourceError
+from kiln.files import atomic_write, try_lock
 
 PARTIAL_KEEP_DAYS = 7
 TMP_KEEP_SECONDS = 86400
@@ -80,9 +80,7 @@ def write_inputs(partial: Path, keys: list[str | None]) -> None:
     """Record what names the sources of `partial` (their memo keys), unless already recorded."""
     f = partial / INPUTS
     if not f.is_file():
-        tmp = partial / f"{INPUTS}.tmp"
-        tmp.write_text(json.dumps({"keys": keys}))
-        tmp.replace(f)
+        atomic_write(f, json.dumps({"keys": keys}))
 
 
 def _last_write(d: Path) -> float:

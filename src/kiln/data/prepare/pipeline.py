@@ -49,7 +49,6 @@ import numpy as np
 from kiln.data.prepare.cache import INPUTS, cache_errors, open_cache, remove_stale, write_inputs
 from kiln.data.format.dataset import FORMAT, PreparedDataset, open_dataset
 from kiln.data.prepare.encode import Encoder
-from kiln.data.prepare.lock import file_lock
 from kiln.data.prepare.progress import PrepareBar
 from kiln.data.read.records import Deduplicator, RecordChecker, is_val
 from kiln.data.prepare.report import build_report, print_report
@@ -57,6 +56,7 @@ from kiln.data.read.sources import READERS_VERSION, SourceFile, expand, file_sha
 from kiln.data.prepare.tokenizer import Tokenizer, load_or_train
 from kiln.data.prepare.writer import ShardWriter, completed_shards
 from kiln.errors import DataError
+from kiln.files import atomic_write, file_lock
 
 BATCH_BYTES = 1 << 18  # text per encoding task: small enough to keep every worker busy to the end
 BATCH_DOCS = 4096
@@ -92,9 +92,7 @@ class SourceHashes:
             return
         memo.update(fresh)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(memo))
-        os.replace(tmp, self.path)
+        atomic_write(self.path, json.dumps(memo))
 
     def identities(self) -> list[str]:
         """What names each file's content before it is read: its key, or its sha256 when it has none."""
@@ -370,9 +368,7 @@ def _build(cfg, hashes: SourceHashes, tokenizer: Tokenizer, settings: dict, part
         "report": report, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     (partial / INPUTS).unlink(missing_ok=True)
-    tmp = partial / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, partial / "manifest.json")
+    atomic_write(partial / "manifest.json", json.dumps(manifest, indent=1))
     out = partial.parent / ds_id
     _publish(partial, out)
     return out

@@ -182,7 +182,7 @@ def load_or_train(cfg, texts: Iterable[str], texts_key: str, cache_dir: Path) ->
     path = cache_dir / "tokenizers" / f"bpe-{cfg.vocab_size}-{key}" / "tokenizer.json"
     tok = _cached(path, eos, bos)
     if tok is None:
-        from kiln.data.prepare.lock import file_lock
+        from kiln.files import file_lock, replace_file
 
         with file_lock(path.parent.with_suffix(".lock")):  # one process trains, the others wait for it
             tok = _cached(path, eos, bos)
@@ -191,7 +191,7 @@ def load_or_train(cfg, texts: Iterable[str], texts_key: str, cache_dir: Path) ->
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(f".tmp{id(tok)}")
                 tok.save(tmp)
-                tmp.replace(path)
+                replace_file(tmp, path)
                 tok = Tokenizer.load(path, eos, bos)
     return tok
 

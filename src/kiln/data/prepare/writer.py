@@ -13,16 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
-
-def _fsync_replace(tmp: Path, dst: Path) -> None:
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, dst)
+from kiln.files import atomic_write, replace_file
 
 
 def completed_shards(root: Path, split: str, dtype) -> list[dict]:
@@ -94,14 +89,10 @@ class ShardWriter:
         self._f = None
         idx = np.concatenate(self._ends).astype("<u8").tobytes()
         self._hash.update(idx)
-        tmp_idx = self.base.with_suffix(".idx.tmp")
-        tmp_idx.write_bytes(idx)
-        _fsync_replace(tmp_idx, self.base.with_suffix(".idx"))
-        _fsync_replace(self.base.with_suffix(".bin.tmp"), self.base.with_suffix(".bin"))
+        atomic_write(self.base.with_suffix(".idx"), idx)
+        replace_file(self.base.with_suffix(".bin.tmp"), self.base.with_suffix(".bin"))
         entry = {"name": f"{self.split}/{self.index:05d}", "tokens": self._tokens, "documents": len(idx) // 8,
                  "sha256": self._hash.hexdigest()}
-        tmp = self.base.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(entry))
-        _fsync_replace(tmp, self.base.with_suffix(".json"))
+        atomic_write(self.base.with_suffix(".json"), json.dumps(entry))
         self.written.append(entry)
         self.index += 1

@@ -44,6 +44,11 @@ EXAMPLES = 3
 NL = b"\n"
 
 
+def where(source: str, index: int, line: int | None) -> str:
+    """'file:line' for line-based formats, 'file row N' (1-based) for the others."""
+    return f"{source}:{line}" if line is not None else f"{source} row {index + 1}"
+
+
 class RecordChecker:
     """Validates raw records and applies the length filters; counts what it drops."""
 
@@ -99,8 +104,6 @@ class RecordChecker:
         return text
 
     def drop(self, reason: str, sf: SourceFile | str, index: int, line: int | None) -> None:
-        from kiln.data.read.sources import where
-
         self.dropped[reason] += 1
         ex = self.examples.setdefault(reason, [])
         if len(ex) < EXAMPLES:
@@ -108,8 +111,6 @@ class RecordChecker:
         return None
 
     def _bad(self, reason: str, detail: str, sf: SourceFile, index: int, line: int | None) -> None:
-        from kiln.data.read.sources import where
-
         if self.policy == "error" and not sf.lenient:
             place = where(sf.url, index, line) if index >= 0 else f"{sf.url}:{line}"
             detail = f" ({detail})" if detail else ""

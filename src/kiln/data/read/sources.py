@@ -29,8 +29,9 @@ from typing import Any, BinaryIO, NamedTuple
 
 from kiln.data.read import readers
 from kiln.data.read import tables
-from kiln.data.read.records import RecordChecker
+from kiln.data.read.records import RecordChecker, where
 from kiln.errors import DataError
+from kiln.files import hash_stream
 
 STDLIB = "@stdlib"
 # How files become documents: raised whenever a reader gives other documents for the same bytes (as
@@ -52,11 +53,6 @@ class Document(NamedTuple):
     @property
     def origin(self) -> str:
         return where(self.source, self.record_index, self.line)
-
-
-def where(source: str, index: int, line: int | None) -> str:
-    """'file:line' for line-based formats, 'file row N' (1-based) for the others."""
-    return f"{source}:{line}" if line is not None else f"{source} row {index + 1}"
 
 
 @dataclass(frozen=True)
@@ -275,11 +271,8 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
 
 def file_sha256(sf: SourceFile) -> dict:
     """{path, bytes, sha256} of a source file, read in full."""
-    h, n = hashlib.sha256(), 0
     with sf.open_raw() as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-            n += len(chunk)
+        h, n = hash_stream(f)
     return {"path": sf.url, "bytes": n, "sha256": h.hexdigest()}
 
 

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="no fcntl: a liv
 HOLD = """
 import sys, time
 from pathlib import Path
-from kiln.data.prepare.lock import file_lock
+from kiln.files import file_lock
 with file_lock(Path(sys.argv[1])):
     print("held", flush=True)
     time.sleep(60)

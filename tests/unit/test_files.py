@@ -1,4 +1,5 @@
-"""file_lock / try_lock: exclusive between processes, released by a killed holder, no file left behind."""
+"""kiln.files: atomic writes, file hashes, and file_lock / try_lock (exclusive between processes,
+released by a killed holder, no file left behind)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,12 @@ import subprocess
 import sys
 import threading
 
-import pytest
-
-from kiln.data.prepare.lock import file_lock, try_lock
-
-pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="no fcntl: no lock")
+from kiln.files import atomic_write, atomic_write_json, file_lock, hash_stream, sha256_file, try_lock
 
 HOLD = """
 import signal, sys
 from pathlib import Path
-from kiln.data.prepare.lock import file_lock
+from kiln.files import file_lock
 with file_lock(Path(sys.argv[1])):
     print("held", flush=True)
     signal.pause()  # until killed
@@ -77,3 +74,43 @@ class EventConsole:
 
     def print(self, message: str) -> None:
         self.event.set()
+
+
+def test_atomic_write_replaces_whole_files_and_leaves_no_temporaries(tmp_path):
+    path = tmp_path / "a.bin"
+    atomic_write(path, b"old")
+    atomic_write(path, [b"ne", memoryview(b"w!")])
+    assert path.read_bytes() == b"new!"
+    atomic_write(path, "text \u00e9")
+    assert path.read_text(encoding="utf-8") == "text \u00e9"
+    atomic_write_json(tmp_path / "m.json", {"b": 1, "a": [2]}, sort_keys=True)
+    assert (tmp_path / "m.json").read_text() == '{"a": [2], "b": 1}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "m.json"]
+
+
+def test_a_failed_write_keeps_the_old_file(tmp_path):
+    path = tmp_path / "a.txt"
+    atomic_write(path, "old")
+
+    def chunks():
+        yield b"half of the new"
+        raise RuntimeError("the writer died")
+
+    try:
+        atomic_write(path, chunks())
+    except RuntimeError:
+        pass
+    assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]
+
+
+def test_sha256_of_a_file_and_of_a_stream(tmp_path):
+    import hashlib
+
+    data = os.urandom((8 << 20) + 123)  # more than one chunk
+    (tmp_path / "x").write_bytes(data)
+    assert sha256_file(tmp_path / "x") == hashlib.sha256(data).hexdigest()
+    with open(tmp_path / "x", "rb") as f:
+        f.read(10)
+        h, n = hash_stream(f, chunk=1000)
+    assert n == len(data) - 10 and h.hexdigest() == hashlib.sha256(data[10:]).hexdigest()

@@ -1,0 +1,191 @@
+"""`kiln train` and its run directory, with real processes and signals: one run at a time in a
+directory, config.yaml replaced only by a start or resume that succeeded, a finished run left as it
+is, the final model save finished despite a Ctrl-C, and clean exits for signals during start-up.
+
+Each child announces where it waits on stdout and waits for a file the test creates: no sleeps."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+ENV = {**os.environ, "COLUMNS": "400", "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+
+# argv: ACTION GO_FILE kiln-train-args...; prints a line and waits for GO_FILE where ACTION says, then goes on
+CHILD = r'''
+import sys, time
+from pathlib import Path
+action, go = sys.argv[1], Path(sys.argv[2])
+sys.argv = ["kiln", "train", *sys.argv[3:]]
+
+def wait(what):
+    print(what, flush=True)
+    while not go.exists():
+        time.sleep(0.01)
+
+import kiln.train.run as r
+if action == "hold":  # after the checkpoint of step 2 is complete
+    class Paused(r.CheckpointEvery):
+        def on_step_end(self, trainer, metrics):
+            super().on_step_end(trainer, metrics)
+            if trainer.step == 2:
+                self.ckpt.wait()
+                wait("held")
+    r.CheckpointEvery = Paused
+if action == "startup":  # inside data preparation, with the tokenizer workers started
+    import kiln.data.prepare.encode as e
+    import kiln.data.prepare.pipeline as p
+    p.POOL_MIN_BYTES = 0
+    submit = e.Encoder.submit
+    def waiting(self, *a, **k):
+        if self.pool is not None:
+            wait("encoding")
+        return submit(self, *a, **k)
+    e.Encoder.submit = waiting
+if action == "save":  # at the start of the final model save
+    save = r.save_model
+    def slow(*a, **k):
+        wait("saving")
+        return save(*a, **k)
+    r.save_model = slow
+from kiln.cli import main
+main()
+'''
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> list[str]:
+    cache, corpus = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text = "".join(p.read_text(errors="replace") for p in sorted(stdlib.glob("*.py"))[:40])
+    for i in range(120):
+        (corpus / f"{i:03d}.txt").write_text(text[i * 2000:(i + 1) * 2000])
+    return ["model.size=tiny", "train.seq_len=32", "train.batch_size=4", "train.max_steps=4", "train.warmup_steps=1",
+            "train.eval_every=0", "train.eval_batches=2", "train.sample_tokens=0", "train.device=cpu",
+            "checkpoint.every=2", "checkpoint.async_save=false", "logging.every=1", "logging.console=false",
+            f"data.sources=[{corpus}]", "data.val_fraction=0.1", "data.vocab_size=300", "data.workers=2",
+            f"data.cache_dir={cache}"]
+
+
+def kiln(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kiln.cli", "train", *args], capture_output=True, text=True,
+                          timeout=300, env=ENV)
+
+
+def child(action: str, go: Path, args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CHILD, action, str(go), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
+
+
+def wait_for(stream, line: str) -> None:
+    seen = []
+    for got in stream:
+        seen.append(got)
+        if got.strip() == line or line in got:
+            return
+    raise AssertionError(f"the child ended before printing {line!r}:\n{''.join(seen)[-3000:]}")
+
+
+def files(run_dir: Path) -> dict[str, bytes]:
+    """Every file of the run directory outside checkpoints/, with its bytes."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and "checkpoints" not in p.parts}
+
+
+def test_a_second_run_is_refused_and_a_killed_holder_blocks_no_resume(base, tmp_path):
+    run_dir = tmp_path / "run"
+    holder = child("hold", tmp_path / "go", [*base, f"train.run_dir={run_dir}"])
+    try:
+        wait_for(holder.stdout, "held")
+        second = kiln(str(run_dir))
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"is in use by process {holder.pid} on host" in second.stderr
+        assert "Traceback" not in second.stderr
+        assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000002"]  # untouched
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()
+    again = kiln(str(run_dir))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000002'}" in again.stdout
+    assert not (run_dir / ".lock").exists() and not (run_dir / ".lock-holder.json").exists()
+
+
+def test_a_finished_run_is_left_as_it_is_and_a_failed_force_keeps_the_config(base, tmp_path):
+    run_dir = tmp_path / "run"
+    first = kiln(*base, f"train.run_dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = files(run_dir)
+    assert "config.yaml" in before and "model/model.safetensors" in before and "metrics.jsonl" in before
+
+    again = kiln(str(run_dir))  # finished: says so, changes nothing (no second eval record, no new save)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "this run has finished" in again.stdout and "train.max_steps" in again.stdout
+    assert files(run_dir) == before
+
+    forced = kiln(str(run_dir), "model.n_layers=3", "train.max_steps=6", "--resume", "force")
+    assert forced.returncode == 2 and "does not fit this model" in forced.stderr, forced.stderr[-3000:]
+    assert files(run_dir) == before  # config.yaml still the one the checkpoints were written with
+    plain = kiln(str(run_dir))
+    assert plain.returncode == 0 and "this run has finished" in plain.stdout, plain.stderr[-3000:]
+
+    longer = kiln(str(run_dir), "train.max_steps=6", "--resume", "force")
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["max_steps"] == 6
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if json.loads(x)["event"] == "train"]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_ctrl_c_during_the_final_save_finishes_it_and_twice_aborts_it(base, tmp_path):
+    run_dir = tmp_path / "run"
+    once = child("save", tmp_path / "go", [*base, f"train.run_dir={run_dir}"])
+    wait_for(once.stdout, "saving")
+    os.killpg(once.pid, signal.SIGINT)
+    wait_for(once.stderr, "finishing the model save first")
+    (tmp_path / "go").touch()
+    out, err = once.communicate(timeout=300)
+    assert once.returncode == 0, err[-3000:]
+    assert "model saved" in out and "stopped by SIGINT after the model save" in out
+    assert (run_dir / "model" / "model.safetensors").is_file() and "Traceback" not in err
+
+    run_dir = tmp_path / "run2"
+    twice = child("save", tmp_path / "go2", [*base, f"train.run_dir={run_dir}"])
+    wait_for(twice.stdout, "saving")
+    os.killpg(twice.pid, signal.SIGINT)
+    wait_for(twice.stderr, "finishing the model save first")
+    os.killpg(twice.pid, signal.SIGINT)
+    out, err = twice.communicate(timeout=300)
+    assert twice.returncode == 130, err[-3000:]
+    assert f"second SIGINT during the final model save: model/ is incomplete; the final checkpoint is complete " \
+           f"and `kiln train {run_dir}` writes model/ from it" in err
+    assert "Traceback" not in err and not (run_dir / "model" / "model.safetensors").exists()
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+    written = kiln(str(run_dir))  # as the message says: the model is written from the final checkpoint
+    assert written.returncode == 0, written.stderr[-3000:]
+    assert "its model was not saved: writing it now" in written.stdout
+    assert (run_dir / "model" / "model.safetensors").is_file()
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics  # no second evaluation record
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_during_start_up_exits_cleanly_and_releases_the_run_dir(base, tmp_path, sig):
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"  # a cache of its own: the data is prepared here
+    starting = child("startup", tmp_path / "go", [*base, f"train.run_dir={run_dir}", f"data.cache_dir={cache}"])
+    wait_for(starting.stdout, "encoding")
+    os.killpg(starting.pid, sig)  # as Ctrl-C or a scheduler does: to the whole group, workers included
+    out, err = starting.communicate(timeout=120)
+    assert starting.returncode == 128 + sig, err[-3000:]
+    assert f"{signal.Signals(sig).name} during start-up: stopped before training" in err
+    assert "Traceback" not in err + out
+    assert sorted(p.name for p in run_dir.iterdir()) == []  # no lock left, no config.yaml of a run never started

@@ -1,0 +1,112 @@
+"""The run directory's lock: one job at a time, refused with the holder's name; a killed holder leaves
+nothing that blocks; the ranks of one job never refuse each other; config.yaml written whole."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from kiln.config import RunConfig
+from kiln.errors import StateError
+from kiln.state.rundir import HOLDER, LOCK, hold_run_dir, write_config
+
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+
+HOLD = """
+import sys
+from kiln.state.rundir import hold_run_dir
+with hold_run_dir(sys.argv[1]):
+    print("held", flush=True)
+    sys.stdin.read()  # until the test closes it (or kills this process)
+"""
+
+
+def test_a_second_process_is_refused_naming_the_holder_and_a_kill_9_blocks_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], env=ENV, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(StateError) as refused:
+            with hold_run_dir(run_dir):
+                pass
+        msg = str(refused.value)
+        assert f"process {holder.pid} on host {socket.gethostname()}" in msg and "running since" in msg
+        assert "train.run_dir" in msg  # what to do
+        second = subprocess.run([sys.executable, "-c", HOLD, str(run_dir)], env=ENV, input="", capture_output=True,
+                                text=True, timeout=60)  # another real process: refused too
+        assert second.returncode != 0 and f"process {holder.pid}" in second.stderr
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert (run_dir / HOLDER).is_file()  # the killed holder could not tidy up, and that blocks nothing:
+    with hold_run_dir(run_dir):
+        assert json.loads((run_dir / HOLDER).read_text())["pid"] == os.getpid()
+    assert sorted(p.name for p in run_dir.iterdir()) == []  # released: lock and holder files gone
+
+
+def test_a_holder_that_ends_normally_leaves_nothing_behind(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], env=ENV, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    holder.stdin.close()
+    assert holder.wait(60) == 0
+    assert not (tmp_path / LOCK).exists() and not (tmp_path / HOLDER).exists()
+
+
+RANKS = r"""
+import os, sys
+import torch.distributed as dist
+from kiln.errors import StateError
+from kiln.state.rundir import hold_run_dir
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+free, busy = sys.argv[1], sys.argv[2]
+with hold_run_dir(free):  # both ranks of one job: rank 0 holds it, rank 1 is not refused
+    dist.barrier()
+try:
+    with hold_run_dir(busy):  # held by another job: both ranks are refused, neither waits forever
+        outcome = "entered"
+except StateError as e:
+    outcome = "refused: " + str(e)
+print(f"rank {rank} {outcome}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_the_ranks_of_one_job_share_the_directory_and_are_refused_together(tmp_path):
+    free, busy = tmp_path / "free", tmp_path / "busy"
+    free.mkdir()
+    busy.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(busy)], env=ENV, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        script = tmp_path / "ranks.py"
+        script.write_text(RANKS)
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               str(script), str(free), str(busy)], capture_output=True, text=True, timeout=240,
+                              env=ENV)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} refused: {busy} is in use by process {holder.pid}" in done.stdout
+
+
+def test_write_config_replaces_the_file_whole(tmp_path):
+    write_config(tmp_path, RunConfig())
+    cfg = RunConfig.model_validate({"train": {"lr": 1e-4}})
+    write_config(tmp_path, cfg)
+    assert RunConfig.model_validate(yaml.safe_load((tmp_path / "config.yaml").read_text())) == cfg
+    assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"]  # no temporaries left
