@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.config import RunConfig, describe_fields, load_config
+from kiln.config import RunConfig, derive, describe_fields, load_config
 from kiln.errors import ConfigError
 
 
@@ -234,8 +234,10 @@ def test_the_checks_still_hold_for_configs_built_in_code():
     with pytest.raises(ValidationError, match="longer than model.max_seq_len"):
         RunConfig.model_validate({"train": {"seq_len": 4096}})
     cfg = RunConfig()
-    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+    with pytest.raises(ValidationError, match="frozen"):  # a validated config is never changed in place
         cfg.train.batch_size = 0
+    with pytest.raises(ConfigError, match="greater than or equal to 1"):  # derive() validates the new one
+        derive(cfg, {"train.batch_size": 0})
 
 
 @pytest.mark.parametrize("override,value", [
