@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -43,6 +44,8 @@ def train(
                                "train.run_dir if it has one; never: start fresh (in a new directory if that one "
                                "has checkpoints); force: continue even though the config or data changed."),
     help_config: bool = typer.Option(False, "--help-config", help="List every config key with its doc and exit."),
+    nproc: int = typer.Option(1, "--nproc", help="Start torchrun with this many processes on this machine (one "
+                              "per GPU); see dist.* in --help-config for DDP / FSDP."),
 ) -> None:
     """Train a model, or resume one.
 
@@ -63,6 +66,10 @@ def train(
     if help_config:
         print(describe_fields())
         return
+    if nproc != 1:  # kiln.dist: torchrun runs this same command in nproc processes
+        from kiln.dist.launch.local import relaunch
+
+        raise typer.Exit(relaunch(nproc))
     overrides = list(overrides or [])
     if config is not None and "=" in config:  # only overrides were given
         overrides.insert(0, config)
@@ -190,7 +197,9 @@ def main() -> None:
     except KilnError as e:
         if _state["debug"]:
             raise
-        err_console.print(Text.assemble(("error: ", "bold red"), str(e)), highlight=False)
+        rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else None
+        where = f"error (rank {rank}): " if rank is not None else "error: "  # kiln.dist: which process failed
+        err_console.print(Text.assemble((where, "bold red"), str(e)), highlight=False)
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("interrupted")

@@ -9,8 +9,8 @@ from rich.console import Console
 
 from kiln.config import RunConfig
 from kiln.data.build import build_data, data_position
-from kiln.dist.ac import apply_ac
-from kiln.dist.compile import apply_compile
+from kiln.dist.mesh import Mesh, agree_run_dir, init_mesh
+from kiln.dist.parallelize import full_model, parallelize
 from kiln.errors import ConfigError, ResourceError
 from kiln.model.generate import generate
 from kiln.model.llama import Transformer
@@ -39,9 +39,21 @@ def resolve_device(name: str) -> torch.device:
 
 
 def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", callbacks: list = ()) -> Path:
-    """Train per `cfg`; `resume` is auto, never or force (see kiln.state.resume); `callbacks` join the run's."""
+    """Train per `cfg`; `resume` is auto, never or force (see kiln.state.resume); `callbacks` join the run's.
+    Under torchrun every process calls this; rank 0 alone writes the console and the run files."""
     console = console or Console()
-    device = resolve_device(cfg.train.device)
+    mesh = init_mesh(cfg.train.device, cfg.dist, console.print)  # kiln.dist: process group, this rank's device
+    try:
+        if mesh.rank != 0:
+            console = Console(quiet=True)
+        cfg.train.run_dir = agree_run_dir(cfg.train.run_dir, resume, mesh)
+        return _run(cfg, console, resume, callbacks, mesh)
+    finally:
+        mesh.close()
+
+
+def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: Mesh) -> Path:
+    device = mesh.device
     run_dir, resume_from = resume_target(cfg, resume, console.print)
     console.print(f"[bold]kiln[/] run directory: {run_dir}")
 
@@ -57,30 +69,32 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
     if resume_from is not None:
         check_compatible(read_meta(resume_from), cfg, prints, resume == "force", console.print,
                          world=data_position()[1])
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    if mesh.rank == 0:  # kiln.dist
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
     tcfg = cfg.train
     train_loader, val_loader = data.train, data.val
 
     torch.manual_seed(tcfg.seed)
-    model = Transformer(cfg.model).to(device)
+    model = Transformer(cfg.model)  # on the CPU: parallelize moves it (or this rank's shard) to the device
     n_params = param_count(cfg.model)
     console.print(f"model: {n_params / 1e6:.2f}M parameters ({cfg.model.n_layers} layers, d={cfg.model.d_model}) "
-                  f"on {device}")
-    apply_ac(model, tcfg.activation_checkpointing)
-    if tcfg.compile:
-        apply_compile(model, scope=tcfg.compile_scope)  # in place: state-dict keys stay the same
+                  f"on {device}" + (f" x {mesh.world} processes" if mesh.distributed else ""))
+    model = parallelize(model, cfg, mesh, n_params, console.print)  # kiln.dist: AC -> compile -> FSDP2 / DDP
+    g = tcfg.batch_size * tcfg.grad_accum * mesh.world
+    console.print(f"global batch: {g} sequences ({g * tcfg.seq_len:,} tokens) per step = {tcfg.batch_size} per "
+                  f"micro-batch x {tcfg.grad_accum} accumulated x {mesh.world} data-parallel rank(s)")
 
     checkpointer = Checkpointer(run_dir, cfg, prints, console.print)
     guard = SignalGuard(console.print, checkpointer.control_group) if cfg.checkpoint.on_signal else None
     extra, callbacks = list(callbacks), [EvalEvery(tcfg.eval_every)]
-    if cfg.logging.console:
+    if cfg.logging.console and mesh.rank == 0:  # kiln.dist: rank 0 writes console and metrics
         callbacks.append(ConsoleSink(console))
-    if cfg.logging.jsonl:
+    if cfg.logging.jsonl and mesh.rank == 0:
         callbacks.append(JsonlSink(run_dir / "metrics.jsonl"))
     callbacks += [*extra, CheckpointEvery(checkpointer, guard)]  # last: a checkpoint sees its step's eval
     trainer = Trainer(cfg, model, train_loader, val_loader, device, callbacks,
-                      flops_per_token=flops_per_token(cfg.model, tcfg.seq_len))
+                      flops_per_token=flops_per_token(cfg.model, tcfg.seq_len), mesh=mesh)
     if resume_from is not None:
         meta = checkpointer.load(trainer, resume_from, check_hashes=False)  # verified when chosen
         console.print(f"resumed from {resume_from} (step {meta['step']}, {meta['tokens_seen']:,} tokens)")
@@ -98,6 +112,10 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
         console.print("streaming skipped records (first epoch read): "
                       + ", ".join(f"{n} {r}" for r, n in sorted(dropped.items())), highlight=False)
 
+    if mesh.distributed and (cfg.checkpoint.save_final or tcfg.sample_tokens):
+        model = full_model(model, cfg, mesh)  # kiln.dist: every rank sends its shards; rank 0 gets the model
+        if model is None:
+            return run_dir
     if cfg.checkpoint.save_final:
         out = save_model(model, cfg.model, tok, run_dir / "model")
         console.print(f"model saved: {out}")
