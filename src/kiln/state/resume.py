@@ -36,7 +36,7 @@ MODES = ("auto", "never", "force")
 FREE = ("train.run_dir", "train.device", "train.compile", "train.activation_checkpointing", "train.peak_tflops",
         "train.eval_every", "train.eval_batches", "train.sample_prompt", "train.sample_tokens", "data.sources",
         "data.tokenizer", "data.cache_dir", "data.workers", "data.prefetch", "data.pin_memory", "optim.fused",
-        "logging.", "checkpoint.")
+        "logging.", "checkpoint.", "dist.")
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -152,12 +152,24 @@ def resume_target(cfg: RunConfig, mode: str, log: Callable[[str], None]) -> tupl
             log(f"--resume never: {run_dir} holds checkpoints, so this fresh run goes to {new}")
             cfg.train.run_dir = str(new)
         return make_run_dir(cfg), None
-    if not run_dir.is_dir():
+    if not _rank0_says(run_dir.is_dir()):  # kiln.dist: rank 0 may have made it already
         return make_run_dir(cfg), None
     latest = _choose(run_dir, log)
     if latest is None:
         return make_run_dir(cfg), None
     return run_dir, latest
+
+
+def _rank0_says(value: bool) -> bool:
+    """Rank 0's `value` on every rank of a process group (else `value`): ranks that look at the file
+    system at different moments must still take the same branch into collectives."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return bool(box[0])
 
 
 def _choose(run_dir: Path, log: Callable[[str], None]) -> Path | None:
