@@ -11,6 +11,7 @@ from kiln.config import RunConfig
 from kiln.data.build import build_data, data_position
 from kiln.dist.mesh import Mesh, agree_run_dir, init_mesh
 from kiln.dist.parallelize import full_model, parallelize
+from kiln.dist.watch import EXIT_CODE, Watch
 from kiln.errors import ConfigError, ResourceError
 from kiln.model.generate import generate
 from kiln.model.llama import Transformer
@@ -43,12 +44,23 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
     Under torchrun every process calls this; rank 0 alone writes the console and the run files."""
     console = console or Console()
     mesh = init_mesh(cfg.train.device, cfg.dist, console.print)  # kiln.dist: process group, this rank's device
+    watch = Watch(mesh.rank, mesh.world, cfg.dist.watchdog_s).start() if mesh.distributed else None
     try:
         if mesh.rank != 0:
             console = Console(quiet=True)
         cfg.train.run_dir = agree_run_dir(cfg.train.run_dir, resume, mesh)
         return _run(cfg, console, resume, callbacks, mesh)
+    except BaseException as e:
+        if watch is not None:  # kiln.dist: one rank's error stops all, shown once by that rank
+            other = watch.failure()
+            if other is not None and not other.startswith(f"rank {mesh.rank}:"):
+                watch.stopping(other)  # a consequence of that failure, which its rank reports
+                raise SystemExit(EXIT_CODE) from None
+            watch.record_failure(e)
+        raise
     finally:
+        if watch is not None:
+            watch.stop()
         mesh.close()
 
 

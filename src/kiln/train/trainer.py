@@ -12,6 +12,7 @@ from torch import nn
 from kiln.config import RunConfig
 from kiln.dist.mesh import Mesh, current_mesh
 from kiln.dist.parallelize import clip_grad_norm, grad_sync, optimizer_device, reduce_mean
+from kiln.dist.watch import beat
 from kiln.errors import TrainingError
 from kiln.monitor.meters import Throughput
 from kiln.train.events import Callback, Events
@@ -51,6 +52,7 @@ class Trainer:
         for i in range(accum):
             with self.meter.waiting_for_data():
                 x, y, docs = self._batch(self.train_loader)  # (B, T) each
+            beat()  # kiln.dist watchdog: this rank is making progress
             with grad_sync(self.model, sync=i == accum - 1):  # kiln.dist: no collective before the last
                 with self.autocast():
                     loss = self.model(x, y, docs) / accum
@@ -115,6 +117,7 @@ class Trainer:
             n = self.cfg.train.eval_batches
             for _ in range(n):
                 x, y, docs = self._batch(self.val_loader)
+                beat()
                 with self.autocast():
                     total += self.model(x, y, docs).float()
             self.model.train()
