@@ -330,9 +330,9 @@ class DistConfig(Section):
 
     strategy: Literal["auto", "ddp", "fsdp"] = "auto"
     """'ddp': every process holds the whole model, gradients are all-reduced (bucketed, overlapped with
-    the backward pass); 'fsdp': parameters, gradients and optimizer state are sharded (FSDP2); 'auto':
-    one process trains as always, several pick ddp when the model, its gradients and AdamW state fit one
-    device with room for activations, else fsdp (the choice is logged)."""
+    the backward pass); 'fsdp': parameters, gradients and optimizer state are sharded (FSDP2); 'auto'
+    (one process trains as always; several pick ddp when the model, its gradients and AdamW state fit
+    one device with room for activations, else fsdp; the choice is logged)."""
     sharding: Literal["full", "grad_op", "hybrid"] = "full"
     """With fsdp: 'full' (ZeRO-3) gathers each block's parameters for its forward and backward and frees
     them after; 'grad_op' (ZeRO-2) keeps them gathered from forward to backward (more memory, one
