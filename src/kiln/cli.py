@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -45,6 +46,8 @@ def train(
                                "train.run_dir if it has one; never: start fresh (in a new directory if that one "
                                "has checkpoints); force: continue even though the config or data changed."),
     help_config: bool = typer.Option(False, "--help-config", help="List every config key with its doc and exit."),
+    nproc: int = typer.Option(1, "--nproc", help="Start torchrun with this many processes on this machine (one "
+                              "per GPU); see dist.* in --help-config for DDP / FSDP."),
 ) -> None:
     """Train a model, or resume one.
 
@@ -66,6 +69,10 @@ def train(
     if help_config:
         print(describe_fields())
         return
+    if nproc != 1:  # kiln.dist: torchrun runs this same command in nproc processes
+        from kiln.dist.launch.local import relaunch
+
+        raise typer.Exit(relaunch(nproc))
     overrides = list(overrides or [])
     if config is not None and "=" in config:  # only overrides were given
         overrides.insert(0, config)
@@ -222,13 +229,83 @@ def inspect(
     print(describe(path, compare, check=verify))
 
 
+# --------------------------------------------------------------------------- launch (kiln.dist.launch)
+
+launch_app = typer.Typer(no_args_is_help=True, help="Write a launch file that runs `kiln train` on a cluster: a "
+                         "Kubeflow PyTorchJob (k8s) or an sbatch script (slurm).")
+app.add_typer(launch_app, name="launch")
+
+
+@launch_app.command("k8s")
+def launch_k8s(
+    config: Optional[str] = typer.Argument(None, help="YAML config file or preset name."),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Dotted KEY=VALUE overrides."),
+    nodes: int = typer.Option(1, "--nodes", help="Worker pods (one per node)."),
+    gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs (training processes) per pod."),
+    image: str = typer.Option(..., "--image", help="Container image with kiln installed."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Manifest file to write (default NAME.yaml)."),
+    name: Optional[str] = typer.Option(None, "--name", help="Job name (default kiln-<config name>)."),
+    claim: str = typer.Option("kiln-shared", "--volume-claim", help="ReadWriteMany PVC for runs and the cache."),
+    shm_gib: Optional[int] = typer.Option(None, "--shm-gib", help="/dev/shm size (default 4 GiB per GPU, 8 at least)."),
+) -> None:
+    """Write a Kubeflow PyTorchJob manifest (elastic, c10d rendezvous) for `kiln train CONFIG`.
+
+    Example: kiln launch k8s gpu-1b --nodes 2 --gpus-per-node 8 --image ghcr.io/me/kiln:latest
+    """
+    from kiln.dist.launch import k8s
+
+    if config is not None and "=" in config:
+        overrides, config = [config, *(overrides or [])], None
+    text = k8s.manifest(config, list(overrides or []), nodes, gpus_per_node, image, name=name, claim=claim,
+                        shm_gib=shm_gib)
+    from kiln.dist.launch.common import job_name
+
+    path = k8s.write(out or f"{job_name(config, name)}.yaml", text)
+    console.print(f"wrote {path}; submit with: kubectl apply -f {path}", highlight=False)
+
+
+@launch_app.command("slurm")
+def launch_slurm(
+    config: Optional[str] = typer.Argument(None, help="YAML config file or preset name."),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Dotted KEY=VALUE overrides."),
+    nodes: int = typer.Option(1, "--nodes", help="Nodes to run on."),
+    gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs (training processes) per node."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Script to write (default NAME.sbatch); the "
+                                      "resolved config goes beside it as NAME.config.yaml."),
+    name: Optional[str] = typer.Option(None, "--name", help="Job name (default kiln-<config name>)."),
+    run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Run directory on shared storage "
+                                          "(default runs/NAME here)."),
+    time_limit: Optional[str] = typer.Option(None, "--time", help="Slurm time limit, e.g. 2-00:00:00."),
+    partition: Optional[str] = typer.Option(None, "--partition", help="Slurm partition."),
+) -> None:
+    """Write an sbatch script that starts torchrun on every node (c10d rendezvous on the first).
+
+    Example: kiln launch slurm gpu-1b --nodes 2 --gpus-per-node 8 --time 1-00:00:00
+    """
+    from kiln.dist.launch import slurm
+    from kiln.dist.launch.common import job_name
+
+    if config is not None and "=" in config:
+        overrides, config = [config, *(overrides or [])], None
+    script_path = Path(out or f"{job_name(config, name)}.sbatch")
+    config_path = script_path.with_name(script_path.name.rsplit(".", 1)[0] + ".config.yaml")
+    text, cfg_yaml = slurm.script(config, list(overrides or []), nodes, gpus_per_node, config_path, name=name,
+                                  run_dir=run_dir, time_limit=time_limit, partition=partition)
+    script_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(cfg_yaml)
+    script_path.write_text(text)
+    console.print(f"wrote {script_path} and {config_path}; submit with: sbatch {script_path}", highlight=False)
+
+
 def main() -> None:
     try:
         app()
     except KilnError as e:
         if _state["debug"]:
             raise
-        err_console.print(Text.assemble(("error: ", "bold red"), str(e)), highlight=False)
+        rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else None
+        where = f"error (rank {rank}): " if rank is not None else "error: "  # kiln.dist: which process failed
+        err_console.print(Text.assemble((where, "bold red"), str(e)), highlight=False)
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("interrupted")

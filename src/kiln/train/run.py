@@ -11,9 +11,10 @@ from rich.console import Console
 
 from kiln.config import RunConfig, derive
 from kiln.data.build import build_data, data_position
-from kiln.dist.ac import apply_ac
-from kiln.dist.compile import apply_compile
-from kiln.errors import ConfigError, DataError, ResourceError
+from kiln.dist.mesh import Mesh, init_mesh
+from kiln.dist.parallelize import full_model, parallelize
+from kiln.dist.watch import EXIT_CODE, Watch
+from kiln.errors import ConfigError, DataError
 from kiln.model.generate import generate, start_ids
 from kiln.model.hf_import import load_init_weights, resolve_init_from
 from kiln.model.llama import Transformer
@@ -29,18 +30,6 @@ from kiln.state.weights import save_model
 from kiln.train.events import EvalEvery
 from kiln.train.threads import apply_threads
 from kiln.train.trainer import Trainer
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"train.device: '{name}' is not a device; use auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ResourceError(f"train.device={name} but CUDA is not available here; use train.device=cpu")
-    return dev
 
 
 def with_init_from(cfg: RunConfig) -> RunConfig:
@@ -68,9 +57,30 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
 
     The run directory is held (a second `kiln train` on it is refused) from before its checkpoints are
     tidied until the end. SIGINT/SIGTERM outside the training loop raise `Interrupted` (start-up: clean
-    exit 130/143; the final model save: finished first, a second signal aborts)."""
+    exit 130/143; the final model save: finished first, a second signal aborts).
+    Under torchrun every process calls this; rank 0 alone writes the console and the run files."""
     console = console or Console()
-    device = resolve_device(cfg.train.device)
+    mesh = init_mesh(cfg.train.device, cfg.dist, console.print)  # kiln.dist: process group, this rank's device
+    watch = Watch(mesh.rank, mesh.world, cfg.dist.watchdog_s).start() if mesh.distributed else None
+    try:
+        if mesh.rank != 0:
+            console = Console(quiet=True)
+        return _run(cfg, console, resume, callbacks, mesh)
+    except BaseException as e:
+        if watch is not None:  # kiln.dist: one rank's error stops all, shown once by that rank
+            other = watch.failure()
+            if other is not None and not other.startswith(f"rank {mesh.rank}:"):
+                watch.stopping(other)  # a consequence of that failure, which its rank reports
+                raise SystemExit(EXIT_CODE) from None
+            watch.record_failure(e)
+        raise
+    finally:
+        if watch is not None:
+            watch.stop()
+        mesh.close()
+
+
+def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: Mesh) -> Path:
     if cfg.model.init_from:  # the architecture comes from the Hugging Face directory's config.json
         cfg = with_init_from(cfg)
     run_dir, may_resume = run_directory(cfg, resume, console.print)
@@ -87,7 +97,7 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
                           f"{cfg.train.max_steps}; nothing to do. To train it further, raise train.max_steps: "
                           f"kiln train {run_dir} train.max_steps=N --resume force", highlight=False)
             return run_dir
-        return _train(cfg, run_dir, resume_from, meta, finished, device, console, resume, callbacks, stops)
+        return _train(cfg, run_dir, resume_from, meta, finished, mesh, console, resume, callbacks, stops)
 
 
 def model_saved(path: Path) -> bool:
@@ -100,7 +110,8 @@ def model_saved(path: Path) -> bool:
 
 
 def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict | None, finished: bool,
-           device: torch.device, console: Console, resume: str, callbacks: list, stops: StopSignals) -> Path:
+           mesh: Mesh, console: Console, resume: str, callbacks: list, stops: StopSignals) -> Path:
+    device = mesh.device
     data = build_data(cfg, device, console=console)  # prepares, opens or streams cfg.data; this rank's loaders
     tok = data.tokenizer
     console.print(data.summary)
@@ -125,23 +136,25 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     if cfg.model.init_from and resume_from is None:  # a resume takes every weight from its checkpoint
         load_init_weights(model, cfg.model)
         console.print(f"weights: {cfg.model.init_from}")
-    model = model.to(device)
+    # on the CPU until here: parallelize moves it (or this rank's shard) to the device
     console.print(f"model: {n_params / 1e6:.2f}M parameters ({cfg.model.n_layers} layers, d={cfg.model.d_model}) "
-                  f"on {device}" + (f", {threads} thread(s)" if device.type == "cpu" else ""))
-    apply_ac(model, tcfg.activation_checkpointing)
-    if tcfg.compile:
-        apply_compile(model, scope=tcfg.compile_scope)  # in place: state-dict keys stay the same
+                  f"on {device}" + (f" x {mesh.world} processes" if mesh.distributed else "")
+                  + (f", {threads} thread(s)" if device.type == "cpu" else ""))
+    model = parallelize(model, cfg, mesh, n_params, console.print)  # kiln.dist: AC -> compile -> FSDP2 / DDP
+    g = tcfg.batch_size * tcfg.grad_accum * mesh.world
+    console.print(f"global batch: {g} sequences ({g * tcfg.seq_len:,} tokens) per step = {tcfg.batch_size} per "
+                  f"micro-batch x {tcfg.grad_accum} accumulated x {mesh.world} data-parallel rank(s)")
 
     checkpointer = Checkpointer(run_dir, cfg, prints, console.print)
     guard = SignalGuard(console.print, checkpointer.control_group) if cfg.checkpoint.on_signal else None
     extra, callbacks = list(callbacks), [EvalEvery(tcfg.eval_every)]
-    if cfg.logging.console:
+    if cfg.logging.console and mesh.rank == 0:  # kiln.dist: rank 0 writes console and metrics
         callbacks.append(ConsoleSink(console))
-    if cfg.logging.jsonl:
+    if cfg.logging.jsonl and mesh.rank == 0:
         callbacks.append(JsonlSink(run_dir / "metrics.jsonl"))
     callbacks += [*extra, CheckpointEvery(checkpointer, guard)]  # last: a checkpoint sees its step's eval
     trainer = Trainer(cfg, model, train_loader, val_loader, device, callbacks,
-                      flops_per_token=flops_per_token(cfg.model, tcfg.seq_len))
+                      flops_per_token=flops_per_token(cfg.model, tcfg.seq_len), mesh=mesh)
     if resume_from is not None:
         meta = checkpointer.load(trainer, resume_from, check_hashes=False)  # verified when chosen
         console.print(f"resumed from {resume_from} (step {meta['step']}, {meta['tokens_seen']:,} tokens)")
@@ -150,7 +163,9 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     if finished:  # the model save of a finished run did not complete: write it from the final checkpoint
         checkpointer.close()
         console.print(f"this run has finished (step {trainer.step}) but its model was not saved: writing it now")
-        _save_final(model, cfg, tok, run_dir, console)
+        model = full_model(model, cfg, mesh) if mesh.distributed else model
+        if model is not None:
+            _save_final(model, cfg, tok, run_dir, console)
         return run_dir
     first = (trainer.last_eval or trainer.evaluate()) if resume_from is not None else trainer.evaluate()
     stops.during, stops.then = "during training", f"the last complete checkpoint is kept; resume with: kiln " \
@@ -166,6 +181,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         console.print("streaming skipped records (first epoch read): "
                       + ", ".join(f"{n} {r}" for r, n in sorted(dropped.items())), highlight=False)
 
+    if mesh.distributed and (cfg.checkpoint.save_final or tcfg.sample_tokens):
+        model = full_model(model, cfg, mesh)  # kiln.dist: every rank sends its shards; rank 0 gets the model
+        if model is None:
+            return run_dir
     if cfg.checkpoint.save_final and not _save_final(model, cfg, tok, run_dir, console):
         return run_dir  # a signal came during the save: stop here, as it asked
     if tcfg.sample_tokens:

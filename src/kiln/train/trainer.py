@@ -10,6 +10,9 @@ import torch
 from torch import nn
 
 from kiln.config import RunConfig
+from kiln.dist.mesh import Mesh, current_mesh
+from kiln.dist.parallelize import clip_grad_norm, grad_sync, optimizer_device, reduce_mean
+from kiln.dist.watch import beat
 from kiln.errors import TrainingError
 from kiln.monitor.meters import Throughput
 from kiln.events import Callback, Events
@@ -18,15 +21,17 @@ from kiln.train.optim import build_optimizer, build_scheduler
 
 class Trainer:
     def __init__(self, cfg: RunConfig, model: nn.Module, train_loader, val_loader, device: torch.device,
-                 callbacks: list[Callback] = (), flops_per_token: float = 0.0):
+                 callbacks: list[Callback] = (), flops_per_token: float = 0.0, mesh: Mesh | None = None):
         self.cfg, self.model, self.device = cfg, model, device
+        self.mesh = mesh or current_mesh(device)  # kiln.dist: ranks whose metrics are reduced
         self.train_loader, self.val_loader = train_loader, val_loader
-        self.optimizer = build_optimizer(model, cfg.optim, cfg.train.lr, device)
+        self.optimizer = build_optimizer(model, cfg.optim, cfg.train.lr, optimizer_device(cfg, device, model))
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.events = Events(list(callbacks))
         self.step, self.tokens_seen = 0, 0
         self.consistent = True  # False while a step is half done
-        self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum
+        # the global batch: micro-batch x accumulation x data-parallel ranks (kiln.dist)
+        self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum * self.mesh.world
         peak = cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops else None
         self.meter = Throughput(flops_per_token, device, peak)
         self.last_eval: dict[str, Any] | None = None
@@ -53,15 +58,17 @@ class Trainer:
         """One optimizer step over grad_accum micro-batches. Returns (loss, grad norm) on the device."""
         accum, clip = self.cfg.train.grad_accum, self.cfg.train.grad_clip
         total = torch.zeros((), device=self.device)
-        for _ in range(accum):
+        for i in range(accum):
             with self.meter.waiting_for_data():
                 x, y, docs = self._batch(self.train_loader)  # (B, T) each
-            with self.autocast():
-                loss = self.model(x, y, docs) / accum
-            loss.backward()
+            beat()  # kiln.dist watchdog: this rank is making progress
+            with grad_sync(self.model, sync=i == accum - 1):  # kiln.dist: no collective before the last
+                with self.autocast():
+                    loss = self.model(x, y, docs) / accum
+                loss.backward()
             total += loss.detach()
         # parameters without a gradient are skipped; max_norm=inf still measures the norm for the logs
-        gnorm = nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        gnorm = clip_grad_norm(self.model, clip if clip > 0 else float("inf"))  # kiln.dist: over every shard
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -90,13 +97,21 @@ class Trainer:
         return final
 
     def _step_metrics(self, losses: torch.Tensor, gnorm: torch.Tensor) -> dict[str, Any]:
-        values = losses.float().cpu()
-        loss = values.mean().item()
+        loss = losses.float().mean()
+        loss.item()  # the host sync the meter's clock needs
+        # kiln.dist: this rank's throughput, then the mean over ranks of it and of the loss (one collective)
+        local = self.meter.read(self.step, self.tokens_per_step // self.mesh.world)
+        keys = sorted(local)
+        values = torch.stack([loss, *(torch.tensor(float(local[k]), device=loss.device) for k in keys)])
+        mean = reduce_mean(values, self.mesh).cpu().tolist()
+        loss, rates = mean[0], dict(zip(keys, mean[1:]))
         if not math.isfinite(loss):
             raise TrainingError(f"loss became {loss} at step {self.step}. Lower train.lr, raise "
                                 "train.warmup_steps or check the data.")
+        rates["tokens_per_s_per_device"] = rates["tokens_per_s"]
+        rates["tokens_per_s"] *= self.mesh.world  # the whole job
         return {"step": self.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
-                "grad_norm": gnorm.item(), "tokens": self.tokens_seen, **self.meter.read(self.step, self.tokens_per_step)}
+                "grad_norm": float(gnorm), "tokens": self.tokens_seen, **rates}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
@@ -111,6 +126,7 @@ class Trainer:
             n = self.cfg.train.eval_batches
             for _ in range(n):
                 x, y, docs = self._batch(self.val_loader)
+                beat()
                 with self.autocast():
                     total += self.model(x, y, docs).float()
             self.model.train()

@@ -1,0 +1,1 @@
+"""Starting a run on many processes: torchrun on this machine (local), Kubernetes and Slurm launch files."""

@@ -1,0 +1,81 @@
+"""`kiln launch k8s`: a Kubeflow PyTorchJob (training-operator v1) that runs `kiln train` under torchrun.
+
+The manifest holds two documents: a ConfigMap with the resolved run config, and the PyTorchJob. Each
+of the `nodes` worker pods runs torchrun with `gpus_per_node` processes; the elastic policy makes the
+operator set torchrun's rendezvous (c10d) and lets a failed pod restart the job, which resumes from
+the newest checkpoint in the run directory. The run directory and the data cache live on a shared
+volume (a ReadWriteMany PersistentVolumeClaim) mounted in every pod; /dev/shm is a memory volume
+sized for NCCL and the loader's pinned batches (a container's default is 64 MB).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from kiln.dist.launch.common import check_shape, job_name, resolved_config
+
+SHARED, CONFIG_DIR = "/shared", "/etc/kiln"
+
+
+def manifest(config: str | None, overrides: list[str], nodes: int, gpus_per_node: int, image: str, *,
+             name: str | None = None, claim: str = "kiln-shared", shm_gib: int | None = None,
+             max_restarts: int = 3, cpus_per_node: int | None = None, memory_gib: int | None = None) -> str:
+    """The YAML text of the ConfigMap and PyTorchJob."""
+    check_shape(nodes, gpus_per_node)
+    job = job_name(config, name)
+    cfg = resolved_config(config, overrides, f"{SHARED}/runs/{job}", f"{SHARED}/cache")
+    shm = shm_gib or max(8, 4 * gpus_per_node)
+    resources: dict = {"nvidia.com/gpu": gpus_per_node}
+    if cpus_per_node:
+        resources["cpu"] = cpus_per_node
+    if memory_gib:
+        resources["memory"] = f"{memory_gib}Gi"
+    container = {
+        "name": "pytorch",  # the training operator looks for this container name
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["torchrun"],  # nnodes, nproc_per_node and the rendezvous come from the operator (PET_*)
+        "args": ["-m", "kiln.cli", "train", f"{CONFIG_DIR}/config.yaml"],
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "resources": {"limits": resources, "requests": dict(resources)},
+        "volumeMounts": [
+            {"name": "shared", "mountPath": SHARED},
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+    }
+    pod = {
+        "spec": {
+            "containers": [container],
+            "volumes": [
+                {"name": "shared", "persistentVolumeClaim": {"claimName": claim}},
+                {"name": "config", "configMap": {"name": f"{job}-config"}},
+                {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm}Gi"}},
+            ],
+        },
+    }
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{job}-config"},
+                  "data": {"config.yaml": cfg.to_yaml()}}
+    pytorch_job = {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": job, "labels": {"app.kubernetes.io/name": "kiln"}},
+        "spec": {
+            "elasticPolicy": {"rdzvBackend": "c10d", "minReplicas": nodes, "maxReplicas": nodes,
+                              "maxRestarts": max_restarts, "nProcPerNode": gpus_per_node},
+            "runPolicy": {"cleanPodPolicy": "None"},
+            "pytorchReplicaSpecs": {"Worker": {"replicas": nodes, "restartPolicy": "OnFailure", "template": pod}},
+        },
+    }
+    head = (f"# kiln: {nodes} node(s) x {gpus_per_node} GPU(s); run directory {SHARED}/runs/{job} on PVC '{claim}' "
+            f"(ReadWriteMany)\n# submit: kubectl apply -f FILE; follow: kubectl logs -f {job}-worker-0\n")
+    return head + yaml.safe_dump_all([config_map, pytorch_job], sort_keys=False)
+
+
+def write(out: str | Path, text: str) -> Path:
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path

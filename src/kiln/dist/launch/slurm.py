@@ -1,0 +1,53 @@
+"""`kiln launch slurm`: an sbatch script that starts torchrun on every node, rendezvous on the first.
+
+One Slurm task per node runs torchrun with `gpus_per_node` processes; the c10d rendezvous endpoint is
+the job's first node, so no port needs to be known beforehand on the others. `--max-restarts` lets
+torchrun restart the workers after a failure; they resume from the newest checkpoint in the run
+directory, which (with the data cache) must be on storage every node sees.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from kiln.dist.launch.common import check_shape, job_name, resolved_config
+
+PORT = 29500
+
+
+def script(config: str | None, overrides: list[str], nodes: int, gpus_per_node: int, config_path: str | Path, *,
+           name: str | None = None, run_dir: str | None = None, cache_dir: str | None = None,
+           time_limit: str | None = None, partition: str | None = None, cpus_per_node: int | None = None,
+           max_restarts: int = 3) -> tuple[str, str]:
+    """(the sbatch script, the resolved config YAML to write at `config_path`)."""
+    check_shape(nodes, gpus_per_node)
+    job = job_name(config, name)
+    run_dir = str(Path(run_dir or f"runs/{job}").expanduser().absolute())
+    cache_dir = str(Path(cache_dir or "~/.cache/kiln").expanduser().absolute())
+    cfg = resolved_config(config, overrides, run_dir, cache_dir)
+    cfg_file = shlex.quote(str(Path(config_path).absolute()))
+    directives = [f"--job-name={job}", f"--nodes={nodes}", "--ntasks-per-node=1", f"--gpus-per-node={gpus_per_node}",
+                  "--exclusive", f"--output={run_dir}/slurm-%j.out"]
+    if cpus_per_node:
+        directives.append(f"--cpus-per-task={cpus_per_node}")
+    if time_limit:
+        directives.append(f"--time={time_limit}")
+    if partition:
+        directives.append(f"--partition={partition}")
+    lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), "",
+             f"# kiln: {nodes} node(s) x {gpus_per_node} GPU(s). The run directory {run_dir} and the cache",
+             f"# {cache_dir} must be on storage every node sees. Submit: sbatch THIS_FILE",
+             "set -euo pipefail",
+             f"mkdir -p {shlex.quote(run_dir)}",
+             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+             "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
+             "srun --kill-on-bad-exit=1 python -m torch.distributed.run \\",
+             '  --nnodes="$SLURM_JOB_NUM_NODES" \\',
+             f"  --nproc_per_node={gpus_per_node} \\",
+             '  --rdzv_id="$SLURM_JOB_ID" \\',
+             "  --rdzv_backend=c10d \\",
+             f'  --rdzv_endpoint="$head_node:{PORT}" \\',
+             f"  --max-restarts={max_restarts} \\",
+             f"  -m kiln.cli train {cfg_file}", ""]
+    return "\n".join(lines), cfg.to_yaml()

@@ -1,0 +1,129 @@
+"""The process group of a run: who this process is, which device it drives, and the device mesh.
+
+torchrun (or `kiln train --nproc N`, or a Kubernetes/Slurm launch file) starts one process per
+device and sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+`init_mesh` reads them, joins the process group (NCCL on GPUs, gloo on CPUs), pins the device
+(`cuda:LOCAL_RANK`) and builds the device mesh the strategies shard over:
+
+    1-D  (world,)               dim "dp": DDP, FSDP full / grad_op
+    2-D  (replicas, shards)     dims "replicate", "shard": FSDP hybrid (HSDP), shard inside a node
+
+A process started without torchrun is the one-process run of today: no process group, no mesh.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from kiln.config import DistConfig
+from kiln.errors import ConfigError, ResourceError
+
+
+@dataclass
+class Mesh:
+    """This process's place in the run. `mesh` is None in a one-process run."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world: int = 1
+    local_world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str | None = None
+    mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh
+    owns_group: bool = False  # this object initialised the process group, so close() destroys it
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.world // max(1, self.local_world))
+
+    def hybrid_mesh(self, replicas: int | None) -> object:
+        """A 2-D (replicate, shard) mesh for HSDP: `replicas` groups (default: one per node), each
+        sharding the model over world / replicas processes."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        r = replicas or self.nodes
+        if r < 1 or self.world % r:
+            raise ConfigError(f"dist.replicas={r} does not divide the {self.world} processes of this run; choose a "
+                              f"divisor of {self.world} (one replica per node is {self.nodes})")
+        return init_device_mesh(self.device.type, (r, self.world // r), mesh_dim_names=("replicate", "shard"))
+
+    def close(self) -> None:
+        """Leave the process group (if this object joined it)."""
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_group = False
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer; it is set by torchrun, "
+                          "leave it to torchrun") from None
+
+
+def rank_device(name: str, local_rank: int) -> torch.device:
+    """The device of process `local_rank` on its node for train.device `name`."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"train.device: '{name}' is not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ResourceError(f"train.device={name} but CUDA is not available here; use train.device=cpu")
+        if dev.index is None:
+            dev = torch.device("cuda", local_rank)
+        if dev.index >= torch.cuda.device_count():
+            raise ResourceError(f"process {local_rank} of this node needs GPU {dev.index}, but only "
+                                f"{torch.cuda.device_count()} are visible; start at most that many processes "
+                                "per node (--nproc / --nproc_per_node)")
+    return dev
+
+
+def init_mesh(device_name: str, cfg: DistConfig, log: Callable[[str], None] = print) -> Mesh:
+    """Join the process group torchrun describes (if any) and pick this process's device."""
+    world = _env_int("WORLD_SIZE", 1)
+    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", world)
+    device = rank_device(device_name, local_rank if world > 1 else 0)
+    if world <= 1:
+        n = torch.cuda.device_count() if device.type == "cuda" else 0
+        if n > 1:
+            log(f"this machine has {n} GPUs and this run uses one. Use them all with `kiln train CONFIG --nproc {n}` "
+                f"(or `torchrun --nproc_per_node {n} -m kiln.cli train CONFIG`)")
+        return Mesh(device=device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    owns = not dist.is_initialized()
+    if owns:
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout_s), **kwargs)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    return Mesh(rank, local_rank, world, local_world, device, backend, mesh, owns)
+
+
+def current_mesh(device: torch.device) -> Mesh:
+    """The Mesh of a process group someone else initialised (or of one process): for callers without one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return Mesh(device=device)
+    world = dist.get_world_size()
+    return Mesh(dist.get_rank(), _env_int("LOCAL_RANK", 0), world, _env_int("LOCAL_WORLD_SIZE", world), device,
+                dist.get_backend())

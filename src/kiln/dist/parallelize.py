@@ -1,0 +1,198 @@
+"""Parallelism applied to a plain model from outside, in the order that composes:
+
+    activation checkpointing -> torch.compile (per block) -> FSDP2 `fully_shard` / DDP
+
+The model file knows nothing of it. `parallelize` returns the module the trainer drives: the
+model itself (one process, or FSDP2, which changes the module's class in place and turns its
+parameters into DTensors) or a `DistributedDataParallel` around it. State-dict keys stay those of
+the plain model under every strategy (DCP's get_state_dict strips wrappers), so a checkpoint
+moves between strategies and world sizes.
+
+The model is built on the CPU with the seeded initialisation of a one-process run, so every
+strategy starts from the same weights; `fully_shard` moves each process's shard to its device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kiln.config import RunConfig
+from kiln.dist.ac import apply_ac
+from kiln.dist.compile import apply_compile
+from kiln.dist.mesh import Mesh
+from kiln.errors import ConfigError
+
+BYTES_PER_PARAM = 16  # fp32 weights (4) + fp32 gradients (4) + AdamW's two fp32 moments (8)
+FIT_FRACTION = 0.5  # model + optimizer may take this share of a device; the rest is for activations
+
+
+def uses_bf16(cfg: RunConfig, device: torch.device) -> bool:
+    p = cfg.train.precision
+    return p == "bf16" or (p == "auto" and device.type == "cuda")
+
+
+def device_memory(device: torch.device, local_world: int) -> int:
+    """Bytes one process may use on `device` (a GPU's total; a CPU's RAM shared by the node's processes)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 16 << 30
+    return ram // max(1, local_world)
+
+
+def choose_strategy(cfg: RunConfig, m: Mesh, n_params: int, log: Callable[[str], None] = print) -> str:
+    """'single', 'ddp' or 'fsdp' for this run; `auto` decides by memory and says why."""
+    d = cfg.dist
+    if not m.distributed:
+        if d.strategy != "auto":
+            log(f"dist.strategy={d.strategy} has no effect in a one-process run (start several with --nproc N)")
+        return "single"
+    if d.strategy != "auto":
+        return d.strategy
+    if d.cpu_offload or d.sharding != "full":
+        log(f"dist.strategy auto: fsdp, because dist.{'cpu_offload' if d.cpu_offload else 'sharding'} is set")
+        return "fsdp"
+    need, have = n_params * BYTES_PER_PARAM, device_memory(m.device, m.local_world)
+    choice = "ddp" if need <= FIT_FRACTION * have else "fsdp"
+    log(f"dist.strategy auto: {choice} (weights, gradients and AdamW state take {need / 2**30:.1f} GiB per "
+        f"replica, {'within' if choice == 'ddp' else 'over'} {FIT_FRACTION:.0%} of the {have / 2**30:.0f} GiB of "
+        f"{m.device.type}; set dist.strategy to choose)")
+    return choice
+
+
+def parallelize(model: nn.Module, cfg: RunConfig, m: Mesh, n_params: int | None = None,
+                log: Callable[[str], None] = print) -> nn.Module:
+    """Apply AC, compile and the run's strategy to `model` (built on the CPU). Returns what to train."""
+    tcfg, d = cfg.train, cfg.dist
+    if n_params is None:
+        n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    strategy = choose_strategy(cfg, m, n_params, log)
+    apply_ac(model, tcfg.activation_checkpointing)
+    if tcfg.compile:
+        scope = tcfg.compile_scope
+        if strategy == "fsdp" and scope == "model":
+            log("train.compile_scope=model is compiled per block under FSDP (each block is its own shard unit)")
+            scope = "blocks"
+        apply_compile(model, scope=scope)  # in place: state-dict keys stay the same
+    if strategy == "single":
+        return model.to(m.device)
+    if strategy == "ddp":
+        if d.sharding != "full" or d.cpu_offload:
+            log("dist.sharding and dist.cpu_offload apply to fsdp only; ignored under ddp")
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model.to(m.device)
+        ids = [m.device.index] if m.device.type == "cuda" else None
+        with warnings.catch_warnings():  # broadcast_buffers is deprecated in name only: it is still the way
+            warnings.simplefilter("ignore", FutureWarning)  # to skip syncing buffers
+            # rope tables are rebuilt identically on every rank: no buffer broadcast in each forward
+            return DDP(model, device_ids=ids, broadcast_buffers=False, gradient_as_bucket_view=True)
+    return _shard(model, cfg, m)
+
+
+def _shard(model: nn.Module, cfg: RunConfig, m: Mesh) -> nn.Module:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    d = cfg.dist
+    if d.sharding == "hybrid":
+        mesh = m.hybrid_mesh(d.replicas)
+    else:
+        if d.replicas is not None:
+            raise ConfigError("dist.replicas applies to dist.sharding=hybrid only; remove it or set the sharding")
+        mesh = m.mesh
+    mp = MixedPrecisionPolicy()
+    if uses_bf16(cfg, m.device):  # bf16 compute copies of the fp32 master weights; gradients reduced in fp32
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                  reduce_dtype=torch.float32 if d.reduce_fp32 else torch.bfloat16)
+    offload = CPUOffloadPolicy(pin_memory=m.device.type == "cuda") if d.cpu_offload else OffloadPolicy()
+    reshard = d.sharding != "grad_op"
+    n = len(model.layers)
+    for i, block in enumerate(model.layers):
+        # the last block's backward comes right after its forward: resharding it would only regather it
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard and i < n - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (FSDP2 and one-process models are their own)."""
+    return getattr(model, "module", model)
+
+
+def strategy_of(model: nn.Module) -> str:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return "ddp" if isinstance(model, DDP) else "fsdp" if isinstance(model, FSDPModule) else "single"
+
+
+@contextlib.contextmanager
+def grad_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """Around one micro-batch's forward and backward: `sync=False` (every micro-batch but the last of an
+    accumulation) keeps the gradients local, with no collective; the last one reduces them all."""
+    kind = strategy_of(model)
+    if kind == "ddp" and not sync:
+        with model.no_sync():
+            yield
+        return
+    if kind == "fsdp":
+        model.set_requires_gradient_sync(sync)
+    yield
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm (over every shard); returns the norm before clipping, a plain tensor."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor holding each shard's partial norm
+        norm = norm.full_tensor()
+    nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def optimizer_device(cfg: RunConfig, device: torch.device, model: nn.Module) -> torch.device:
+    """Where the optimizer's state lives: the CPU under FSDP with cpu_offload, else the training device."""
+    return torch.device("cpu") if cfg.dist.cpu_offload and strategy_of(model) == "fsdp" else device
+
+
+def full_model(model: nn.Module, cfg: RunConfig, m: Mesh) -> nn.Module | None:
+    """A plain model holding the full weights, on rank 0 (None on the others); every rank must call it.
+
+    One process and DDP give their own module; FSDP gathers the shards into a new module on rank 0's
+    device (the final safetensors file and the sample are made from it)."""
+    kind = strategy_of(model)
+    if kind != "fsdp":
+        return unwrap(model) if m.rank == 0 else None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if m.rank != 0:
+        return None
+    from kiln.model.llama import Transformer
+
+    with torch.device("meta"):
+        plain = Transformer(cfg.model)
+    plain.to_empty(device="cpu")
+    plain.init_weights()  # re-ties embeddings and rebuilds the rope tables; the weights come next
+    missing, unexpected = plain.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if not (k == "lm_head.weight" and cfg.model.tie_embeddings)]:
+        raise RuntimeError(f"gathered state does not match the model: missing {missing}, unexpected {unexpected}")
+    return plain.to(m.device)
+
+
+def reduce_mean(values: torch.Tensor, m: Mesh) -> torch.Tensor:
+    """Mean over every rank of a small tensor (a no-op in a one-process run)."""
+    if not m.distributed:
+        return values
+    out = values.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out / m.world

@@ -1,0 +1,76 @@
+"""Under torchrun with 2 processes: a rank that raises stops both at once with its error shown once, naming
+it; a rank that hangs is named by the watchdog (dist.watchdog_s) with the stacks of its threads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+
+CHILD = r'''
+import os, sys, threading
+from kiln.config import load_config
+from kiln.train.events import Callback
+from kiln.train.run import run
+
+action = sys.argv[1]
+
+class Fault(Callback):
+    def on_step_end(self, trainer, metrics):
+        if trainer.step == 3 and os.environ["RANK"] == "1":
+            if action == "raise":
+                raise RuntimeError("injected failure")
+            threading.Event().wait()  # hang: stuck forever, as in a dead file system
+
+run(load_config(None, sys.argv[2:]), callbacks=[Fault()])
+'''
+
+
+@pytest.fixture(scope="module")
+def args(tmp_path_factory) -> list[str]:
+    cache, corpus = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text = "".join(p.read_text(errors="replace") for p in sorted(stdlib.glob("*.py"))[:20])
+    for i in range(60):
+        (corpus / f"{i:03d}.txt").write_text(text[i * 2000:(i + 1) * 2000])
+    return ["model.size=tiny", "train.seq_len=32", "train.batch_size=2", "train.max_steps=40", "train.eval_every=0",
+            "train.eval_batches=1", "train.sample_tokens=0", "train.device=cpu", "checkpoint.every=0",
+            "checkpoint.save_final=false", "logging.console=false", f"data.sources=[{corpus}]",
+            "data.val_fraction=0.1", "data.vocab_size=300", f"data.cache_dir={cache}", "dist.strategy=ddp"]
+
+
+def torchrun(tmp_path: Path, action: str, args: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), action,
+           *args, f"train.run_dir={tmp_path / 'run'}"]
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "400"})
+    return done, time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_stops_every_rank_with_one_error(tmp_path, args):
+    done, _ = torchrun(tmp_path, "raise", [*args, "dist.timeout_s=600"])
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert out.count("RuntimeError: injected failure") == 1, out[-4000:]  # once, from rank 1
+    assert "rank 0: stopping, because rank 1 failed" in out
+    assert "Connection closed by peer" not in out  # rank 0 gives no secondary error
+
+
+@pytest.mark.slow
+def test_the_watchdog_names_a_hung_rank_and_shows_its_stacks(tmp_path, args):
+    done, seconds = torchrun(tmp_path, "hang", [*args, "dist.watchdog_s=3", "dist.timeout_s=600"])
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "kiln watchdog: rank 1 made no progress for 3 s" in out and "stuck rank(s): 1" in out, out[-4000:]
+    assert "in on_step_end" in out  # the stack of the hung thread, where it hangs
+    assert "Connection closed by peer" not in out  # rank 0 gives no secondary error
+    assert seconds < 200  # long before the 600 s collective timeout

@@ -1,0 +1,100 @@
+"""`kiln train --nproc 2` end to end on CPU (gloo): FSDP2 over 2 processes logs the losses of one process
+with the same global batch, consolidates its final weights into one safetensors file equal to the one
+process's, and a run resumes on another world size (2 -> 1, 1 -> 2) at the same global sample with the
+losses of the run that kept its size."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+STEPS, EVERY = 12, 6
+ENV = {**os.environ, "COLUMNS": "400", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> list[str]:
+    cache, corpus = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text = "".join(p.read_text(errors="replace") for p in sorted(stdlib.glob("*.py"))[:40])
+    for i in range(240):
+        (corpus / f"{i:03d}.txt").write_text(text[i * 2000:(i + 1) * 2000])
+    return ["model.size=tiny", "train.seq_len=32", f"train.max_steps={STEPS}", "train.warmup_steps=2",
+            "train.eval_every=0", "train.eval_batches=2", "train.sample_tokens=0", "train.device=cpu",
+            "train.precision=fp32", f"checkpoint.every={EVERY}", "logging.every=1", "logging.console=false",
+            f"data.sources=[{corpus}]", "data.val_fraction=0.1", "data.vocab_size=512", f"data.cache_dir={cache}"]
+
+
+def kiln_train(*args: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "kiln.cli", "train", *args] + (["--nproc", str(nproc)] if nproc > 1 else [])
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if r["event"] == "train"}
+
+
+def cut_back(run_dir: Path, to_step: int) -> None:
+    """Leave `run_dir` as a kill after the checkpoint of `to_step` would have."""
+    for ck in (run_dir / "checkpoints").iterdir():
+        if int(ck.name.split("_")[1]) > to_step:
+            shutil.rmtree(ck)
+    shutil.rmtree(run_dir / "model", ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def one_and_two(base, tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("runs")
+    one, two = root / "one", root / "two"
+    kiln_train(*base, "train.batch_size=4", f"train.run_dir={one}")
+    out = kiln_train(*base, "train.batch_size=2", "dist.strategy=fsdp", f"train.run_dir={two}", nproc=2)
+    assert "global batch: 4 sequences (128 tokens) per step = 2 per micro-batch x 1 accumulated x 2" in out.stdout
+    assert out.stdout.count("run directory:") == 1  # only rank 0 writes the console
+    return one, two
+
+
+@pytest.mark.slow
+def test_fsdp_two_processes_train_and_save_like_one(one_and_two):
+    from kiln.state.weights import load_model
+
+    one, two = one_and_two
+    a, b = losses(one), losses(two)
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    assert [b[s] for s in a] == pytest.approx([a[s] for s in a], rel=1e-4)
+    meta = json.loads((two / "checkpoints" / f"step_{STEPS:08d}" / "meta.json").read_text())
+    assert meta["world_size"] == 2 and meta["tokens_seen"] == STEPS * 4 * 32
+    m1, _ = load_model(one)
+    m2, _ = load_model(two)  # one safetensors file gathered from the two processes' shards
+    for (k, v1), (_, v2) in zip(m1.state_dict().items(), m2.state_dict().items()):
+        torch.testing.assert_close(v2, v1, rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.slow
+def test_resume_on_another_world_size_matches(one_and_two, base, tmp_path):
+    one, two = one_and_two
+    expected = losses(one)
+    two_to_one, one_to_two = tmp_path / "two_to_one", tmp_path / "one_to_two"
+    shutil.copytree(two, two_to_one)
+    shutil.copytree(one, one_to_two)
+    for run_dir in (two_to_one, one_to_two):
+        cut_back(run_dir, EVERY)
+    out = kiln_train(str(two_to_one), "train.batch_size=4", "dist.strategy=auto")  # 2 processes -> 1
+    assert "elastic resume: 2 -> 1 process(es)" in out.stdout
+    out = kiln_train(str(one_to_two), "train.batch_size=2", "dist.strategy=fsdp", nproc=2)  # 1 -> 2
+    assert "elastic resume: 1 -> 2 process(es)" in out.stdout
+    for run_dir in (two_to_one, one_to_two):
+        got = losses(run_dir)
+        assert sorted(got) == list(range(1, STEPS + 1)), run_dir.name
+        resumed = range(EVERY + 1, STEPS + 1)
+        assert [got[s] for s in resumed] == pytest.approx([expected[s] for s in resumed], rel=1e-4), run_dir.name

@@ -1,0 +1,91 @@
+"""`kiln launch k8s|slurm` write files that parse (YAML; `bash -n`) and carry the job's shape, the shared
+storage and the resolved config; `kiln train --nproc` builds the torchrun command it starts."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from kiln.cli import app
+from kiln.config import RunConfig
+from kiln.dist.launch.local import torchrun_command, without_nproc
+
+runner = CliRunner()
+
+
+def test_k8s_manifest_is_an_elastic_pytorchjob_with_shared_storage(tmp_path):
+    out = tmp_path / "job.yaml"
+    res = runner.invoke(app, ["launch", "k8s", "gpu-1b", "train.lr=1e-4", "--nodes", "2", "--gpus-per-node", "4",
+                              "--image", "ghcr.io/me/kiln:1", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    config_map, job = list(yaml.safe_load_all(out.read_text()))
+    assert config_map["kind"] == "ConfigMap" and job["kind"] == "PyTorchJob"
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["metadata"]["name"] == "kiln-gpu-1b"
+    spec = job["spec"]
+    assert spec["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 2, "maxReplicas": 2, "maxRestarts": 3,
+                                     "nProcPerNode": 4}
+    worker = spec["pytorchReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == 2
+    pod = worker["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["name"] == "pytorch" and c["image"] == "ghcr.io/me/kiln:1" and c["command"] == ["torchrun"]
+    assert c["args"] == ["-m", "kiln.cli", "train", "/etc/kiln/config.yaml"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert mounts == {"shared": "/shared", "config": "/etc/kiln", "dshm": "/dev/shm"}
+    assert volumes["shared"]["persistentVolumeClaim"]["claimName"] == "kiln-shared"
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    assert volumes["config"]["configMap"]["name"] == config_map["metadata"]["name"]
+    cfg = RunConfig.model_validate(yaml.safe_load(config_map["data"]["config.yaml"]))
+    assert cfg.train.lr == 1e-4 and cfg.model.d_model == 2048  # the preset, with the override
+    assert cfg.train.run_dir == "/shared/runs/kiln-gpu-1b" and cfg.data.cache_dir == "/shared/cache"
+
+
+def test_slurm_script_starts_torchrun_on_every_node_with_the_first_as_rendezvous(tmp_path):
+    out = tmp_path / "train.sbatch"
+    res = runner.invoke(app, ["launch", "slurm", "gpu-124m", "--nodes", "2", "--gpus-per-node", "8", "--time",
+                              "1:00:00", "--run-dir", str(tmp_path / "shared" / "run"), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    text = out.read_text()
+    if shutil.which("bash"):
+        check = subprocess.run(["bash", "-n", str(out)], capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
+    directives = dict(line.removeprefix("#SBATCH --").split("=", 1) for line in text.splitlines()
+                      if line.startswith("#SBATCH --") and "=" in line)
+    assert directives["nodes"] == "2" and directives["gpus-per-node"] == "8" and directives["ntasks-per-node"] == "1"
+    assert directives["time"] == "1:00:00"
+    command = text[text.index("srun"):].replace("\\\n", " ").split()
+    assert command[:4] == ["srun", "--kill-on-bad-exit=1", "python", "-m"]
+    assert "--nproc_per_node=8" in command and "--rdzv_backend=c10d" in command
+    assert '--rdzv_endpoint="$head_node:29500"' in command and '--nnodes="$SLURM_JOB_NUM_NODES"' in command
+    assert "scontrol show hostnames" in text and "head -n 1" in text
+    config_path = tmp_path / "train.config.yaml"
+    assert command[-3:] == ["kiln.cli", "train", str(config_path)]
+    cfg = RunConfig.model_validate(yaml.safe_load(config_path.read_text()))
+    assert cfg.train.run_dir == str(tmp_path / "shared" / "run") and cfg.model.d_model == 768
+
+
+def test_launch_refuses_a_bad_shape():
+    res = runner.invoke(app, ["launch", "slurm", "quickstart", "--nodes", "0"])
+    assert res.exit_code != 0 and "at least 1" in str(res.exception)
+
+
+def test_nproc_becomes_a_torchrun_command():
+    assert without_nproc(["cfg.yaml", "--nproc", "4", "train.lr=1", "--nproc=2"]) == ["cfg.yaml", "train.lr=1"]
+    cmd = torchrun_command(4, ["cfg.yaml"])
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", "kiln.cli", "train",
+                       "cfg.yaml"]
+
+
+@pytest.mark.parametrize("argv", [["--nproc", "0"]])
+def test_nproc_must_be_positive(argv, monkeypatch):
+    from kiln.dist.launch.local import relaunch
+    from kiln.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="1 or more"):
+        relaunch(0, ["train", *argv])

@@ -1,0 +1,103 @@
+"""DDP and FSDP2 (full, grad_op, hybrid), with and without gradient accumulation, train the tiny model to
+the same losses as one process with the same global batch; `auto` picks by memory and says why."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.config import RunConfig
+from kiln.dist.mesh import Mesh
+from kiln.dist.parallelize import choose_strategy, grad_sync, parallelize, strategy_of
+
+from .workers import STEPS, config, train_losses
+
+HERE = Path(__file__).parent
+
+
+def torchrun(args: list[str], timeout: int = 300, **kw) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, **kw)
+
+
+CASES = {  # global batch 4 sequences everywhere: batch_size x grad_accum x 2 ranks
+    "ddp": {"batch_size": 2, "grad_accum": 1, "dist": {"strategy": "ddp"}},
+    "ddp_accum": {"batch_size": 1, "grad_accum": 2, "dist": {"strategy": "ddp"}},
+    "fsdp_full": {"batch_size": 2, "grad_accum": 1, "dist": {"strategy": "fsdp", "sharding": "full"}},
+    "fsdp_full_accum": {"batch_size": 1, "grad_accum": 2, "dist": {"strategy": "fsdp", "sharding": "full"}},
+    "fsdp_grad_op": {"batch_size": 2, "grad_accum": 1, "dist": {"strategy": "fsdp", "sharding": "grad_op"}},
+    "fsdp_hybrid_2x1": {"batch_size": 2, "grad_accum": 1,
+                        "dist": {"strategy": "fsdp", "sharding": "hybrid", "replicas": 2}},
+    "fsdp_hybrid_1x2": {"batch_size": 1, "grad_accum": 2,
+                        "dist": {"strategy": "fsdp", "sharding": "hybrid", "replicas": 1}},
+}
+WRAPPER = {"ddp": "DistributedDataParallel", "fsdp": "FSDPTransformer"}
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
+    ref_losses, ref_metrics, _ = train_losses(config(4, 1), Mesh())  # one process, 4 sequences per step
+    assert len(ref_losses) == STEPS and ref_losses[0] != ref_losses[-1]
+    out = tmp_path / "out.json"
+    done = torchrun([str(HERE / "workers.py"), str(out), json.dumps(CASES)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    for name, case in CASES.items():
+        losses, metrics, wrapper = results[name]
+        assert wrapper == WRAPPER[case["dist"]["strategy"]], name
+        assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-5), name
+        assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-4), name
+        assert metrics["tokens"] == ref_metrics["tokens"] == STEPS * 4 * 16, name  # global tokens
+        assert metrics["tokens_per_s"] == pytest.approx(2 * metrics["tokens_per_s_per_device"]), name
+
+
+def _mesh(world: int = 2, device: str = "cpu") -> Mesh:
+    return Mesh(rank=0, world=world, local_world=world, device=torch.device(device))
+
+
+def test_auto_is_the_one_process_path_in_one_process():
+    logs: list[str] = []
+    assert choose_strategy(RunConfig(), Mesh(), 10**6, logs.append) == "single" and not logs
+
+
+def test_auto_picks_ddp_when_the_model_fits_and_fsdp_when_not(monkeypatch):
+    import kiln.dist.parallelize as par
+
+    monkeypatch.setattr(par, "device_memory", lambda device, local_world: 80 << 30)
+    logs: list[str] = []
+    assert choose_strategy(RunConfig(), _mesh(), 1_000_000_000, logs.append) == "ddp"  # 16 GB of 80
+    assert choose_strategy(RunConfig(), _mesh(), 8_000_000_000, logs.append) == "fsdp"  # 128 GB
+    assert "auto: ddp" in logs[0] and "auto: fsdp" in logs[1] and "GiB" in logs[1]
+    cfg = RunConfig.model_validate({"dist": {"cpu_offload": True}})
+    assert choose_strategy(cfg, _mesh(), 1000, logs.append) == "fsdp" and "cpu_offload" in logs[-1]
+    cfg = RunConfig.model_validate({"dist": {"strategy": "ddp"}})
+    assert choose_strategy(cfg, _mesh(), 8_000_000_000, logs.append) == "ddp"  # an explicit choice stands
+
+
+def test_single_process_keeps_the_plain_model_and_gradient_sync_is_a_no_op():
+    cfg = config(2, 1)
+    model = parallelize(__import__("kiln.model.llama", fromlist=["Transformer"]).Transformer(cfg.model), cfg, Mesh())
+    assert strategy_of(model) == "single"
+    with grad_sync(model, sync=False):
+        pass
+
+
+def test_dist_config_checks():
+    from kiln.config import load_config
+    from kiln.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["dist.strategy=zero3", "dist.stratgy=ddp"])
+    msg = str(e.value)
+    assert "dist.strategy: Input should be 'auto', 'ddp' or 'fsdp'" in msg and "did you mean 'dist.strategy'" in msg
+    with pytest.raises(ConfigError, match="dist.replicas must be at least 1"):
+        load_config(None, ["dist.replicas=0"])
+    with pytest.raises(ConfigError, match="cpu_offload needs dist.strategy=fsdp"):
+        load_config(None, ["dist.strategy=ddp", "dist.cpu_offload=true"])

@@ -1,0 +1,92 @@
+"""Code run in each process of the 2-process gloo tests (started by torchrun from the tests)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from kiln.config import RunConfig
+from kiln.dist.mesh import Mesh
+from kiln.dist.parallelize import parallelize
+from kiln.model.llama import Transformer
+from kiln.train.events import Callback
+from kiln.train.trainer import Trainer
+
+VOCAB, T, STEPS = 256, 16, 20
+
+
+class GlobalBatches:
+    """Sample k of the stream is a pure function of k; rank r of `world` takes the r-th slice of each global
+    micro-batch of batch_size * world samples, as PackedLoader does."""
+
+    def __init__(self, batch_size: int, rank: int = 0, world: int = 1):
+        self.B, self.rank, self.world, self.sample = batch_size, rank, world, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        lo = self.sample + self.rank * self.B
+        rows = [torch.randint(0, VOCAB, (T + 1,), generator=torch.Generator().manual_seed(k))
+                for k in range(lo, lo + self.B)]
+        self.sample += self.B * self.world
+        x = torch.stack(rows)
+        return x[:, :-1], x[:, 1:], None
+
+    def state_dict(self) -> dict:
+        return {"sample": self.sample}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sample = state["sample"]
+
+
+class Losses(Callback):
+    def __init__(self):
+        self.losses, self.metrics = [], None
+
+    def on_step_end(self, trainer, metrics):
+        if metrics:
+            self.losses.append(metrics["loss"])
+            self.metrics = metrics
+
+
+def config(batch_size: int, grad_accum: int, **dist) -> RunConfig:
+    return RunConfig.model_validate({
+        "model": {"size": "tiny", "vocab_size": VOCAB, "max_seq_len": 64},
+        "train": {"seq_len": T, "batch_size": batch_size, "grad_accum": grad_accum, "max_steps": STEPS,
+                  "warmup_steps": 2, "device": "cpu", "precision": "fp32", "lr": 3e-3},
+        "logging": {"every": 1}, "dist": dist,
+    })
+
+
+def train_losses(cfg: RunConfig, mesh: Mesh) -> tuple[list[float], dict, str]:
+    """The logged loss of every step of a run of `cfg` on `mesh`; the last metrics; the strategy used."""
+    torch.manual_seed(0)
+    logs: list[str] = []
+    model = parallelize(Transformer(cfg.model), cfg, mesh, log=logs.append)
+    record = Losses()
+    trainer = Trainer(cfg, model, GlobalBatches(cfg.train.batch_size, mesh.rank, mesh.world), None, mesh.device,
+                      [record], mesh=mesh)
+    trainer.train()
+    return record.losses, record.metrics, type(trainer.model).__name__
+
+
+def main() -> None:
+    from kiln.dist.mesh import init_mesh
+
+    out, cases = sys.argv[1], json.loads(sys.argv[2])
+    mesh = init_mesh("cpu", RunConfig().dist)
+    results = {}
+    for name, case in cases.items():
+        cfg = config(case["batch_size"], case["grad_accum"], **case.get("dist", {}))
+        results[name] = train_losses(cfg, mesh)
+    if mesh.rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    mesh.close()
+
+
+if __name__ == "__main__":
+    main()
