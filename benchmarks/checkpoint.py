@@ -136,10 +136,10 @@ def main() -> None:
     trainer.step += 1
     r["kiln_sync_s"], path = timed(lambda: ck.save(trainer, blocking=True), device)
     r["kiln_write_s"] = json.loads((path / "meta.json").read_text())["write_seconds"]
-    ck.ccfg.fsync = False
+    ck.ccfg = ck.ccfg.model_copy(update={"fsync": False})  # the config is frozen: the checkpointer gets a copy
     trainer.step += 1
     r["kiln_sync_nofsync_s"], path = timed(lambda: ck.save(trainer, blocking=True), device)
-    ck.ccfg.fsync = True
+    ck.ccfg = ck.ccfg.model_copy(update={"fsync": True})
     r["kiln_hash_s"] = json.loads((path / "meta.json").read_text())["hash_seconds"]
     print(f"kiln sync save {r['kiln_sync_s']:.2f} s (first {r['kiln_sync_first_s']:.2f} s, without fsync "
           f"{r['kiln_sync_nofsync_s']:.2f} s)", flush=True)

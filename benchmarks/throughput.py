@@ -186,8 +186,7 @@ def _real_loaders(cfg: RunConfig, mask: bool, prefetch: int, device: torch.devic
     overrides = real_run.data_overrides(REAL_BYTES, ".kiln-cache")
     overrides += [f"data.document_mask={str(mask).lower()}", f"data.prefetch={prefetch}"]
     data_cfg = load_config(None, overrides).data
-    cfg.data = data_cfg
-    built = build_data(cfg, device)
+    built = build_data(cfg.model_copy(update={"data": data_cfg}), device)
     return built.train, built.val
 
 
