@@ -103,7 +103,7 @@ def build_data(cfg: RunConfig, device: torch.device, rank: int | None = None, wo
     if d.streaming:
         from kiln.data.load.streaming import StreamingLoader, streaming_tokenizer
 
-        tok = streaming_tokenizer(d)
+        tok = streaming_tokenizer(d, console)
         train = StreamingLoader(d, tok, "train", t.seq_len, t.batch_size, rank=rank, world=world, **common)
         val = None
         if d.val_fraction > 0:
