@@ -56,6 +56,7 @@ def _child(conn, vocab_size: int, specials: list[str], out: str, parent: int) ->
     """The training process: texts come in batches over `conn` (None ends them); sends None when `out`
     is written, or the error's text."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # forked: not the parent's handler (which raises)
     if sys.platform == "linux":
         import ctypes
 

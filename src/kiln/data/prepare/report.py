@@ -53,6 +53,12 @@ def build_report(root: Path, splits: dict[str, list[dict]], checker: RecordCheck
     }
 
 
+def passed_over_text(count: int, examples: list[str]) -> str:
+    """What `kiln prepare` (and a streaming run) says of the files of source directories it did not read."""
+    return (f"{count:,} file(s) in source directories not read: of unknown type, or text in a folder of record "
+            f"files (e.g. {', '.join(examples[:EXAMPLES])}); name a file to read it")
+
+
 def print_report(report: dict, console, path: Path, reused: bool = False) -> None:
     from rich.table import Table
 
@@ -66,9 +72,7 @@ def print_report(report: dict, console, path: Path, reused: bool = False) -> Non
                        + (f" (stopped at data.max_bytes={report['stopped_at_max_bytes']:,} characters)"
                           if report.get("stopped_at_max_bytes") else ""))
     if report.get("files_passed_over"):
-        examples = ", ".join(report["passed_over_examples"])
-        t.add_row("passed over", f"{report['files_passed_over']:,} file(s) in source directories not read: of unknown "
-                                 f"type, or text beside record files (e.g. {examples}); name a file to read it")
+        t.add_row("passed over", passed_over_text(report["files_passed_over"], report["passed_over_examples"]))
     for name, s in report["splits"].items():
         t.add_row(name, f"{s['documents']:,} documents, {s['tokens']:,} tokens, {s['shards']} shard(s)")
     d = report["document_tokens"]

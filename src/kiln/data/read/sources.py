@@ -21,14 +21,14 @@ import hashlib
 import io
 import json
 import os
+import posixpath
 import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
-from kiln.data.read import readers
-from kiln.data.read import tables
+from kiln.data.read import readers, tables
 from kiln.data.read.records import RecordChecker
 from kiln.errors import DataError
 
@@ -172,6 +172,21 @@ def _hf_saved(fs, path: str, split: str) -> list[str] | None:
     return [join(path, d["filename"]) for d in state.get("_data_files", [])]
 
 
+def _record_folders(kinds: dict[str, str | None]) -> set[str]:
+    """The folders that hold record files (of `kinds`, {path: format}), directly or in a sub-folder."""
+    out: set[str] = set()
+    for p, kind in kinds.items():
+        if kind in (None, "text"):
+            continue
+        folder = posixpath.dirname(p)
+        while folder not in out:
+            out.add(folder)
+            folder, up = posixpath.dirname(folder), folder
+            if folder == up:
+                break
+    return out
+
+
 class SourceList(list):
     """The files of `expand`, plus `passed_over`: the files of directories that were not read (of
     unknown type, or text beside record files), reported by `kiln prepare`."""
@@ -185,8 +200,9 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
     A file reached twice (the same source given twice, a path and its file:// URL, a symbolic link
     and its target) is read once. In a directory, files of unknown type (README without a suffix,
     images) are passed over and listed in `passed_over`; hidden ones (.git, .DS_Store) silently. A
-    directory that holds record files (jsonl, json, parquet, csv, tsv) has its text files (README.md,
-    notes.txt) passed over too, unless data.format says otherwise: name text files there with a glob.
+    folder that holds record files (jsonl, json, parquet, csv, tsv), itself or in its sub-folders, has
+    its own text files (README.md, notes.txt) passed over too, unless data.format says otherwise; text
+    files in sub-folders without records are read. A file a glob or path names is always read.
     """
     import fsspec
     from fsspec.implementations.local import LocalFileSystem
@@ -244,10 +260,10 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
                 else:
                     kinds = {p: _detect(p, fmt, False)[0] for p in sorted(fs.find(path))
                              if not any(part.startswith(".") for part in p[len(path):].split("/"))}
-                    # beside records (jsonl, parquet, ...) a text file is documentation (README.md), not data
-                    records = fmt == "auto" and any(k not in (None, "text") for k in kinds.values())
+                    # in a folder of records (jsonl, parquet, ...) a text file is documentation (README.md)
+                    documentation = _record_folders(kinds) if fmt == "auto" else set()
                     for p, kind in kinds.items():
-                        if records and kind == "text":
+                        if kind == "text" and posixpath.dirname(p) in documentation:
                             out.passed_over.append(url(p))
                         else:
                             found |= add(fs, p, url(p), False)

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kiln.config import DataConfig
 from kiln.data.format.dataset import open_dataset
 from kiln.data.prepare.tokenizer import WORD_BYTES, Tokenizer, train_bpe
 

@@ -215,3 +215,23 @@ def test_urls_that_cannot_be_read_are_data_errors():
         expand(["nosuchprotocol://x/a.jsonl"])
     with pytest.raises(DataError, match="does not exist"):
         expand(["memory://kiln-test-absent/a.jsonl"])
+
+
+def test_text_is_documentation_only_in_folders_of_records(tmp_path):
+    """Text beside record files (or above them: a dataset card) is passed over; a sub-folder of text without
+    records is data. The whole tree's text used to be passed over as soon as any folder held records."""
+    d = tmp_path / "corpus"
+    for sub in ("data", "notes/deep", "data/extra"):
+        (d / sub).mkdir(parents=True)
+    (d / "data" / "a.jsonl").write_text('{"text": "record"}\n')
+    (d / "data" / "NOTES.md").write_text("beside the records")
+    (d / "README.md").write_text("# the dataset card, above the records")
+    (d / "notes" / "x.txt").write_text("x")
+    (d / "notes" / "deep" / "y.txt").write_text("y")
+    (d / "data" / "extra" / "z.txt").write_text("z")
+    files = expand([str(d)])
+    assert [f.url for f in files] == [str(d / p) for p in ("data/a.jsonl", "data/extra/z.txt", "notes/deep/y.txt",
+                                                           "notes/x.txt")]
+    assert files.passed_over == [str(d / "README.md"), str(d / "data" / "NOTES.md")]
+    everything = expand([str(d / "**" / "*")])  # a glob names its files: each is read, none passed over
+    assert len(everything) == 6 and everything.passed_over == []
