@@ -81,7 +81,11 @@ def print_report(report: dict, console, path: Path, reused: bool = False) -> Non
                                 f"p99 {d['p99']:,}  max {d['max']:,}")
     for reason, n in report["dropped"].items():
         ex = ", ".join(report["dropped_examples"].get(reason, []))
-        t.add_row(f"dropped: {reason}", f"{n:,} (record {REASONS[reason]}; e.g. {ex})")
+        if reason == "damaged_file":  # files, not records
+            t.add_row(f"cut short: {reason}", f"{n:,} file(s) could not be read to their end (truncated or corrupt; "
+                                              f"the records before the damage were kept): {ex}")
+        else:
+            t.add_row(f"dropped: {reason}", f"{n:,} (record {REASONS[reason]}; e.g. {ex})")
     speed = f"{report['seconds']:.1f} s"
     if report["tokens_per_s"]:
         speed += f", {report['documents_per_s']:,.0f} docs/s, {report['tokens_per_s']:,.0f} tokens/s"

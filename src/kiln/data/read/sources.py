@@ -380,13 +380,27 @@ def iter_documents(cfg, files: list[SourceFile] | None = None, start: tuple[int,
                         yield Document(text, sf.url, fi, index, line)
                 if hashes is not None:
                     hashes[fi] = digest or raw.digest(sf.url)
-        except DataError as e:
-            msg = str(e)
-            raise DataError(msg if msg.startswith(sf.url) else f"{sf.url}: {msg}") from None
         except Exception as e:
-            if not isinstance(e, (OSError, EOFError)) and not type(e).__module__.startswith(("pyarrow", "zstandard")):
-                raise
-            raise DataError(f"{sf.url}: cannot read ({type(e).__name__}: {e}); the file may be truncated or "
-                            "corrupt. Fix or remove it.") from None
+            damage = _damage(e)
+            if damage is None:
+                if not isinstance(e, DataError):
+                    raise
+                msg = str(e)
+                raise DataError(msg if msg.startswith(sf.url) else f"{sf.url}: {msg}") from None
+            checker.damaged(sf, damage)  # raises under data.on_bad_record=error
+            if hashes is not None:
+                hashes[fi] = digest or file_sha256(sf)
         if progress is not None and columnar:
             progress(sf.size)
+
+
+def _damage(e: Exception) -> str | None:
+    """What is wrong with a file whose reading raised `e`, if `e` says it is damaged (truncated, corrupt,
+    not its format); None for other errors."""
+    if isinstance(e, readers.DamagedFile):
+        return str(e)
+    if isinstance(e, DataError):
+        return None
+    if isinstance(e, (OSError, EOFError)) or type(e).__module__.startswith(("pyarrow", "zstandard")):
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -207,3 +207,18 @@ def test_streaming_reports_the_files_it_passes_over_as_prepare_does(tmp_path):
     said = passed_over_text(report["files_passed_over"], report["passed_over_examples"])
     assert f"passed over: {said}" in run.summary.splitlines()
     assert [f.url for f in run.train.rows.files] == [str(d / "data" / "a.jsonl"), str(d / "prose" / "p.txt")]
+
+
+def test_streaming_passes_damaged_files_under_skip(tmp_path):
+    from ..read.test_sources import _damaged_files
+
+    names = _damaged_files(tmp_path)
+    cfg = DataConfig(sources=[str(tmp_path / n) for n in names], vocab_size=300, val_fraction=0, shuffle=False,
+                     cache_dir=str(tmp_path / "cache"), on_bad_record="skip", dedup=False)
+    ld = loader(cfg, streaming_tokenizer(cfg))
+    take(ld, 3)
+    while ld.rows.position["epoch"] == 0:  # read the whole first epoch: every damaged file was reached
+        next(ld)
+    assert ld.dropped == {"damaged_file": 3}
+    with pytest.raises(DataError, match="cut.jsonl.gz: cannot read"):
+        streaming_tokenizer(cfg.model_copy(update={"on_bad_record": "error"}))
