@@ -20,7 +20,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.doc_mask import doc_ids as make_doc_ids
+if __package__:  # python -m benchmarks.attention
+    from benchmarks.doc_mask import doc_ids as make_doc_ids
+else:  # python benchmarks/attention.py: this folder is first on sys.path
+    from doc_mask import doc_ids as make_doc_ids
 
 
 def _time(fn, iters: int) -> float:

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]  # benchmarks/ has scripts named like standard modules (tokenize.py): don't shadow them
+    del sys.path[0]  # benchmarks/ has scripts named like standard modules (as tokenize.py was): don't shadow them
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402

@@ -103,14 +103,20 @@ def build_data(cfg: RunConfig, device: torch.device, rank: int | None = None, wo
     if d.streaming:
         from kiln.data.load.streaming import StreamingLoader, streaming_tokenizer
 
-        tok = streaming_tokenizer(d)
+        tok = streaming_tokenizer(d, console)
         train = StreamingLoader(d, tok, "train", t.seq_len, t.batch_size, rank=rank, world=world, **common)
         val = None
         if d.val_fraction > 0:
             val = StreamingLoader(d, tok, "val", t.seq_len, t.batch_size, **{**common, "prefetch": 0})
-        return RunData(tok, train, val, [], f"data: streaming {', '.join(d.sources)} (vocab {tok.vocab_size})"
-                       + ("" if val is not None else "\nvalidation: none, data.val_fraction=0"),
-                       stream_key=train.rows.key)
+        lines = [f"data: streaming {', '.join(d.sources)} (vocab {tok.vocab_size})"]
+        if train.rows.files.passed_over:  # as `kiln prepare` reports them
+            from kiln.data.prepare.report import passed_over_text
+
+            lines.append("passed over: " + passed_over_text(len(train.rows.files.passed_over),
+                                                              train.rows.files.passed_over))
+        if val is None:
+            lines.append("validation: none, data.val_fraction=0")
+        return RunData(tok, train, val, [], "\n".join(lines), stream_key=train.rows.key)
 
     from kiln.data.load.loader import PackedLoader
 

@@ -84,7 +84,7 @@ class TokenStream:
         self.documents = sum(e.size for e in self.ends)
 
     def __len__(self) -> int:
-        return int(self.starts[-1])
+        return self._start_list[-1]
 
     def _pieces(self, start: int, n: int):
         """(shard, local_start, out_offset, length) pieces covering [start, start+n) of the circle."""
@@ -101,28 +101,33 @@ class TokenStream:
     def read(self, start: int, out: np.ndarray, doc_ids: np.ndarray | None = None) -> None:
         """Fill `out` with the tokens at [start, start + len(out)) of the circle, and `doc_ids`
         (optional, length <= len(out)) with the index of each position's document, from 0."""
+        self.read_marked(start, out, doc_ids)
+        if doc_ids is not None:
+            np.add.accumulate(doc_ids, out=doc_ids)
+
+    def read_marked(self, start: int, out: np.ndarray, doc_starts: np.ndarray | None = None) -> None:
+        """As `read`, but `doc_starts` gets 1 where a document starts after the first position and 0
+        elsewhere (its running sum is the document index; the loader sums a whole batch at once)."""
         n = out.size
-        pieces = list(self._pieces(start, n))
+        first = self._start_list
+        pos = start % first[-1]
+        s = bisect.bisect_right(first, pos) - 1
+        if pos + n <= first[s + 1]:  # inside one shard: the common case, without the generator
+            pieces = [(s, pos - first[s], 0, n)]
+        else:
+            pieces = list(self._pieces(start, n))
         for s, local, off, take in pieces:
             out[off:off + take] = self.bins[s][local:local + take]
-        if doc_ids is None:
+        if doc_starts is None:
             return
-        m = doc_ids.size
-        cuts, last = [], -1
+        m = doc_starts.size
+        doc_starts[:] = 0
         for s, local, off, take in pieces:
             if off >= m:
                 break
+            doc_starts[off] = off > 0  # a piece after the first starts a shard, so a document
+            # uint64 keys: numpy < 2.5 turns the whole index into float64 on every call given Python ints
             ends = self.ends[s]
-            lo, hi = ends.searchsorted((local, local + min(take, m - off) - 1), side="right")
-            if off != last:
-                cuts.append((off,))  # every piece starts at a document start
-            cuts.append(ends[lo:hi].astype(np.int64) - (local - off))  # documents starting inside the piece
-            last = off + take
-        bounds = np.concatenate(cuts) if len(cuts) > 1 else np.asarray(cuts[0])
-        if bounds.size == 1:  # the whole row is one document
-            doc_ids[:] = 0
-            return
-        lengths = np.empty_like(bounds)
-        lengths[:-1] = bounds[1:] - bounds[:-1]
-        lengths[-1] = m - bounds[-1]
-        doc_ids[:] = np.repeat(np.arange(bounds.size, dtype=doc_ids.dtype), lengths)
+            lo, hi = ends.searchsorted(np.array((local, local + min(take, m - off) - 1), np.uint64), side="right")
+            if hi > lo:  # documents ending inside the piece: the next starts there
+                doc_starts[ends[lo:hi].astype(np.intp) - (local - off)] = 1

@@ -37,10 +37,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kiln.data.format.shards import TokenStream
 from kiln.data.load.mixture import Mixture
 from kiln.data.load.order import permute, round_keys
 from kiln.data.load.prefetch import Prefetcher
-from kiln.data.format.shards import TokenStream
 from kiln.errors import ConfigError, DataError
 
 CHUNK = 4096  # row positions permuted at a time
@@ -157,7 +157,7 @@ class PackedRows:
             if not rows.size:
                 continue
             for row, start in zip(rows.tolist(), lay.starts(k[lo:hi][rows]).tolist()):
-                lay.stream.read(start, buf[row], None if ids is None else ids[row])
+                lay.stream.read_marked(start, buf[row], None if ids is None else ids[row])
         tokens = torch.empty((B, T), dtype=torch.int64, pin_memory=self.pin)
         targets = torch.empty((B, T), dtype=torch.int64, pin_memory=self.pin)
         np.copyto(tokens.numpy(), buf[:, :-1])
@@ -165,6 +165,7 @@ class PackedRows:
         doc_ids = None
         if ids is not None:
             doc_ids = torch.from_numpy(ids)
+            torch.cumsum(doc_ids, dim=1, out=doc_ids)  # document starts -> document index (numpy's is 3x slower)
             if self.pin:
                 doc_ids = doc_ids.pin_memory()
         self.taken += np.bincount(src, minlength=len(self.layouts))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 from collections import deque
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -45,31 +44,32 @@ def _sources_key(files) -> str:
     return h.hexdigest()[:16]
 
 
-def streaming_tokenizer(cfg):
-    """data.tokenizer, or a BPE trained on the first data.tokenizer_train_bytes of the sources (cached)."""
+def streaming_tokenizer(cfg, console=None):
+    """data.tokenizer, or a BPE trained on the first data.tokenizer_train_bytes of the sources (cached; progress
+    on `console`)."""
+    from kiln.data.prepare.bpe import sigterm_interrupts
     from kiln.data.prepare.cache import cache_errors, open_cache
-    from kiln.data.read.sources import READERS_VERSION, iter_documents
-    from kiln.data.prepare.tokenizer import load_or_train
+    from kiln.data.prepare.keys import train_chars
+    from kiln.data.prepare.tokenizer import Tokenizer, load_or_train
+    from kiln.data.read.sources import iter_documents
 
-    files = _sources(cfg)
-    limit = min(cfg.tokenizer_train_bytes, cfg.max_bytes or cfg.tokenizer_train_bytes)
-
-    def texts() -> Iterator[str]:
-        total = 0
-        for doc in iter_documents(cfg, files):
-            yield doc.text
-            total += len(doc.text)
-            if total >= limit:
-                return
-
-    key = (f"stream-{_sources_key(files)}-{READERS_VERSION}-{cfg.csv_quoting}-{cfg.format}-{cfg.text_unit}-"
-           f"{cfg.field}-{limit}")
     if cfg.tokenizer:
-        tok = load_or_train(cfg, texts(), key, Path(cfg.cache_dir).expanduser())  # loaded: the cache is not used
+        tok = Tokenizer.load(cfg.tokenizer, cfg.eos_token, cfg.bos_token)
     else:
+        files = _sources(cfg)
+        limit = train_chars(cfg)
+
+        def texts() -> Iterator[str]:
+            total = 0
+            for doc in iter_documents(cfg, files):
+                yield doc.text
+                total += len(doc.text)
+                if total >= limit:
+                    return
+
         cache = open_cache(cfg.cache_dir)
-        with cache_errors(cache):
-            tok = load_or_train(cfg, texts(), key, cache)
+        with cache_errors(cache), sigterm_interrupts():
+            tok = load_or_train(cfg, texts(), ["stream", _sources_key(files)], cache, console)
     if tok.eos_id is None:
         raise DataError("the tokenizer has no end-of-text token; set data.eos_token to one of its tokens")
     return tok

@@ -39,6 +39,7 @@ _state: dict = {}
 
 def _init(tk, parse_special: bool, eos_id: int, bos_id: int | None, dtype: str, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops the pool
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # forked: not the parent's handler (which raises)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
     if isinstance(tk, str):  # spawned: the path of the tokenizer's JSON
         from tokenizers import Tokenizer
@@ -140,13 +141,16 @@ class Encoder:
             # a pool broken by a dead worker can hang in shutdown(wait=True) on the survivors
             procs = list((pool._processes or {}).values())
             for proc in procs:
-                proc.terminate()
+                proc.kill()  # no handler, no exit code runs in the worker: it cannot be held up
             for proc in procs:
                 proc.join()
             # a worker stopped while sending a result leaves half a message in the result pipe: the pool's
             # thread would wait for the rest forever (and the interpreter on it at exit). With every worker
             # gone, closing this process's end of the pipe makes that read end, and the pool break.
             pool._result_queue._writer.close()
+            # and a batch half written to the task pipe, which no worker reads now, would hold the pool's feeder
+            # thread (and the interpreter's exit, which joins it) in its write: closing the read end ends it
+            pool._call_queue._reader.close()
         pool.shutdown(wait=not cancel, cancel_futures=cancel)
         if self.tmp is not None:
             os.unlink(self.tmp)

@@ -46,15 +46,17 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.data.prepare.cache import INPUTS, cache_errors, open_cache, remove_stale, write_inputs
 from kiln.data.format.dataset import FORMAT, PreparedDataset, open_dataset
+from kiln.data.prepare.bpe import sigterm_interrupts
+from kiln.data.prepare.cache import INPUTS, cache_errors, open_cache, remove_stale, write_inputs
 from kiln.data.prepare.encode import Encoder
+from kiln.data.prepare.keys import dataset_settings, digest, train_chars
 from kiln.data.prepare.progress import PrepareBar
-from kiln.data.read.records import Deduplicator, RecordChecker, is_val
 from kiln.data.prepare.report import build_report, print_report
-from kiln.data.read.sources import READERS_VERSION, SourceFile, expand, file_sha256, iter_documents
 from kiln.data.prepare.tokenizer import Tokenizer, load_or_train
 from kiln.data.prepare.writer import ShardWriter, completed_shards
+from kiln.data.read.records import Deduplicator, RecordChecker, is_val
+from kiln.data.read.sources import SourceFile, expand, file_sha256, iter_documents
 from kiln.errors import DataError
 from kiln.files import atomic_write, file_lock
 
@@ -132,21 +134,6 @@ def _local_key_now(recorded: str) -> str | None:
         return None
 
 
-def settings_of(cfg, tokenizer: Tokenizer) -> dict:
-    """Everything besides the inputs and the tokenizer that changes the prepared tokens."""
-    return {"readers": READERS_VERSION, "format": cfg.format, "text_unit": cfg.text_unit, "field": cfg.field,
-            "csv_quoting": cfg.csv_quoting,
-            "dataset_split": cfg.dataset_split, "max_bytes": cfg.max_bytes,
-            "max_record_bytes": cfg.max_record_bytes, "min_chars": cfg.min_chars, "max_chars": cfg.max_chars,
-            "dedup": cfg.dedup, "val_fraction": cfg.val_fraction, "shard_tokens": cfg.shard_tokens,
-            "parse_special_tokens": cfg.parse_special_tokens,
-            "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id}
-
-
-def _digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
 def _limited(docs: Iterator, max_bytes: int | None) -> Iterator:
     """Documents until `max_bytes` of text were taken (the one crossing the limit included)."""
     total = 0
@@ -158,9 +145,8 @@ def _limited(docs: Iterator, max_bytes: int | None) -> Iterator:
 
 
 def _train_texts(cfg, files: list[SourceFile]) -> Iterator[str]:
-    limit = min(cfg.tokenizer_train_bytes, cfg.max_bytes or cfg.tokenizer_train_bytes)
     checker = RecordChecker.from_config(cfg)
-    for d in _limited(iter_documents(cfg, files, checker=checker), limit):
+    for d in _limited(iter_documents(cfg, files, checker=checker), train_chars(cfg)):
         yield d.text
 
 
@@ -178,7 +164,7 @@ def prepare(cfg, console=None, progress: bool = True, tokenizer: Tokenizer | Non
                         "`if __name__ == \"__main__\":` in your script (worker processes import it)")
     start = time.perf_counter()
     cache = open_cache(cfg.cache_dir)
-    with cache_errors(cache):
+    with cache_errors(cache), sigterm_interrupts():  # SIGTERM stops it as Ctrl-C does: finished shards are kept
         ds, reused = _prepare(cfg, cache, console, progress, tokenizer, start)
     if console is not None:
         print_report(ds.manifest["report"], console, ds.path, reused)
@@ -192,17 +178,15 @@ def _prepare(cfg, cache: Path, console, progress: bool, tokenizer: Tokenizer | N
     if tokenizer is None and cfg.tokenizer:
         tokenizer = Tokenizer.load(cfg.tokenizer, cfg.eos_token, cfg.bos_token)
     elif tokenizer is None:  # a BPE trained on the sources is cached under their hashes
-        key = _digest([[s["sha256"] for s in hashes.all()], READERS_VERSION, cfg.csv_quoting, cfg.format,
-                       cfg.text_unit, cfg.field, cfg.dataset_split, cfg.max_record_bytes, cfg.min_chars,
-                       cfg.max_chars, cfg.max_bytes, cfg.tokenizer_train_bytes])
-        tokenizer = load_or_train(cfg, _train_texts(cfg, files), key, cache)
+        tokenizer = load_or_train(cfg, _train_texts(cfg, files), [s["sha256"] for s in hashes.all()], cache,
+                                  console if progress else None)
     if tokenizer.eos_id is None:
         raise DataError("the tokenizer has no end-of-text token (tried <|endoftext|>, <|end_of_text|>, </s>, <eos>); "
                         "name one with data.eos_token")
-    settings = settings_of(cfg, tokenizer)
+    settings = dataset_settings(cfg, tokenizer)
     datasets = cache / "datasets"
     tokenizer_json = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()  # cheaper than tokenizer.hash
-    sizes = datasets / ("sizes-" + _digest({"format": FORMAT, "bytes": [sf.size for sf in files],
+    sizes = datasets / ("sizes-" + digest({"format": FORMAT, "bytes": [sf.size for sf in files],
                                               "tokenizer": tokenizer_json, "settings": settings})[:16])
     known = hashes.known()
     if None in known and sizes.is_file():  # files of these sizes made a dataset: these may be copies of them
@@ -212,7 +196,7 @@ def _prepare(cfg, cache: Path, console, progress: bool, tokenizer: Tokenizer | N
         out = None  # replaced below, under the lock
     reused = out is not None
     if not reused:
-        key = _digest({"format": FORMAT, "sources": hashes.identities(), "tokenizer": tokenizer_json,
+        key = digest({"format": FORMAT, "sources": hashes.identities(), "tokenizer": tokenizer_json,
                        "settings": settings})[:16]
         partial = datasets / f"partial-{key}"
         remove_stale(datasets, partial.name, _local_key_now, console)
@@ -234,7 +218,7 @@ def _prepare(cfg, cache: Path, console, progress: bool, tokenizer: Tokenizer | N
 
 
 def _dataset_id(sources: list[dict], tokenizer: Tokenizer, settings: dict) -> str:
-    return _digest({"format": FORMAT, "sources": [s["sha256"] for s in sources], "tokenizer": tokenizer.hash,
+    return digest({"format": FORMAT, "sources": [s["sha256"] for s in sources], "tokenizer": tokenizer.hash,
                     "settings": settings})[:16]
 
 
@@ -362,7 +346,7 @@ def _build(cfg, hashes: SourceHashes, tokenizer: Tokenizer, settings: dict, part
     manifest = {
         "format": FORMAT, "id": ds_id, "dtype": np.dtype(dtype).name, "vocab_size": tokenizer.vocab_size,
         "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id, "tokenizer_hash": tokenizer.hash,
-        "settings": settings, "settings_hash": _digest(settings)[:16], "sources": sources,
+        "settings": settings, "settings_hash": digest(settings)[:16], "sources": sources,
         "splits": {s: {"documents": sum(e["documents"] for e in v), "tokens": sum(e["tokens"] for e in v),
                        "shards": v} for s, v in splits.items()},
         "report": report, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -53,6 +53,12 @@ def build_report(root: Path, splits: dict[str, list[dict]], checker: RecordCheck
     }
 
 
+def passed_over_text(count: int, examples: list[str]) -> str:
+    """What `kiln prepare` (and a streaming run) says of the files of source directories it did not read."""
+    return (f"{count:,} file(s) in source directories not read: of unknown type, or text in a folder of record "
+            f"files (e.g. {', '.join(examples[:EXAMPLES])}); name a file to read it")
+
+
 def print_report(report: dict, console, path: Path, reused: bool = False) -> None:
     from rich.table import Table
 
@@ -66,9 +72,7 @@ def print_report(report: dict, console, path: Path, reused: bool = False) -> Non
                        + (f" (stopped at data.max_bytes={report['stopped_at_max_bytes']:,} characters)"
                           if report.get("stopped_at_max_bytes") else ""))
     if report.get("files_passed_over"):
-        examples = ", ".join(report["passed_over_examples"])
-        t.add_row("passed over", f"{report['files_passed_over']:,} file(s) in source directories not read: of unknown "
-                                 f"type, or text beside record files (e.g. {examples}); name a file to read it")
+        t.add_row("passed over", passed_over_text(report["files_passed_over"], report["passed_over_examples"]))
     for name, s in report["splits"].items():
         t.add_row(name, f"{s['documents']:,} documents, {s['tokens']:,} tokens, {s['shards']} shard(s)")
     d = report["document_tokens"]
@@ -77,7 +81,11 @@ def print_report(report: dict, console, path: Path, reused: bool = False) -> Non
                                 f"p99 {d['p99']:,}  max {d['max']:,}")
     for reason, n in report["dropped"].items():
         ex = ", ".join(report["dropped_examples"].get(reason, []))
-        t.add_row(f"dropped: {reason}", f"{n:,} (record {REASONS[reason]}; e.g. {ex})")
+        if reason == "damaged_file":  # files, not records
+            t.add_row(f"cut short: {reason}", f"{n:,} file(s) could not be read to their end (truncated or corrupt; "
+                                              f"the records before the damage were kept): {ex}")
+        else:
+            t.add_row(f"dropped: {reason}", f"{n:,} (record {REASONS[reason]}; e.g. {ex})")
     speed = f"{report['seconds']:.1f} s"
     if report["tokens_per_s"]:
         speed += f", {report['documents_per_s']:,.0f} docs/s, {report['tokens_per_s']:,.0f} tokens/s"

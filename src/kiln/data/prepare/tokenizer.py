@@ -20,9 +20,10 @@ from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
 
+from kiln.data.prepare import bpe
+from kiln.data.prepare.bpe import EOS, check_vocab_size
 from kiln.errors import DataError
 
-EOS = "<|endoftext|>"
 EOS_NAMES = (EOS, "<|end_of_text|>", "</s>", "<eos>")
 BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 
@@ -149,49 +150,36 @@ def _from_transformers(directory: Path):
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, specials: list[str] | None = None) -> Tokenizer:
-    """Train a byte-level BPE (GPT-2 style pre-tokenisation) whose special tokens come first."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    specials = specials or [EOS]
-    if vocab_size < 256 + len(specials):
-        raise DataError(f"data.vocab_size={vocab_size} is too small for a byte-level BPE: it needs at least "
-                        f"{256 + len(specials)} (256 bytes + special tokens)")
-    tk = HFTokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tk.train_from_iterator(texts, trainer=trainer)
-    return Tokenizer(tk)
+    """Train a byte-level BPE in this process (`kiln.data.prepare.bpe.train_in_child` trains in another)."""
+    return Tokenizer(bpe.train_bpe(texts, vocab_size, specials))
 
 
-def load_or_train(cfg, texts: Iterable[str], texts_key: str, cache_dir: Path) -> Tokenizer:
-    """The tokenizer of a DataConfig: `cfg.tokenizer` loaded, or a BPE trained on `texts` and cached
-    under the hash of what it was trained on (`texts_key`), its size and special tokens."""
+def load_or_train(cfg, texts: Iterable[str], sources: str | list, cache_dir: Path, console=None) -> Tokenizer:
+    """The tokenizer of a DataConfig: `cfg.tokenizer` loaded, or a BPE trained on `texts` (in a child
+    process, with progress on `console`) and cached under `keys.tokenizer_key(cfg, sources)`, where
+    `sources` names the content the texts come from."""
+    from kiln.data.prepare.keys import special_tokens, tokenizer_key, train_chars
+
     if cfg.tokenizer:
         return Tokenizer.load(cfg.tokenizer, cfg.eos_token, cfg.bos_token)
-    eos = EOS if cfg.eos_token == "auto" else cfg.eos_token
-    specials = [eos]
-    bos = None
-    if cfg.bos_token is not None:
-        bos = "<|startoftext|>" if cfg.bos_token == "auto" else cfg.bos_token
-        if bos != eos:
-            specials.append(bos)
-    key = hashlib.sha256(json.dumps([texts_key, cfg.vocab_size, specials]).encode()).hexdigest()[:16]
-    path = cache_dir / "tokenizers" / f"bpe-{cfg.vocab_size}-{key}" / "tokenizer.json"
+    eos, bos, specials = special_tokens(cfg)
+    check_vocab_size(cfg.vocab_size, specials)
+    path = cache_dir / "tokenizers" / f"bpe-{cfg.vocab_size}-{tokenizer_key(cfg, sources)}" / "tokenizer.json"
     tok = _cached(path, eos, bos)
     if tok is None:
-        from kiln.files import file_lock, replace_file
+        from kiln.files import file_lock
 
-        with file_lock(path.parent.with_suffix(".lock")):  # one process trains, the others wait for it
+        with file_lock(path.parent.with_suffix(".lock"), f"waiting for another process training the same "
+                       f"tokenizer ({path.parent})", console):  # one process trains, the others wait for it
             tok = _cached(path, eos, bos)
             if tok is None:
-                tok = train_bpe(texts, cfg.vocab_size, specials)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".tmp{id(tok)}")
-                tok.save(tmp)
-                replace_file(tmp, path)
+                try:
+                    bpe.train_in_child(texts, cfg.vocab_size, specials, path, console, train_chars(cfg))
+                except KeyboardInterrupt as e:
+                    if console is not None:
+                        console.print(f"tokenizer training stopped ({bpe.signal_name(e)}); nothing was kept: run the "
+                                      "same command again to train it", highlight=False)
+                    raise
                 tok = Tokenizer.load(path, eos, bos)
     return tok
 

@@ -21,9 +21,15 @@ from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from kiln.data.read.jsontext import JsonScanner
+from kiln.errors import DataError
 
 CHUNK = 1 << 20
 BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, as some editors write at the start of a file
+
+
+class DamagedFile(DataError):
+    """A file that cannot be read (further): not the format it claims, truncated, corrupt. Under
+    data.on_bad_record=skip the records read before the damage are kept and the file is counted."""
 
 
 class _Marker:

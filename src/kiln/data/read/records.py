@@ -39,6 +39,7 @@ REASONS = {
     "short": "is shorter than data.min_chars (filter)",
     "long": "is longer than data.max_chars (filter)",
     "duplicate": "repeats an earlier document exactly (filter)",
+    "damaged_file": "is a file that cannot be read to its end",
 }
 EXAMPLES = 3
 NL = b"\n"
@@ -103,12 +104,24 @@ class RecordChecker:
             return self.drop("long", sf, index, line)
         return text
 
-    def drop(self, reason: str, sf: SourceFile | str, index: int, line: int | None) -> None:
+    def drop(self, reason: str, sf: SourceFile | str, index: int | None, line: int | None) -> None:
+        """Count a dropped record (or, with index None, a file) under `reason`."""
         self.dropped[reason] += 1
         ex = self.examples.setdefault(reason, [])
         if len(ex) < EXAMPLES:
-            ex.append(where(sf if isinstance(sf, str) else sf.url, index, line))
+            url = sf if isinstance(sf, str) else sf.url
+            ex.append(url if index is None else where(url, index, line))
         return None
+
+    def damaged(self, sf: SourceFile, why: str) -> None:
+        """A file that cannot be read to its end (truncated, corrupt, not its format): a DataError under the
+        'error' policy; under 'skip' the file is counted (`damaged_file`) and its records read so far kept."""
+        if self.policy == "error" and not sf.lenient:
+            why = why.removeprefix(f"{sf.url}: ")
+            raise DataError(f"{sf.url}: cannot read ({why}); the file may be truncated or corrupt. Fix or remove "
+                            "it, or set data.on_bad_record=skip to keep the records read before the damage and go "
+                            "on (the file is counted in the report)")
+        self.drop("damaged_file", sf, None, None)
 
     def _bad(self, reason: str, detail: str, sf: SourceFile, index: int, line: int | None) -> None:
         if self.policy == "error" and not sf.lenient:

@@ -21,14 +21,14 @@ import hashlib
 import io
 import json
 import os
+import posixpath
 import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
-from kiln.data.read import readers
-from kiln.data.read import tables
+from kiln.data.read import readers, tables
 from kiln.data.read.records import RecordChecker, where
 from kiln.errors import DataError
 from kiln.files import hash_stream
@@ -168,6 +168,21 @@ def _hf_saved(fs, path: str, split: str) -> list[str] | None:
     return [join(path, d["filename"]) for d in state.get("_data_files", [])]
 
 
+def _record_folders(kinds: dict[str, str | None]) -> set[str]:
+    """The folders that hold record files (of `kinds`, {path: format}), directly or in a sub-folder."""
+    out: set[str] = set()
+    for p, kind in kinds.items():
+        if kind in (None, "text"):
+            continue
+        folder = posixpath.dirname(p)
+        while folder not in out:
+            out.add(folder)
+            folder, up = posixpath.dirname(folder), folder
+            if folder == up:
+                break
+    return out
+
+
 class SourceList(list):
     """The files of `expand`, plus `passed_over`: the files of directories that were not read (of
     unknown type, or text beside record files), reported by `kiln prepare`."""
@@ -181,8 +196,9 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
     A file reached twice (the same source given twice, a path and its file:// URL, a symbolic link
     and its target) is read once. In a directory, files of unknown type (README without a suffix,
     images) are passed over and listed in `passed_over`; hidden ones (.git, .DS_Store) silently. A
-    directory that holds record files (jsonl, json, parquet, csv, tsv) has its text files (README.md,
-    notes.txt) passed over too, unless data.format says otherwise: name text files there with a glob.
+    folder that holds record files (jsonl, json, parquet, csv, tsv), itself or in its sub-folders, has
+    its own text files (README.md, notes.txt) passed over too, unless data.format says otherwise; text
+    files in sub-folders without records are read. A file a glob or path names is always read.
     """
     import fsspec
     from fsspec.implementations.local import LocalFileSystem
@@ -240,10 +256,10 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
                 else:
                     kinds = {p: _detect(p, fmt, False)[0] for p in sorted(fs.find(path))
                              if not any(part.startswith(".") for part in p[len(path):].split("/"))}
-                    # beside records (jsonl, parquet, ...) a text file is documentation (README.md), not data
-                    records = fmt == "auto" and any(k not in (None, "text") for k in kinds.values())
+                    # in a folder of records (jsonl, parquet, ...) a text file is documentation (README.md)
+                    documentation = _record_folders(kinds) if fmt == "auto" else set()
                     for p, kind in kinds.items():
-                        if records and kind == "text":
+                        if kind == "text" and posixpath.dirname(p) in documentation:
                             out.passed_over.append(url(p))
                         else:
                             found |= add(fs, p, url(p), False)
@@ -357,13 +373,27 @@ def iter_documents(cfg, files: list[SourceFile] | None = None, start: tuple[int,
                         yield Document(text, sf.url, fi, index, line)
                 if hashes is not None:
                     hashes[fi] = digest or raw.digest(sf.url)
-        except DataError as e:
-            msg = str(e)
-            raise DataError(msg if msg.startswith(sf.url) else f"{sf.url}: {msg}") from None
         except Exception as e:
-            if not isinstance(e, (OSError, EOFError)) and not type(e).__module__.startswith(("pyarrow", "zstandard")):
-                raise
-            raise DataError(f"{sf.url}: cannot read ({type(e).__name__}: {e}); the file may be truncated or "
-                            "corrupt. Fix or remove it.") from None
+            damage = _damage(e)
+            if damage is None:
+                if not isinstance(e, DataError):
+                    raise
+                msg = str(e)
+                raise DataError(msg if msg.startswith(sf.url) else f"{sf.url}: {msg}") from None
+            checker.damaged(sf, damage)  # raises under data.on_bad_record=error
+            if hashes is not None:
+                hashes[fi] = digest or file_sha256(sf)
         if progress is not None and columnar:
             progress(sf.size)
+
+
+def _damage(e: Exception) -> str | None:
+    """What is wrong with a file whose reading raised `e`, if `e` says it is damaged (truncated, corrupt,
+    not its format); None for other errors."""
+    if isinstance(e, readers.DamagedFile):
+        return str(e)
+    if isinstance(e, DataError):
+        return None
+    if isinstance(e, (OSError, EOFError)) or type(e).__module__.startswith(("pyarrow", "zstandard")):
+        return f"{type(e).__name__}: {e}"
+    return None

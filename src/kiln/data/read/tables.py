@@ -11,7 +11,7 @@ import io
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from kiln.data.read.readers import BOM, CHUNK, MISSING, Malformed, Missing, Record, _Prefixed
+from kiln.data.read.readers import BOM, CHUNK, MISSING, DamagedFile, Malformed, Missing, Record, _Prefixed
 from kiln.errors import DataError
 
 
@@ -23,12 +23,15 @@ def read_parquet(f: BinaryIO, field: str, skip: int = 0) -> Iterator[Record]:
     try:
         pf = pq.ParquetFile(f)
     except (pa.ArrowInvalid, OSError) as e:
-        raise DataError(f"not a readable parquet file ({e})") from None
-    column, keys, missing = _nested_column(pf.schema_arrow, field)
-    if missing is not None:
-        yield from _missing_column(pf.metadata.num_rows, missing, skip)
-        return
-    yield from _column_batches(pf.iter_batches(columns=[column], batch_size=1024), skip, keys)
+        raise DamagedFile(f"not a readable parquet file ({e})") from None
+    try:
+        column, keys, missing = _nested_column(pf.schema_arrow, field)
+        if missing is not None:
+            yield from _missing_column(pf.metadata.num_rows, missing, skip)
+            return
+        yield from _column_batches(pf.iter_batches(columns=[column], batch_size=1024), skip, keys)
+    finally:
+        pf.close()
 
 
 def _nested_column(schema, field: str) -> tuple[str, list[str], str | None]:
@@ -63,7 +66,7 @@ def read_arrow(f: BinaryIO, field: str, skip: int = 0) -> Iterator[Record]:
         try:
             rf = pa.ipc.open_file(f)
         except pa.ArrowInvalid as e:
-            raise DataError(f"not an Arrow IPC file ({e})") from None
+            raise DamagedFile(f"not an Arrow IPC file ({e})") from None
         batches = (rf.get_batch(i) for i in range(rf.num_record_batches))
         schema = rf.schema
     else:
@@ -108,15 +111,17 @@ def read_csv(f: BinaryIO, field: str, delimiter: str, skip: int = 0, limit: int 
                              invalid_row_handler=on_bad_row)
     block = min(max(CHUNK, limit + (1 << 16)), 1 << 30)  # a row may span two blocks, not three
     read = csv.ReadOptions(column_names=names, block_size=block, use_threads=False)
-    index = 0
+    index, reader = 0, None
     try:
         if field not in names:
-            rows = sum(b.num_rows for b in csv.open_csv(f, read_options=read, parse_options=parse))
+            reader = csv.open_csv(f, read_options=read, parse_options=parse)
+            rows = sum(b.num_rows for b in reader)
             yield from _missing_column(rows, f"the file has no column '{field}' (it has: {', '.join(names)})", skip)
             return
         convert = csv.ConvertOptions(include_columns=[field], column_types={field: pa.binary()},
                                      strings_can_be_null=False, quoted_strings_can_be_null=False)
-        for batch in csv.open_csv(f, read_options=read, parse_options=parse, convert_options=convert):
+        reader = csv.open_csv(f, read_options=read, parse_options=parse, convert_options=convert)
+        for batch in reader:
             if index >= skip:
                 yield from ((-1, line, Malformed(why)) for line, why in bad)
             bad.clear()
@@ -131,6 +136,9 @@ def read_csv(f: BinaryIO, field: str, delimiter: str, skip: int = 0, limit: int 
                             "which a CSV file cannot skip; raise data.max_record_bytes (or look for an "
                             "unclosed quote there)") from None
         raise DataError(f"malformed CSV after row {index} ({e}); fix the file or check data.format") from None
+    finally:
+        if reader is not None:  # stops its reading thread now: one left running at exit aborts the interpreter
+            reader.close()
 
 
 def _column_batches(batches, skip: int, keys: list[str] = ()) -> Iterator[Record]:

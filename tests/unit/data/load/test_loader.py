@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.data.load.loader import PackedLoader
 from kiln.data.format.shards import write_shard
+from kiln.data.load.loader import PackedLoader
 from kiln.errors import ConfigError, DataError
 
 from ..conftest import make_stream
@@ -43,6 +43,19 @@ def test_rows_are_windows_with_document_ids(stream):
         starts = np.isin(x[:, 1:], np.append(ends % L, 0))
         np.testing.assert_array_equal(np.diff(batch[2].numpy(), axis=1), starts)
         assert (batch[2][:, 0] == 0).all()
+
+
+def test_document_ids_of_a_whole_epoch_in_order(stream):
+    """Every row of an epoch in stream order, so the rows that cross a shard boundary (where a document
+    starts: its ids used to stay 0) are all checked."""
+    ts, ends = stream
+    L = len(ts)
+    loader = PackedLoader(ts, T, B, shuffle=False, prefetch=0)
+    for batch in take(loader, (L - 1) // T // B):
+        x, _ = positions(batch)
+        starts = np.isin(x[:, 1:], np.append(ends % L, 0))
+        np.testing.assert_array_equal(np.diff(batch[2].numpy(), axis=1), starts)
+        assert (batch[2][:, 0] == 0).all() and batch[2].dtype == torch.int32
 
 
 def test_an_epoch_uses_every_token_once(stream):

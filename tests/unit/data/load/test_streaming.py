@@ -183,3 +183,42 @@ def test_skipped_records_are_counted_once_per_run(corpus, tmp_path):
     take(ld, 150)  # more than one epoch: the second pass over the sources is not counted again
     assert ld.rows.position["epoch"] >= 1
     assert ld.dropped == {"wrong_type": 1, "malformed": 1, "missing_field": 1}
+
+
+def test_streaming_reports_the_files_it_passes_over_as_prepare_does(tmp_path):
+    """Streaming passed over files without a word (and a sub-folder of text beside a folder of records)."""
+    from kiln.config import load_config
+    from kiln.data.build import build_data
+    from kiln.data.prepare.pipeline import prepare
+    from kiln.data.prepare.report import passed_over_text
+
+    d = tmp_path / "corpus"
+    (d / "data").mkdir(parents=True)
+    (d / "prose").mkdir()
+    (d / "data" / "a.jsonl").write_text("".join(json.dumps({"text": f"record number {i}"}) + "\n" for i in range(60)))
+    (d / "data" / "README.md").write_text("# about these records")
+    (d / "logo.png").write_bytes(b"\x89PNG")
+    (d / "prose" / "p.txt").write_text("a document of prose, read from its own folder")
+    common = [f"data.sources=[{d}]", "data.vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}", "data.workers=1",
+              "data.val_fraction=0", "train.seq_len=16", "train.batch_size=2", "data.prefetch=0"]
+    run = build_data(load_config(None, [*common, "data.streaming=true"]), torch.device("cpu"), rank=0, world=1)
+    report = prepare(load_config(None, common).data).manifest["report"]
+    assert report["files"] == 2 and report["files_passed_over"] == 2
+    said = passed_over_text(report["files_passed_over"], report["passed_over_examples"])
+    assert f"passed over: {said}" in run.summary.splitlines()
+    assert [f.url for f in run.train.rows.files] == [str(d / "data" / "a.jsonl"), str(d / "prose" / "p.txt")]
+
+
+def test_streaming_passes_damaged_files_under_skip(tmp_path):
+    from ..read.test_sources import _damaged_files
+
+    names = _damaged_files(tmp_path)
+    cfg = DataConfig(sources=[str(tmp_path / n) for n in names], vocab_size=300, val_fraction=0, shuffle=False,
+                     cache_dir=str(tmp_path / "cache"), on_bad_record="skip", dedup=False)
+    ld = loader(cfg, streaming_tokenizer(cfg))
+    take(ld, 3)
+    while ld.rows.position["epoch"] == 0:  # read the whole first epoch: every damaged file was reached
+        next(ld)
+    assert ld.dropped == {"damaged_file": 3}
+    with pytest.raises(DataError, match="cut.jsonl.gz: cannot read"):
+        streaming_tokenizer(cfg.model_copy(update={"on_bad_record": "error"}))

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kiln.config import DataConfig
+from kiln.data.prepare import keys
 from kiln.data.format.dataset import open_dataset
 from kiln.data.prepare import pipeline as prepare_mod
 from kiln.data.prepare.pipeline import prepare
@@ -98,7 +99,7 @@ def test_content_addressing(corpus, tmp_path):
     cfg = config(corpus, tmp_path)
     first = prepare(cfg)
     stamp = (first.path / "manifest.json").stat().st_mtime_ns
-    again = prepare(cfg.model_copy(update={"workers": 2, "on_bad_record": "skip"}))  # no effect on the output
+    again = prepare(cfg.model_copy(update={"workers": 2}))  # no effect on the output
     assert again.path == first.path and (first.path / "manifest.json").stat().st_mtime_ns == stamp
     # one byte changed in place (same size, same second): the remembered file hash must not be reused
     copy = tmp_path / "copy"
@@ -164,6 +165,7 @@ def test_no_documents_is_a_clear_error(tmp_path):
 KILLABLE = """
 import json, sys
 from kiln.config import DataConfig
+from kiln.data.prepare import keys
 from kiln.data.prepare import pipeline as prepare_mod
 if __name__ == "__main__":
     prepare_mod.POOL_MIN_BYTES = 0  # a pool even for this small corpus when workers > 1
@@ -438,6 +440,7 @@ def test_a_killed_worker_is_a_resource_error(corpus, tmp_path, monkeypatch):
 HALF_SENT = """
 import concurrent.futures.process as cfp, json, os, struct, sys, time
 from kiln.config import DataConfig
+from kiln.data.prepare import keys
 from kiln.data.prepare import pipeline as prepare_mod
 real = cfp._sendback_result
 def half_sent(result_queue, work_id, result=None, **kw):
@@ -454,9 +457,11 @@ if __name__ == "__main__":
 """
 
 
-def test_ctrl_c_while_a_worker_sends_a_result_exits(corpus, tmp_path):
-    """Ctrl-C stops the workers; one stopped halfway through sending a result used to leave the pool's
-    thread reading the rest forever, so the interrupted prepare never exited."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_while_a_worker_sends_a_result_exits(corpus, tmp_path, sig):
+    """Ctrl-C (or SIGTERM) stops the workers; one stopped halfway through sending a result used to leave the
+    pool's thread reading the rest forever, so the interrupted prepare never exited. Forked workers must not
+    keep prepare's SIGTERM handler: stopped, they raised in the middle of the pool's code and never exited."""
     cfg = config(corpus, tmp_path, workers=2)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen([sys.executable, "-c", HALF_SENT, cfg.model_dump_json()], env=env,
@@ -464,12 +469,12 @@ def test_ctrl_c_while_a_worker_sends_a_result_exits(corpus, tmp_path):
     if proc.stdout.readline() != "half-sent\n":  # a worker stopped halfway through sending a result
         proc.kill()
         pytest.fail(f"no worker sent a result: {proc.communicate()[1]}")
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     try:
         _, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
-    assert "KeyboardInterrupt" in err and proc.returncode != 0
+    assert ("KeyboardInterrupt" if sig == signal.SIGINT else "Interrupted: SIGTERM") in err and proc.returncode != 0
 
 
 def _truncate(ds):
@@ -566,6 +571,6 @@ def test_a_prepare_killed_while_another_waits_on_its_lock(corpus, tmp_path):
 def test_new_readers_make_a_new_dataset(corpus, tmp_path, monkeypatch):
     """Readers that give other documents for the same bytes (READERS_VERSION) never reuse the old dataset."""
     first = prepare(config(corpus, tmp_path))
-    monkeypatch.setattr(prepare_mod, "READERS_VERSION", prepare_mod.READERS_VERSION + 1)
+    monkeypatch.setattr(keys, "READERS_VERSION", keys.READERS_VERSION + 1)
     second = prepare(config(corpus, tmp_path))
-    assert second.path != first.path and second.manifest["settings"]["readers"] == prepare_mod.READERS_VERSION
+    assert second.path != first.path and second.manifest["settings"]["readers"] == keys.READERS_VERSION

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from rich.console import Console
 
 from kiln.config import DataConfig
@@ -37,3 +38,23 @@ def test_report_counts_each_reason_and_matches_what_is_printed(tmp_path):
     for reason, n in report["dropped"].items():
         assert f"dropped: {reason}" in printed and f" {n} (record " in printed
     assert "1 file(s) in source directories not read" in printed and str(d / "NOTES") in printed
+
+
+def test_damaged_files_under_skip_are_named_in_the_report_and_prepare_goes_on(tmp_path):
+    from kiln.errors import DataError
+
+    from ..read.test_sources import _damaged_files
+
+    names = _damaged_files(tmp_path)
+    train_bpe(["record 1 xxxx", "a good document"], 300).save(tmp_path / "tokenizer.json")
+    cfg = DataConfig(sources=[str(tmp_path / n) for n in names], tokenizer=str(tmp_path / "tokenizer.json"),
+                     cache_dir=str(tmp_path / "c"), on_bad_record="skip", val_fraction=0, workers=1)
+    console = Console(record=True, width=300)
+    report = prepare(cfg, console).manifest["report"]
+    assert report["dropped"] == {"damaged_file": 3}
+    assert report["dropped_examples"]["damaged_file"] == [str(tmp_path / n) for n in names[:3]]
+    assert 1 < report["documents"] < 2 * 200 + 1
+    printed = console.export_text()
+    assert "3 file(s) could not be read to their end" in printed and str(tmp_path / "fake.parquet") in printed
+    with pytest.raises(DataError, match="cut.jsonl.gz: cannot read"):
+        prepare(cfg.model_copy(update={"on_bad_record": "error"}))

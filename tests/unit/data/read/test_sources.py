@@ -169,9 +169,10 @@ def test_truncated_zstd_is_an_error_not_a_shorter_file(tmp_path):
     (tmp_path / "a.jsonl.zst").write_bytes(z[: len(z) // 2])
     (tmp_path / "b.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(b"a\n") + z[:0] +
                                          zstandard.ZstdCompressor().compress(b"b\n"))  # frames one after another
-    for policy in ("error", "skip"):
-        with pytest.raises(DataError, match=r"a\.jsonl\.zst: cannot read .*ends inside a frame"):
-            texts(tmp_path, [tmp_path / "a.jsonl.zst"], on_bad_record=policy)
+    with pytest.raises(DataError, match=r"a\.jsonl\.zst: cannot read .*ends inside a frame"):
+        texts(tmp_path, [tmp_path / "a.jsonl.zst"])
+    kept = texts(tmp_path, [tmp_path / "a.jsonl.zst"], on_bad_record="skip")  # counted as damaged_file (below)
+    assert 0 < len(kept) < 2000 and kept[0] == "doc 0 " * 20
     assert texts(tmp_path, [tmp_path / "b.txt.zst"], text_unit="line") == ["a", "b"]
 
 
@@ -215,3 +216,56 @@ def test_urls_that_cannot_be_read_are_data_errors():
         expand(["nosuchprotocol://x/a.jsonl"])
     with pytest.raises(DataError, match="does not exist"):
         expand(["memory://kiln-test-absent/a.jsonl"])
+
+
+def test_text_is_documentation_only_in_folders_of_records(tmp_path):
+    """Text beside record files (or above them: a dataset card) is passed over; a sub-folder of text without
+    records is data. The whole tree's text used to be passed over as soon as any folder held records."""
+    d = tmp_path / "corpus"
+    for sub in ("data", "notes/deep", "data/extra"):
+        (d / sub).mkdir(parents=True)
+    (d / "data" / "a.jsonl").write_text('{"text": "record"}\n')
+    (d / "data" / "NOTES.md").write_text("beside the records")
+    (d / "README.md").write_text("# the dataset card, above the records")
+    (d / "notes" / "x.txt").write_text("x")
+    (d / "notes" / "deep" / "y.txt").write_text("y")
+    (d / "data" / "extra" / "z.txt").write_text("z")
+    files = expand([str(d)])
+    assert [f.url for f in files] == [str(d / p) for p in ("data/a.jsonl", "data/extra/z.txt", "notes/deep/y.txt",
+                                                           "notes/x.txt")]
+    assert files.passed_over == [str(d / "README.md"), str(d / "data" / "NOTES.md")]
+    everything = expand([str(d / "**" / "*")])  # a glob names its files: each is read, none passed over
+    assert len(everything) == 6 and everything.passed_over == []
+
+
+def _damaged_files(tmp_path):
+    """A truncated .jsonl.gz and .jsonl.zst (real files cut short) of 200 records, and a fake parquet."""
+    import zstandard
+
+    lines = "".join(json.dumps({"text": f"record {i} " + "x" * 200}) + "\n" for i in range(200)).encode()
+    gz, zst = gzip.compress(lines), zstandard.ZstdCompressor().compress(lines)
+    (tmp_path / "cut.jsonl.gz").write_bytes(gz[: len(gz) * 2 // 3])
+    (tmp_path / "cut.jsonl.zst").write_bytes(zst[: len(zst) * 2 // 3])
+    (tmp_path / "fake.parquet").write_text("this is not a parquet file\n")
+    (tmp_path / "good.jsonl").write_text(json.dumps({"text": "a good document"}) + "\n")
+    return ["cut.jsonl.gz", "cut.jsonl.zst", "fake.parquet", "good.jsonl"]
+
+
+def test_damaged_files_are_counted_and_passed_under_skip(tmp_path):
+    """A truncated .gz/.zst or a file that is not the parquet it claims stopped the run even under skip."""
+    from kiln.data.read.records import RecordChecker
+
+    names = _damaged_files(tmp_path)
+    for name in names[:3]:
+        with pytest.raises(DataError, match=rf"{name}: cannot read .*truncated or corrupt.*on_bad_record=skip"):
+            texts(tmp_path, [tmp_path / name])
+    cfg = DataConfig(sources=[str(tmp_path / n) for n in names], on_bad_record="skip")
+    checker = RecordChecker.from_config(cfg)
+    hashes: dict = {}
+    docs = [d.text for d in iter_documents(cfg, checker=checker, hashes=hashes)]
+    by_file = [sum(t.startswith("record ") for t in docs[:k]) for k in range(len(docs) + 1)]
+    assert 0 < by_file[-1] < 2 * 200 and docs[-1] == "a good document"  # records before the damage kept
+    assert docs[:3] == ["record 0 " + "x" * 200, "record 1 " + "x" * 200, "record 2 " + "x" * 200]
+    assert checker.dropped == {"damaged_file": 3}
+    assert checker.examples["damaged_file"] == [str(tmp_path / n) for n in names[:3]]
+    assert sorted(hashes) == [0, 1, 2, 3]  # every file still has its hash (the dataset id needs it)

@@ -16,24 +16,20 @@ Each side starts from a fresh cache directory; imports are done before timing; t
 are read once beforehand so both find them in the page cache. The token streams are checked
 equal. Prints seconds per side and the ratios.
 
-    python benchmarks/tokenize.py --workers 2
+    python benchmarks/tokenize_speed.py --workers 2      # or: python -m benchmarks.tokenize_speed
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import platform
+import shutil
 import sys
+import tempfile
+import time
 from pathlib import Path
-
-# this file's name shadows the standard library's `tokenize` (which pandas, under datasets, needs)
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process per core on both sides
 
