@@ -6,7 +6,8 @@ Document masking keeps attention inside each document of a packed row. This time
 call (forward and backward) of a layer's shape for: plain causal SDPA (PyTorch's pick, cuDNN on
 Hopper, and forced flash), flex attention with a document block mask (PyTorch's default tiles and
 the tiles Kiln uses on Hopper), variable-length flash attention (`torch.nn.attention.varlen`) and
-cuDNN's ragged kernel over the same documents, and checks that the masked kernels agree. Documents have log-normal lengths with the given medians (1,759 tokens is the
+cuDNN's ragged kernel over the same documents, and checks that the masked kernels agree.
+Documents have log-normal lengths with the given medians (1,759 tokens is the
 median of the Python-source corpus of benchmarks/real_run.py; 600 is web-like text).
 """
 
@@ -101,7 +102,8 @@ def run(B: int, H: int, KV: int, T: int, hd: int, median: float, iters: int) -> 
     out["varlen_ms"] = _time(varlen, iters)
     out["cudnn_ragged_ms"] = _cudnn_ragged(q, k, v, dy, seg, results, iters)
     if "cudnn_ragged" in results:
-        out["max_abs_diff_cudnn_ragged_flex"] = float((results["cudnn_ragged"].float() - results["flex"].float()).abs().max())
+        diff = results["cudnn_ragged"].float() - results["flex"].float()
+        out["max_abs_diff_cudnn_ragged_flex"] = float(diff.abs().max())
     out["max_abs_diff_varlen_flex"] = float((results["varlen"].float() - results["flex"].float()).abs().max())
     return out
 

@@ -34,7 +34,8 @@ def doc_ids(B: int, T: int, median: float, seed: int = 0) -> torch.Tensor:
 
 
 def step_time(model, x, y, ids, steps: int, device) -> float:
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    cuda = device.type == "cuda"
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
     for i in range(steps + 3):
         if i == 3:
             if device.type == "cuda":

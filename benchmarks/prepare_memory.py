@@ -113,8 +113,8 @@ def main() -> None:
 
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir()
-    from kiln.data.read.sources import stdlib_files
     from kiln.data.prepare.tokenizer import train_bpe
+    from kiln.data.read.sources import stdlib_files
 
     train_bpe((p.read_text(errors="replace") for p in stdlib_files()[:400]), 32000).save(cache / "tokenizer.json")
     results = [run(small, cache, args.workers), run(big, cache, args.workers)]

@@ -166,7 +166,8 @@ def run_kiln(size: str, batch: int, seq: int, warmup: int, steps: int, compile: 
     recompiles = compiled_graph_count() - graphs
     if profile:
         _profile(trainer, attention)
-    res.notes = f"compile={compile} ac={ac} attn={attention} scope={scope} mode={mode} {precision}" + (f" docs={docs}" if docs else "")
+    res.notes = (f"compile={compile} ac={ac} attn={attention} scope={scope} mode={mode} {precision}"
+                 + (f" docs={docs}" if docs else ""))
     if data == "real":
         res.notes += f" real data mask={mask} prefetch={prefetch}"
     res.extra = {"recompiles_after_warmup": recompiles, "step_ms": 1000 * dt / steps}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -39,9 +38,9 @@ def main_options(
 
 @app.command(context_settings={"allow_extra_args": False})
 def train(
-    config: Optional[str] = typer.Argument(None, help="YAML config file, preset name (see configs/), or a run "
+    config: str | None = typer.Argument(None, help="YAML config file, preset name (see configs/), or a run "
                                                      "directory to resume; omit for the built-in quickstart."),
-    overrides: Optional[list[str]] = typer.Argument(None, help="Dotted KEY=VALUE overrides, e.g. train.lr=3e-4."),
+    overrides: list[str] | None = typer.Argument(None, help="Dotted KEY=VALUE overrides, e.g. train.lr=3e-4."),
     resume: str = typer.Option("auto", "--resume", help="auto: continue from the newest good checkpoint of "
                                "train.run_dir if it has one; never: start fresh (in a new directory if that one "
                                "has checkpoints); force: continue even though the config or data changed."),
@@ -100,11 +99,11 @@ def train(
 
 @app.command()
 def prepare(
-    config: Optional[str] = typer.Argument(None, help="YAML config file or preset name (its data: section is "
+    config: str | None = typer.Argument(None, help="YAML config file or preset name (its data: section is "
                                                      "used); omit for the quickstart's data."),
-    overrides: Optional[list[str]] = typer.Argument(None, help="Dotted KEY=VALUE overrides, e.g. "
+    overrides: list[str] | None = typer.Argument(None, help="Dotted KEY=VALUE overrides, e.g. "
                                                                "data.sources=[corpus/*.jsonl.zst]."),
-    verify: Optional[str] = typer.Option(None, "--verify", help="Check every shard hash of the prepared dataset "
+    verify: str | None = typer.Option(None, "--verify", help="Check every shard hash of the prepared dataset "
                                                                "in this directory instead; exits 1 on a mismatch."),
 ) -> None:
     """Tokenize data.sources into verified, content-addressed token shards.
@@ -158,8 +157,8 @@ def generate(
                                       help="Sampling temperature: higher is more varied; 0 is greedy (always the "
                                            "most likely token)."),
     top_k: int = typer.Option(50, "--top-k", min=0, help="Sample among the k most likely tokens (0: all)."),
-    seed: Optional[int] = typer.Option(None, "--seed", min=0, help="Seed for reproducible samples."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1,
+    seed: int | None = typer.Option(None, "--seed", min=0, help="Seed for reproducible samples."),
+    threads: int | None = typer.Option(None, "--threads", min=1,
                                           help="CPU threads of PyTorch (on the CPU only); default: 1 for a small "
                                                "model, as train.threads."),
 ) -> None:
@@ -193,8 +192,8 @@ def export(
     source: str = typer.Argument(..., help="A run directory, its model/ folder, a checkpoint directory "
                                            "(checkpoints/step_...) or a Hugging Face model directory."),
     to: str = typer.Option(..., "--to", help="Directory to write the Hugging Face model into."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16 or fp32 (default: as saved)."),
-    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer to ship with it (default: the "
+    dtype: str | None = typer.Option(None, "--dtype", help="bf16 or fp32 (default: as saved)."),
+    tokenizer: str | None = typer.Option(None, "--tokenizer", help="Tokenizer to ship with it (default: the "
                                                                       "run's)."),
 ) -> None:
     """Write a model in the Hugging Face layout (safetensors, config.json, tokenizer files) that
@@ -210,9 +209,9 @@ def export(
 @app.command()
 def inspect(
     path: str = typer.Argument(..., help="A checkpoint directory (runs/X/checkpoints/step_...) or a run directory."),
-    config: Optional[str] = typer.Option(None, "--config", "-c", help="Config file or preset to compare the "
+    config: str | None = typer.Option(None, "--config", "-c", help="Config file or preset to compare the "
                                          "saved config with; KEY=VALUE overrides may follow PATH."),
-    overrides: Optional[list[str]] = typer.Argument(None, help="Dotted KEY=VALUE overrides of --config."),
+    overrides: list[str] | None = typer.Argument(None, help="Dotted KEY=VALUE overrides of --config."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Re-hash every file (slow for big models)."),
 ) -> None:
     """Show a checkpoint (step, tokens, config, data manifest, sizes, hash status) or the
@@ -238,15 +237,15 @@ app.add_typer(launch_app, name="launch")
 
 @launch_app.command("k8s")
 def launch_k8s(
-    config: Optional[str] = typer.Argument(None, help="YAML config file or preset name."),
-    overrides: Optional[list[str]] = typer.Argument(None, help="Dotted KEY=VALUE overrides."),
+    config: str | None = typer.Argument(None, help="YAML config file or preset name."),
+    overrides: list[str] | None = typer.Argument(None, help="Dotted KEY=VALUE overrides."),
     nodes: int = typer.Option(1, "--nodes", help="Worker pods (one per node)."),
     gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs (training processes) per pod."),
     image: str = typer.Option(..., "--image", help="Container image with kiln installed."),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="Manifest file to write (default NAME.yaml)."),
-    name: Optional[str] = typer.Option(None, "--name", help="Job name (default kiln-<config name>)."),
+    out: str | None = typer.Option(None, "--out", "-o", help="Manifest file to write (default NAME.yaml)."),
+    name: str | None = typer.Option(None, "--name", help="Job name (default kiln-<config name>)."),
     claim: str = typer.Option("kiln-shared", "--volume-claim", help="ReadWriteMany PVC for runs and the cache."),
-    shm_gib: Optional[int] = typer.Option(None, "--shm-gib", help="/dev/shm size (default 4 GiB per GPU, 8 at least)."),
+    shm_gib: int | None = typer.Option(None, "--shm-gib", help="/dev/shm size (default 4 GiB per GPU, 8 at least)."),
 ) -> None:
     """Write a Kubeflow PyTorchJob manifest (elastic, c10d rendezvous) for `kiln train CONFIG`.
 
@@ -266,17 +265,17 @@ def launch_k8s(
 
 @launch_app.command("slurm")
 def launch_slurm(
-    config: Optional[str] = typer.Argument(None, help="YAML config file or preset name."),
-    overrides: Optional[list[str]] = typer.Argument(None, help="Dotted KEY=VALUE overrides."),
+    config: str | None = typer.Argument(None, help="YAML config file or preset name."),
+    overrides: list[str] | None = typer.Argument(None, help="Dotted KEY=VALUE overrides."),
     nodes: int = typer.Option(1, "--nodes", help="Nodes to run on."),
     gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs (training processes) per node."),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="Script to write (default NAME.sbatch); the "
+    out: str | None = typer.Option(None, "--out", "-o", help="Script to write (default NAME.sbatch); the "
                                       "resolved config goes beside it as NAME.config.yaml."),
-    name: Optional[str] = typer.Option(None, "--name", help="Job name (default kiln-<config name>)."),
-    run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Run directory on shared storage "
+    name: str | None = typer.Option(None, "--name", help="Job name (default kiln-<config name>)."),
+    run_dir: str | None = typer.Option(None, "--run-dir", help="Run directory on shared storage "
                                           "(default runs/NAME here)."),
-    time_limit: Optional[str] = typer.Option(None, "--time", help="Slurm time limit, e.g. 2-00:00:00."),
-    partition: Optional[str] = typer.Option(None, "--partition", help="Slurm partition."),
+    time_limit: str | None = typer.Option(None, "--time", help="Slurm time limit, e.g. 2-00:00:00."),
+    partition: str | None = typer.Option(None, "--partition", help="Slurm partition."),
 ) -> None:
     """Write an sbatch script that starts torchrun on every node (c10d rendezvous on the first).
 

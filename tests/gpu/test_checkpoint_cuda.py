@@ -30,7 +30,8 @@ class Batches:
 
 def make(run_dir) -> Trainer:
     cfg = RunConfig.model_validate({"model": {"size": "tiny", "vocab_size": 256},
-                                    "train": {"seq_len": 32, "batch_size": 2, "device": "cuda", "run_dir": str(run_dir)},
+                                    "train": {"seq_len": 32, "batch_size": 2, "device": "cuda",
+                                              "run_dir": str(run_dir)},
                                     "checkpoint": {"async_save": True}})
     torch.manual_seed(0)
     return Trainer(cfg, Transformer(cfg.model).cuda(), Batches(), Batches(), torch.device("cuda"))

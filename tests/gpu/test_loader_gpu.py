@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.data.load.loader import PackedLoader
 from kiln.data.format.shards import TokenStream, write_shard
+from kiln.data.load.loader import PackedLoader
 
 pytestmark = pytest.mark.gpu
 

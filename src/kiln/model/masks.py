@@ -27,7 +27,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-
 # flex attention's tiles (forward BLOCK_M x BLOCK_N, backward BLOCK_M1/N1/M2/N2) for 16-bit 64-wide
 # heads on Hopper GPUs: measured 12% faster (forward + backward) than PyTorch's defaults on an H100 at
 # the 124m and 1b shapes (benchmarks/results/attention.md); other GPUs and shapes keep the defaults

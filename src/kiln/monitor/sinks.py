@@ -35,7 +35,8 @@ class ConsoleSink(Callback):
     def on_step_end(self, trainer, metrics: dict[str, Any] | None) -> None:
         fields = {}
         if metrics:
-            fields = dict(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", tps=f"{metrics['tokens_per_s']:,.0f}")
+            fields = dict(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
+                          tps=f"{metrics['tokens_per_s']:,.0f}")
         self.progress.update(self.task, completed=trainer.step, **fields)
 
     def on_eval_end(self, trainer, metrics: dict[str, Any]) -> None:

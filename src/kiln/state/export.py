@@ -172,7 +172,7 @@ def read_checkpoint_model(ckpt: Path) -> tuple[ModelConfig, dict[str, torch.Tens
             dcp.load({"model": state}, checkpoint_id=str(ckpt), planner=DefaultLoadPlanner(allow_partial_load=True),
                      no_dist=True)
     except Exception as e:  # DCP wraps storage and planning errors in its own types
-        raise StateError(f"{ckpt}: the model weights cannot be read ({e}); `kiln inspect {ckpt}` checks it")
+        raise StateError(f"{ckpt}: the model weights cannot be read ({e}); `kiln inspect {ckpt}` checks it") from None
     return cfg, state, _checkpoint_tokenizer(ckpt, run_cfg, meta)
 
 

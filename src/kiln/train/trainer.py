@@ -14,8 +14,8 @@ from kiln.dist.mesh import Mesh, current_mesh
 from kiln.dist.parallelize import clip_grad_norm, grad_sync, optimizer_device, reduce_mean
 from kiln.dist.watch import beat
 from kiln.errors import TrainingError
-from kiln.monitor.meters import Throughput
 from kiln.events import Callback, Events
+from kiln.monitor.meters import Throughput
 from kiln.train.optim import build_optimizer, build_scheduler
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from kiln.data.prepare import encode
 from kiln.data.prepare.encode import Encoder
-from kiln.data.read.sources import stdlib_files
 from kiln.data.prepare.tokenizer import Tokenizer, train_bpe
+from kiln.data.read.sources import stdlib_files
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,8 @@ def test_spawned_workers_of_a_script_without_main_guard_fail_with_advice(texts_a
     cfg = {"sources": [str(src)], "tokenizer": path, "cache_dir": str(tmp_path / "cache"), "workers": 2,
            "max_bytes": None}
     script = tmp_path / "script.py"
-    script.write_text("import json\nfrom kiln.config import DataConfig\nfrom kiln.data.prepare import encode, pipeline as p\n"
+    script.write_text("import json\nfrom kiln.config import DataConfig\n"
+                      "from kiln.data.prepare import encode, pipeline as p\n"
                       "encode.START_METHOD = 'spawn'\np.POOL_MIN_BYTES = 0\n"
                       f"p.prepare(DataConfig(**json.loads({json.dumps(json.dumps(cfg))})))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

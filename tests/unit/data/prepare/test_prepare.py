@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from kiln.config import DataConfig
-from kiln.data.prepare import keys
 from kiln.data.format.dataset import open_dataset
+from kiln.data.prepare import keys
 from kiln.data.prepare import pipeline as prepare_mod
 from kiln.data.prepare.pipeline import prepare
 from kiln.data.prepare.tokenizer import train_bpe
