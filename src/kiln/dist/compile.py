@@ -25,9 +25,16 @@ def apply_compile(model: nn.Module, loss: bool = True, scope: str = "blocks", mo
         for block in model.layers:
             block.compile(fullgraph=True, mode=mode)
         model.norm.compile(fullgraph=True, mode=mode)
-    if loss and loss_module.ChunkKernel.fn is loss_module.chunk_loss_and_grad:
-        loss_module.ChunkKernel.fn = torch.compile(loss_module.chunk_loss_and_grad, fullgraph=True)
+    if loss:
+        compile_loss_kernel()
     return model
+
+
+def compile_loss_kernel() -> None:
+    """Compile the chunked cross-entropy's elementwise kernel, for every model of this process: the
+    softmax, the loss and the logits' gradient become one fused pass over each chunk."""
+    if loss_module.ChunkKernel.fn is loss_module.chunk_loss_and_grad:
+        loss_module.ChunkKernel.fn = torch.compile(loss_module.chunk_loss_and_grad, fullgraph=True)
 
 
 def restore_loss_kernel() -> None:
