@@ -36,8 +36,9 @@ class Interrupted(KeyboardInterrupt):
 def sigterm_interrupts() -> Iterator[None]:
     """While active (in the main thread), SIGTERM stops the process as Ctrl-C does: an `Interrupted`
     (a KeyboardInterrupt) is raised, so cleanup runs and locks are released."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield  # another thread, or SIGTERM already handled (`kiln train` turns it into its own interrupt)
         return
 
     def raise_interrupt(signum, frame):
@@ -51,7 +52,8 @@ def sigterm_interrupts() -> Iterator[None]:
 
 
 def signal_name(e: KeyboardInterrupt) -> str:
-    return "SIGTERM" if isinstance(e, Interrupted) else "Ctrl-C"
+    signum = getattr(e, "signum", None)  # kiln train's interrupt carries its signal
+    return "SIGTERM" if isinstance(e, Interrupted) or signum == signal.SIGTERM else "Ctrl-C"
 
 
 def _child(conn, vocab_size: int, specials: list[str], out: str, parent: int) -> None:
