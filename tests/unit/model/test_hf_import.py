@@ -33,6 +33,19 @@ def test_fields_that_contradict_init_from_are_a_config_error(hf_dir):
     assert resolve_init_from(ModelConfig(init_from=str(hf_dir), d_model=64)).d_model == 64  # agreeing is fine
 
 
+def test_an_init_from_override_replaces_the_presets_model_fields(hf_dir, tmp_path):
+    from kiln.config import load_config
+
+    cfg = load_config("quickstart", [f"model.init_from={hf_dir}"])  # the preset sets d_model=256, n_layers=4
+    model = resolve_init_from(cfg.model)
+    assert (model.d_model, model.n_layers, model.attention_bias) == (64, 2, "qkv")
+    assert cfg.data.tokenizer == str(hf_dir)  # the model's own tokenizer
+    mine = tmp_path / "mine.yaml"  # fields written beside init_from in one file are still a contradiction
+    mine.write_text(f"model:\n  init_from: {hf_dir}\n  d_model: 256\n")
+    with pytest.raises(ConfigError, match="model.d_model=256"):
+        resolve_init_from(load_config(mine).model)
+
+
 def test_missing_directory_config_or_weights(tmp_path, hf_dir):
     with pytest.raises(ConfigError, match="is not a directory"):
         resolve_init_from(ModelConfig(init_from=str(tmp_path / "nope")))
