@@ -1,0 +1,80 @@
+"""Data-parallel scaling: `kiln train` on N GPUs beside the same config on one GPU, in one call.
+
+    python benchmarks/scaling.py --config gpu-124m --runs 1:ddp,2:ddp,2:fsdp --steps 120 --json out.json
+
+Each run is a real `kiln train` (torchrun started by `--nproc N` when N > 1) on the preset's data, with
+`train.batch_size` per GPU kept, so the global batch grows with N (weak scaling, as data-parallel
+training is used). Tokens/s is the median of the logged `tokens_per_s` (the whole job) after the first
+quarter of the steps (compile and warm-up excluded). Prints a table with the speed-up over the one-GPU
+run and the scaling efficiency (speed-up / N) last.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# run as a script, this folder comes first on sys.path; keep its files from shadowing the stdlib
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+
+
+def run(config: str, nproc: int, strategy: str, steps: int, extra: list[str], root: Path) -> dict:
+    run_dir = root / f"{nproc}-{strategy}"
+    cmd = [sys.executable, "-m", "kiln.cli", "train", config, f"train.run_dir={run_dir}", f"train.max_steps={steps}",
+           "train.eval_every=0", "train.sample_tokens=0", "logging.every=5", "checkpoint.every=100000",
+           "checkpoint.save_final=false", f"dist.strategy={strategy}", *extra]
+    if nproc > 1:
+        cmd += ["--nproc", str(nproc)]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps_logged = [r for r in rows if r.get("event") == "step" or ("tokens_per_s" in r and "loss" in r)]
+    late = [r for r in steps_logged if r["step"] > steps // 4]
+    return {"nproc": nproc, "strategy": strategy, "tokens_per_s": statistics.median(r["tokens_per_s"] for r in late),
+            "mfu": statistics.median(r.get("mfu", 0.0) or 0.0 for r in late), "last_loss": steps_logged[-1]["loss"],
+            "wall_s": round(wall, 1), "command": " ".join(cmd[2:])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="gpu-124m")
+    ap.add_argument("--runs", default="1:ddp,2:ddp,2:fsdp", help="comma-separated nproc:strategy pairs")
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--set", action="append", default=[], help="extra KEY=VALUE override (repeatable)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    import torch
+
+    info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "gpus": torch.cuda.device_count(), "config": args.config, "steps": args.steps}
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in args.runs.split(","):
+            n, strategy = spec.split(":")
+            results.append(run(args.config, int(n), strategy, args.steps, args.set, Path(tmp)))
+            print(json.dumps(results[-1]), flush=True)
+    base = next((r["tokens_per_s"] for r in results if r["nproc"] == 1), None)
+    print(json.dumps(info))
+    print(f"{'run':<12} {'tokens/s':>12} {'MFU':>6} {'speed-up':>9} {'scaling':>8} {'loss':>7}")
+    for r in results:
+        up = r["tokens_per_s"] / base if base else float("nan")
+        r["speedup"], r["scaling"] = up, up / r["nproc"]
+        print(f"{r['nproc']} x {r['strategy']:<8} {r['tokens_per_s']:>12,.0f} {100 * r['mfu']:>5.1f}% {up:>8.2f}x "
+              f"{100 * r['scaling']:>7.1f}% {r['last_loss']:>7.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({**info, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
