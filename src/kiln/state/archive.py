@@ -12,7 +12,6 @@ When and how failures are retried is the `Archiver` policy's business (archiver.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import posixpath
 import shutil
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import StateError
+from kiln.files import hash_stream
 from kiln.state.verify import META, META_DIGEST, read_meta, verify
 
 INDEX = "index.json"
@@ -53,11 +53,8 @@ class Archive:
         self.fs.mv(tmp, self._path(INDEX))
 
     def _sha256(self, path: str) -> str:
-        h = hashlib.sha256()
         with self.fs.open(path, "rb") as f:
-            while chunk := f.read(8 << 20):
-                h.update(chunk)
-        return h.hexdigest()
+            return hash_stream(f)[0].hexdigest()
 
     def put(self, ckpt: Path) -> str:
         """Copy a complete local checkpoint, verify every file, then copy meta.json. Returns its URL."""

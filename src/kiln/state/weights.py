@@ -12,6 +12,7 @@ from torch import nn
 from kiln.config import ModelConfig
 from kiln.data.prepare.tokenizer import Tokenizer
 from kiln.errors import StateError
+from kiln.files import atomic_write_json, replace_file
 
 
 def save_model(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer | None, out: Path) -> Path:
@@ -24,8 +25,8 @@ def save_model(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer | None, 
     # call to the next, so two keys made identical models differ byte for byte (model_config.json says
     # the layout is Kiln's own). The tensors are written sorted by dtype and name: deterministic.
     save_file(state, str(tmp), metadata={"format": "pt"})
-    tmp.replace(out / "model.safetensors")
-    (out / "model_config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    replace_file(tmp, out / "model.safetensors")
+    atomic_write_json(out / "model_config.json", cfg.model_dump(mode="json"), indent=2)
     if tokenizer is not None:
         tokenizer.save(out / "tokenizer.json")
     return out
