@@ -45,7 +45,9 @@ class CpuStaging:
 
     def _new(self, src: torch.Tensor) -> torch.Tensor:
         if isinstance(src, DTensor):
-            buf = src.to("cpu")  # a CPU DTensor: same mesh and placements, local shard on the CPU
+            # a CPU DTensor: same mesh and placements, its local shard a new CPU tensor (copy=True: a DTensor
+            # already on the CPU would otherwise come back itself, and the "copy" would be the live state)
+            buf = src.to("cpu", copy=True)
             local = buf.to_local()
             if self.pin and local.numel():
                 _pin(local)
