@@ -9,8 +9,8 @@ Why not `torch.distributed.checkpoint.staging.DefaultStager`: it copies whole un
 (`UntypedStorage.copy_`), which on the CPU measured 300x slower than tensor copies (0.3 s against
 1 ms for the 1.4 MB tiny state; 12 ms against 0.25 ms for one 64 KB storage), so CPU runs would wait
 on every save; and it cannot allocate its pinned buffers without a copy, so the first save of a
-GPU run would wait for pinning the whole state (about 7 s at 1B). DCP's `async_save` does write the
-staged copy (checkpointer.py).
+GPU run would wait for pinning the whole state (about 7 s at 1B). `dcp.save`, in the checkpointer's
+own thread, writes the staged copy (checkpointer.py says why not `dcp.async_save`).
 """
 
 from __future__ import annotations
