@@ -39,8 +39,10 @@ class SignalGuard:
         self.requested: str | None = None
         self.log, self.group = log, group
         self._previous: dict[int, Any] = {}
+        self._pid = os.getpid()
 
     def __enter__(self) -> SignalGuard:
+        self._pid = os.getpid()
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -52,6 +54,10 @@ class SignalGuard:
         self._previous.clear()
 
     def _handle(self, signum: int, frame) -> None:
+        if os.getpid() != self._pid:  # a process forked during training inherited this handler: die of it
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         name = signal.Signals(signum).name
         if self.requested is None:
             self.requested = name
