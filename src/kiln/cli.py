@@ -257,9 +257,10 @@ def launch_k8s(
         overrides, config = [config, *(overrides or [])], None
     text = k8s.manifest(config, list(overrides or []), nodes, gpus_per_node, image, name=name, claim=claim,
                         shm_gib=shm_gib)
-    from kiln.dist.launch.common import job_name
+    from kiln.dist.launch.common import job_name, write_files
 
-    path = k8s.write(out or f"{job_name(config, name)}.yaml", text)
+    path = Path(out or f"{job_name(config, name)}.yaml")
+    write_files({path: text})
     console.print(f"wrote {path}; submit with: kubectl apply -f {path}", highlight=False)
 
 
@@ -282,7 +283,7 @@ def launch_slurm(
     Example: kiln launch slurm gpu-1b --nodes 2 --gpus-per-node 8 --time 1-00:00:00
     """
     from kiln.dist.launch import slurm
-    from kiln.dist.launch.common import job_name
+    from kiln.dist.launch.common import job_name, write_files
 
     if config is not None and "=" in config:
         overrides, config = [config, *(overrides or [])], None
@@ -290,9 +291,7 @@ def launch_slurm(
     config_path = script_path.with_name(script_path.name.rsplit(".", 1)[0] + ".config.yaml")
     text, cfg_yaml = slurm.script(config, list(overrides or []), nodes, gpus_per_node, config_path, name=name,
                                   run_dir=run_dir, time_limit=time_limit, partition=partition)
-    script_path.parent.mkdir(parents=True, exist_ok=True)
-    config_path.write_text(cfg_yaml)
-    script_path.write_text(text)
+    write_files({config_path: cfg_yaml, script_path: text})
     console.print(f"wrote {script_path} and {config_path}; submit with: sbatch {script_path}", highlight=False)
 
 

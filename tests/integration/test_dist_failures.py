@@ -6,17 +6,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
 import pytest
+
+from .conftest import stdlib_corpus
 
 CHILD = r'''
 import os, sys, threading
 from kiln.config import load_config
 from kiln.train.events import Callback
 from kiln.train.run import run
+
 
 action = sys.argv[1]
 
@@ -34,10 +36,7 @@ run(load_config(None, sys.argv[2:]), callbacks=[Fault()])
 @pytest.fixture(scope="module")
 def args(tmp_path_factory) -> list[str]:
     cache, corpus = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("corpus")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    text = "".join(p.read_text(errors="replace") for p in sorted(stdlib.glob("*.py"))[:20])
-    for i in range(60):
-        (corpus / f"{i:03d}.txt").write_text(text[i * 2000:(i + 1) * 2000])
+    stdlib_corpus(corpus, 60, modules=20)
     return ["model.size=tiny", "train.seq_len=32", "train.batch_size=2", "train.max_steps=40", "train.eval_every=0",
             "train.eval_batches=1", "train.sample_tokens=0", "train.device=cpu", "checkpoint.every=0",
             "checkpoint.save_final=false", "logging.console=false", f"data.sources=[{corpus}]",

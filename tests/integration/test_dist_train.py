@@ -10,11 +10,12 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
+
+from .conftest import stdlib_corpus
 
 STEPS, EVERY = 12, 6
 ENV = {**os.environ, "COLUMNS": "400", "OMP_NUM_THREADS": "1"}
@@ -23,10 +24,7 @@ ENV = {**os.environ, "COLUMNS": "400", "OMP_NUM_THREADS": "1"}
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> list[str]:
     cache, corpus = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("corpus")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    text = "".join(p.read_text(errors="replace") for p in sorted(stdlib.glob("*.py"))[:40])
-    for i in range(240):
-        (corpus / f"{i:03d}.txt").write_text(text[i * 2000:(i + 1) * 2000])
+    stdlib_corpus(corpus, 240)
     return ["model.size=tiny", "train.seq_len=32", f"train.max_steps={STEPS}", "train.warmup_steps=2",
             "train.eval_every=0", "train.eval_batches=2", "train.sample_tokens=0", "train.device=cpu",
             "train.precision=fp32", f"checkpoint.every={EVERY}", "logging.every=1", "logging.console=false",

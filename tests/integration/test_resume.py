@@ -9,10 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
+
+from .conftest import stdlib_corpus
 
 pytestmark = pytest.mark.slow  # each test trains in subprocesses, several times
 
@@ -25,6 +26,7 @@ from kiln.config import load_config
 from kiln.state.callback import CheckpointEvery
 from kiln.train.events import Callback
 from kiln.train.run import run
+
 
 action, at, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 
@@ -57,10 +59,7 @@ run(load_config(None, args), callbacks=[Interrupt()])
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> list[str]:
     cache, corpus = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("corpus")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    text = "".join(p.read_text(errors="replace") for p in sorted(stdlib.glob("*.py"))[:40])
-    for i in range(240):  # 240 documents of 2 kB: enough for a validation split of any seed
-        (corpus / f"{i:03d}.txt").write_text(text[i * 2000:(i + 1) * 2000])
+    stdlib_corpus(corpus, 240)
     return ["model.size=tiny", "train.seq_len=32", "train.batch_size=4", f"train.max_steps={2 * N}",
             "train.warmup_steps=2", "train.eval_every=0", "train.eval_batches=2", "train.sample_tokens=0",
             "train.device=cpu", f"checkpoint.every={N}", "checkpoint.save_final=false", "logging.every=1",

@@ -11,11 +11,12 @@ import os
 import signal
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 import yaml
+
+from .conftest import stdlib_corpus
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +60,7 @@ if action == "save":  # at the start of the final model save
         return save(*a, **k)
     r.save_model = slow
 from kiln.cli import main
+
 main()
 '''
 
@@ -66,10 +68,7 @@ main()
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> list[str]:
     cache, corpus = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("corpus")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    text = "".join(p.read_text(errors="replace") for p in sorted(stdlib.glob("*.py"))[:40])
-    for i in range(120):
-        (corpus / f"{i:03d}.txt").write_text(text[i * 2000:(i + 1) * 2000])
+    stdlib_corpus(corpus, 120)
     return ["model.size=tiny", "train.seq_len=32", "train.batch_size=4", "train.max_steps=4", "train.warmup_steps=1",
             "train.eval_every=0", "train.eval_batches=2", "train.sample_tokens=0", "train.device=cpu",
             "checkpoint.every=2", "checkpoint.async_save=false", "logging.every=1", "logging.console=false",

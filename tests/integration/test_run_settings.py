@@ -7,10 +7,10 @@ import os
 import shlex
 import subprocess
 import sys
-import sysconfig
-from pathlib import Path
 
 import pytest
+
+from .conftest import stdlib_corpus
 
 pytestmark = pytest.mark.slow
 
@@ -20,6 +20,7 @@ import torch
 from kiln.config import load_config
 from kiln.train.events import Callback
 from kiln.train.run import run
+
 
 class Threads(Callback):
     def on_train_start(self, trainer):
@@ -32,10 +33,7 @@ run(load_config(None, sys.argv[1:]), callbacks=[Threads()])
 def test_threads_are_applied_and_the_hint_repeats_the_prompt(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    text = "".join(p.read_text(errors="replace") for p in sorted(stdlib.glob("*.py"))[:40])
-    for i in range(60):
-        (corpus / f"{i:03d}.txt").write_text(text[i * 2000:(i + 1) * 2000])
+    stdlib_corpus(corpus, 60)
     run_dir = tmp_path / "my run"
     prompt = "x = "
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "400"}  # PyTorch would start with 1 thread

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kiln.config import RunConfig
 from kiln.dist.ac import apply_ac
@@ -88,8 +90,6 @@ def parallelize(model: nn.Module, cfg: RunConfig, m: Mesh, n_params: int | None 
     if strategy == "ddp":
         if d.sharding != "full" or d.cpu_offload:
             log("dist.sharding and dist.cpu_offload apply to fsdp only; ignored under ddp")
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         model.to(m.device)
         ids = [m.device.index] if m.device.type == "cuda" else None
         with warnings.catch_warnings():  # broadcast_buffers is deprecated in name only: it is still the way
@@ -129,9 +129,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def strategy_of(model: nn.Module) -> str:
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+    """'ddp', 'fsdp' or 'single': how `parallelize` wrapped the model (asked every micro-batch: no imports here)."""
     return "ddp" if isinstance(model, DDP) else "fsdp" if isinstance(model, FSDPModule) else "single"
 
 

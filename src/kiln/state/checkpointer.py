@@ -46,7 +46,7 @@ from kiln.state.parts import RANK_KEYS, SMALL_KEYS, TENSOR_KEYS, as_parts
 from kiln.state.policy import CheckpointPolicy
 from kiln.state.resume import verified
 from kiln.state.retention import KeepLast, check_room
-from kiln.state.rundir import CHECKPOINTS, TMP_PREFIX, checkpoints, step_dir_name
+from kiln.state.rundir import CHECKPOINTS, TMP_PREFIX, checkpoints, from_rank0, step_dir_name
 from kiln.state.snapshot import MemorySnapshots, Snapshot
 from kiln.state.storage import ParallelFileSystemReader, hashing_writer
 from kiln.state.verify import FORMAT, fsync_dir, hash_tree, read_meta, write_json, write_meta
@@ -139,19 +139,22 @@ class Checkpointer:
         if self._stager_ready is not None:
             self._stager_ready.result()
 
-    def _check_room(self, step: int, tensors: dict[str, Any]) -> None:
+    def _rank0_check(self, check: Callable[[], Any]) -> None:
+        """Run `check` on rank 0; the StateError it raises is raised on every rank."""
         problem = None
         if self.rank == 0:
             try:
-                check_room(self.run_dir, lambda: staging.tensor_bytes(tensors), step, self.policies, self.log)
+                check()
             except StateError as e:
                 problem = str(e)
         if self.distributed:
-            box = [problem]
-            dist.broadcast_object_list(box, src=0, group=self.control_group)
-            problem = box[0]
+            problem = from_rank0(problem, self.control_group)
         if problem:
             raise StateError(problem)
+
+    def _check_room(self, step: int, tensors: dict[str, Any]) -> None:
+        self._rank0_check(lambda: check_room(self.run_dir, lambda: staging.tensor_bytes(tensors), step,
+                                             self.policies, self.log))
 
     def save(self, state, reason: str = "periodic", blocking: bool | None = None) -> Path | None:
         """Checkpoint `state` (a Trainer, or a dict of parts) at its step. Returns where it will be complete.
@@ -340,18 +343,7 @@ class Checkpointer:
         first. Returns its meta.json."""
         path, parts = Path(path), as_parts(state)
         if check_hashes:  # rank 0 re-hashes; StateError naming the damaged file and the previous good one
-            problem = None
-            if self.rank == 0:
-                try:
-                    verified(path)
-                except StateError as e:
-                    problem = str(e)
-            if self.distributed:
-                box = [problem]
-                dist.broadcast_object_list(box, src=0, group=self.control_group)
-                problem = box[0]
-            if problem:
-                raise StateError(problem)
+            self._rank0_check(lambda: verified(path))
         meta = read_meta(path)
         tensors = {k: parts[k].state_dict() for k in TENSOR_KEYS}  # the live layout DCP reads into
         try:

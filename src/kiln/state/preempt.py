@@ -29,36 +29,45 @@ class Preempted(Exception):
         self.signame, self.step, self.path = signame, step, path
 
 
-class SignalGuard:
-    """While active, the first SIGTERM/SIGINT sets `requested`; a second one aborts the process."""
+class _Handler:
+    """SIGTERM and SIGINT go to `on_signal` while the block runs (main thread only). A process forked
+    meanwhile (tokenizer or loader workers) inherits the handler, and dies of the signal instead."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
-    COLLECTIVE_EVERY = 10  # steps between two checks across processes (preemption notices give ~30 s or more)
 
-    def __init__(self, log: Callable[[str], None] = print, group=None):
-        self.requested: str | None = None
-        self.log, self.group = log, group
+    def __enter__(self):
+        self._pid = os.getpid()
         self._previous: dict[int, Any] = {}
-        self._pid = os.getpid()
-
-    def __enter__(self) -> SignalGuard:
-        self._pid = os.getpid()
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
+        for sig, handler in self.__dict__.pop("_previous", {}).items():
             signal.signal(sig, handler)
-        self._previous.clear()
 
     def _handle(self, signum: int, frame) -> None:
-        if os.getpid() != self._pid:  # a process forked during training inherited this handler: die of it
+        if os.getpid() != self._pid:  # a forked process: not ours to handle
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        name = signal.Signals(signum).name
+        self.on_signal(signum, signal.Signals(signum).name)
+
+    def on_signal(self, signum: int, name: str) -> None:
+        raise NotImplementedError
+
+
+class SignalGuard(_Handler):
+    """While active, the first SIGTERM/SIGINT sets `requested`; a second one aborts the process."""
+
+    COLLECTIVE_EVERY = 10  # steps between two checks across processes (preemption notices give ~30 s or more)
+
+    def __init__(self, log: Callable[[str], None] = print, group=None):
+        self.requested: str | None = None
+        self.log, self.group = log, group
+
+    def on_signal(self, signum: int, name: str) -> None:
         if self.requested is None:
             self.requested = name
             print(f"\n{name} received: finishing this step and writing a checkpoint (send it again to abort now)",
@@ -142,7 +151,7 @@ class Interrupted(KeyboardInterrupt):
         self.signum, self.exit_code = signum, 128 + signum
 
 
-class StopSignals:
+class StopSignals(_Handler):
     """While active, SIGTERM and SIGINT raise `Interrupted(signum, f"{name} {during}: {then}")`, whatever is
     running (set `during` and `then` as the work moves on). With `defer`, the first signal is only noted
     (`received`, with `deferred` printed) and the work goes on; a second one raises."""
@@ -150,27 +159,8 @@ class StopSignals:
     def __init__(self, during: str, then: str, defer: bool = False, deferred: str = ""):
         self.during, self.then, self.defer, self.deferred = during, then, defer, deferred
         self.received: str | None = None
-        self._previous: dict[int, Any] = {}
-        self._pid = os.getpid()
 
-    def __enter__(self) -> StopSignals:
-        self._pid = os.getpid()
-        if threading.current_thread() is threading.main_thread():
-            for sig in SignalGuard.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _handle(self, signum: int, frame) -> None:
-        if os.getpid() != self._pid:  # a forked worker (tokenizing, loading) inherited this handler: die of it
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        name = signal.Signals(signum).name
+    def on_signal(self, signum: int, name: str) -> None:
         if self.defer and self.received is None:
             self.received = name
             print(f"\n{name} received {self.during}: {self.deferred} (send it again to abort now)",

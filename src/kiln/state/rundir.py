@@ -71,14 +71,14 @@ def process_rank() -> tuple[int, bool]:
     return (dist.get_rank() if shared else int(os.environ.get("RANK", "0"))), shared
 
 
-def from_rank0(value: Any) -> Any:
-    """Rank 0's `value` on every process of the group (the value itself without a group)."""
+def from_rank0(value: Any, group=None) -> Any:
+    """Rank 0's `value` on every process of `group` (the default group; the value itself without one)."""
     import torch.distributed as dist
 
     if not process_rank()[1]:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 

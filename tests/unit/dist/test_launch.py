@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from kiln.cli import app
 from kiln.config import RunConfig
 from kiln.dist.launch.local import torchrun_command, without_nproc
+from kiln.errors import ConfigError
 
 runner = CliRunner()
 
@@ -75,6 +76,15 @@ def test_launch_refuses_a_bad_shape():
     assert res.exit_code != 0 and "at least 1" in str(res.exception)
 
 
+def test_a_launch_file_that_cannot_be_written_is_a_config_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where the output's folder should be
+    res = runner.invoke(app, ["launch", "k8s", "quickstart", "--image", "img", "--out", str(blocker / "a.yaml")])
+    assert isinstance(res.exception, ConfigError) and f"cannot write {blocker / 'a.yaml'}" in str(res.exception)
+    res = runner.invoke(app, ["launch", "slurm", "quickstart", "--out", str(blocker / "a.sbatch")])
+    assert isinstance(res.exception, ConfigError) and "choose another --out" in str(res.exception)
+
+
 def test_nproc_becomes_a_torchrun_command():
     assert without_nproc(["cfg.yaml", "--nproc", "4", "train.lr=1", "--nproc=2"]) == ["cfg.yaml", "train.lr=1"]
     cmd = torchrun_command(4, ["cfg.yaml"])
@@ -85,7 +95,6 @@ def test_nproc_becomes_a_torchrun_command():
 @pytest.mark.parametrize("argv", [["--nproc", "0"]])
 def test_nproc_must_be_positive(argv, monkeypatch):
     from kiln.dist.launch.local import relaunch
-    from kiln.errors import ConfigError
 
     with pytest.raises(ConfigError, match="1 or more"):
         relaunch(0, ["train", *argv])

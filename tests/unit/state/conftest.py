@@ -7,6 +7,7 @@ import torch
 
 from kiln.config import RunConfig
 from kiln.model.llama import Transformer
+from kiln.state.checkpointer import Checkpointer
 from kiln.train.trainer import Trainer
 
 VOCAB, B, T = 256, 2, 16
@@ -59,3 +60,18 @@ def run_steps(trainer: Trainer, n: int) -> list[float]:
 @pytest.fixture
 def trainer_factory(tmp_path):
     return lambda **kw: make_trainer(tmp_path / "run", **kw)
+
+
+PRINTS = {"config": "c0", "dataset": "d0", "tokenizer": "t0", "train_tokens": 1}  # fingerprints of test runs
+
+
+def saved_checkpoints(trainer_factory, n: int):
+    """A trainer and the paths of its checkpoints after each of its first n steps."""
+    t = trainer_factory()
+    ck = Checkpointer(t.cfg.train.run_dir, t.cfg, PRINTS, lambda m: None)
+    paths = []
+    for _ in range(n):
+        run_steps(t, 1)
+        paths.append(ck.save(t))
+    ck.close()
+    return t, paths

@@ -23,9 +23,7 @@ from kiln.state.rundir import checkpoints
 from kiln.state.verify import verify
 from kiln.train.events import Callback
 
-from .conftest import run_steps
-
-PRINTS = {"config": "c0", "dataset": "d0", "tokenizer": "t0", "train_tokens": 1}
+from .conftest import PRINTS, run_steps
 
 
 class Outage:

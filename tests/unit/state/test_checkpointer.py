@@ -19,9 +19,7 @@ from kiln.state.checkpointer import Checkpointer
 from kiln.state.rundir import checkpoints, unfinished
 from kiln.state.verify import read_meta, verify
 
-from .conftest import run_steps
-
-PRINTS = {"config": "c0", "dataset": "d0", "tokenizer": "t0", "train_tokens": 1}
+from .conftest import PRINTS, run_steps
 
 
 def checkpointer(trainer, logs=None):

@@ -9,31 +9,17 @@ import pytest
 
 from kiln.config import RunConfig, derive
 from kiln.errors import StateError
-from kiln.state.checkpointer import Checkpointer
 from kiln.state.inspect import describe
 from kiln.state.preempt import SignalGuard
 from kiln.state.resume import check_compatible, config_differences, latest_good, resume_target
 from kiln.state.rundir import checkpoints, unfinished
 from kiln.state.verify import read_meta
 
-from .conftest import run_steps
-
-PRINTS = {"config": "c0", "dataset": "d0", "tokenizer": "t0", "train_tokens": 1}
-
-
-def three_checkpoints(trainer_factory):
-    t = trainer_factory()
-    ck = Checkpointer(t.cfg.train.run_dir, t.cfg, PRINTS, lambda m: None)
-    paths = []
-    for _ in range(3):
-        run_steps(t, 1)
-        paths.append(ck.save(t))
-    ck.close()
-    return t, paths
+from .conftest import PRINTS, saved_checkpoints
 
 
 def test_auto_falls_back_past_damaged_checkpoints_and_says_so(trainer_factory):
-    t, (p1, p2, p3) = three_checkpoints(trainer_factory)
+    t, (p1, p2, p3) = saved_checkpoints(trainer_factory, 3)
     (p3 / "state.json").write_text("{}")  # same step, altered content
     (p2 / "rank0.json").unlink()
     logs = []
@@ -42,7 +28,7 @@ def test_auto_falls_back_past_damaged_checkpoints_and_says_so(trainer_factory):
 
 
 def test_resume_sets_damaged_newer_checkpoints_aside(trainer_factory):
-    t, (p1, p2, p3) = three_checkpoints(trainer_factory)
+    t, (p1, p2, p3) = saved_checkpoints(trainer_factory, 3)
     (p3 / "rank0.json").write_text("{}")
     logs = []
     run_dir, chosen = resume_target(t.cfg, "auto", logs.append)
@@ -53,7 +39,7 @@ def test_resume_sets_damaged_newer_checkpoints_aside(trainer_factory):
 
 
 def test_every_checkpoint_damaged_is_an_error(trainer_factory):
-    t, paths = three_checkpoints(trainer_factory)
+    t, paths = saved_checkpoints(trainer_factory, 3)
     for p in paths:
         (p / ".metadata").write_bytes(b"x")
     with pytest.raises(StateError, match="every checkpoint .* is damaged"):
@@ -61,7 +47,7 @@ def test_every_checkpoint_damaged_is_an_error(trainer_factory):
 
 
 def test_unfinished_save_is_never_resumed_and_is_cleaned(trainer_factory):
-    t, (_, p2, p3) = three_checkpoints(trainer_factory)
+    t, (_, p2, p3) = saved_checkpoints(trainer_factory, 3)
     (p3 / "meta.json").unlink()  # as if killed before the rename (a .tmp-* dir)
     p3.rename(p3.with_name(".tmp-" + p3.name))
     logs = []
@@ -70,7 +56,7 @@ def test_unfinished_save_is_never_resumed_and_is_cleaned(trainer_factory):
 
 
 def test_step_dir_without_meta_is_set_aside_not_deleted(trainer_factory):
-    t, (_, p2, p3) = three_checkpoints(trainer_factory)
+    t, (_, p2, p3) = saved_checkpoints(trainer_factory, 3)
     (p3 / "meta.json").unlink()  # never done by Kiln: a manual change or a partial copy
     logs = []
     _, chosen = resume_target(t.cfg, "auto", logs.append)
@@ -87,7 +73,7 @@ def test_config_differences_ignore_what_does_not_change_the_numbers():
 
 
 def test_mismatch_names_what_differs_unless_forced(trainer_factory):
-    t, paths = three_checkpoints(trainer_factory)
+    t, paths = saved_checkpoints(trainer_factory, 3)
     meta = read_meta(paths[-1])
     cfg = derive(t.cfg, {"train.max_steps": 99})
     changed = {**PRINTS, "tokenizer": "t1"}
@@ -102,7 +88,7 @@ def test_mismatch_names_what_differs_unless_forced(trainer_factory):
 
 
 def test_never_starts_fresh_beside_a_run_with_checkpoints(trainer_factory):
-    t, paths = three_checkpoints(trainer_factory)
+    t, paths = saved_checkpoints(trainer_factory, 3)
     cfg = t.cfg.model_copy(deep=True)
     run_dir, chosen = resume_target(cfg, "never", print)
     assert chosen is None and run_dir.name == "run-1" and checkpoints(run_dir) == []
@@ -119,7 +105,7 @@ def test_signal_guard_turns_the_first_signal_into_a_request():
 
 
 def test_a_batch_size_that_keeps_the_global_batch_on_other_ranks_is_an_elastic_resume(trainer_factory):
-    t, paths = three_checkpoints(trainer_factory)
+    t, paths = saved_checkpoints(trainer_factory, 3)
     meta = {**read_meta(paths[-1]), "world_size": 2}  # as if saved by 2 processes
     b = t.cfg.train.batch_size
     cfg = derive(t.cfg, {"train.batch_size": 2 * b})

@@ -17,9 +17,8 @@ from kiln.state.retention import size_of
 from kiln.state.rundir import checkpoints, unfinished
 from kiln.state.verify import verify
 
-from .conftest import run_steps
+from .conftest import PRINTS, run_steps
 
-PRINTS = {"config": "c0", "dataset": "d0", "tokenizer": "t0", "train_tokens": 1}
 Usage = namedtuple("Usage", "total used free")
 
 

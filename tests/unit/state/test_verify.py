@@ -12,20 +12,7 @@ from kiln.state.checkpointer import Checkpointer
 from kiln.state.resume import latest_good
 from kiln.state.verify import verify
 
-from .conftest import run_steps
-
-PRINTS = {"config": "c0", "dataset": "d0", "tokenizer": "t0", "train_tokens": 1}
-
-
-def two_checkpoints(trainer_factory):
-    t = trainer_factory()
-    ck = Checkpointer(t.cfg.train.run_dir, t.cfg, PRINTS, lambda m: None)
-    paths = []
-    for _ in range(2):
-        run_steps(t, 1)
-        paths.append(ck.save(t))
-    ck.close()
-    return t, paths
+from .conftest import PRINTS, saved_checkpoints
 
 
 def flip_and_cover(ckpt, name="__0_0.distcp"):
@@ -40,7 +27,7 @@ def flip_and_cover(ckpt, name="__0_0.distcp"):
 
 
 def test_edited_meta_entry_and_altered_file_are_refused(trainer_factory):
-    t, (good, bad) = two_checkpoints(trainer_factory)
+    t, (good, bad) = saved_checkpoints(trainer_factory, 2)
     flip_and_cover(bad)
     problems = verify(bad)
     assert len(problems) == 1 and "meta.json: sha256 differs from meta.sha256" in problems[0]
@@ -54,7 +41,7 @@ def test_edited_meta_entry_and_altered_file_are_refused(trainer_factory):
 
 
 def test_a_missing_digest_is_damage_but_format_1_checkpoints_are_still_read(trainer_factory):
-    t, (first, second) = two_checkpoints(trainer_factory)
+    t, (first, second) = saved_checkpoints(trainer_factory, 2)
     (second / "meta.sha256").unlink()
     assert "meta.sha256: missing" in verify(second)[0]
     # a checkpoint written before meta.sha256 existed (format 1): its file list is trusted as written

@@ -26,3 +26,13 @@ def check_shape(nodes: int, gpus_per_node: int) -> None:
 def resolved_config(config: str | None, overrides: list[str], run_dir: str, cache_dir: str) -> RunConfig:
     """The run's config with its run directory and data cache on the shared storage every node sees."""
     return load_config(config, [*overrides, f"train.run_dir={run_dir}", f"data.cache_dir={cache_dir}"])
+
+
+def write_files(files: dict[Path, str]) -> None:
+    """Write the launch files (folders made as needed); a file that cannot be written is a ConfigError."""
+    for path, text in files.items():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        except OSError as e:
+            raise ConfigError(f"cannot write {path}: {e.strerror}; choose another --out") from None

@@ -72,10 +72,3 @@ def manifest(config: str | None, overrides: list[str], nodes: int, gpus_per_node
     head = (f"# kiln: {nodes} node(s) x {gpus_per_node} GPU(s); run directory {SHARED}/runs/{job} on PVC '{claim}' "
             f"(ReadWriteMany)\n# submit: kubectl apply -f FILE; follow: kubectl logs -f {job}-worker-0\n")
     return head + yaml.safe_dump_all([config_map, pytorch_job], sort_keys=False)
-
-
-def write(out: str | Path, text: str) -> Path:
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path
