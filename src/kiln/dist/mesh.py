@@ -57,9 +57,12 @@ class Mesh:
                               f"divisor of {self.world} (one replica per node is {self.nodes})")
         return init_device_mesh(self.device.type, (r, self.world // r), mesh_dim_names=("replicate", "shard"))
 
-    def close(self) -> None:
-        """Leave the process group (if this object joined it)."""
+    def close(self, clean: bool = False) -> None:
+        """Leave the process group (if this object joined it). `clean` (every rank got here without an
+        error): wait for all ranks first, so none tears down its group while a peer still uses it."""
         if self.owns_group and dist.is_initialized():
+            if clean:
+                dist.barrier()
             dist.destroy_process_group()
             self.owns_group = False
 

@@ -65,7 +65,9 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
     try:
         if mesh.rank != 0:
             console = Console(quiet=True)
-        return _run(cfg, console, resume, callbacks, mesh)
+        out = _run(cfg, console, resume, callbacks, mesh)
+        mesh.close(clean=True)  # every rank finished: leave the group together
+        return out
     except BaseException as e:
         if watch is not None:  # kiln.dist: one rank's error stops all, shown once by that rank
             other = watch.failure()

@@ -85,7 +85,7 @@ def main() -> None:
     if mesh.rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
-    mesh.close()
+    mesh.close(clean=True)
 
 
 if __name__ == "__main__":
