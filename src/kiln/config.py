@@ -115,6 +115,12 @@ class ModelConfig(Section):
     init_from: str | None = None
     """A local Hugging Face model directory (config.json + safetensors) whose architecture, weights and
     tokenizer the run starts from; its config sets the model fields (set only max_seq_len beside it)."""
+    hf_class: Literal["native", "auto"] = "native"
+    """'native': Kiln's own model (Llama, Mistral, Qwen2, Nemotron from init_from); 'auto': any other causal LM
+    of model.init_from through transformers' AutoModelForCausalLM (slower; see the README)."""
+    trust_remote_code: bool = False
+    """With hf_class 'auto': let transformers run the model code shipped in the init_from directory. Off:
+    that code runs with your permissions; turn it on only for a directory you trust."""
     allow_pickle: bool = False
     """Let init_from load pickled weights (.bin/.pt) when it has no safetensors: loading a pickle can run code."""
 
@@ -442,6 +448,35 @@ class DistConfig(Section):
         return self
 
 
+
+# --------------------------------------------------------------------------- LoRA (kiln.model.lora)
+
+
+class LoraConfig(Section):
+    """Low-rank adapters: the base model is frozen and only small matrices A (r x in) and B (out x r)
+    train, added to the chosen linear layers as W x + (alpha / r) * B A dropout(x)."""
+
+    rank: int = Field(0, ge=0)
+    """Rank r of each adapter (0: LoRA off, every weight trains)."""
+    alpha: float = Field(16.0, gt=0)
+    """Scale numerator: the adapter's output is multiplied by alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training."""
+    targets: list[str] = ["q", "k", "v", "o"]
+    """Layers that get adapters: any of q, k, v, o (attention) and gate, up, down (MLP); 'all' for every one."""
+    base_dtype: Literal["bf16", "fp32"] = "bf16"
+    """Dtype of the frozen base weights (bf16 halves their memory; the adapters train in fp32)."""
+
+    def problems(self) -> list[Problem]:
+        known = {"q", "k", "v", "o", "gate", "up", "down", "all"}
+        bad = [t for t in self.targets if t not in known]
+        if bad:
+            return [(("targets",), f"unknown LoRA target(s) {bad}; choose from {sorted(known)}")]
+        if self.rank and not self.targets:
+            return [(("targets",), "lora.targets is empty: name the layers that get adapters")]
+        return []
+
+
 class RunConfig(Section):
     model: ModelConfig = ModelConfig()
     """The network: size and shape."""
@@ -457,6 +492,8 @@ class RunConfig(Section):
     """Where metrics go."""
     dist: DistConfig = DistConfig()
     """Several processes and devices (torchrun): DDP or FSDP2, sharding, offload, watchdog."""
+    lora: LoraConfig = LoraConfig()
+    """Low-rank adapters (off unless lora.rank > 0)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -515,7 +552,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if given in keys and other not in keys and isinstance(data.get("data"), dict):
             data["data"].pop(other.split(".")[1], None)  # an override of one replaces the file's other
     if "model.init_from" in keys and isinstance(data.get("model"), dict):  # its config.json is the architecture:
-        keep = ("init_from", "max_seq_len", "init_std", "allow_pickle")  # the file's model fields give way to it
+        keep = ("init_from", "max_seq_len", "init_std", "allow_pickle", "hf_class", "trust_remote_code")  # the file's model fields give way to it
         data["model"] = {k: v for k, v in data["model"].items() if k in keep}
     for item in overrides:
         try:
