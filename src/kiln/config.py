@@ -552,7 +552,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if given in keys and other not in keys and isinstance(data.get("data"), dict):
             data["data"].pop(other.split(".")[1], None)  # an override of one replaces the file's other
     if "model.init_from" in keys and isinstance(data.get("model"), dict):  # its config.json is the architecture:
-        keep = ("init_from", "max_seq_len", "init_std", "allow_pickle", "hf_class", "trust_remote_code")  # the file's model fields give way to it
+        keep = ("init_from", "max_seq_len", "init_std", "allow_pickle", "hf_class", "trust_remote_code")
+        # the file's other model fields give way to it
         data["model"] = {k: v for k, v in data["model"].items() if k in keep}
     for item in overrides:
         try:
