@@ -119,8 +119,8 @@ class ModelConfig(Section):
     """'native': Kiln's own model (Llama, Mistral, Qwen2, Nemotron from init_from); 'auto': any other causal LM
     of model.init_from through transformers' AutoModelForCausalLM (slower; see the README)."""
     trust_remote_code: bool = False
-    """With hf_class 'auto': let transformers run the model code shipped in the init_from directory. Off:
-    that code runs with your permissions; turn it on only for a directory you trust."""
+    """With hf_class 'auto': let transformers run the model code shipped in the init_from directory (off by
+    default, since that code runs with your permissions; turn it on only for a directory you trust)."""
     allow_pickle: bool = False
     """Let init_from load pickled weights (.bin/.pt) when it has no safetensors: loading a pickle can run code."""
 
