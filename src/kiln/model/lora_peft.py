@@ -60,19 +60,25 @@ def peft_config(model_cfg: ModelConfig, lcfg: LoraConfig, base: str | None) -> d
 def write_peft_adapters(adapters: dict[str, torch.Tensor], model_cfg: ModelConfig, lcfg: LoraConfig,
                         base: str | None, out: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write `adapters` (Kiln keys) as a PEFT adapter directory `out`; `dtype` casts them (None: as they are)."""
+    if not adapters:
+        raise StateError("no LoRA adapters to write: this model was not trained with lora.rank > 0")
+    return save_peft(adapters, peft_config(model_cfg, lcfg, base), out, dtype)
+
+
+def save_peft(adapters: dict[str, torch.Tensor], config: dict, out: str | Path, dtype: torch.dtype | None = None
+              ) -> Path:
+    """adapter_model.safetensors (from Kiln adapter keys) and adapter_config.json (`config`) in `out`."""
     from safetensors.torch import save_file
 
     from kiln.files import atomic_write_json, replace_file
 
-    if not adapters:
-        raise StateError("no LoRA adapters to write: this model was not trained with lora.rank > 0")
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in to_peft_state_dict(adapters).items()}
     tmp = out / (WEIGHTS + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     replace_file(tmp, out / WEIGHTS)
-    atomic_write_json(out / CONFIG, peft_config(model_cfg, lcfg, base), indent=2)
+    atomic_write_json(out / CONFIG, config, indent=2)
     return out
 
 
