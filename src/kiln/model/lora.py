@@ -164,10 +164,10 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 
 def trainable_summary(model: nn.Module, lcfg: LoraConfig) -> str:
-    """'LoRA r=8 (alpha 16) on q, v: 0.07M trainable of 12.3M parameters (0.57%), base frozen in bf16'."""
+    """'LoRA r=8 (alpha 16) on q, v: 70,656 trainable of 12,345,678 parameters (0.57%), base frozen in bf16'."""
     params = {id(p): p for p in model.parameters()}.values()
     total = sum(p.numel() for p in params)
     trainable = sum(p.numel() for p in params if p.requires_grad)
-    return (f"LoRA r={lcfg.rank} (alpha {lcfg.alpha:g}) on {', '.join(lcfg.targets)}: {trainable / 1e6:.2f}M "
-            f"trainable of {total / 1e6:.2f}M parameters ({100 * trainable / max(1, total):.2f}%), base frozen in "
+    return (f"LoRA r={lcfg.rank} (alpha {lcfg.alpha:g}) on {', '.join(lcfg.targets)}: {trainable:,} "
+            f"trainable of {total:,} parameters ({100 * trainable / max(1, total):.2f}%), base frozen in "
             f"{lcfg.base_dtype}")

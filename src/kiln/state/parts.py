@@ -52,13 +52,16 @@ class ModelState:
 
     def __init__(self, model: nn.Module):
         self.model = _unwrap(model)
-        frozen = any(not p.requires_grad for p in self.model.parameters())
-        self.options = StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+        inner = getattr(self.model, "module", self.model)  # DDP's keys are those of the module inside
+        # every name of a frozen parameter: a tied one has two (embed_tokens.weight and lm_head.weight)
+        self.frozen = {n for n, p in inner.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        self.options = StateDictOptions(ignore_frozen_params=bool(self.frozen), strict=not self.frozen)
 
     def state_dict(self) -> dict[str, Any]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return get_model_state_dict(self.model, options=self.options)
+            state = get_model_state_dict(self.model, options=self.options)
+        return {k: v for k, v in state.items() if k not in self.frozen} if self.frozen else state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with warnings.catch_warnings():
