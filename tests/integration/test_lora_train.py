@@ -19,6 +19,7 @@ from kiln.data.prepare.tokenizer import train_bpe
 from kiln.errors import ConfigError, StateError
 from kiln.model.hf_import import import_hf
 from kiln.model.lora import adapter_state_dict, is_adapter_key
+from kiln.model.lora_peft import read_peft_adapters
 from kiln.state.export import export_from
 from kiln.state.rundir import checkpoints
 from kiln.train.events import Callback
@@ -166,5 +167,22 @@ def test_exports_merged_and_peft_adapters_give_kilns_logits(hf_dir, trained, tmp
         with torch.no_grad():
             torch.testing.assert_close(merged(input_ids=x).logits, ours, rtol=0, atol=1e-5, msg=name)
             torch.testing.assert_close(with_peft(input_ids=x).logits, ours, rtol=0, atol=1e-5, msg=name)
-    with pytest.raises(StateError, match="no LoRA adapters|without LoRA"):
+    with pytest.raises(StateError, match="no LoRA adapters"):
         export_from(hf_dir / "model", tmp_path / "none", adapters=True)
+
+
+def test_kiln_export_adapters_on_the_command_line(trained, tmp_path):
+    from typer.testing import CliRunner
+
+    from kiln.cli import app
+
+    run_dir, keep = trained
+    result = CliRunner().invoke(app, ["export", str(run_dir), "--to", str(tmp_path / "a"), "--adapters",
+                                      "--dtype", "bf16"])
+    assert result.exit_code == 0, result.output
+    adapters, config = read_peft_adapters(tmp_path / "a")
+    assert config["target_modules"] == ["q_proj", "up_proj", "v_proj"] and config["lora_alpha"] == 8.0
+    expected = adapter_state_dict(keep.model)
+    assert adapters.keys() == expected.keys()
+    assert all(adapters[k].dtype == torch.bfloat16 and torch.equal(adapters[k], v.bfloat16())
+               for k, v in expected.items())

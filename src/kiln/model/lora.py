@@ -171,3 +171,21 @@ def trainable_summary(model: nn.Module, lcfg: LoraConfig) -> str:
     return (f"LoRA r={lcfg.rank} (alpha {lcfg.alpha:g}) on {', '.join(lcfg.targets)}: {trainable:,} "
             f"trainable of {total:,} parameters ({100 * trainable / max(1, total):.2f}%), base frozen in "
             f"{lcfg.base_dtype}")
+
+
+def trainable_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad)
+
+
+def training_bytes(model: nn.Module) -> int:
+    """Bytes of weights, gradients and AdamW moments: the frozen weights as stored, 16 per trainable parameter."""
+    params = {id(p): p for p in model.parameters()}.values()
+    return sum(p.numel() * (16 if p.requires_grad else p.element_size()) for p in params)
+
+
+def lora_flops_per_token(full: float, cfg: ModelConfig, seq_len: int, trainable: int) -> float:
+    """Training FLOPs per token with a frozen base, from the full model's `full` (6 N + attention): the base's
+    weight gradients (2 N) are not computed, the adapters' 6 r (in + out) per layer are."""
+    n = (full - 12.0 * cfg.n_layers * cfg.d_model * seq_len) / 6.0  # the parameters that do matrix products
+    return full - 2.0 * n + 6.0 * trainable
+

@@ -18,7 +18,15 @@ from kiln.errors import ConfigError, DataError
 from kiln.model.generate import generate, start_ids
 from kiln.model.hf_import import load_init_weights, resolve_init_from
 from kiln.model.llama import Transformer
-from kiln.model.lora import adapter_state_dict, apply_lora, merge_lora, trainable_summary
+from kiln.model.lora import (
+    adapter_state_dict,
+    apply_lora,
+    lora_flops_per_token,
+    merge_lora,
+    trainable_count,
+    trainable_summary,
+    training_bytes,
+)
 from kiln.model.registry import flops_per_token, param_count
 from kiln.monitor.sinks import ConsoleSink, JsonlSink
 from kiln.state.callback import CheckpointEvery
@@ -149,14 +157,18 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     if cfg.model.init_from and (resume_from is None or cfg.lora.rank):
         load_init_weights(model, cfg.model)
         console.print(f"weights: {cfg.model.init_from}")
+    flops = flops_per_token(cfg.model, tcfg.seq_len)
+    memory_params = n_params  # what dist.strategy=auto weighs, in fp32-trained parameters (16 bytes each)
     if cfg.lora.rank:
         apply_lora(model, cfg.lora)  # freezes the base: only the adapters train, are optimized and saved
         console.print(trainable_summary(model, cfg.lora))
+        flops = lora_flops_per_token(flops, cfg.model, tcfg.seq_len, trainable_count(model))
+        memory_params = -(-training_bytes(model) // 16)
     # on the CPU until here: parallelize moves it (or this rank's shard) to the device
     console.print(f"model: {n_params / 1e6:.2f}M parameters ({cfg.model.n_layers} layers, d={cfg.model.d_model}) "
                   f"on {device}" + (f" x {mesh.world} processes" if mesh.distributed else "")
                   + (f", {threads} thread(s)" if device.type == "cpu" else ""))
-    model = parallelize(model, cfg, mesh, n_params, console.print)  # kiln.dist: AC -> compile -> FSDP2 / DDP
+    model = parallelize(model, cfg, mesh, memory_params, console.print)  # kiln.dist: AC -> compile -> FSDP2 / DDP
     g = tcfg.batch_size * tcfg.grad_accum * mesh.world
     console.print(f"global batch: {g} sequences ({g * tcfg.seq_len:,} tokens) per step = {tcfg.batch_size} per "
                   f"micro-batch x {tcfg.grad_accum} accumulated x {mesh.world} data-parallel rank(s)")
@@ -170,7 +182,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         callbacks.append(JsonlSink(run_dir / "metrics.jsonl"))
     callbacks += [*extra, CheckpointEvery(checkpointer, guard)]  # last: a checkpoint sees its step's eval
     trainer = Trainer(cfg, model, train_loader, val_loader, device, callbacks,
-                      flops_per_token=flops_per_token(cfg.model, tcfg.seq_len), mesh=mesh)
+                      flops_per_token=flops, mesh=mesh)
     if resume_from is not None:
         meta = checkpointer.load(trainer, resume_from, check_hashes=False)  # verified when chosen
         console.print(f"resumed from {resume_from} (step {meta['step']}, {meta['tokens_seen']:,} tokens)")

@@ -233,3 +233,19 @@ def test_compiled_blocks_match_eager():
     assert g0.keys() == g1.keys()
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6)
+
+
+def test_flops_and_training_memory_count_a_frozen_base():
+    from kiln.model.lora import lora_flops_per_token, trainable_count, training_bytes
+    from kiln.model.registry import flops_per_token, param_count
+
+    model, _ = lora_model(base_dtype="bf16")
+    trainable = trainable_count(model)
+    assert trainable == CFG.n_layers * 4 * (64 + 64 + 64 + 32 + 64 + 32 + 64 + 64)
+    assert training_bytes(model) == 2 * param_count(CFG) + 16 * trainable  # bf16 base; fp32 adapters + Adam
+    attention = 12.0 * CFG.n_layers * CFG.d_model * 32
+    n = param_count(CFG)  # tied embeddings: the table is the head, a matrix product counted once
+    full = flops_per_token(CFG, 32)
+    assert full == 6.0 * n + attention
+    # forward and input gradients of the base (4 N), all three products of the adapters, attention unchanged
+    assert lora_flops_per_token(full, CFG, 32, trainable) == pytest.approx(4.0 * n + 6.0 * trainable + attention)
