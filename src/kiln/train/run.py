@@ -235,12 +235,12 @@ def _save_final(model, cfg: RunConfig, tok, run_dir: Path, console: Console) -> 
     with StopSignals("during the final model save", f"model/ is incomplete; the final checkpoint is complete "
                      f"and `kiln train {run_dir}` writes model/ from it", defer=True,
                      deferred="finishing the model save first") as saving:
-        out = save_model(merge_lora(model), cfg.model, tok, run_dir / "model")  # LoRA: merged, plain
-        if cfg.lora.rank:  # and the adapters alone, in PEFT's format
+        if cfg.lora.rank:  # the adapters alone, in PEFT's format (first: a complete model/ has them)
             from kiln.model.lora_peft import write_peft_adapters
 
             write_peft_adapters(adapter_state_dict(model), cfg.model, cfg.lora, cfg.model.init_from,
-                                out / "adapters")
+                                run_dir / "model" / "adapters")
+        out = save_model(merge_lora(model), cfg.model, tok, run_dir / "model")  # LoRA: merged, plain
     console.print(f"model saved: {out}")
     if saving.received:
         console.print(f"stopped by {saving.received} after the model save; the run is complete", highlight=False)
