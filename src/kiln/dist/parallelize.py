@@ -179,9 +179,10 @@ def full_model(model: nn.Module, cfg: RunConfig, m: Mesh) -> nn.Module | None:
     if m.rank != 0:
         return None
     from kiln.model.llama import Transformer
+    from kiln.model.lora import apply_lora
 
     with torch.device("meta"):
-        plain = Transformer(cfg.model)
+        plain = apply_lora(Transformer(cfg.model), cfg.lora)  # LoRA: the adapters' keys too
     plain.to_empty(device="cpu")
     plain.init_weights()  # re-ties embeddings and rebuilds the rope tables; the weights come next
     missing, unexpected = plain.load_state_dict(state, strict=False)
