@@ -278,6 +278,54 @@ def eval_(
                   f"document mask {'on' if result['document_mask'] else 'off'}); written to {path}", highlight=False)
 
 
+@app.command()
+def plot(
+    runs: list[str] = typer.Argument(..., help="Run directories (or their metrics.jsonl files) to draw together."),
+    out: str | None = typer.Option(None, "--out", "-o", help="PNG file to write; an .html page and a .json list "
+                                   "of the panels go beside it (default: RUN/plots.png for one run, "
+                                   "plots-compare.png here for several)."),
+) -> None:
+    """Plot training and validation loss, learning rate, gradient norm, tokens/s, MFU, memory and data
+    wait against steps and tokens, several runs overlaid.
+
+    Example: kiln plot runs/20261126-101500 runs/20261126-120000 --out compare.png
+    """
+    from kiln.monitor.plots import write_plots
+
+    if out is None:
+        first = Path(runs[0]).expanduser()
+        out = str((first if first.is_dir() else first.parent) / "plots.png") if len(runs) == 1 else "plots-compare.png"
+    paths = write_plots(runs, out)
+    console.print(f"wrote {paths['png']} and {paths['html']}", highlight=False)
+
+
+@app.command("runs")
+def runs_(
+    directory: str = typer.Argument("runs", help="Directory holding run directories (default: runs)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON (one object per run) instead of a table."),
+) -> None:
+    """List the runs under a directory: name, status (running, finished, stopped, crashed), steps,
+    tokens, best validation loss, last checkpoint and wall time.
+
+    Example: kiln runs runs/
+    """
+    import json
+
+    from kiln.monitor.runs import list_runs, runs_table
+
+    found = list_runs(directory)
+    if as_json:
+        print(json.dumps([r.as_dict() for r in found], indent=1))
+        return
+    if not found:
+        console.print(f"no runs in {directory}", highlight=False)
+        return
+    console.print(runs_table(found, f"runs in {directory}"))
+    for r in found:
+        if r.note and r.status in ("stopped", "crashed"):
+            console.print(f"{r.name}: {r.status} ({r.note})", highlight=False)
+
+
 # --------------------------------------------------------------------------- launch (kiln.dist.launch)
 
 launch_app = typer.Typer(no_args_is_help=True, help="Write a launch file that runs `kiln train` on a cluster: a "
