@@ -245,6 +245,8 @@ def eval_(
     seq_len: int | None = typer.Option(None, "--seq-len", min=1, help="Tokens per row (default: the run's "
                                        "train.seq_len, else up to 1024)."),
     device: str = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N."),
+    seed: int | None = typer.Option(None, "--seed", min=0, help="Seed of the row order (default: the run's "
+                                    "train.seed, as its validation reads them; else 0)."),
     out: str | None = typer.Option(None, "--out", "-o", help="JSON file to write (default: RUN/eval.json, "
                                    "RUN/eval-step_N.json for a checkpoint, DIR.eval.json for a Hugging Face model)."),
     fmt: str | None = typer.Option(None, "--format", help="Format of the sources (as data.format; default: the "
@@ -265,7 +267,7 @@ def eval_(
     from kiln.evaluate import evaluate, write_result
 
     result = evaluate(target, [*data, *(more or [])], split=split, max_tokens=max_tokens, batch_size=batch_size,
-                      seq_len=seq_len, device=device, format=fmt, field=field, text_unit=text_unit)
+                      seq_len=seq_len, device=device, seed=seed, format=fmt, field=field, text_unit=text_unit)
     path = write_result(result, out)
     table = Table(title=f"kiln eval {result['target']}", title_justify="left")
     for name in ("loss", "perplexity", "bits per byte", "tokens", "bytes"):

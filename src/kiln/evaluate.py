@@ -8,7 +8,9 @@ safetensors, read into Kiln's native model). The data is either a prepared datas
 by `kiln prepare` with the model's tokenizer; its 'val' split by default) or sources, which are
 prepared here with the model's tokenizer into a temporary directory (nothing is added to the cache).
 Documents are packed into rows of seq_len tokens exactly as in training, with document masking as
-the run trained (or on), read once in order, up to max_tokens.
+the run trained (or on), and the rows are read once each (up to max_tokens) in the seeded order in
+which training's validation reads them (train.seed of the run, else 0): on the run's own prepared
+dataset, `--split val --max-tokens eval_batches*batch_size*seq_len` reproduces the run's val_loss.
 
 Bits per byte = summed negative log-likelihood (nats) / (ln 2 x UTF-8 bytes of the predicted tokens),
 so models with different tokenizers compare on the same text (see kiln.data.prepare.token_bytes).
@@ -164,7 +166,7 @@ def _device(name: str) -> torch.device:
 @torch.no_grad()
 def evaluate(target: str | Path, data: list[str], *, split: str | None = None, max_tokens: int | None = None,
              batch_size: int | None = None, seq_len: int | None = None, device: str = "auto",
-             document_mask: bool | None = None, **data_fields: Any) -> dict[str, Any]:
+             document_mask: bool | None = None, seed: int | None = None, **data_fields: Any) -> dict[str, Any]:
     """Loss, perplexity and bits per byte of TARGET on `data` (see the module doc), as a JSON-ready dict."""
     from kiln.data.format.shards import TokenStream
     from kiln.data.load.loader import PackedRows
@@ -188,7 +190,9 @@ def evaluate(target: str | Path, data: list[str], *, split: str | None = None, m
     with tempfile.TemporaryDirectory(prefix="kiln-eval-") as tmp:
         ds, split = open_eval_data(list(data), t.tokenizer, rc, Path(tmp), split, T + 1, **data_fields)
         stream = TokenStream(ds.shards(split), ds.dtype, name=f"{ds.manifest['id']}/{split}")
-        rows = PackedRows([stream], T, B, document_mask=mask, shuffle=False)
+        if seed is None:  # the order the run's validation reads its rows in
+            seed = rc.train.seed if rc is not None else 0
+        rows = PackedRows([stream], T, B, seed=seed, document_mask=mask, shuffle=True)
         n_rows = rows.layouts[0].rows if max_tokens is None else min(rows.layouts[0].rows, max_tokens // T)
         nats = count = nbytes = 0.0
         done = 0
@@ -209,7 +213,7 @@ def evaluate(target: str | Path, data: list[str], *, split: str | None = None, m
     result = {
         "target": str(t.path), "kind": t.kind, "step": t.step, "data": [str(d) for d in data], "split": split,
         "dataset": ds.manifest["id"], "tokenizer": t.tokenizer.hash, "seq_len": T, "batch_size": B,
-        "document_mask": mask, "tokens": int(count), "bytes": int(nbytes), "loss": loss,
+        "document_mask": mask, "seed": seed, "tokens": int(count), "bytes": int(nbytes), "loss": loss,
         "perplexity": math.exp(min(loss, 700.0)),
         "bits_per_byte": nats / (math.log(2) * nbytes) if nbytes else None,
         "bytes_per_token": nbytes / count if count else None,
