@@ -34,7 +34,8 @@ def base_args(corpus: Path, cache: Path, run_dir: Path, vocab: int = 512) -> lis
     return ["model.size=tiny", f"train.seq_len={T}", f"train.batch_size={B}", "train.max_steps=30",
             "train.warmup_steps=0", "train.eval_every=2", f"train.eval_batches={EVAL_BATCHES}", "train.sample_tokens=0",
             "train.device=cpu", "checkpoint.every=2", "checkpoint.keep_last=1", "logging.every=1",
-            f"data.sources=[{corpus}]", "data.val_fraction=0.1", f"data.vocab_size={vocab}", f"data.cache_dir={cache}", f"train.run_dir={run_dir}"]
+            f"data.sources=[{corpus}]", "data.val_fraction=0.1", f"data.vocab_size={vocab}",
+            f"data.cache_dir={cache}", f"train.run_dir={run_dir}"]
 
 
 def records(run_dir: Path, event: str) -> list[dict]:

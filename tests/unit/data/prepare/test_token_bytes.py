@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kiln.data.prepare.tokenizer import Tokenizer, train_bpe
 from kiln.data.prepare.token_bytes import token_byte_lengths
+from kiln.data.prepare.tokenizer import Tokenizer, train_bpe
 
 TEXTS = [
     "def main():\n    return 42  # the answer\n",
