@@ -293,6 +293,15 @@ class DataConfig(Section):
         return out
 
 
+class EarlyStopConfig(Section):
+    """Stop training when the validation loss stops improving (needs a validation split and train.eval_every)."""
+
+    patience: int = Field(0, ge=0)
+    """Stop after this many evaluations in a row without improvement (0: early stopping off)."""
+    min_delta: float = Field(0.0, ge=0)
+    """An evaluation improves only when its validation loss is below the best so far by more than this."""
+
+
 class TrainConfig(Section):
     seq_len: int = Field(256, ge=1)
     """Tokens per training sequence."""
@@ -348,6 +357,8 @@ class TrainConfig(Section):
     """Prompt of the sample printed at the end of training."""
     sample_tokens: int = Field(80, ge=0)
     """Tokens generated for that sample (0: no sample)."""
+    early_stop: EarlyStopConfig = EarlyStopConfig()
+    """Early stopping on validation loss: patience (evaluations) and min_delta; off unless patience > 0."""
 
     @field_validator("device")
     @classmethod
@@ -394,6 +405,9 @@ class CheckpointConfig(Section):
     """Threads (and files per process) that write a checkpoint; more threads, faster saves on fast disks."""
     on_signal: bool = True
     """On SIGTERM/SIGINT finish the step, write a checkpoint and exit 0; on a crash write an emergency one."""
+    keep_best: bool = True
+    """Keep the local checkpoint with the lowest validation loss even when keep_last would delete it (a
+    checkpoint records the loss when an evaluation falls on its step: align train.eval_every with every)."""
 
 
 class LoggingConfig(Section):
@@ -403,6 +417,8 @@ class LoggingConfig(Section):
     """Show a progress bar and log lines on the console."""
     jsonl: bool = True
     """Write metrics to metrics.jsonl in the run directory."""
+    plots: bool = True
+    """At the end of a run, draw plots.png from metrics.jsonl (needs matplotlib: pip install 'kiln[plot]')."""
 
 
 

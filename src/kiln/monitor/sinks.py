@@ -41,7 +41,8 @@ class ConsoleSink(Callback):
 
     def on_eval_end(self, trainer, metrics: dict[str, Any]) -> None:
         self.console.print(f"[bold]eval[/] step {metrics['step']}: val_loss {metrics['val_loss']:.4f}  "
-                           f"val_ppl {metrics['val_ppl']:.2f}")
+                           f"val_ppl {metrics['val_ppl']:.2f}"
+                           + (f"  val_bpb {metrics['val_bpb']:.4f}" if "val_bpb" in metrics else ""))
 
     def on_train_end(self, trainer, metrics: dict[str, Any]) -> None:
         if self.progress:

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from kiln.config import RunConfig, derive
 from kiln.data.build import build_data, data_position
+from kiln.data.prepare.token_bytes import token_byte_lengths
 from kiln.dist.mesh import Mesh, init_mesh
 from kiln.dist.parallelize import full_model, parallelize
 from kiln.dist.watch import EXIT_CODE, Watch
@@ -28,6 +29,7 @@ from kiln.model.lora import (
     training_bytes,
 )
 from kiln.model.registry import flops_per_token, param_count
+from kiln.monitor.plots import PlotAtEnd
 from kiln.monitor.sinks import ConsoleSink, JsonlSink
 from kiln.state.callback import CheckpointEvery
 from kiln.state.checkpointer import Checkpointer
@@ -38,6 +40,7 @@ from kiln.state.resume import check_compatible, choose_checkpoint, fingerprints,
 from kiln.state.rundir import hold_run_dir, process_rank, write_config
 from kiln.state.verify import read_meta
 from kiln.state.weights import save_model
+from kiln.train.early_stop import EarlyStop
 from kiln.train.events import EvalEvery
 from kiln.train.threads import apply_threads
 from kiln.train.trainer import Trainer
@@ -180,9 +183,16 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         callbacks.append(ConsoleSink(console))
     if cfg.logging.jsonl and mesh.rank == 0:
         callbacks.append(JsonlSink(run_dir / "metrics.jsonl"))
+    if tcfg.early_stop.patience:  # after the sinks: its note follows the evaluation that decided it
+        callbacks.append(EarlyStop(tcfg.early_stop.patience, tcfg.early_stop.min_delta, console.print,
+                                   run_dir / "metrics.jsonl" if cfg.logging.jsonl and mesh.rank == 0 else None))
+    if cfg.logging.plots and cfg.logging.jsonl and mesh.rank == 0:
+        callbacks.append(PlotAtEnd(run_dir, console.print))
     callbacks += [*extra, CheckpointEvery(checkpointer, guard)]  # last: a checkpoint sees its step's eval
     trainer = Trainer(cfg, model, train_loader, val_loader, device, callbacks,
                       flops_per_token=flops, mesh=mesh)
+    if val_loader is not None:  # bytes of text per token id: validation reports bits per byte
+        trainer.token_bytes = torch.from_numpy(token_byte_lengths(tok, cfg.model.vocab_size)).to(device)
     if resume_from is not None:
         meta = checkpointer.load(trainer, resume_from, check_hashes=False)  # verified when chosen
         console.print(f"resumed from {resume_from} (step {meta['step']}, {meta['tokens_seen']:,} tokens)")
@@ -203,7 +213,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         return run_dir
     if final:
         console.print(f"validation loss: {first['val_loss']:.4f} at start -> {final['val_loss']:.4f} "
-                      f"after {trainer.step} steps")
+                      f"after {trainer.step} steps" + (f" ({final['val_bpb']:.4f} bits per byte)"
+                                                       if "val_bpb" in final else ""))
+    if trainer.stop_reason:
+        console.print(f"stopped at step {trainer.step} of {tcfg.max_steps}: {trainer.stop_reason}", highlight=False)
     dropped = getattr(train_loader, "dropped", None)  # streaming: prepare's report shows them otherwise
     if dropped:
         console.print("streaming skipped records (first epoch read): "

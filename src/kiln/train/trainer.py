@@ -15,6 +15,7 @@ from kiln.dist.parallelize import clip_grad_norm, grad_sync, optimizer_device, r
 from kiln.dist.watch import beat
 from kiln.errors import TrainingError
 from kiln.events import Callback, Events
+from kiln.model.loss import IGNORE_INDEX
 from kiln.monitor.meters import Throughput
 from kiln.train.optim import build_optimizer, build_scheduler
 
@@ -35,6 +36,8 @@ class Trainer:
         peak = cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops else None
         self.meter = Throughput(flops_per_token, device, peak)
         self.last_eval: dict[str, Any] | None = None
+        self.token_bytes: torch.Tensor | None = None  # bytes of text per token id (on the device): val_bpb
+        self.stop_reason: str | None = None  # set by a callback (early stopping) to end training after this step
         use_bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 \
             else contextlib.nullcontext
@@ -42,11 +45,18 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """The trainer's own counters (saved under the key "trainer"; the rest of the state is its parts')."""
         last = dict(self.last_eval) if self.last_eval is not None else None
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "last_eval": last}
+        out = {"step": self.step, "tokens_seen": self.tokens_seen, "last_eval": last, "stop_reason": self.stop_reason}
+        for cb in self.events.callbacks:  # callbacks with a state of their own (early stopping) under their key
+            if getattr(cb, "state_key", None):
+                out[cb.state_key] = cb.state_dict()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.last_eval = dict(state["last_eval"]) if state.get("last_eval") is not None else None
+        for cb in self.events.callbacks:
+            if getattr(cb, "state_key", None) and state.get(cb.state_key) is not None:
+                cb.load_state_dict(state[cb.state_key])
 
     def _batch(self, loader) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Next (tokens, targets, doc_ids): tokens and targets on the device; doc_ids (None without
@@ -80,7 +90,7 @@ class Trainer:
         self.events.emit("on_train_start", self)
         self.meter.start(self.step)
         losses: list[torch.Tensor] = []
-        while self.step < tcfg.max_steps:
+        while self.step < tcfg.max_steps and self.stop_reason is None:
             self.consistent = False  # until the counters match the weights again (emergency checkpoints)
             loss, gnorm = self.train_step()
             self.step += 1
@@ -92,7 +102,8 @@ class Trainer:
                 metrics = self._step_metrics(torch.stack(losses), gnorm)  # the one host sync
                 losses.clear()
             self.events.emit("on_step_end", self, metrics)
-        final = self.evaluate()
+        stopped_here = self.stop_reason is not None and (self.last_eval or {}).get("step") == self.step
+        final = self.last_eval if stopped_here else self.evaluate()  # an early stop has just evaluated
         self.events.emit("on_train_end", self, final)
         return final
 
@@ -115,22 +126,31 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
-        """Mean loss and perplexity over the same eval_batches validation batches every time ({} when
-        the data has no validation split)."""
+        """Mean loss, perplexity and bits per byte (with `token_bytes`) over the same eval_batches validation
+        batches every time ({} when the data has no validation split)."""
         if self.val_loader is None:
             return {}
         with self.meter.paused():  # evaluation time is not counted in training tokens/s
             self.model.eval()
             self.val_loader.reset()
-            total = torch.zeros((), device=self.device)
-            n = self.cfg.train.eval_batches
+            sums = torch.zeros(3, device=self.device)  # mean losses; summed nats; bytes of the targets
+            n, table = self.cfg.train.eval_batches, self.token_bytes
             for _ in range(n):
                 x, y, docs = self._batch(self.val_loader)
                 beat()
                 with self.autocast():
-                    total += self.model(x, y, docs).float()
+                    loss = self.model(x, y, docs).float()
+                sums[0] += loss
+                if table is not None:
+                    counted = y != IGNORE_INDEX  # (B, T)
+                    sums[1] += loss * counted.sum()
+                    sums[2] += (table[y.clamp_min(0)] * counted).sum()
             self.model.train()
-            loss = (total / n).item()
-        self.last_eval = {"step": self.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+            total, nats, nbytes = sums.tolist()  # the one host sync
+        loss = total / n
+        self.last_eval = {"step": self.step, "tokens": self.tokens_seen, "val_loss": loss,
+                          "val_ppl": math.exp(min(loss, 50.0))}
+        if table is not None and nbytes > 0:
+            self.last_eval["val_bpb"] = nats / (math.log(2) * nbytes)
         self.events.emit("on_eval_end", self, self.last_eval)
         return self.last_eval
