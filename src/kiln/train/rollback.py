@@ -138,12 +138,13 @@ class Rollback(Callback):
         step, (first, end) = trainer.step + 1, trainer.step_samples
         recent = [b for b in self.bad if b[0] > step - self.rcfg.rollback_window]
         stop = len(recent) >= self.rcfg.max_rollbacks
+        skipped, scale = list(trainer.skips.ranges), trainer.lr_scale
         restored = self.snapshots.restore(self._parts(trainer))
-        trainer.skips.add(first, end, step)  # after the restore, which brought back the older list
+        for r in [*skipped, (first, end, step)]:  # the restore brought back the snapshot's older list and scale
+            trainer.skips.add(*r)
         self.bad.append((step, first, end))
         self.window = deque(((s, v) for s, v in self.window if s <= restored), maxlen=self.window.maxlen)
-        if not stop and self.rcfg.lr_factor != 1.0:
-            trainer.set_lr_scale(trainer.lr_scale * self.rcfg.lr_factor)
+        trainer.set_lr_scale(scale * (self.rcfg.lr_factor if not stop else 1.0))
         trainer.consistent = True
         trainer.meter.start(trainer.step)  # the throughput clock restarts at the restored step
         samples = f"samples {first}..{end - 1}"
