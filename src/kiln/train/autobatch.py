@@ -201,8 +201,7 @@ def choose_micro_batch(cfg: RunConfig, model: nn.Module, mesh: Mesh, n_params: i
                                 f"{cfg.recovery.auto_batch_margin} to spare; set train.activation_checkpointing, a "
                                 "shorter train.seq_len, more devices (dist.strategy=fsdp) or a smaller margin")
     else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        fit, how = cpu_budget(cfg, n_params, local), "memory budget"
+        fit, how = cpu_budget(cfg, n_params, mesh.local_world), "memory budget"
     if mesh.distributed:  # every rank must cut its rows alike (FSDP's collectives run per micro-batch)
         t = torch.tensor([fit], device=mesh.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
