@@ -78,7 +78,7 @@ class OomRetry:
         why = ("this run has several processes, whose others cannot retry with it" if trainer.mesh.distributed
                else "a micro-batch of 1 sequence does not fit" if trainer.micro == 1
                else f"recovery.oom_retries={self.retries} retries are spent")
-        trainer.notice("oom_stop", step=step, tried=tried, error=reason, message=None)
+        trainer.notice("oom_stop", step=step, tried=tried, error=reason)
         err = ResourceError(
             f"out of device memory in step {step} on {trainer.device} ({reason}{memory_text(trainer.device)}), "
             f"{len(tried)} time(s), with micro-batches of {', '.join(map(str, tried))} sequences of {T} tokens; "

@@ -180,7 +180,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
             _save_final(model, cfg, tok, run_dir, console)
         return run_dir
     if auto is not None and mesh.rank == 0:  # after the resume: metrics.jsonl keeps the records up to its step
-        trainer.notice("auto_batch", **auto, message=None)
+        trainer.notice("auto_batch", **auto)
     first = (trainer.last_eval or trainer.evaluate()) if resume_from is not None else trainer.evaluate()
     stops.during, stops.then = "during training", f"the last complete checkpoint is kept; resume with: kiln " \
                                                    f"train {run_dir}"
