@@ -42,6 +42,7 @@ from kiln.state.verify import read_meta
 from kiln.state.weights import save_model
 from kiln.train.early_stop import EarlyStop
 from kiln.train.events import EvalEvery
+from kiln.train.rollback import Rollback
 from kiln.train.threads import apply_threads
 from kiln.train.trainer import Trainer
 
@@ -172,13 +173,22 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
                   f"on {device}" + (f" x {mesh.world} processes" if mesh.distributed else "")
                   + (f", {threads} thread(s)" if device.type == "cpu" else ""))
     model = parallelize(model, cfg, mesh, memory_params, console.print)  # kiln.dist: AC -> compile -> FSDP2 / DDP
-    g = tcfg.batch_size * tcfg.grad_accum * mesh.world
-    console.print(f"global batch: {g} sequences ({g * tcfg.seq_len:,} tokens) per step = {tcfg.batch_size} per "
-                  f"micro-batch x {tcfg.grad_accum} accumulated x {mesh.world} data-parallel rank(s)")
+    micro, auto = tcfg.batch_size, None
+    if micro == "auto":  # kiln.train.autobatch: the largest that fits, from the cache or real steps
+        from kiln.train.autobatch import choose_micro_batch
+
+        micro, auto = choose_micro_batch(cfg, model, mesh, memory_params, console.print)
+        console.print(f"train.batch_size=auto: micro-batch {micro} ({auto['how']}; {auto['fit']} fit)")
+    rows = tcfg.step_rows(mesh.world)
+    g = rows * mesh.world
+    console.print(f"global batch: {g} sequences ({g * tcfg.seq_len:,} tokens) per step = {micro} per "
+                  f"micro-batch x {-(-rows // micro)} accumulated x {mesh.world} data-parallel rank(s)")
 
     checkpointer = Checkpointer(run_dir, cfg, prints, console.print)
     guard = SignalGuard(console.print, checkpointer.control_group) if cfg.checkpoint.on_signal else None
     extra, callbacks = list(callbacks), [EvalEvery(tcfg.eval_every)]
+    if cfg.recovery.rollback:  # kiln.train.rollback: bad steps undone from the memory snapshots
+        callbacks.insert(0, Rollback(cfg.recovery, checkpointer.snapshots, cfg.checkpoint.snapshot_every))
     if cfg.logging.console and mesh.rank == 0:  # kiln.dist: rank 0 writes console and metrics
         callbacks.append(ConsoleSink(console))
     if cfg.logging.jsonl and mesh.rank == 0:
@@ -190,7 +200,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         callbacks.append(PlotAtEnd(run_dir, console.print))
     callbacks += [*extra, CheckpointEvery(checkpointer, guard)]  # last: a checkpoint sees its step's eval
     trainer = Trainer(cfg, model, train_loader, val_loader, device, callbacks,
-                      flops_per_token=flops, mesh=mesh)
+                      flops_per_token=flops, mesh=mesh, micro_batch=micro)
     if val_loader is not None:  # bytes of text per token id: validation reports bits per byte
         trainer.token_bytes = torch.from_numpy(token_byte_lengths(tok, cfg.model.vocab_size)).to(device)
     if resume_from is not None:
@@ -205,6 +215,8 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         if model is not None:
             _save_final(model, cfg, tok, run_dir, console)
         return run_dir
+    if auto is not None and mesh.rank == 0:  # after the resume: metrics.jsonl keeps the records up to its step
+        trainer.notice("auto_batch", **auto)
     first = (trainer.last_eval or trainer.evaluate()) if resume_from is not None else trainer.evaluate()
     stops.during, stops.then = "during training", f"the last complete checkpoint is kept; resume with: kiln " \
                                                    f"train {run_dir}"
