@@ -9,6 +9,7 @@ a resumed Kiln run continues the same MLflow run.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,11 @@ from kiln.monitor.sinks.base import MetricSink, finite, require, run_files
 
 ID_FILE = "mlflow_run_id.txt"
 STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
+
+
+def metric_key(key: str) -> str:
+    """`key` with the characters MLflow refuses in a metric name (all but letters, digits and _-. :/) as '_'."""
+    return re.sub(r"[^\w\-. :/]", "_", key, flags=re.ASCII)
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -89,7 +95,7 @@ class MlflowSink(MetricSink):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(f"{kind}/{k}", v, now, step) for k, v in finite(values).items()]
+        metrics = [Metric(metric_key(f"{kind}/{k}"), v, now, step) for k, v in finite(values).items()]
         self.pending.append(self.client.log_batch(self.run_id, metrics=metrics, synchronous=False))
         self._reap()
 

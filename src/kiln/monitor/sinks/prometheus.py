@@ -64,5 +64,6 @@ class PrometheusSink(MetricSink):
         self.latest.update({"step": float(step), **values} if kind == "train" else values, kind)
 
     def close(self, status: str) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        if self.server is not None:  # None: it never started (a port in use)
+            self.server.shutdown()
+            self.server.server_close()

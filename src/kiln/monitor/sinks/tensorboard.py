@@ -22,8 +22,9 @@ class TensorBoardSink(MetricSink):
     def open(self, trainer) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        # purge_step: TensorBoard drops the events at or after the step this process starts from
-        self.writer = SummaryWriter(str(self.dir), purge_step=trainer.step or None, flush_secs=30)
+        # a resume: TensorBoard drops what the earlier process wrote after the checkpoint, which is replayed
+        self.writer = SummaryWriter(str(self.dir), purge_step=trainer.step + 1 if trainer.step else None,
+                                    flush_secs=30)
         text = "    " + self.cfg.to_yaml().replace("\n", "\n    ")  # indented: markdown shows it verbatim
         self.writer.add_text("config", text, trainer.step)
 
