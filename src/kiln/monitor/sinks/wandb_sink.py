@@ -7,6 +7,7 @@ Offline mode (logging.wandb_mode=offline) writes under <run_dir>/wandb/, for `wa
 from __future__ import annotations
 
 import secrets
+import shutil
 import string
 from collections.abc import Callable
 from pathlib import Path
@@ -53,8 +54,10 @@ class WandbSink(MetricSink):
         self.run.summary["sample"] = text
 
     def close(self, status: str) -> None:
-        for path in run_files(self.run_dir):
-            self.run.save(str(path), base_path=str(self.run_dir), policy="now")
+        for path in run_files(self.run_dir):  # copied as they are now into W&B's files, then uploaded
+            copy = Path(self.run.dir) / path.name
+            shutil.copy2(path, copy)
+            self.run.save(str(copy), base_path=self.run.dir, policy="now", glob=False)
         if status == "stopped":
             self.run.mark_preempting()  # W&B shows it as preempted, to be resumed
         self.run.finish(exit_code=0 if status == "finished" else 1)

@@ -42,6 +42,9 @@ def records(path: Path) -> list:
 
 def offline_run(run_dir: Path, n: int = 0):
     """(run id, history rows as dicts, config as dict, summary, saved file names) of the n-th offline run."""
+    import wandb
+
+    wandb.teardown()  # W&B's service process writes the log after finish() returns: stopping it waits for that
     [log] = sorted(run_dir.glob("wandb/offline-run-*"))[n].glob("run-*.wandb")
     history, config, summary, files, run_id = [], {}, {}, set(), None
     for rec in records(log):
@@ -74,6 +77,8 @@ def test_offline_run_has_the_config_metrics_sample_and_files(tmp_path, drive, co
     assert [(row["_step"], row["eval/val_loss"]) for row in history if "eval/val_loss" in row] == [(0, 5.0), (3, 4.0)]
     assert summary["sample"] == "def hello():"
     assert {"config.yaml", ID_FILE} <= files  # the run directory's files, uploaded at the end
+    [kept] = tmp_path.glob("wandb/offline-run-*/files/config.yaml")  # as they were then, for `wandb sync`
+    assert kept.read_text() == cfg.to_yaml() and not kept.is_symlink()
 
 
 def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, drive, config):
