@@ -86,7 +86,7 @@ class ProfileWindow(Sink):
         last = min(prof.step_num - 1, self.end)  # step_num is the step after the last one recorded
         trace = self.dir / f"steps-{self.start}-{last}.pt.trace.json"
         prof.export_chrome_trace(str(trace))
-        key = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
+        key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=key, row_limit=10)
         (self.dir / "top-ops.txt").write_text(table + "\n")
         self.log(f"profiler: trace of steps {self.start}-{last} written to {trace} (open it in "
