@@ -195,15 +195,18 @@ def export(
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 or fp32 (default: as saved)."),
     tokenizer: str | None = typer.Option(None, "--tokenizer", help="Tokenizer to ship with it (default: the "
                                                                       "run's)."),
+    adapters: bool = typer.Option(False, "--adapters", help="A LoRA run's adapters alone, in PEFT's format "
+                                  "(adapter_model.safetensors, adapter_config.json), instead of the merged model."),
 ) -> None:
     """Write a model in the Hugging Face layout (safetensors, config.json, tokenizer files) that
-    AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load.
+    AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load. A LoRA run writes its
+    merged weights, or with --adapters the adapters that peft.PeftModel.from_pretrained loads onto the base.
 
     Example: kiln export runs/20261126-101500 --to exports/my-model --dtype bf16
     """
     from kiln.state.export import export_from
 
-    print(export_from(source, to, dtype, tokenizer))
+    print(export_from(source, to, dtype, tokenizer, adapters=adapters))
 
 
 @app.command()

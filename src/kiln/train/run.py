@@ -20,11 +20,22 @@ from kiln.events import RunEnd
 from kiln.model.generate import generate, start_ids
 from kiln.model.hf_import import load_init_weights, resolve_init_from
 from kiln.model.llama import Transformer
+from kiln.model.lora import (
+    adapter_state_dict,
+    apply_lora,
+    lora_flops_per_token,
+    merge_lora,
+    trainable_count,
+    trainable_summary,
+    training_bytes,
+)
 from kiln.model.registry import flops_per_token, param_count
 from kiln.monitor.profile import ProfileWindow
 from kiln.monitor.sinks import ConsoleSink, JsonlSink, enabled_sinks
 from kiln.state.callback import CheckpointEvery
 from kiln.state.checkpointer import Checkpointer
+from kiln.state.lora_base import KEY as BASE_KEY
+from kiln.state.lora_base import base_hash, check_base
 from kiln.state.preempt import SignalGuard, StopSignals, train_guarded
 from kiln.state.resume import check_compatible, choose_checkpoint, fingerprints, run_directory
 from kiln.state.rundir import hold_run_dir, process_rank, write_config
@@ -86,6 +97,9 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
 
 
 def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: Mesh) -> Path:
+    if cfg.lora.rank and not cfg.model.init_from:
+        raise ConfigError("lora.rank is set but model.init_from is not: LoRA adapts a trained base model; set "
+                          "model.init_from to its Hugging Face directory, or lora.rank=0 to train every weight")
     if cfg.model.init_from:  # the architecture comes from the Hugging Face directory's config.json
         cfg = with_init_from(cfg)
     run_dir, may_resume = run_directory(cfg, resume, console.print)
@@ -132,8 +146,12 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     if cfg.model.init_from:
         check_model_tokenizer(cfg, tok)
     prints = fingerprints(cfg, data)
+    if cfg.lora.rank:  # the frozen base is referenced by its hash, not saved in the checkpoints
+        prints[BASE_KEY] = base_hash(cfg.model.init_from, cfg.model.allow_pickle)
     if meta is not None:
         check_compatible(meta, cfg, prints, resume == "force", console.print, world=data_position()[1])
+        check_base(meta.get("fingerprints", {}), prints.get(BASE_KEY), f"checkpoint {resume_from}",
+                   cfg.model.init_from)
 
     tcfg = cfg.train
     train_loader, val_loader = data.train, data.val
@@ -142,14 +160,22 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     threads = apply_threads(tcfg.threads, device, n_params)  # CPU only
     torch.manual_seed(tcfg.seed)
     model = Transformer(cfg.model)
-    if cfg.model.init_from and resume_from is None:  # a resume takes every weight from its checkpoint
+    # a resume takes every weight from its checkpoint, except a LoRA run's frozen base (not saved there)
+    if cfg.model.init_from and (resume_from is None or cfg.lora.rank):
         load_init_weights(model, cfg.model)
         console.print(f"weights: {cfg.model.init_from}")
+    flops = flops_per_token(cfg.model, tcfg.seq_len)
+    memory_params = n_params  # what dist.strategy=auto weighs, in fp32-trained parameters (16 bytes each)
+    if cfg.lora.rank:
+        apply_lora(model, cfg.lora)  # freezes the base: only the adapters train, are optimized and saved
+        console.print(trainable_summary(model, cfg.lora))
+        flops = lora_flops_per_token(flops, cfg.model, tcfg.seq_len, trainable_count(model))
+        memory_params = -(-training_bytes(model) // 16)
     # on the CPU until here: parallelize moves it (or this rank's shard) to the device
     console.print(f"model: {n_params / 1e6:.2f}M parameters ({cfg.model.n_layers} layers, d={cfg.model.d_model}) "
                   f"on {device}" + (f" x {mesh.world} processes" if mesh.distributed else "")
                   + (f", {threads} thread(s)" if device.type == "cpu" else ""))
-    model = parallelize(model, cfg, mesh, n_params, console.print)  # kiln.dist: AC -> compile -> FSDP2 / DDP
+    model = parallelize(model, cfg, mesh, memory_params, console.print)  # kiln.dist: AC -> compile -> FSDP2 / DDP
     g = tcfg.batch_size * tcfg.grad_accum * mesh.world
     console.print(f"global batch: {g} sequences ({g * tcfg.seq_len:,} tokens) per step = {tcfg.batch_size} per "
                   f"micro-batch x {tcfg.grad_accum} accumulated x {mesh.world} data-parallel rank(s)")
@@ -166,7 +192,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         callbacks.append(ProfileWindow(cfg.profile, run_dir, plain))
     callbacks += [*extra, CheckpointEvery(checkpointer, guard)]  # last: a checkpoint sees its step's eval
     trainer = Trainer(cfg, model, train_loader, val_loader, device, callbacks,
-                      flops_per_token=flops_per_token(cfg.model, tcfg.seq_len), mesh=mesh)
+                      flops_per_token=flops, mesh=mesh)
     end.trainer = trainer
     trainer.events.log = plain  # a failing sink is reported here
     if resume_from is not None:
@@ -223,7 +249,12 @@ def _save_final(model, cfg: RunConfig, tok, run_dir: Path, console: Console) -> 
     with StopSignals("during the final model save", f"model/ is incomplete; the final checkpoint is complete "
                      f"and `kiln train {run_dir}` writes model/ from it", defer=True,
                      deferred="finishing the model save first") as saving:
-        out = save_model(model, cfg.model, tok, run_dir / "model")
+        if cfg.lora.rank:  # the adapters alone, in PEFT's format (first: a complete model/ has them)
+            from kiln.model.lora_peft import write_peft_adapters
+
+            write_peft_adapters(adapter_state_dict(model), cfg.model, cfg.lora, cfg.model.init_from,
+                                run_dir / "model" / "adapters")
+        out = save_model(merge_lora(model), cfg.model, tok, run_dir / "model")  # LoRA: merged, plain
     console.print(f"model saved: {out}")
     if saving.received:
         console.print(f"stopped by {saving.received} after the model save; the run is complete", highlight=False)
