@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from kiln.dist.mesh import Mesh, init_mesh
 from kiln.dist.parallelize import full_model, parallelize
 from kiln.dist.watch import EXIT_CODE, Watch
 from kiln.errors import ConfigError, DataError
+from kiln.events import RunEnd
 from kiln.model.generate import generate, start_ids
 from kiln.model.hf_import import load_init_weights, resolve_init_from
 from kiln.model.llama import Transformer
@@ -30,7 +32,8 @@ from kiln.model.lora import (
 )
 from kiln.model.registry import flops_per_token, param_count
 from kiln.monitor.plots import PlotAtEnd
-from kiln.monitor.sinks import ConsoleSink, JsonlSink
+from kiln.monitor.profile import ProfileWindow
+from kiln.monitor.sinks import ConsoleSink, JsonlSink, enabled_sinks
 from kiln.state.callback import CheckpointEvery
 from kiln.state.checkpointer import Checkpointer
 from kiln.state.lora_base import KEY as BASE_KEY
@@ -117,7 +120,11 @@ def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: M
                           f"{cfg.train.max_steps}; nothing to do. To train it further, raise train.max_steps: "
                           f"kiln train {run_dir} train.max_steps=N --resume force", highlight=False)
             return run_dir
-        return _train(cfg, run_dir, resume_from, meta, finished, mesh, console, resume, callbacks, stops)
+        plain = partial(console.print, markup=False, highlight=False)
+        sinks = enabled_sinks(cfg, run_dir, plain) if mesh.rank == 0 else []  # a missing extra fails here
+        with RunEnd() as end:  # sinks flush and close however the run ends
+            return _train(cfg, run_dir, resume_from, meta, finished, mesh, console, resume, [*sinks, *callbacks],
+                          stops, end)
 
 
 def model_saved(path: Path) -> bool:
@@ -130,7 +137,7 @@ def model_saved(path: Path) -> bool:
 
 
 def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict | None, finished: bool,
-           mesh: Mesh, console: Console, resume: str, callbacks: list, stops: StopSignals) -> Path:
+           mesh: Mesh, console: Console, resume: str, callbacks: list, stops: StopSignals, end: RunEnd) -> Path:
     device = mesh.device
     data = build_data(cfg, device, console=console)  # prepares, opens or streams cfg.data; this rank's loaders
     tok = data.tokenizer
@@ -198,9 +205,14 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
                                    run_dir / "metrics.jsonl" if cfg.logging.jsonl and mesh.rank == 0 else None))
     if cfg.logging.plots and cfg.logging.jsonl and mesh.rank == 0:
         callbacks.append(PlotAtEnd(run_dir, console.print))
+    plain = partial(console.print, markup=False, highlight=False)
+    if cfg.profile.steps and mesh.rank == 0:
+        callbacks.append(ProfileWindow(cfg.profile, run_dir, plain))
     callbacks += [*extra, CheckpointEvery(checkpointer, guard)]  # last: a checkpoint sees its step's eval
     trainer = Trainer(cfg, model, train_loader, val_loader, device, callbacks,
                       flops_per_token=flops, mesh=mesh, micro_batch=micro)
+    end.trainer = trainer
+    trainer.events.log = plain  # a failing sink is reported here
     if val_loader is not None:  # bytes of text per token id: validation reports bits per byte
         trainer.token_bytes = torch.from_numpy(token_byte_lengths(tok, cfg.model.vocab_size)).to(device)
     if resume_from is not None:
@@ -245,8 +257,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         ids = generate(model, start_ids(tok, tcfg.sample_prompt), tcfg.sample_tokens, seed=tcfg.seed,
                        vocab_size=tok.vocab_size)
         console.rule("sample")
-        console.print(tcfg.sample_prompt + tok.decode(ids), markup=False, highlight=False)
+        text = tcfg.sample_prompt + tok.decode(ids)
+        console.print(text, markup=False, highlight=False)
         console.rule()
+        trainer.events.emit("on_sample", trainer, text)
     console.print(f"sample again with: kiln generate {shlex.quote(str(run_dir))} --prompt "
                   f"{shlex.quote(tcfg.sample_prompt)}", markup=False, highlight=False)
     return run_dir

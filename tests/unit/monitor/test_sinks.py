@@ -1,9 +1,15 @@
-"""metrics.jsonl holds each step once, also after a resume replays steps."""
+"""metrics.jsonl holds each step once, also after a resume replays steps; the sinks `logging:` enables."""
 
 import json
+import re
+import sys
 from types import SimpleNamespace
 
-from kiln.monitor.sinks import JsonlSink
+import pytest
+
+from kiln.config import load_config
+from kiln.errors import ConfigError
+from kiln.monitor.sinks import JsonlSink, enabled_sinks
 
 
 def records(path):
@@ -48,3 +54,23 @@ def test_fresh_run_keeps_everything(tmp_path):
     sink.on_step_end(t, {"step": 1, "loss": 2.0})
     sink.on_step_end(t, None)  # not a logging step
     assert [r["event"] for r in records(tmp_path / "m.jsonl")] == ["eval", "train"]
+
+
+@pytest.mark.parametrize("setting, module, extra", [
+    ("logging.tensorboard=true", "tensorboard", "tensorboard"),
+    ("logging.wandb=true", "wandb", "wandb"),
+    ("logging.mlflow=true", "mlflow", "mlflow"),
+    ("logging.prometheus_port=9100", "prometheus_client", "prometheus"),
+])
+def test_a_sink_whose_package_is_missing_is_a_config_error_naming_the_extra(tmp_path, monkeypatch, setting, module,
+                                                                            extra):
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed: importing it raises ImportError
+    with pytest.raises(ConfigError, match=re.escape(f"pip install 'kiln[{extra}]'")) as e:
+        enabled_sinks(load_config(None, [setting]), tmp_path, print)
+    assert setting.split("=")[0] in str(e.value)
+
+
+def test_no_sink_is_built_or_imported_unless_enabled(tmp_path, monkeypatch):
+    for module in ("tensorboard", "wandb", "mlflow", "prometheus_client"):
+        monkeypatch.setitem(sys.modules, module, None)
+    assert enabled_sinks(load_config(None, []), tmp_path, print) == []

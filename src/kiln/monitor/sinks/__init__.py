@@ -1,4 +1,6 @@
-"""Sinks: callbacks that turn events into a console progress bar and a JSONL metrics file."""
+"""Sinks: callbacks that turn events into a console progress bar and a JSONL metrics file (here), and
+into TensorBoard, Weights & Biases, MLflow and Prometheus (a module each, their packages extras that
+are imported only when enabled). `enabled_sinks` builds the ones `logging:` turns on."""
 
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from kiln.events import Callback
+from kiln.events import Sink
 from kiln.files import atomic_write
 
 
-class ConsoleSink(Callback):
+class ConsoleSink(Sink):
     """A rich progress bar (step, loss, lr, tokens/s, ETA) plus a line per evaluation."""
+
+    name = "console"
 
     def __init__(self, console: Console | None = None):
         self.console = console or Console()
@@ -52,13 +56,18 @@ class ConsoleSink(Callback):
         if self.progress:
             self.progress.stop()
 
+    def on_run_end(self, trainer, status: str) -> None:
+        self.on_train_end(trainer, {})  # a stopped run leaves its bar where it stopped
 
-class JsonlSink(Callback):
+
+class JsonlSink(Sink):
     """Appends one JSON object per logged event to `path` (metrics.jsonl in the run directory).
 
     A resumed run replays the steps after its checkpoint: the first write of a process drops the
     records those steps left behind (and a line cut short by a kill), so each step appears once.
     """
+
+    name = "metrics.jsonl"
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -112,6 +121,8 @@ class JsonlSink(Callback):
             self.file.close()
             self.file = None
 
+    def on_run_end(self, trainer, status: str) -> None:
+        self.on_train_end(trainer, {})
 
 def _kept(line: str, step: int) -> bool:
     """Whether a metrics.jsonl record stays after a rollback to `step`: notices and records up to it do."""
@@ -120,3 +131,27 @@ def _kept(line: str, step: int) -> bool:
     except json.JSONDecodeError:
         return False
     return rec.get("event") not in ("train", "eval") or rec.get("step", -1) <= step
+
+
+def enabled_sinks(cfg, run_dir: Path, log) -> list[Sink]:
+    """The sinks of external tools that `cfg.logging` turns on, for rank 0 (the console and metrics.jsonl
+    are made by the caller). A missing package is a ConfigError naming the extra, raised here, before any
+    training; a tool that cannot be reached fails later, in the sink's first event, and is only disabled."""
+    lcfg, out = cfg.logging, []
+    if lcfg.tensorboard:
+        from kiln.monitor.sinks.tensorboard import TensorBoardSink
+
+        out.append(TensorBoardSink(cfg, run_dir))
+    if lcfg.wandb:
+        from kiln.monitor.sinks.wandb_sink import WandbSink
+
+        out.append(WandbSink(cfg, run_dir, log))
+    if lcfg.mlflow:
+        from kiln.monitor.sinks.mlflow_sink import MlflowSink
+
+        out.append(MlflowSink(cfg, run_dir, log))
+    if lcfg.prometheus_port is not None:
+        from kiln.monitor.sinks.prometheus import PrometheusSink
+
+        out.append(PrometheusSink(cfg, run_dir, log))
+    return out

@@ -1,0 +1,87 @@
+"""What the sinks of external tools share: importing their optional package, and turning the trainer's
+events into (step, {name: number}) records."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import ConfigError
+from kiln.events import Sink
+
+
+def require(module: str, extra: str, setting: str) -> Any:
+    """Import `module` (the optional package behind `setting`), or raise a ConfigError naming the extra."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"{setting} needs the package '{module.split('.')[0]}', which is not installed "
+                          f"({e}). Install it with: pip install 'kiln[{extra}]' (or turn {setting} off)") from None
+
+
+def numbers(metrics: dict[str, Any]) -> dict[str, float]:
+    """The numeric values of `metrics` as floats, without the step (the x axis) and the event kind."""
+    out = {}
+    for k, v in metrics.items():
+        if k in ("step", "event") or not isinstance(v, int | float):
+            continue
+        out[k] = float(v)
+    return out
+
+
+def finite(values: dict[str, float]) -> dict[str, float]:
+    """`values` without NaN and infinities (some tools refuse them)."""
+    return {k: v for k, v in values.items() if math.isfinite(v)}
+
+
+def run_files(run_dir: Path, limit: int = 100 << 20) -> list[Path]:
+    """The run directory's own files (config.yaml, metrics.jsonl, plots, ids): regular files at its top
+    level under `limit` bytes; checkpoints/, model/ and the tools' folders are left out."""
+    return sorted(p for p in Path(run_dir).iterdir()
+                  if p.is_file() and not p.name.startswith(".") and p.stat().st_size <= limit)
+
+
+class MetricSink(Sink):
+    """A sink of numbers. `open(trainer)` runs at its first event (the evaluation before training comes
+    before `on_train_start`); `write(step, values, kind)` gets each logging step's train metrics (kind
+    'train') and each evaluation's ('eval'); `sample(step, text)` each generated text; `close(status)` runs
+    once at the end of the run, whatever ended it."""
+
+    def __init__(self):
+        self.opened = self.closed = False
+
+    def open(self, trainer) -> None: ...
+
+    def write(self, step: int, values: dict[str, float], kind: str) -> None: ...
+
+    def sample(self, step: int, text: str) -> None: ...
+
+    def close(self, status: str) -> None: ...
+
+    def _ensure_open(self, trainer) -> None:
+        if not self.opened:
+            self.opened = True
+            self.open(trainer)
+
+    def on_train_start(self, trainer) -> None:
+        self._ensure_open(trainer)
+
+    def on_step_end(self, trainer, metrics: dict[str, Any] | None) -> None:
+        if metrics:
+            self._ensure_open(trainer)
+            self.write(int(metrics.get("step", trainer.step)), numbers(metrics), "train")
+
+    def on_eval_end(self, trainer, metrics: dict[str, Any]) -> None:
+        self._ensure_open(trainer)
+        self.write(int(metrics.get("step", trainer.step)), numbers(metrics), "eval")
+
+    def on_sample(self, trainer, text: str) -> None:
+        self._ensure_open(trainer)
+        self.sample(trainer.step, text)
+
+    def on_run_end(self, trainer, status: str) -> None:
+        if self.opened and not self.closed:
+            self.closed = True
+            self.close(status)

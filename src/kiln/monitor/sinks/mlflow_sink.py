@@ -1,0 +1,126 @@
+"""MLflow: the flattened config as params, the metrics by step, tags, the samples, and at the end the
+final model directory and the run's files as artifacts.
+
+Any tracking URI works (a server, Databricks, a database). The default is local: a SQLite store
+<run_dir>/mlflow.db with artifacts in <run_dir>/mlartifacts (`mlflow ui --backend-store-uri
+sqlite:///<run_dir>/mlflow.db` shows it). The MLflow run id is kept in <run_dir>/mlflow_run_id.txt, so
+a resumed Kiln run continues the same MLflow run.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kiln.monitor.sinks.base import MetricSink, finite, require, run_files
+
+ID_FILE = "mlflow_run_id.txt"
+STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
+
+
+def metric_key(key: str) -> str:
+    """`key` with the characters MLflow refuses in a metric name (all but letters, digits and _-. :/) as '_'."""
+    return re.sub(r"[^\w\-. :/]", "_", key, flags=re.ASCII)
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """{"train": {"lr": 0.1}} -> {"train.lr": "0.1"}: the config as MLflow params (values cut to 6000 chars)."""
+    out: dict[str, str] = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = str(v)[:6000]
+    return out
+
+
+class MlflowSink(MetricSink):
+    """Logs with MlflowClient (extra: mlflow). Metrics are sent in batches without waiting for the
+    server (MLflow's asynchronous logging); the end of the run waits for them."""
+
+    name = "mlflow"
+
+    def __init__(self, cfg, run_dir: Path, log: Callable[[str], None] = print):
+        super().__init__()
+        self.mlflow = require("mlflow", "mlflow", "logging.mlflow")
+        self.cfg, self.run_dir, self.log = cfg, Path(run_dir), log
+        self.client = self.run_id = None
+        self.pending: list = []  # asynchronous logging operations not yet waited for
+
+    def tracking_uri(self) -> str:
+        return self.cfg.logging.mlflow_tracking_uri or f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}"
+
+    def open(self, trainer) -> None:
+        from mlflow.entities import Param, RunTag
+
+        lcfg, uri = self.cfg.logging, self.tracking_uri()
+        self.client = self.mlflow.tracking.MlflowClient(uri)
+        exp = self.client.get_experiment_by_name(lcfg.mlflow_experiment)
+        if exp is not None:
+            exp_id = exp.experiment_id
+        else:
+            local = (self.run_dir / "mlartifacts").resolve().as_uri() if not lcfg.mlflow_tracking_uri else None
+            exp_id = self.client.create_experiment(lcfg.mlflow_experiment, artifact_location=local)
+        run = self._saved_run(exp_id)
+        tags = {"kiln.run_dir": str(self.run_dir.resolve()), "mlflow.source.name": "kiln", **lcfg.tags}
+        if run is None:
+            run = self.client.create_run(exp_id, run_name=self.run_dir.name, tags=tags)
+            (self.run_dir / ID_FILE).write_text(run.info.run_id + "\n")
+        else:
+            self.client.update_run(run.info.run_id, status="RUNNING")
+        self.run_id = run.info.run_id
+        known = run.data.params  # params cannot change in MLflow: a resume adds only the new ones
+        params = [Param(k, v) for k, v in flatten(self.cfg.model_dump(mode="json")).items() if k not in known]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        self.log(f"MLflow run {self.run_id} in experiment '{lcfg.mlflow_experiment}' at {uri}")
+
+    def _saved_run(self, exp_id: str):
+        """The MLflow run an earlier process of this run directory made, if the store still has it."""
+        path = self.run_dir / ID_FILE
+        if not path.is_file():
+            return None
+        try:
+            run = self.client.get_run(path.read_text().strip())
+        except self.mlflow.exceptions.MlflowException:
+            return None
+        return run if run.info.experiment_id == exp_id else None
+
+    def write(self, step: int, values: dict[str, float], kind: str) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(metric_key(f"{kind}/{k}"), v, now, step) for k, v in finite(values).items()]
+        self.pending.append(self.client.log_batch(self.run_id, metrics=metrics, synchronous=False))
+        self._reap()
+
+    def _reap(self) -> None:
+        """Wait for the operations already done (raising their errors) and keep the others."""
+        keep = []
+        for op in self.pending:
+            futures = getattr(op, "_operation_futures", None)
+            if futures is not None and all(f.done() for f in futures):
+                op.wait()
+            else:
+                keep.append(op)
+        self.pending = keep
+
+    def sample(self, step: int, text: str) -> None:
+        self.client.log_text(self.run_id, text, f"samples/step_{step}.txt")
+
+    def close(self, status: str) -> None:
+        for op in self.pending:
+            op.wait()
+        self.pending = []
+        model = self.run_dir / "model"
+        if status == "finished" and model.is_dir():
+            self.client.log_artifacts(self.run_id, str(model), "model")
+        for path in run_files(self.run_dir):
+            if not path.name.startswith("mlflow.db"):  # the store itself (and its journal)
+                self.client.log_artifact(self.run_id, str(path))
+        self.client.set_terminated(self.run_id, STATUS[status])

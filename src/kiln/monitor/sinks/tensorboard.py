@@ -1,0 +1,41 @@
+"""TensorBoard: a scalar for every metric, the resolved config and the samples as text, in <run_dir>/tensorboard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kiln.monitor.sinks.base import MetricSink, require
+
+
+class TensorBoardSink(MetricSink):
+    """Writes event files with torch's SummaryWriter (extra: tensorboard). Tags are 'train/<metric>' and
+    'eval/<metric>'. A resumed run purges what its replayed steps had written after the checkpoint."""
+
+    name = "tensorboard"
+
+    def __init__(self, cfg, run_dir: Path):
+        super().__init__()
+        require("tensorboard", "tensorboard", "logging.tensorboard")
+        self.cfg, self.dir = cfg, Path(run_dir) / "tensorboard"
+        self.writer = None
+
+    def open(self, trainer) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        # a resume: TensorBoard drops what the earlier process wrote after the checkpoint, which is replayed
+        self.writer = SummaryWriter(str(self.dir), purge_step=trainer.step + 1 if trainer.step else None,
+                                    flush_secs=30)
+        text = "    " + self.cfg.to_yaml().replace("\n", "\n    ")  # indented: markdown shows it verbatim
+        self.writer.add_text("config", text, trainer.step)
+
+    def write(self, step: int, values: dict[str, float], kind: str) -> None:
+        for k, v in values.items():
+            self.writer.add_scalar(f"{kind}/{k}", v, step)
+        if kind == "eval":
+            self.writer.flush()
+
+    def sample(self, step: int, text: str) -> None:
+        self.writer.add_text("sample", "    " + text.replace("\n", "\n    "), step)
+
+    def close(self, status: str) -> None:
+        self.writer.close()

@@ -1,0 +1,64 @@
+"""MLflow sink: what it records, read back with MlflowClient from the local store it makes by default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kiln.monitor.sinks.mlflow_sink import ID_FILE, MlflowSink, flatten
+
+pytest.importorskip("mlflow")
+pytest.importorskip("sqlalchemy")
+pytestmark = pytest.mark.slow  # MLflow makes its SQLite store's tables in each test (seconds)
+
+
+def client(run_dir):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+
+
+def test_params_metrics_tags_samples_and_the_model_are_recorded(tmp_path, drive, config):
+    cfg = config("logging.mlflow=true", "logging.tags={team: nlp}", "train.lr=0.004")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "config.yaml").write_text(cfg.to_yaml())
+    drive(MlflowSink(cfg, tmp_path, log=print), cfg, range(1, 5), sample="def hello():")
+
+    c = client(tmp_path)
+    run = c.get_run((tmp_path / ID_FILE).read_text().strip())
+    assert run.info.status == "FINISHED" and run.info.run_name == tmp_path.name
+    assert run.data.params["train.lr"] == "0.004" and run.data.params["logging.mlflow"] == "True"
+    assert run.data.tags["team"] == "nlp" and run.data.tags["kiln.run_dir"] == str(tmp_path.resolve())
+    assert [(m.step, m.value) for m in c.get_metric_history(run.info.run_id, "train/loss")] == \
+        [(s, pytest.approx(10.0 / s)) for s in range(1, 5)]
+    assert [(m.step, m.value) for m in c.get_metric_history(run.info.run_id, "eval/val_loss")] == [(0, 5.0), (4, 4.0)]
+    # a name MLflow refuses ("%"), as a resource monitor's key may be, is sanitised
+    assert [m.value for m in c.get_metric_history(run.info.run_id, "train/gpu0.util_")] == [51.0, 52.0, 53.0, 54.0]
+    artifacts = {a.path for a in c.list_artifacts(run.info.run_id)}
+    assert {"model", "config.yaml", "samples"} <= artifacts and "mlflow.db" not in artifacts
+    assert [a.path for a in c.list_artifacts(run.info.run_id, "model")] == ["model/model.safetensors"]
+    got = c.download_artifacts(run.info.run_id, "samples/step_4.txt", str(tmp_path / "got"))
+    assert Path(got).read_text() == "def hello():"
+
+
+def test_a_stopped_run_is_killed_and_its_resume_continues_the_same_mlflow_run(tmp_path, drive, config):
+    cfg = config("logging.mlflow=true")
+    drive(MlflowSink(cfg, tmp_path, log=print), cfg, range(1, 4), status="stopped")
+    c = client(tmp_path)
+    run_id = (tmp_path / ID_FILE).read_text().strip()
+    assert c.get_run(run_id).info.status == "KILLED"
+    assert {a.path for a in c.list_artifacts(run_id)}.isdisjoint({"model"})  # no model: the run did not finish
+
+    again = config("logging.mlflow=true", "train.max_steps=500")  # a param that changed, and one more step
+    drive(MlflowSink(again, tmp_path, log=print), again, range(3, 6), start=2)
+    runs = c.search_runs([c.get_experiment_by_name("kiln").experiment_id])
+    assert [r.info.run_id for r in runs] == [run_id] and runs[0].info.status == "FINISHED"
+    assert [m.step for m in c.get_metric_history(run_id, "train/loss")] == [1, 2, 3, 3, 4, 5]
+    assert runs[0].data.params["train.max_steps"] == "300"  # MLflow params never change: the first run's
+
+
+def test_flatten_gives_dotted_keys():
+    assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": {}}) == {"a.b": "1", "a.c.d": "[1, 2]", "e": "{}"}
+

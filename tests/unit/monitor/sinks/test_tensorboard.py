@@ -1,0 +1,45 @@
+"""TensorBoard sink: what it writes, read back with TensorBoard's own event reader."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.monitor.sinks.tensorboard import TensorBoardSink
+
+pytest.importorskip("tensorboard")
+
+
+def read(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def scalars(acc, tag):
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def text(acc, tag):
+    return [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(f"{tag}/text_summary")]
+
+
+def test_scalars_of_every_metric_the_config_and_the_sample(tmp_path, drive, config):
+    cfg = config("logging.tensorboard=true", "train.lr=0.004")
+    drive(TensorBoardSink(cfg, tmp_path), cfg, range(1, 5), sample="def hello():")
+    acc = read(tmp_path)
+    assert scalars(acc, "train/loss") == [(s, pytest.approx(10.0 / s)) for s in range(1, 5)]
+    assert [s for s, _ in scalars(acc, "train/gpu0.util%")] == [1, 2, 3, 4]  # any metric that arrives
+    assert scalars(acc, "eval/val_loss") == [(0, 5.0), (4, 4.0)]
+    [(step, config_text)] = text(acc, "config")
+    assert step == 0 and "lr: 0.004" in config_text and "tensorboard: true" in config_text
+    assert text(acc, "sample") == [(4, "    def hello():")]
+
+
+def test_a_resume_replaces_the_steps_it_replays(tmp_path, drive, config):
+    cfg = config("logging.tensorboard=true")
+    drive(TensorBoardSink(cfg, tmp_path), cfg, range(1, 7), status="stopped")  # stopped at 6, checkpoint at 4
+    drive(TensorBoardSink(cfg, tmp_path), cfg, range(5, 9), start=4)
+    steps = [s for s, _ in scalars(read(tmp_path), "train/loss")]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8]  # steps 5 and 6 once, as the resumed run logged them

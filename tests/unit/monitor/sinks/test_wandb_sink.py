@@ -1,0 +1,90 @@
+"""W&B sink in offline mode: what it wrote, read back from W&B's offline run files (the records of the
+run-<id>.wandb log, decoded with W&B's own protobuf schema, and the files it keeps for upload)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from kiln.monitor.sinks.wandb_sink import ID_FILE, WandbSink
+
+pytest.importorskip("wandb")
+pytestmark = pytest.mark.slow  # W&B starts its service process for each run (seconds)
+
+
+def records(path: Path) -> list:
+    """The protobuf records of a .wandb file: a 7-byte header (':W&B', magic, version), then LevelDB-log
+    framing (32 KiB blocks; each chunk: crc32 (4), length (2), type (1: full, 2: first, 3: middle, 4: last))."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", "not a W&B transaction log"
+    pos, block, out, part = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            break
+        part += data[pos + 7:pos + 7 + n]
+        pos += 7 + n
+        if kind in (1, 4):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(part)
+            out.append(rec)
+            part = b""
+    return out
+
+
+def offline_run(run_dir: Path, n: int = 0):
+    """(run id, history rows as dicts, config as dict, summary, saved file names) of the n-th offline run."""
+    import wandb
+
+    wandb.teardown()  # W&B's service process writes the log after finish() returns: stopping it waits for that
+    [log] = sorted(run_dir.glob("wandb/offline-run-*"))[n].glob("run-*.wandb")
+    history, config, summary, files, run_id = [], {}, {}, set(), None
+    for rec in records(log):
+        kind = rec.WhichOneof("record_type")
+        if kind == "run":
+            run_id = rec.run.run_id
+            config.update({u.key: json.loads(u.value_json) for u in rec.run.config.update})
+        elif kind == "config":
+            config.update({u.key: json.loads(u.value_json) for u in rec.config.update})
+        elif kind == "history":
+            history.append({i.nested_key[0] if i.nested_key else i.key: json.loads(i.value_json)
+                            for i in rec.history.item})
+        elif kind == "summary":
+            summary.update({u.nested_key[0] if u.nested_key else u.key: json.loads(u.value_json)
+                            for u in rec.summary.update})
+        elif kind == "files":
+            files |= {f.path for f in rec.files.files}
+    return run_id, history, config, summary, files
+
+
+def test_offline_run_has_the_config_metrics_sample_and_files(tmp_path, drive, config):
+    cfg = config("logging.wandb=true", "logging.wandb_mode=offline", "train.lr=0.004", "logging.tags={team: nlp}")
+    (tmp_path / "config.yaml").write_text(cfg.to_yaml())
+    drive(WandbSink(cfg, tmp_path, log=print), cfg, range(1, 4), sample="def hello():")
+    run_id, history, conf, summary, files = offline_run(tmp_path)
+    assert run_id == (tmp_path / ID_FILE).read_text().strip()
+    assert conf["train"]["lr"] == 0.004 and conf["logging"]["wandb_mode"] == "offline"
+    losses = [(row["_step"], row["train/loss"]) for row in history if "train/loss" in row]
+    assert losses == [(s, pytest.approx(10.0 / s)) for s in (1, 2, 3)]
+    assert [(row["_step"], row["eval/val_loss"]) for row in history if "eval/val_loss" in row] == [(0, 5.0), (3, 4.0)]
+    assert summary["sample"] == "def hello():"
+    assert {"config.yaml", ID_FILE} <= files  # the run directory's files, uploaded at the end
+    [kept] = tmp_path.glob("wandb/offline-run-*/files/config.yaml")  # as they were then, for `wandb sync`
+    assert kept.read_text() == cfg.to_yaml() and not kept.is_symlink()
+
+
+def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, drive, config):
+    cfg = config("logging.wandb=true", "logging.wandb_mode=offline")
+    drive(WandbSink(cfg, tmp_path, log=print), cfg, range(1, 3), status="stopped")
+    drive(WandbSink(cfg, tmp_path, log=print), cfg, range(3, 5), start=2)
+    first, second = offline_run(tmp_path, 0), offline_run(tmp_path, 1)
+    assert first[0] == second[0] == (tmp_path / ID_FILE).read_text().strip()
+    assert [row["_step"] for row in second[1] if "train/loss" in row] == [3, 4]
