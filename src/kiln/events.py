@@ -23,6 +23,10 @@ class Callback:
 
     def on_eval_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None: ...
 
+    def on_event(self, trainer: Trainer, kind: str, data: dict[str, Any]) -> None:
+        """Something the run noticed or did on its own (kind 'warning': a resource running short, a slow
+        step); `data` holds plain values, with a 'message' for people. Sinks record it."""
+
     def on_train_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None: ...
 
 

@@ -93,6 +93,9 @@ class JsonlSink(Callback):
     def on_eval_end(self, trainer, metrics) -> None:
         self._write(trainer, "eval", metrics)
 
+    def on_event(self, trainer, kind: str, data: dict[str, Any]) -> None:
+        self._write(trainer, kind, {"step": trainer.step, **data})
+
     def on_train_end(self, trainer, metrics) -> None:
         if self.file:
             self.file.close()

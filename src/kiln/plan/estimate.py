@@ -193,7 +193,8 @@ def _advise(plan: Plan, fit) -> None:
         plan.warnings.append("lora.rank is set: this plan is for full training (LoRA trains far fewer parameters "
                              "and needs less memory than shown)")
     if plan.gpus <= 1 and cfg.dist.cpu_offload:
-        plan.notes.append("dist.cpu_offload applies to several processes under FSDP; one process keeps all on the device")
+        plan.notes.append("dist.cpu_offload applies to several processes under FSDP; one process keeps all on "
+                          "the device")
     if plan.fits:
         if plan.max_batch > t.batch_size * 2:
             plan.notes.append(f"micro-batch {plan.max_batch} would fit (train.batch_size={t.batch_size})")
@@ -219,8 +220,8 @@ def _advise(plan: Plan, fit) -> None:
             for ac in ("selective", "full"):
                 lay = layout_for(plan.cfg, more, plan.n_params, gpu.memory, "fsdp", False)
                 if fit_more(plan, more, ac, lay):
-                    plan.warnings.append(f"the smallest that fits: {more} x {gpu.key} with FSDP and "
-                                         f"activation_checkpointing={ac} (kiln train --nproc {more} dist.strategy=fsdp)")
+                    plan.warnings.append(f"the smallest that fits: {more} x {gpu.key} with FSDP and activation_"
+                                         f"checkpointing={ac} (kiln train --nproc {more} dist.strategy=fsdp)")
                     return
         plan.warnings.append(f"no layout of up to 1024 x {gpu.key} fits this model")
 

@@ -20,6 +20,8 @@ from kiln.model.hf_import import load_init_weights, resolve_init_from
 from kiln.model.llama import Transformer
 from kiln.model.registry import flops_per_token, param_count
 from kiln.monitor.sinks import ConsoleSink, JsonlSink
+from kiln.monitor.watchers import RunWatchers
+from kiln.plan.memory import checkpoint_bytes
 from kiln.state.callback import CheckpointEvery
 from kiln.state.checkpointer import Checkpointer
 from kiln.state.preempt import SignalGuard, StopSignals, train_guarded
@@ -149,14 +151,17 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
 
     checkpointer = Checkpointer(run_dir, cfg, prints, console.print)
     guard = SignalGuard(console.print, checkpointer.control_group) if cfg.checkpoint.on_signal else None
-    extra, callbacks = list(callbacks), [EvalEvery(tcfg.eval_every)]
+    # kiln.monitor: readings and warnings, hang watch; first (and last) among the callbacks
+    watchers = RunWatchers(cfg, run_dir, device, checkpoint_bytes(n_params), mesh.rank, console.print)
+    extra, callbacks = list(callbacks), [*watchers.first, EvalEvery(tcfg.eval_every)]
     if cfg.logging.console and mesh.rank == 0:  # kiln.dist: rank 0 writes console and metrics
         callbacks.append(ConsoleSink(console))
     if cfg.logging.jsonl and mesh.rank == 0:
         callbacks.append(JsonlSink(run_dir / "metrics.jsonl"))
-    callbacks += [*extra, CheckpointEvery(checkpointer, guard)]  # last: a checkpoint sees its step's eval
+    callbacks += [*extra, CheckpointEvery(checkpointer, guard), *watchers.last]  # a checkpoint sees its step's eval
     trainer = Trainer(cfg, model, train_loader, val_loader, device, callbacks,
                       flops_per_token=flops_per_token(cfg.model, tcfg.seq_len), mesh=mesh)
+    watchers.attach(trainer, checkpointer, console.print)
     if resume_from is not None:
         meta = checkpointer.load(trainer, resume_from, check_hashes=False)  # verified when chosen
         console.print(f"resumed from {resume_from} (step {meta['step']}, {meta['tokens_seen']:,} tokens)")
@@ -172,7 +177,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     first = (trainer.last_eval or trainer.evaluate()) if resume_from is not None else trainer.evaluate()
     stops.during, stops.then = "during training", f"the last complete checkpoint is kept; resume with: kiln " \
                                                    f"train {run_dir}"
-    final = train_guarded(trainer, checkpointer, guard, run_dir, console.print)
+    try:
+        final = train_guarded(trainer, checkpointer, guard, run_dir, console.print)
+    finally:
+        watchers.close()
     if final is None:  # preempted: the checkpoint is written, nothing else to do
         return run_dir
     if final:
