@@ -40,9 +40,10 @@ class HangWatch:
     """The clock side of hang detection; `check(now)` is called by its thread (or by tests)."""
 
     def __init__(self, cfg: MonitorConfig, run_dir: Path | None, log: Callable[[str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, exit_fn: Callable[[int], None] = os._exit,
+                 clock: Callable[[], float] = time.monotonic, exit_fn: Callable[[int], None] | None = None,
                  rescue: Callable[[], str] | None = None):
-        self.cfg, self.run_dir, self.clock, self.exit = cfg, (Path(run_dir) if run_dir else None), clock, exit_fn
+        self.cfg, self.run_dir, self.clock = cfg, (Path(run_dir) if run_dir else None), clock
+        self.exit = exit_fn or os._exit  # os._exit: the main thread may be stuck where no exception reaches
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.rescue = rescue  # writes the emergency checkpoint; returns what happened, in words
         self.durations: deque[float] = deque(maxlen=WINDOW)
