@@ -12,8 +12,7 @@ from kiln.config import ModelConfig, OptimConfig
 from kiln.dist.ac import apply_ac
 from kiln.model.llama import Transformer
 from kiln.model.registry import param_count
-from kiln.plan.memory import (Layout, act_per_layer_token, checkpoint_bytes, layer_params, peak_memory,
-                              state_bytes)
+from kiln.plan.memory import Layout, act_per_layer_token, checkpoint_bytes, layer_params, peak_memory, state_bytes
 from kiln.train.optim import build_optimizer
 
 TINY = dict(d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=192, vocab_size=512)
