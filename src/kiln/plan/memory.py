@@ -100,7 +100,8 @@ def loss_chunk_bytes(m: ModelConfig, tokens: int, compiled: bool, e: int, bf16: 
     output projection's fp32 gradient, its compute copy and one product's result."""
     v = m.vocab_size or 0
     rows = min(tokens, max(256, (LOGIT_CHUNK // max(v, 1)) // 256 * 256))
-    per_logit = 2 * e if compiled else 12 + 2 * e
+    # compiled kernel: the logits and their gradient; eager: also the fp32 copy, the one-hot, exp and a temporary
+    per_logit = 2 * e if compiled else e + (4 if e < 4 else 0) + 12
     return rows * v * per_logit + v * m.d_model * (4 + e + (2 if bf16 else 0))
 
 
@@ -155,6 +156,8 @@ def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", comp
     back = backward_bytes(m, tokens, ac, compiled, e, bf16, layout)
     forward_end = weights + optim + compute + acts + loss
     backward_end = weights + optim + grads + back
+    if not compiled and layout.strategy != "fsdp":
+        backward_end += compute  # eager: autocast's cache of bf16 copies lives until the autocast block ends
     peak, phase = max((forward_end, "forward"), (backward_end, "backward"))
     host = -(-16 * n // max(1, layout.shard)) if layout.offload else 0
     return Memory(weights, grads, optim, compute, acts, loss, back, peak, phase, host)
