@@ -45,7 +45,8 @@ class Plan:
     flops_per_token: float
     layout: Layout
     bf16: bool
-    memory: Memory  # per device, at train.batch_size
+    batch: int  # the micro-batch planned: train.batch_size
+    memory: Memory  # per device, at that micro-batch
     capacity: int  # bytes a device may hold (peak incl. allocator and context must stay under)
     fits: bool
     max_batch: int
@@ -156,11 +157,15 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
         est = estimate_mfu(gpu.key, n, ac, compiled and gpu.key != "cpu", gpus, lay.offload)
         return est, est.mfu * gpu.peak_flops * gpus / fpt
 
-    memory = mem(t.batch_size, t.activation_checkpointing, layout)
-    fits = needs(memory, gpu) <= cap
     max_batch = largest_batch(fit(t.activation_checkpointing, layout))
+    batch = t.batch_size
+    if not isinstance(batch, int):  # 'auto': the largest micro-batch that fits, as the search would find it
+        notes.append(f"train.batch_size={batch}: planned at the largest micro-batch that fits, {max_batch}")
+        batch = max(1, max_batch)
+    memory = mem(batch, t.activation_checkpointing, layout)
+    fits = needs(memory, gpu) <= cap
     mfu, tps = speed(t.activation_checkpointing, layout)
-    tokens_per_step = t.batch_size * t.seq_len * t.grad_accum * max(1, gpus)
+    tokens_per_step = batch * t.seq_len * t.grad_accum * max(1, gpus)
     seconds = t.max_steps * tokens_per_step / tps if tps else None
     ckpt = checkpoint_bytes(n)
     shard = max(1, layout.shard)
@@ -168,7 +173,7 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
              "the pinned copy async checkpoints write from": cfg.checkpoint.async_save * 12 * n // shard,
              "the in-memory snapshot": (cfg.checkpoint.snapshot_every > 0) * 12 * n // shard}
     host = sum(parts.values())
-    plan = Plan(cfg, m, gpu, gpus, n, fpt, layout, bf16, memory, cap, fits, max_batch, mfu, tps, tokens_per_step,
+    plan = Plan(cfg, m, gpu, gpus, n, fpt, layout, bf16, batch, memory, cap, fits, max_batch, mfu, tps, tokens_per_step,
                 seconds, ckpt, (cfg.checkpoint.keep_last + 1) * ckpt + 4 * n, int(host),
                 host_parts=[k for k, v in parts.items() if v], notes=notes)
 
@@ -176,7 +181,7 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
                                           (("ddp", False), ("fsdp", False), ("fsdp", True))]
     for lay in dict.fromkeys(layouts):
         for ac in ("none", "selective", "full"):
-            mm = mem(t.batch_size, ac, lay)
+            mm = mem(batch, ac, lay)
             name = lay.strategy + ("+offload" if lay.offload else "") + \
                 (f" {lay.sharding}" if lay.strategy == "fsdp" and lay.sharding != "full" else "")
             plan.options.append(Option(name, ac, mm, needs(mm, gpu) <= cap, largest_batch(fit(ac, lay)),
@@ -196,15 +201,15 @@ def _advise(plan: Plan, fit) -> None:
         plan.notes.append("dist.cpu_offload applies to several processes under FSDP; one process keeps all on "
                           "the device")
     if plan.fits:
-        if plan.max_batch > t.batch_size * 2:
-            plan.notes.append(f"micro-batch {plan.max_batch} would fit (train.batch_size={t.batch_size})")
+        if plan.max_batch > plan.batch * 2:
+            plan.notes.append(f"micro-batch {plan.max_batch} would fit (train.batch_size={plan.batch})")
         return
     need = needs(plan.memory, gpu)
-    plan.warnings.append(f"does not fit: a step at train.batch_size={t.batch_size} needs about {need / GIB:.1f} GiB "
+    plan.warnings.append(f"does not fit: a step at train.batch_size={plan.batch} needs about {need / GIB:.1f} GiB "
                          f"per device, {where} has {plan.capacity / GIB:.1f} GiB")
     fitting = [o for o in plan.options if o.max_batch > 0]
     if plan.max_batch:
-        g = t.batch_size * t.grad_accum
+        g = plan.batch * t.grad_accum
         b = plan.max_batch
         while g % b:
             b -= 1

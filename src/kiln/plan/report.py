@@ -54,10 +54,10 @@ def render(plan: Plan, console: Console) -> None:
                   f"vocab {m.vocab_size}); {plan.flops_per_token / 1e9:.2f} GFLOP per token at sequence "
                   f"{t.seq_len}", highlight=False)
     console.print(f"run: {_layout(plan)}, {precision}, compile {'on' if t.compile else 'off'}, activation "
-                  f"checkpointing {t.activation_checkpointing}; micro-batch {t.batch_size} x accumulation "
+                  f"checkpointing {t.activation_checkpointing}; micro-batch {plan.batch} x accumulation "
                   f"{t.grad_accum} x {plan.gpus} = {plan.tokens_per_step:,} tokens a step", highlight=False)
 
-    table = Table(title=f"memory per device at micro-batch {t.batch_size}", title_justify="left")
+    table = Table(title=f"memory per device at micro-batch {plan.batch}", title_justify="left")
     table.add_column("what")
     table.add_column("GiB", justify="right")
     shard = f" (1/{plan.layout.shard})" if plan.layout.shard > 1 else ""
@@ -89,7 +89,7 @@ def render(plan: Plan, console: Console) -> None:
         console.print(f"host memory: {gb(plan.host_per_process)} per process ({', '.join(plan.host_parts)})",
                       highlight=False)
 
-    opts = Table(title=f"options at micro-batch {t.batch_size}", title_justify="left")
+    opts = Table(title=f"options at micro-batch {plan.batch}", title_justify="left")
     for col, just in (("layout", "left"), ("AC", "left"), ("peak GiB", "right"), ("fits", "left"),
                       ("largest micro-batch", "right"), ("tokens/s", "right")):
         opts.add_column(col, justify=just)
