@@ -20,8 +20,11 @@ class RunWatchers:
         m = cfg.monitor
         self.resources = None
         if m.resources and rank == 0:  # kiln.dist: rank 0 reports; its GPU stands for the others
-            sampler = Sampler(run_dir, cfg.data.cache_dir, gpu_reader(device, log))
-            self.resources = ResourceMonitor(m, sampler, checkpoint_bytes, log)
+            try:
+                sampler = Sampler(run_dir, cfg.data.cache_dir, gpu_reader(device, log))
+                self.resources = ResourceMonitor(m, sampler, checkpoint_bytes, log)
+            except ImportError:  # an environment installed before psutil became a dependency
+                log("resource monitor off: it needs psutil (pip install psutil)")
         watch_on = m.hang_factor > 0 or m.hang_between_s > 0
         self.hang = HangWatch(m, run_dir if rank == 0 else None) if watch_on else None
         marks = HangMarks(self.hang) if self.hang is not None else None

@@ -14,7 +14,7 @@ from pathlib import Path
 from kiln.config import ModelConfig, RunConfig
 from kiln.model.registry import flops_per_token, param_count
 from kiln.plan.gpus import GIB, Gpu, MfuEstimate, estimate_mfu
-from kiln.plan.memory import Layout, Memory, checkpoint_bytes, peak_memory
+from kiln.plan.memory import Layout, Lora, Memory, checkpoint_bytes, lora_params, peak_memory
 
 FRAGMENTATION = 0.05  # the caching allocator reserves a little more than the peak it hands out
 CONTEXT = 1 * GIB  # CUDA context, NCCL and cuBLAS workspaces: outside PyTorch's count
@@ -58,6 +58,7 @@ class Plan:
     run_disk: int  # bytes the run directory may reach: keep_last + 1 checkpoints during a save, the model
     host_per_process: int  # CPU memory per process: offloaded state, pinned checkpoint copy, snapshots
     host_parts: list[str] = field(default_factory=list)
+    lora: Lora | None = None
     options: list[Option] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -143,10 +144,17 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
     bf16 = t.precision == "bf16" or (t.precision == "auto" and gpu.key != "cpu")
     compiled = t.compile
     cap = capacity_of(gpu)
-    layout = layout_for(cfg, gpus, n, gpu.memory)
+    lora = Lora(cfg.lora.rank, tuple(cfg.lora.targets), 2 if cfg.lora.base_dtype == "bf16" else 4) \
+        if cfg.lora.rank else None
+    trained = lora_params(m, lora) if lora else n
+    if lora:
+        notes.append(f"LoRA rank {lora.rank} on {', '.join(lora.targets)}: {trained / 1e6:.1f}M trainable parameters "
+                     f"({trained / n:.2%}); the frozen base in {cfg.lora.base_dtype}; speed assumes 2/3 of the FLOPs "
+                     "of full training (no weight gradients for the base): an estimate")
+    layout = layout_for(cfg, gpus, trained if lora else n, gpu.memory)
 
     def mem(batch: int, ac: str, lay: Layout) -> Memory:
-        return peak_memory(m, t.seq_len, batch, ac, compiled, bf16, lay)
+        return peak_memory(m, t.seq_len, batch, ac, compiled, bf16, lay, lora)
 
     def fit(ac: str, lay: Layout):
         return lambda b: needs(mem(b, ac, lay), gpu) <= cap
@@ -155,7 +163,7 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
         if gpu.peak_flops is None:
             return None, None
         est = estimate_mfu(gpu.key, n, ac, compiled and gpu.key != "cpu", gpus, lay.offload)
-        return est, est.mfu * gpu.peak_flops * gpus / fpt
+        return est, est.mfu * gpu.peak_flops * gpus / fpt * (1.5 if lora else 1.0)
 
     max_batch = largest_batch(fit(t.activation_checkpointing, layout))
     batch = t.batch_size
@@ -167,15 +175,15 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
     mfu, tps = speed(t.activation_checkpointing, layout)
     tokens_per_step = batch * t.seq_len * t.grad_accum * max(1, gpus)
     seconds = t.max_steps * tokens_per_step / tps if tps else None
-    ckpt = checkpoint_bytes(n)
+    ckpt = checkpoint_bytes(trained)  # with LoRA the adapters only: the base is referenced by its hash
     shard = max(1, layout.shard)
-    parts = {"offloaded state": layout.offload * 16 * n // shard,
-             "the pinned copy async checkpoints write from": cfg.checkpoint.async_save * 12 * n // shard,
-             "the in-memory snapshot": (cfg.checkpoint.snapshot_every > 0) * 12 * n // shard}
+    parts = {"offloaded state": memory.host,
+             "the pinned copy async checkpoints write from": cfg.checkpoint.async_save * 12 * trained // shard,
+             "the in-memory snapshot": (cfg.checkpoint.snapshot_every > 0) * 12 * trained // shard}
     host = sum(parts.values())
     plan = Plan(cfg, m, gpu, gpus, n, fpt, layout, bf16, batch, memory, cap, fits, max_batch, mfu, tps, tokens_per_step,
-                seconds, ckpt, (cfg.checkpoint.keep_last + 1) * ckpt + 4 * n, int(host),
-                host_parts=[k for k, v in parts.items() if v], notes=notes)
+                seconds, ckpt, (cfg.checkpoint.keep_last + 1) * ckpt + 4 * trained, int(host),
+                host_parts=[k for k, v in parts.items() if v], lora=lora, notes=notes)
 
     layouts = [layout] if gpus <= 1 else [layout_for(cfg, gpus, n, gpu.memory, s, o) for s, o in
                                           (("ddp", False), ("fsdp", False), ("fsdp", True))]
@@ -194,9 +202,6 @@ def _advise(plan: Plan, fit) -> None:
     """Warnings and suggestions: what does not fit, and what would."""
     cfg, t, gpu = plan.cfg, plan.cfg.train, plan.gpu
     where = f"{plan.gpus} x {gpu.key}" if plan.gpus > 1 else gpu.key
-    if cfg.lora.rank:
-        plan.warnings.append("lora.rank is set: this plan is for full training (LoRA trains far fewer parameters "
-                             "and needs less memory than shown)")
     if plan.gpus <= 1 and cfg.dist.cpu_offload:
         plan.notes.append("dist.cpu_offload applies to several processes under FSDP; one process keeps all on "
                           "the device")
@@ -218,7 +223,13 @@ def _advise(plan: Plan, fit) -> None:
         best = max(fitting, key=lambda o: (o.tokens_per_s or 0, o.max_batch))
         plan.warnings.append(f"fits with {best.strategy}, activation_checkpointing={best.ac}, micro-batch up to "
                              f"{best.max_batch}")
-    else:
+    if not plan.max_batch and plan.lora is None:
+        lora = Lora(16, ("all",), 2)
+        mem = peak_memory(plan.model, t.seq_len, 1, "full", t.compile, plan.bf16, plan.layout, lora)
+        if needs(mem, gpu) <= plan.capacity:
+            plan.warnings.append("LoRA fits: lora.rank=16 lora.targets=[all] train.activation_checkpointing=full "
+                                 "train.batch_size=1 (continued pretraining of a frozen bf16 base)")
+    if not plan.max_batch and not fitting:
         for more in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
             if more <= plan.gpus:
                 continue
@@ -233,5 +244,5 @@ def _advise(plan: Plan, fit) -> None:
 
 def fit_more(plan: Plan, gpus: int, ac: str, lay: Layout) -> bool:
     t = plan.cfg.train
-    mem = peak_memory(plan.model, t.seq_len, 1, ac, t.compile, plan.bf16, lay)
+    mem = peak_memory(plan.model, t.seq_len, 1, ac, t.compile, plan.bf16, lay, plan.lora)
     return needs(mem, plan.gpu) <= plan.capacity

@@ -55,6 +55,26 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class Lora:
+    """Low-rank adapters (the lora: section): a frozen base in `base_bytes` per weight, adapters of `rank` on
+    the `targets` (q, k, v, o, gate, up, down) trained in fp32 with AdamW."""
+
+    rank: int
+    targets: tuple[str, ...]
+    base_bytes: int = 2
+
+
+def lora_params(m: ModelConfig, lora: Lora) -> int:
+    """Trainable parameters of the adapters: rank x (in + out) for each target layer of every block."""
+    d, q, kv, h = m.d_model, m.n_heads * m.head_dim, m.kv_heads * m.head_dim, m.mlp_hidden
+    shapes = {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "up": (d, h), "down": (h, d)}
+    if m.mlp == "swiglu":
+        shapes["gate"] = (d, h)
+    names = shapes if "all" in lora.targets else [t for t in lora.targets if t in shapes]
+    return m.n_layers * sum(lora.rank * sum(shapes[t]) for t in names)
+
+
+@dataclass(frozen=True)
 class Memory:
     """Bytes on one device at the peak of a step, by what holds them."""
 
@@ -144,14 +164,27 @@ def backward_bytes(m: ModelConfig, tokens: int, ac: str, compiled: bool, e: int,
 
 
 def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", compiled: bool = True,
-                bf16: bool = True, layout: Layout = Layout()) -> Memory:
-    """Peak bytes on one device of a training step with micro-batch `batch` (see the module doc)."""
+                bf16: bool = True, layout: Layout = Layout(), lora: Lora | None = None) -> Memory:
+    """Peak bytes on one device of a training step with micro-batch `batch` (see the module doc).
+
+    With `lora`, only the adapters have gradients and AdamW state; the frozen base takes lora.base_bytes
+    a weight (no compute copies when that is bf16), and each block keeps the adapters' rank-wide
+    intermediate outputs besides its usual activations."""
     n = param_count(m)
     tokens = seq_len * batch
     e = 2 if bf16 else 4
     weights, grads, optim = state_bytes(n, layout)
     compute = compute_weight_bytes(m, n, ac, bf16, layout)
     acts = activation_bytes(m, tokens, ac, compiled, e)
+    if lora is not None:
+        s, trained = max(1, layout.shard), lora_params(m, lora)
+        _, grads, optim = state_bytes(trained, layout)
+        weights = 0 if layout.offload else -(-(lora.base_bytes * n + 4 * trained) // s)
+        if lora.base_bytes == 2 and layout.strategy != "fsdp":
+            compute = 0  # the base is already in the compute dtype
+        if ac != "full":
+            targets = 7 if "all" in lora.targets else len(lora.targets)
+            acts += tokens * m.n_layers * e * lora.rank * targets
     loss = loss_chunk_bytes(m, tokens, compiled, e, bf16)
     back = backward_bytes(m, tokens, ac, compiled, e, bf16, layout)
     forward_end = weights + optim + compute + acts + loss
@@ -159,7 +192,8 @@ def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", comp
     if not compiled and layout.strategy != "fsdp":
         backward_end += compute  # eager: autocast's cache of bf16 copies lives until the autocast block ends
     peak, phase = max((forward_end, "forward"), (backward_end, "backward"))
-    host = -(-16 * n // max(1, layout.shard)) if layout.offload else 0
+    state = 16 * n if lora is None else lora.base_bytes * n + 16 * lora_params(m, lora)
+    host = -(-state // max(1, layout.shard)) if layout.offload else 0
     return Memory(weights, grads, optim, compute, acts, loss, back, peak, phase, host)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kiln.plan.estimate import CONTEXT, FRAGMENTATION, Plan, needs
@@ -99,6 +100,6 @@ def render(plan: Plan, console: Console) -> None:
                      f"{o.tokens_per_s:,.0f}" if o.tokens_per_s else "-", style="bold" if current else None)
     console.print(opts)
     for note in plan.notes:
-        console.print(f"note: {note}", highlight=False)
+        console.print(f"note: {escape(note)}", highlight=False)
     for w in plan.warnings:
-        console.print(f"[yellow]warning:[/] {w}", highlight=False)
+        console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)

@@ -152,7 +152,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     checkpointer = Checkpointer(run_dir, cfg, prints, console.print)
     guard = SignalGuard(console.print, checkpointer.control_group) if cfg.checkpoint.on_signal else None
     # kiln.monitor: readings and warnings, hang watch; first (and last) among the callbacks
-    watchers = RunWatchers(cfg, run_dir, device, checkpoint_bytes(n_params), mesh.rank, console.print)
+    def say(msg: str) -> None:  # plain text: a message may hold brackets ('kiln[gpu]')
+        console.print(msg, markup=False, highlight=False)
+
+    watchers = RunWatchers(cfg, run_dir, device, checkpoint_bytes(n_params), mesh.rank, say)
     extra, callbacks = list(callbacks), [*watchers.first, EvalEvery(tcfg.eval_every)]
     if cfg.logging.console and mesh.rank == 0:  # kiln.dist: rank 0 writes console and metrics
         callbacks.append(ConsoleSink(console))
@@ -161,7 +164,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     callbacks += [*extra, CheckpointEvery(checkpointer, guard), *watchers.last]  # a checkpoint sees its step's eval
     trainer = Trainer(cfg, model, train_loader, val_loader, device, callbacks,
                       flops_per_token=flops_per_token(cfg.model, tcfg.seq_len), mesh=mesh)
-    watchers.attach(trainer, checkpointer, console.print)
+    watchers.attach(trainer, checkpointer, say)
     if resume_from is not None:
         meta = checkpointer.load(trainer, resume_from, check_hashes=False)  # verified when chosen
         console.print(f"resumed from {resume_from} (step {meta['step']}, {meta['tokens_seen']:,} tokens)")

@@ -86,3 +86,20 @@ def test_cli_prints_the_plan_and_warns_with_exit_0():
         assert text in r.stdout
     bad = kiln("plan", "gpu-1b", "--gpu", "voodoo")
     assert bad.returncode == 2 and "not a card the planner knows" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_lora_plans_an_8b_model_on_one_rtx4090():
+    from kiln.plan.memory import Lora, lora_params
+
+    full = make_plan(load_config("gpu-1b", ["model.size=8b"]), 1, GPUS["rtx4090"])
+    assert any("LoRA fits" in w for w in full.warnings)
+    cfg = load_config("gpu-1b", ["model.size=8b", "lora.rank=16", "lora.targets=[all]", "train.batch_size=1",
+                                 "train.grad_accum=16", "train.activation_checkpointing=full"])
+    plan = make_plan(cfg, 1, GPUS["rtx4090"])
+    trained = lora_params(plan.model, Lora(16, ("all",)))
+    m = plan.model
+    d, q, kv, h = m.d_model, m.n_heads * m.head_dim, m.kv_heads * m.head_dim, m.mlp_hidden
+    assert trained == m.n_layers * 16 * ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + h) + (h + d))
+    assert plan.fits and plan.memory.weights == 2 * plan.n_params + 4 * trained  # frozen bf16 base
+    assert plan.memory.grads == 4 * trained and plan.memory.optimizer == 8 * trained
+    assert plan.checkpoint < 1e9  # the adapters only
