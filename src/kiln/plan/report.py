@@ -63,9 +63,11 @@ def render(plan: Plan, console: Console) -> None:
     table.add_column("GiB", justify="right")
     shard = f" (1/{plan.layout.shard})" if plan.layout.shard > 1 else ""
     where = " on the CPU" if plan.layout.offload else ""
-    rows = [("weights, fp32" + shard + where, mem.weights or plan.memory.host * 4 // 16),
-            ("gradients, fp32" + shard + where, mem.grads or plan.memory.host * 4 // 16),
-            ("AdamW moments, fp32" + shard + where, mem.optimizer or plan.memory.host * 8 // 16),
+    kind = f"{plan.cfg.lora.base_dtype} base, fp32 adapters" if plan.lora else "fp32"
+    trained = " of the adapters" if plan.lora else ""
+    rows = [(f"weights, {kind}" + shard + where, mem.weights or mem.host * 4 // 16),
+            (f"gradients{trained}, fp32" + shard + where, mem.grads or mem.host * 4 // 16),
+            (f"AdamW moments{trained}, fp32" + shard + where, mem.optimizer or mem.host * 8 // 16),
             ("compute copies of the weights", mem.compute_weights),
             (f"activations (AC {t.activation_checkpointing})", mem.activations),
             ("loss buffers", mem.loss)]
