@@ -95,7 +95,8 @@ MFU_POINTS: dict[str, list[MfuPoint]] = {
 FULL_AC_FACTOR = 0.84  # measured: 3b on an H100, full AC 45.4% MFU against selective 54.1% (throughput.md)
 # eager against compiled, measured on an H200 (throughput.md): 124m 307K/511K tokens/s, 1b 53.8K/72.4K
 EAGER_POINTS = [(109_529_856, 0.60), (1_100_048_384, 0.74)]
-DATA_PARALLEL_FACTOR = 0.92  # measured: 2 GPUs (H200) DDP at 124m and FSDP at 1b, 92% scaling (scaling.md)
+# measured (scaling.md, H200): 2 GPUs 91.8-93.8%, 4 GPUs 90.3% (124m DDP) and 92.7% (1b FSDP)
+DATA_PARALLEL_FACTOR = 0.92
 OFFLOAD_FACTOR = 0.3  # estimate, not measured: the optimizer step on the CPU and the copies dominate
 
 
@@ -136,7 +137,7 @@ def estimate_mfu(gpu_key: str, params: int, ac: str, compile: bool, gpus: int, o
         notes.append("no compile: x0.60-0.74 measured")
     if gpus > 1:
         mfu *= DATA_PARALLEL_FACTOR
-        notes.append("data parallel: x0.92 measured on 2 GPUs" + ("" if gpus == 2 else ", assumed beyond"))
+        notes.append("data parallel: x0.92 measured on 2 and 4 GPUs" + ("" if gpus <= 4 else ", assumed beyond"))
     if offload:
         mfu *= OFFLOAD_FACTOR
         notes.append("CPU offload: x0.3 (a guess, not measured)")
