@@ -31,6 +31,11 @@ from kiln.events import Callback
 PREFIX = "sys/"
 
 
+def size(n: float) -> str:
+    """Bytes for people: 812 MB, 13.2 GB."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
 def free_bytes(path: Path) -> int | None:
     """Free space of the disk holding `path` (its nearest existing parent), None if unreadable."""
     path = Path(path).expanduser()
@@ -209,8 +214,8 @@ class ResourceMonitor(Callback):
     def _disk(self, free: float, checkpoint: int, when: str) -> None:
         k = self.cfg.disk_checkpoints_warn
         if k and checkpoint and free < k * checkpoint:
-            self.warn("disk", f"only {free / 1e9:.1f} GB free on the run directory's disk ({when}), less than "
-                      f"{k:g} checkpoints of {checkpoint / 1e9:.1f} GB (monitor.disk_checkpoints_warn): a save "
+            self.warn("disk", f"only {size(free)} free on the run directory's disk ({when}), less than "
+                      f"{k:g} checkpoints of {size(checkpoint)} (monitor.disk_checkpoints_warn): a save "
                       "will soon not fit; free space, lower checkpoint.keep_last or move train.run_dir",
                       {"disk_free_gb": free / 1e9, "checkpoint_gb": checkpoint / 1e9})
 

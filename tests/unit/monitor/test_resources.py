@@ -166,7 +166,8 @@ def test_a_run_warns_before_a_save_that_leaves_no_room_for_the_next(tmp_path, mo
     cfg = load_config(None, ["model.size=tiny", "data.max_bytes=150000", "data.vocab_size=300", "train.seq_len=32",
                              "train.batch_size=2", "train.max_steps=4", "train.eval_every=0", "train.sample_tokens=0",
                              "checkpoint.every=2", "checkpoint.save_final=false", "logging.every=1",
-                             f"train.run_dir={tmp_path / 'r'}", "train.device=cpu"])
+                             f"train.run_dir={tmp_path / 'r'}", "train.device=cpu",
+                             "monitor.data_wait_warn=1"])  # a loaded test machine may wait for data
     run(cfg)
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     warnings = [r for r in rows if r["event"] == "warning"]
