@@ -52,6 +52,7 @@ class HangWatch:
         self.since = clock()
         self.dumped_at: float | None = None
         self.dumps: list[Path] = []
+        self.aborted = False  # exit was called (once: a test's stand-in for os._exit returns)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -98,7 +99,7 @@ class HangWatch:
     def check(self, now: float | None = None) -> None:
         now = self.clock() if now is None else now
         limit = self.limit()
-        if limit is None:
+        if limit is None or self.aborted:
             return
         if self.dumped_at is None:
             if now - self.since > limit:
@@ -130,6 +131,7 @@ class HangWatch:
                  + ("" if path else f"\nStacks of every thread:\n{stacks}"))
 
     def _abort(self, now: float) -> None:
+        self.aborted = True
         saved = "no emergency checkpoint (no checkpointer)"
         if self.rescue is not None:
             box: list[str] = []
