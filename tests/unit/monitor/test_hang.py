@@ -151,10 +151,19 @@ def test_a_run_blocked_between_steps_is_dumped_and_stopped_with_a_checkpoint(tmp
         original(self, *args, **{**kwargs, "exit_fn": fake_exit})
 
     monkeypatch.setattr(HangWatch, "__init__", init)
+    entered = threading.Event()
+    check = HangWatch.check
+
+    def gated(self, now=None):  # the clock runs only once the loop is stuck (a loaded machine is slow to get there)
+        if entered.is_set():
+            check(self, now)
+
+    monkeypatch.setattr(HangWatch, "check", gated)
 
     class Stuck(Callback):
         def on_step_end(self, trainer, metrics):
             if trainer.step == 3:
+                entered.set()
                 assert released.wait(60)  # a sink stuck on the network, say
 
     cfg = load_config(None, ["model.size=tiny", "data.max_bytes=150000", "data.vocab_size=300", "train.seq_len=32",
@@ -165,6 +174,6 @@ def test_a_run_blocked_between_steps_is_dumped_and_stopped_with_a_checkpoint(tmp
     run_dir = tmp_path / "r"
     assert codes == [EXIT_CODE]
     dump = (run_dir / "hang-step3.txt").read_text()
-    assert "time after step 3" in dump and "released.wait" in dump  # the stuck callback's own line
+    assert "time after step 3" in dump and "test_hang.py" in dump and "in on_step_end" in dump  # the stuck callback
     meta = json.loads((run_dir / "checkpoints" / "step_00000003" / "meta.json").read_text())
     assert meta["reason"] == "emergency" and meta["step"] == 3
