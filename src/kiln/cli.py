@@ -331,6 +331,38 @@ def runs_(
             console.print(f"{r.name}: {r.status} ({r.note})", highlight=False)
 
 
+@app.command()
+def plan(
+    config: str | None = typer.Argument(None, help="YAML config file or preset name; omit for the quickstart."),
+    overrides: list[str] | None = typer.Argument(None, help="Dotted KEY=VALUE overrides, e.g. train.batch_size=16."),
+    gpus: int = typer.Option(1, "--gpus", min=1, help="Processes (one per GPU) the run would use."),
+    gpu: str | None = typer.Option(None, "--gpu", help="The card: h100, h200, a100, a100-40, l40s, rtx4090, "
+                                   "rtx3090, a10g or cpu (default: this machine's GPU; else h100 when "
+                                   "train.device asks for CUDA, the CPU otherwise)."),
+) -> None:
+    """Estimate, before anything runs: parameters, memory per device (weights, gradients, optimizer
+    state, activations), the largest micro-batch that fits, tokens/s and the time to
+    train.max_steps, and the disk a checkpoint needs. Warns when the run will not fit.
+
+    Example: kiln plan gpu-1b --gpu rtx4090   |   kiln plan gpu-1b model.size=8b --gpus 4 --gpu a100
+    """
+    from kiln.config import load_config
+    from kiln.plan import make_plan
+    from kiln.plan.gpus import local_device
+    from kiln.plan.report import render
+
+    overrides = list(overrides or [])
+    if config is not None and "=" in config:
+        overrides.insert(0, config)
+        config = None
+    cfg = load_config(config, overrides)
+    device, note = local_device(gpu, cfg.train.device)
+    result = make_plan(cfg, gpus, device)
+    if note:
+        result.notes.insert(0, note)
+    render(result, console)
+
+
 # --------------------------------------------------------------------------- launch (kiln.dist.launch)
 
 launch_app = typer.Typer(no_args_is_help=True, help="Write a launch file that runs `kiln train` on a cluster: a "

@@ -19,7 +19,7 @@ ROOT = Path(kiln.__file__).parent
 LAYERS: list[list[str]] = [
     ["kiln", "kiln.errors", "kiln.files", "kiln.events"],  # no imports of Kiln
     ["kiln.sizes", "kiln.config"],  # the validated config (named sizes are plain data)
-    ["kiln.data", "kiln.model"],  # read, prepare and load data; the pure model
+    ["kiln.data", "kiln.model", "kiln.plan"],  # read, prepare and load data; the pure model; the planner
     ["kiln.dist", "kiln.monitor", "kiln.state"],  # parallelism, sinks, checkpoints and the run directory
     ["kiln.train", "kiln.evaluate"],  # the loop and `kiln train` end to end; `kiln eval` of any model
     ["kiln.cli"],  # the command

@@ -8,20 +8,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-# dense (not 2:4 sparse) bf16 tensor-core peak FLOP/s per GPU, by a part of the name torch reports;
-# the longest matching part wins ("H100 PCIe" before "H100"); train.peak_tflops overrides the table
-PEAK_FLOPS = {
-    "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H200": 989e12, "H800": 989e12, "H20": 148e12,
-    "B200": 2250e12, "B100": 1750e12, "GB200": 2500e12,
-    "A100": 312e12, "A800": 312e12, "A10G": 70e12, "A10": 125e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12,
-    "RTX 4090": 165e12, "RTX 3090": 71e12, "MI300X": 1307e12, "MI250X": 383e12,
-}
+from kiln.plan.gpus import PEAK_FLOPS, peak_for_name  # the table lives with the planner (no torch there)
 
-
-def peak_for_name(name: str) -> float | None:
-    """Dense bf16 peak of a GPU by its reported name, or None if the table does not know it."""
-    matches = [key for key in PEAK_FLOPS if key in name]
-    return PEAK_FLOPS[max(matches, key=len)] if matches else None
+__all__ = ["PEAK_FLOPS", "Throughput", "peak_flops", "peak_for_name"]
 
 
 def peak_flops(device: torch.device) -> float | None:

@@ -118,6 +118,7 @@ class Checkpointer:
         self.staged: dict[str, Any] | None = None  # the CPU copy of the last async save
         self.snapshots = MemorySnapshots(log)
         self.last_saved_step: int | None = None
+        self.room_hooks: list[Callable[[int, int, int], None]] = []  # (step, free, needed) after each room check
         self._warned_slow = self._closed = False
         if self.rank != 0:
             policies = []
@@ -156,8 +157,13 @@ class Checkpointer:
             raise StateError(problem)
 
     def _check_room(self, step: int, tensors: dict[str, Any]) -> None:
-        self._rank0_check(lambda: check_room(self.run_dir, lambda: staging.tensor_bytes(tensors), step,
-                                             self.policies, self.log))
+        def check() -> None:
+            free, needed = check_room(self.run_dir, lambda: staging.tensor_bytes(tensors), step, self.policies,
+                                      self.log)
+            for hook in self.room_hooks:  # the resource monitor's disk warning (kiln.monitor.resources)
+                hook(step, free, needed)
+
+        self._rank0_check(check)
 
     def save(self, state, reason: str = "periodic", blocking: bool | None = None) -> Path | None:
         """Checkpoint `state` (a Trainer, or a dict of parts) at its step. Returns where it will be complete.

@@ -135,22 +135,23 @@ class KeepLast(CheckpointPolicy):
 
 
 def check_room(run_dir: Path, estimate: Callable[[], int], step: int, policies: list[CheckpointPolicy],
-               log: Callable[[str], None]) -> None:
-    """StateError before a save that will not fit; policies make room first where that is safe."""
+               log: Callable[[str], None]) -> tuple[int, int]:
+    """StateError before a save that will not fit; policies make room first where that is safe.
+    Returns (free bytes, bytes needed) when the save fits."""
     ckpt_dir = Path(run_dir) / CHECKPOINTS
     found = checkpoints(run_dir)
     base = size_of(found[-1]) if found else estimate()  # the state's size: only before the first checkpoint
     needed = int(base * (1 + MARGIN)) + (64 << 10)
     free = free_bytes(ckpt_dir)
     if free >= needed:
-        return
+        return free, needed
     for policy in policies:
         if free >= needed:
             break
         policy.make_room(needed, free)
         free = free_bytes(ckpt_dir)
     if free >= needed:
-        return
+        return free, needed
     found = checkpoints(run_dir)
     shortfall = needed - free
     what = (f"the newest checkpoint ({found[-1].name}, {human(size_of(found[-1]))})" if found else

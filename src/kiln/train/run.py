@@ -34,6 +34,8 @@ from kiln.model.registry import flops_per_token, param_count
 from kiln.monitor.plots import PlotAtEnd
 from kiln.monitor.profile import ProfileWindow
 from kiln.monitor.sinks import ConsoleSink, JsonlSink, enabled_sinks
+from kiln.monitor.watchers import RunWatchers
+from kiln.plan.memory import checkpoint_bytes
 from kiln.state.callback import CheckpointEvery
 from kiln.state.checkpointer import Checkpointer
 from kiln.state.lora_base import KEY as BASE_KEY
@@ -193,7 +195,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
 
     checkpointer = Checkpointer(run_dir, cfg, prints, console.print)
     guard = SignalGuard(console.print, checkpointer.control_group) if cfg.checkpoint.on_signal else None
-    extra, callbacks = list(callbacks), [EvalEvery(tcfg.eval_every)]
+    # kiln.monitor: readings and warnings, hang watch; first (and last) among the callbacks
+    plain = partial(console.print, markup=False, highlight=False)  # a message may hold brackets ('kiln[gpu]')
+    watchers = RunWatchers(cfg, run_dir, device, checkpoint_bytes(n_params), mesh.rank, plain)
+    extra, callbacks = list(callbacks), [*watchers.first, EvalEvery(tcfg.eval_every)]
     if cfg.recovery.rollback:  # kiln.train.rollback: bad steps undone from the memory snapshots
         callbacks.insert(0, Rollback(cfg.recovery, checkpointer.snapshots, cfg.checkpoint.snapshot_every))
     if cfg.logging.console and mesh.rank == 0:  # kiln.dist: rank 0 writes console and metrics
@@ -205,13 +210,13 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
                                    run_dir / "metrics.jsonl" if cfg.logging.jsonl and mesh.rank == 0 else None))
     if cfg.logging.plots and cfg.logging.jsonl and mesh.rank == 0:
         callbacks.append(PlotAtEnd(run_dir, console.print))
-    plain = partial(console.print, markup=False, highlight=False)
     if cfg.profile.steps and mesh.rank == 0:
         callbacks.append(ProfileWindow(cfg.profile, run_dir, plain))
-    callbacks += [*extra, CheckpointEvery(checkpointer, guard)]  # last: a checkpoint sees its step's eval
+    callbacks += [*extra, CheckpointEvery(checkpointer, guard), *watchers.last]  # a checkpoint sees its eval
     trainer = Trainer(cfg, model, train_loader, val_loader, device, callbacks,
                       flops_per_token=flops, mesh=mesh, micro_batch=micro)
     end.trainer = trainer
+    watchers.attach(trainer, checkpointer, plain)
     trainer.events.log = plain  # a failing sink is reported here
     if val_loader is not None:  # bytes of text per token id: validation reports bits per byte
         trainer.token_bytes = torch.from_numpy(token_byte_lengths(tok, cfg.model.vocab_size)).to(device)
@@ -232,7 +237,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     first = (trainer.last_eval or trainer.evaluate()) if resume_from is not None else trainer.evaluate()
     stops.during, stops.then = "during training", f"the last complete checkpoint is kept; resume with: kiln " \
                                                    f"train {run_dir}"
-    final = train_guarded(trainer, checkpointer, guard, run_dir, console.print)
+    try:
+        final = train_guarded(trainer, checkpointer, guard, run_dir, console.print)
+    finally:
+        watchers.close()
     if final is None:  # preempted: the checkpoint is written, nothing else to do
         return run_dir
     if final:

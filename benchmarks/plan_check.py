@@ -1,0 +1,120 @@
+"""`kiln plan` against real runs: predicted peak memory and tokens/s beside what `kiln train` measures.
+
+    python benchmarks/plan_check.py --presets gpu-124m,gpu-1b,gpu-3b --steps 30 --out benchmarks/results/plan.md
+
+For each preset it asks the planner (kiln.plan.make_plan, for this machine's GPU), then trains the preset for
+`--steps` steps in this process through `kiln.train.run.run` (the preset's data, compile and AC as configured;
+no evaluation, no checkpoint), reading torch.cuda.max_memory_allocated and max_memory_reserved at the end
+of training (the meter resets them when training starts) and the median logged tokens/s after the first
+third of the steps (compilation excluded). It prints a table with the errors (goal: peak within 10%,
+tokens/s within 15%) and appends it, with the card and the date, to --out.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
+
+import argparse
+import gc
+import json
+import statistics
+import tempfile
+import time
+
+
+class _Done(Exception):
+    """Raised at the end of training to skip the final checkpoint and model save (not measured here)."""
+
+
+def measure(preset: str, steps: int, extra: list[str], root: Path) -> dict:
+    import torch
+
+    from kiln.config import load_config
+    from kiln.events import Callback
+    from kiln.plan import make_plan
+    from kiln.plan.gpus import local_device
+    from kiln.train.run import run
+
+    overrides = [f"train.run_dir={root / preset}", f"train.max_steps={steps}", "train.eval_every=0",
+                 "train.sample_tokens=0", "logging.every=5", "checkpoint.every=0", "checkpoint.on_signal=false",
+                 "checkpoint.save_final=false", *extra]
+    cfg = load_config(preset, overrides)
+    gpu, _ = local_device(None, "cuda")
+    plan = make_plan(cfg, 1, gpu)
+    seen: dict = {"tps": []}
+
+    class Probe(Callback):
+        def on_step_end(self, trainer, metrics):
+            if metrics and trainer.step > steps // 3:
+                seen["tps"].append(metrics["tokens_per_s"])
+
+        def on_train_end(self, trainer, metrics):
+            seen["allocated"] = torch.cuda.max_memory_allocated()
+            seen["reserved"] = torch.cuda.max_memory_reserved()
+            raise _Done
+
+    t0 = time.perf_counter()
+    try:
+        run(cfg, callbacks=[Probe()])
+    except _Done:
+        pass
+    wall = time.perf_counter() - t0
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    tps = statistics.median(seen["tps"])
+    return {"preset": preset, "batch": cfg.train.batch_size, "ac": cfg.train.activation_checkpointing,
+            "predicted_gib": plan.memory.peak / 2**30, "allocated_gib": seen["allocated"] / 2**30,
+            "reserved_gib": seen["reserved"] / 2**30, "predicted_tps": plan.tokens_per_s, "tps": tps,
+            "mem_error": plan.memory.peak / seen["allocated"] - 1, "tps_error": plan.tokens_per_s / tps - 1,
+            "max_batch": plan.max_batch, "wall_s": round(wall, 1)}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| preset | batch | AC | peak predicted GiB | allocated GiB | reserved GiB | error | tokens/s predicted "
+             "| tokens/s measured | error | plan's largest batch |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['preset']} | {r['batch']} | {r['ac']} | {r['predicted_gib']:.1f} "
+                     f"| {r['allocated_gib']:.1f} | {r['reserved_gib']:.1f} | {r['mem_error']:+.1%} "
+                     f"| {r['predicted_tps']:,.0f} | {r['tps']:,.0f} | {r['tps_error']:+.1%} | {r['max_batch']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--presets", default="gpu-124m,gpu-1b,gpu-3b")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--set", action="append", default=[], help="extra KEY=VALUE override for every run")
+    ap.add_argument("--out", default=None, help="markdown file to append the results to")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    import torch
+
+    card = torch.cuda.get_device_name()
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in args.presets.split(","):
+            rows.append(measure(preset, args.steps, args.set, Path(tmp)))
+            print(json.dumps(rows[-1]), flush=True)
+    text = table(rows)
+    ok = all(abs(r["mem_error"]) <= 0.10 and abs(r["tps_error"]) <= 0.15 for r in rows)
+    print(text)
+    print("goal (peak within 10%, tokens/s within 15%):", "met" if ok else "NOT met")
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(f"\n## {card}, {date}\n\n- Command: `python benchmarks/plan_check.py --presets {args.presets} "
+                    f"--steps {args.steps}" + "".join(f" --set {s}" for s in args.set) + f"`\n- torch "
+                    f"{torch.__version__}; `kiln train` of each preset in one process; peak = "
+                    "torch.cuda.max_memory_allocated over the training steps; tokens/s = median logged after the "
+                    f"first third of the steps\n- goal met: {'yes' if ok else 'no'}\n\n{text}\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"card": card, "date": date, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

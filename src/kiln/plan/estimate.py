@@ -1,0 +1,248 @@
+"""The plan of a run: memory per device, the largest micro-batch that fits, speed, time and disk.
+
+    plan = make_plan(cfg, gpus=4, gpu=GPUS["a100"])
+
+No torch: it reads the config, the model's closed forms (kiln.model.registry), the memory model
+(memory.py) and the tables of gpus.py. Numbers are estimates; `basis` fields say what each rests on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.config import ModelConfig, RunConfig
+from kiln.model.registry import flops_per_token, param_count
+from kiln.plan.gpus import GIB, Gpu, MfuEstimate, estimate_mfu
+from kiln.plan.memory import Layout, Lora, Memory, checkpoint_bytes, lora_params, peak_memory
+
+FRAGMENTATION = 0.05  # the caching allocator reserves a little more than the peak it hands out
+CONTEXT = 1 * GIB  # CUDA context, NCCL and cuBLAS workspaces: outside PyTorch's count
+CPU_SHARE = 0.8  # of the RAM, on the CPU: the rest for the OS, the loader and the checkpoint copy
+MAX_BATCH = 1 << 16
+DDP_FIT = 0.5  # kiln.dist.parallelize.FIT_FRACTION: 'auto' picks ddp when 16 N fits this share of a device
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to lay out the run, with what it costs."""
+
+    strategy: str  # single, ddp, fsdp, fsdp+offload
+    ac: str
+    memory: Memory  # at the configured micro-batch
+    fits: bool
+    max_batch: int  # largest micro-batch that fits (0: none)
+    tokens_per_s: float | None  # of the whole job, at the configured micro-batch
+
+
+@dataclass
+class Plan:
+    cfg: RunConfig
+    model: ModelConfig  # with the vocabulary resolved
+    gpu: Gpu
+    gpus: int
+    n_params: int
+    flops_per_token: float
+    layout: Layout
+    bf16: bool
+    batch: int  # the micro-batch planned: train.batch_size
+    memory: Memory  # per device, at that micro-batch
+    capacity: int  # bytes a device may hold (peak incl. allocator and context must stay under)
+    fits: bool
+    max_batch: int
+    mfu: MfuEstimate | None
+    tokens_per_s: float | None
+    tokens_per_step: int
+    seconds: float | None  # to train.max_steps
+    checkpoint: int  # bytes of one checkpoint
+    run_disk: int  # bytes the run directory may reach: keep_last + 1 checkpoints during a save, the model
+    host_per_process: int  # CPU memory per process: offloaded state, pinned checkpoint copy, snapshots
+    host_parts: list[str] = field(default_factory=list)
+    lora: Lora | None = None
+    options: list[Option] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def resolve_model(cfg: RunConfig, notes: list[str]) -> ModelConfig:
+    """The model section with init_from read and the vocabulary size known."""
+    m = cfg.model
+    if m.init_from:
+        from kiln.model.hf_import import resolve_init_from
+
+        m = resolve_init_from(m)
+    if m.vocab_size is None:
+        vocab = _tokenizer_vocab(cfg.data.tokenizer)
+        if vocab is None:
+            vocab = cfg.data.vocab_size
+            if cfg.data.tokenizer:
+                notes.append(f"vocabulary of {cfg.data.tokenizer} not read; assumed data.vocab_size={vocab}")
+        m = m.model_copy(update={"vocab_size": -(-vocab // 64) * 64})
+    return m
+
+
+def _tokenizer_vocab(path: str | None) -> int | None:
+    if not path:
+        return None
+    p = Path(path).expanduser()
+    p = p / "tokenizer.json" if p.is_dir() else p
+    try:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(p)).get_vocab_size()
+    except Exception:  # noqa: BLE001 - a plan goes on with the configured size
+        return None
+
+
+def layout_for(cfg: RunConfig, gpus: int, n_params: int, memory: int, strategy: str | None = None,
+               offload: bool | None = None) -> Layout:
+    """The layout `kiln train` picks for `gpus` processes (kiln.dist.parallelize.choose_strategy)."""
+    d = cfg.dist
+    offload = d.cpu_offload if offload is None else offload
+    if gpus <= 1:
+        return Layout("single")
+    strategy = strategy or d.strategy
+    if strategy == "auto":
+        strategy = "fsdp" if offload or d.sharding != "full" or 16 * n_params > DDP_FIT * memory else "ddp"
+    if strategy == "ddp":
+        return Layout("ddp")
+    shard = gpus
+    if d.sharding == "hybrid":
+        replicas = d.replicas or max(1, -(-gpus // 8))
+        shard = max(1, gpus // replicas)
+    return Layout("fsdp", shard, d.sharding, offload)
+
+
+def capacity_of(gpu: Gpu) -> int:
+    return int(gpu.memory * CPU_SHARE) if gpu.key == "cpu" else gpu.memory
+
+
+def needs(mem: Memory, gpu: Gpu) -> int:
+    """Bytes of the device a step with this peak takes: the peak plus allocator slack and the context."""
+    return mem.peak if gpu.key == "cpu" else int(mem.peak * (1 + FRAGMENTATION)) + CONTEXT
+
+
+def largest_batch(fits_at) -> int:
+    """The largest micro-batch b with fits_at(b) (monotone), 0 if even 1 does not fit."""
+    if not fits_at(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= MAX_BATCH and fits_at(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
+    return lo
+
+
+def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
+    notes: list[str] = []
+    m = resolve_model(cfg, notes)
+    t = cfg.train
+    n = param_count(m)
+    fpt = flops_per_token(m, t.seq_len)
+    bf16 = t.precision == "bf16" or (t.precision == "auto" and gpu.key != "cpu")
+    compiled = t.compile
+    cap = capacity_of(gpu)
+    lora = Lora(cfg.lora.rank, tuple(cfg.lora.targets), 2 if cfg.lora.base_dtype == "bf16" else 4) \
+        if cfg.lora.rank else None
+    trained = lora_params(m, lora) if lora else n
+    if lora:
+        notes.append(f"LoRA rank {lora.rank} on {', '.join(lora.targets)}: {trained / 1e6:.1f}M trainable parameters "
+                     f"({trained / n:.2%}); the frozen base in {cfg.lora.base_dtype}; speed assumes 2/3 of the FLOPs "
+                     "of full training (no weight gradients for the base): an estimate")
+    layout = layout_for(cfg, gpus, trained if lora else n, gpu.memory)
+
+    def mem(batch: int, ac: str, lay: Layout) -> Memory:
+        return peak_memory(m, t.seq_len, batch, ac, compiled, bf16, lay, lora)
+
+    def fit(ac: str, lay: Layout):
+        return lambda b: needs(mem(b, ac, lay), gpu) <= cap
+
+    def speed(ac: str, lay: Layout) -> tuple[MfuEstimate | None, float | None]:
+        if gpu.peak_flops is None:
+            return None, None
+        est = estimate_mfu(gpu.key, n, ac, compiled and gpu.key != "cpu", gpus, lay.offload)
+        return est, est.mfu * gpu.peak_flops * gpus / fpt * (1.5 if lora else 1.0)
+
+    max_batch = largest_batch(fit(t.activation_checkpointing, layout))
+    batch = t.batch_size
+    if not isinstance(batch, int):  # 'auto': the largest micro-batch that fits, as the search would find it
+        notes.append(f"train.batch_size={batch}: planned at the largest micro-batch that fits, {max_batch}")
+        batch = max(1, max_batch)
+    memory = mem(batch, t.activation_checkpointing, layout)
+    fits = needs(memory, gpu) <= cap
+    mfu, tps = speed(t.activation_checkpointing, layout)
+    tokens_per_step = batch * t.seq_len * t.grad_accum * max(1, gpus)
+    seconds = t.max_steps * tokens_per_step / tps if tps else None
+    ckpt = checkpoint_bytes(trained)  # with LoRA the adapters only: the base is referenced by its hash
+    shard = max(1, layout.shard)
+    parts = {"offloaded state": memory.host,
+             "the pinned copy async checkpoints write from": cfg.checkpoint.async_save * 12 * trained // shard,
+             "the in-memory snapshot": (cfg.checkpoint.snapshot_every > 0) * 12 * trained // shard}
+    host = sum(parts.values())
+    plan = Plan(cfg, m, gpu, gpus, n, fpt, layout, bf16, batch, memory, cap, fits, max_batch, mfu, tps, tokens_per_step,
+                seconds, ckpt, (cfg.checkpoint.keep_last + 1) * ckpt + 4 * trained, int(host),
+                host_parts=[k for k, v in parts.items() if v], lora=lora, notes=notes)
+
+    layouts = [layout] if gpus <= 1 else [layout_for(cfg, gpus, n, gpu.memory, s, o) for s, o in
+                                          (("ddp", False), ("fsdp", False), ("fsdp", True))]
+    for lay in dict.fromkeys(layouts):
+        for ac in ("none", "selective", "full"):
+            mm = mem(batch, ac, lay)
+            name = lay.strategy + ("+offload" if lay.offload else "") + \
+                (f" {lay.sharding}" if lay.strategy == "fsdp" and lay.sharding != "full" else "")
+            plan.options.append(Option(name, ac, mm, needs(mm, gpu) <= cap, largest_batch(fit(ac, lay)),
+                                       speed(ac, lay)[1]))
+    _advise(plan, fit)
+    return plan
+
+
+def _advise(plan: Plan, fit) -> None:
+    """Warnings and suggestions: what does not fit, and what would."""
+    cfg, t, gpu = plan.cfg, plan.cfg.train, plan.gpu
+    where = f"{plan.gpus} x {gpu.key}" if plan.gpus > 1 else gpu.key
+    if plan.gpus <= 1 and cfg.dist.cpu_offload:
+        plan.notes.append("dist.cpu_offload applies to several processes under FSDP; one process keeps all on "
+                          "the device")
+    if plan.fits:
+        if plan.max_batch > plan.batch * 2:
+            plan.notes.append(f"micro-batch {plan.max_batch} would fit (train.batch_size={plan.batch})")
+        return
+    need = needs(plan.memory, gpu)
+    plan.warnings.append(f"does not fit: a step at train.batch_size={plan.batch} needs about {need / GIB:.1f} GiB "
+                         f"per device, {where} has {plan.capacity / GIB:.1f} GiB")
+    fitting = [o for o in plan.options if o.max_batch > 0]
+    if plan.max_batch:
+        g = plan.batch * t.grad_accum
+        b = plan.max_batch
+        while g % b:
+            b -= 1
+        plan.warnings.append(f"fits with train.batch_size={b} train.grad_accum={g // b} (the same global batch)")
+    elif fitting:
+        best = max(fitting, key=lambda o: (o.tokens_per_s or 0, o.max_batch))
+        plan.warnings.append(f"fits with {best.strategy}, activation_checkpointing={best.ac}, micro-batch up to "
+                             f"{best.max_batch}")
+    if not plan.max_batch and plan.lora is None:
+        lora = Lora(16, ("all",), 2)
+        mem = peak_memory(plan.model, t.seq_len, 1, "full", t.compile, plan.bf16, plan.layout, lora)
+        if needs(mem, gpu) <= plan.capacity:
+            plan.warnings.append("LoRA fits: lora.rank=16 lora.targets=[all] train.activation_checkpointing=full "
+                                 "train.batch_size=1 (continued pretraining of a frozen bf16 base)")
+    if not plan.max_batch and not fitting:
+        for more in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+            if more <= plan.gpus:
+                continue
+            for ac in ("selective", "full"):
+                lay = layout_for(plan.cfg, more, plan.n_params, gpu.memory, "fsdp", False)
+                if fit_more(plan, more, ac, lay):
+                    plan.warnings.append(f"the smallest that fits: {more} x {gpu.key} with FSDP and activation_"
+                                         f"checkpointing={ac} (kiln train --nproc {more} dist.strategy=fsdp)")
+                    return
+        plan.warnings.append(f"no layout of up to 1024 x {gpu.key} fits this model")
+
+
+def fit_more(plan: Plan, gpus: int, ac: str, lay: Layout) -> bool:
+    t = plan.cfg.train
+    mem = peak_memory(plan.model, t.seq_len, 1, ac, t.compile, plan.bf16, lay, plan.lora)
+    return needs(mem, plan.gpu) <= plan.capacity

@@ -1,0 +1,203 @@
+"""Peak memory of one training process, from the model's shape and the run's settings (no torch).
+
+Where the bytes go, per process, for AdamW with fp32 master weights:
+
+    weights 4 N, gradients 4 N, AdamW moments 8 N     divided by the shard count under FSDP; on the
+                                                      CPU instead with dist.cpu_offload
+    compute copies of the weights                     bf16 casts autocast saves for the backward pass
+                                                      (no AC), or FSDP's gathered blocks
+    activations   tokens x (layers x per-layer + rest) what the backward pass needs, by AC mode
+    loss buffers                                      one chunk of logits and its gradient, the output
+                                                      projection's gradient (kiln.model.loss)
+
+The peak is the larger of two moments: the end of the forward pass (every activation alive, no
+gradient yet: optimizer.zero_grad sets them to None) and the end of the backward pass (every
+gradient alive, the activations gone).
+
+Activation bytes per layer and token, e = bytes of an activation element (2 under bf16, 4 in fp32),
+d = d_model, q = n_heads x head_dim, kv = n_kv_heads x head_dim, h = the MLP's hidden width, H = heads:
+
+    compiled (torch.compile keeps what the backward pass needs and recomputes elementwise ops):
+      none       e (4d + 2q + 2kv + 3h) + 4H    block input, both norm outputs, the residual after
+                                                attention; q, k, v and the attention output; the
+                                                MLP's gate, up and their product; the softmax
+                                                log-sum-exp in fp32
+      selective  e (2d + 2q + 2kv + 2h) + 4H    the outputs of the matrix products and attention
+      full       e d                            each block's input (one block is recomputed at a time)
+    eager (measured exactly on the CPU with saved-tensor hooks: tests/unit/plan/test_memory.py):
+      none       2 (4d + 2ed) + 8 + e (2q + 2kv + 4h) + 4H   each RMSNorm keeps its input in fp32
+      selective  e (3d + 2q + 2kv + 2h) + 4H
+      full       e d
+
+The compiled coefficients were fitted to peak memory measured on an H100 (benchmarks/results/
+throughput.md: 124m, 350m at two batch sizes, 1b; 3b with selective and full AC) and reproduce
+those six numbers within 3%. A gateless MLP (relu2) keeps one h less in each mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.config import ModelConfig
+from kiln.model.registry import param_count
+
+LOGIT_CHUNK = 2**28  # kiln.model.loss.CHUNK_ELEMENTS: logits of one chunk of rows
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the state of a run is laid over its processes."""
+
+    strategy: str = "single"  # single, ddp or fsdp
+    shard: int = 1  # processes one copy of the state is split over (FSDP), else 1
+    sharding: str = "full"  # FSDP: full, grad_op or hybrid
+    offload: bool = False  # FSDP: parameters, gradients and optimizer state in CPU memory
+
+
+@dataclass(frozen=True)
+class Lora:
+    """Low-rank adapters (the lora: section): a frozen base in `base_bytes` per weight, adapters of `rank` on
+    the `targets` (q, k, v, o, gate, up, down) trained in fp32 with AdamW."""
+
+    rank: int
+    targets: tuple[str, ...]
+    base_bytes: int = 2
+
+
+def lora_params(m: ModelConfig, lora: Lora) -> int:
+    """Trainable parameters of the adapters: rank x (in + out) for each target layer of every block."""
+    d, q, kv, h = m.d_model, m.n_heads * m.head_dim, m.kv_heads * m.head_dim, m.mlp_hidden
+    shapes = {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "up": (d, h), "down": (h, d)}
+    if m.mlp == "swiglu":
+        shapes["gate"] = (d, h)
+    names = shapes if "all" in lora.targets else [t for t in lora.targets if t in shapes]
+    return m.n_layers * sum(lora.rank * sum(shapes[t]) for t in names)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on one device at the peak of a step, by what holds them."""
+
+    weights: int
+    grads: int
+    optimizer: int
+    compute_weights: int  # bf16 copies or gathered FSDP units, at the end of the forward pass
+    activations: int
+    loss: int  # loss buffers and the last norm, at the end of the forward pass
+    backward: int  # what exists only at the end of the backward pass besides gradients
+    peak: int
+    phase: str  # "forward" or "backward": when the peak comes
+    host: int  # bytes of CPU memory per process for offloaded state (0 without offload)
+
+
+def layer_params(m: ModelConfig) -> int:
+    """Parameters of one transformer block."""
+    no_layers = m.model_copy(update={"n_layers": 0})
+    return (param_count(m) - param_count(no_layers)) // m.n_layers
+
+
+def act_per_layer_token(m: ModelConfig, ac: str, compiled: bool, e: int) -> int:
+    """Activation bytes one block keeps per token for the backward pass (see the module doc)."""
+    d, q, kv, h, H = m.d_model, m.n_heads * m.head_dim, m.kv_heads * m.head_dim, m.mlp_hidden, m.n_heads
+    gated = m.mlp == "swiglu"
+    if ac == "full":
+        return e * d
+    if ac == "selective":
+        return e * ((2 if compiled else 3) * d + 2 * q + 2 * kv + (2 if gated else 1) * h) + 4 * H
+    if compiled:
+        return e * (4 * d + 2 * q + 2 * kv + (3 if gated else 2) * h) + 4 * H
+    return 2 * (4 * d + 2 * e * d) + 8 + e * (2 * q + 2 * kv + (4 if gated else 2) * h) + 4 * H
+
+
+def loss_rest_per_token(m: ModelConfig, e: int) -> int:
+    """Per token outside the blocks: the final norm's input (fp32) and output, the gradient of the hidden
+    states the loss computes in its forward pass, token and target ids."""
+    return 4 * m.d_model + 2 * e * m.d_model + 20
+
+
+def loss_chunk_bytes(m: ModelConfig, tokens: int, compiled: bool, e: int, bf16: bool) -> int:
+    """One chunk of logits and its gradient (the compiled kernel; eager adds fp32 temporaries), plus the
+    output projection's fp32 gradient, its compute copy and one product's result."""
+    v = m.vocab_size or 0
+    rows = min(tokens, max(256, (LOGIT_CHUNK // max(v, 1)) // 256 * 256))
+    # compiled kernel: the logits and their gradient; eager: also the fp32 copy, the one-hot, exp and a temporary
+    per_logit = 2 * e if compiled else e + (4 if e < 4 else 0) + 12
+    return rows * v * per_logit + v * m.d_model * (4 + e + (2 if bf16 else 0))
+
+
+def activation_bytes(m: ModelConfig, tokens: int, ac: str, compiled: bool, e: int) -> int:
+    return tokens * (m.n_layers * act_per_layer_token(m, ac, compiled, e) + loss_rest_per_token(m, e))
+
+
+def state_bytes(n: int, layout: Layout) -> tuple[int, int, int]:
+    """(weights, gradients, AdamW moments) of one process, on its device (0s under CPU offload)."""
+    if layout.offload:
+        return 0, 0, 0
+    s = max(1, layout.shard)
+    return -(-4 * n // s), -(-4 * n // s), -(-8 * n // s)
+
+
+def compute_weight_bytes(m: ModelConfig, n: int, ac: str, bf16: bool, layout: Layout) -> int:
+    """Copies of the weights in the compute dtype alive at the end of the forward pass."""
+    p, w = layer_params(m), (2 if bf16 else 4)
+    if layout.strategy == "fsdp":
+        if layout.sharding == "grad_op" and not layout.offload:
+            return w * n  # gathered from forward to backward
+        root = (m.vocab_size or 0) * m.d_model * (1 if m.tie_embeddings else 2)
+        return w * (root + 2 * p)  # the root unit (embeddings) and a block with the next one prefetched
+    return 2 * m.n_layers * p if bf16 and ac == "none" else 0  # autocast's bf16 casts, kept for the backward
+
+
+def backward_bytes(m: ModelConfig, tokens: int, ac: str, compiled: bool, e: int, bf16: bool,
+                   layout: Layout) -> int:
+    """Besides the gradients, at the end of the backward pass: the gradient flowing through the residual
+    stream, the block being recomputed (AC), FSDP's unsharded gradients of a block or two."""
+    p = layer_params(m)
+    out = 2 * e * m.d_model * tokens
+    if ac == "full":
+        out += tokens * act_per_layer_token(m, "none", compiled, e) + (2 * p if bf16 else 0)
+    elif ac == "selective":
+        out += tokens * (act_per_layer_token(m, "none", compiled, e) - act_per_layer_token(m, "selective", compiled, e))
+    if layout.strategy == "fsdp":
+        out += 2 * p * ((2 if bf16 else 4) + 4)
+    return out
+
+
+def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", compiled: bool = True,
+                bf16: bool = True, layout: Layout = Layout(), lora: Lora | None = None) -> Memory:
+    """Peak bytes on one device of a training step with micro-batch `batch` (see the module doc).
+
+    With `lora`, only the adapters have gradients and AdamW state; the frozen base takes lora.base_bytes
+    a weight (no compute copies when that is bf16), and each block keeps the adapters' rank-wide
+    intermediate outputs besides its usual activations."""
+    n = param_count(m)
+    tokens = seq_len * batch
+    e = 2 if bf16 else 4
+    weights, grads, optim = state_bytes(n, layout)
+    compute = compute_weight_bytes(m, n, ac, bf16, layout)
+    acts = activation_bytes(m, tokens, ac, compiled, e)
+    if lora is not None:
+        s, trained = max(1, layout.shard), lora_params(m, lora)
+        _, grads, optim = state_bytes(trained, layout)
+        weights = 0 if layout.offload else -(-(lora.base_bytes * n + 4 * trained) // s)
+        if lora.base_bytes == 2 and layout.strategy != "fsdp":
+            compute = 0  # the base is already in the compute dtype
+        if ac != "full":
+            targets = 7 if "all" in lora.targets else len(lora.targets)
+            acts += tokens * m.n_layers * e * lora.rank * targets
+    loss = loss_chunk_bytes(m, tokens, compiled, e, bf16)
+    back = backward_bytes(m, tokens, ac, compiled, e, bf16, layout)
+    forward_end = weights + optim + compute + acts + loss
+    backward_end = weights + optim + grads + back
+    if not compiled and layout.strategy != "fsdp":
+        backward_end += compute  # eager: autocast's cache of bf16 copies lives until the autocast block ends
+    peak, phase = max((forward_end, "forward"), (backward_end, "backward"))
+    state = 16 * n if lora is None else lora.base_bytes * n + 16 * lora_params(m, lora)
+    host = -(-state // max(1, layout.shard)) if layout.offload else 0
+    return Memory(weights, grads, optim, compute, acts, loss, back, peak, phase, host)
+
+
+def checkpoint_bytes(n: int) -> int:
+    """A resumable checkpoint: fp32 weights and AdamW's two fp32 moments (12 bytes a parameter; the 1b
+    state measured 13.2 GB in benchmarks/results/checkpoint.md), plus small JSON parts."""
+    return 12 * n + (1 << 20)

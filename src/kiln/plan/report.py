@@ -1,0 +1,107 @@
+"""`kiln plan`'s output: the plan as rich tables."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from kiln.plan.estimate import CONTEXT, FRAGMENTATION, Plan, needs
+from kiln.plan.gpus import GIB
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.0f} MB"
+
+
+def _where(plan: Plan) -> str:
+    g = plan.gpu
+    if g.key == "cpu":
+        return f"the CPU ({g.memory / GIB:.0f} GiB RAM)"
+    peak = f", {g.peak_flops / 1e12:.0f} TFLOP/s bf16" if g.peak_flops else ""
+    return f"{plan.gpus} x {g.key} ({g.name}, {g.memory / GIB:.1f} GiB{peak})"
+
+
+def _layout(plan: Plan) -> str:
+    lay = plan.layout
+    if lay.strategy == "single":
+        return "one process"
+    if lay.strategy == "ddp":
+        return f"DDP over {plan.gpus} processes"
+    how = {"full": "full sharding", "grad_op": "grad_op sharding", "hybrid": "hybrid sharding"}[lay.sharding]
+    return f"FSDP, {how} over {lay.shard} processes" + (", CPU offload" if lay.offload else "")
+
+
+def render(plan: Plan, console: Console) -> None:
+    t, m, mem = plan.cfg.train, plan.model, plan.memory
+    precision = "bf16 autocast" if plan.bf16 else "fp32"
+    console.print(f"[bold]kiln plan[/] on {_where(plan)}", highlight=False)
+    size = f"{plan.n_params / 1e9:.2f}B" if plan.n_params >= 1e9 else f"{plan.n_params / 1e6:.1f}M"
+    console.print(f"model: {size} parameters ({m.n_layers} layers, d={m.d_model}, "
+                  f"vocab {m.vocab_size}); {plan.flops_per_token / 1e9:.2f} GFLOP per token at sequence "
+                  f"{t.seq_len}", highlight=False)
+    console.print(f"run: {_layout(plan)}, {precision}, compile {'on' if t.compile else 'off'}, activation "
+                  f"checkpointing {t.activation_checkpointing}; micro-batch {plan.batch} x accumulation "
+                  f"{t.grad_accum} x {plan.gpus} = {plan.tokens_per_step:,} tokens a step", highlight=False)
+
+    table = Table(title=f"memory per device at micro-batch {plan.batch}", title_justify="left")
+    table.add_column("what")
+    table.add_column("GiB", justify="right")
+    shard = f" (1/{plan.layout.shard})" if plan.layout.shard > 1 else ""
+    where = " on the CPU" if plan.layout.offload else ""
+    kind = f"{plan.cfg.lora.base_dtype} base, fp32 adapters" if plan.lora else "fp32"
+    trained = " of the adapters" if plan.lora else ""
+    rows = [(f"weights, {kind}" + shard + where, mem.weights or mem.host * 4 // 16),
+            (f"gradients{trained}, fp32" + shard + where, mem.grads or mem.host * 4 // 16),
+            (f"AdamW moments{trained}, fp32" + shard + where, mem.optimizer or mem.host * 8 // 16),
+            ("compute copies of the weights", mem.compute_weights),
+            (f"activations (AC {t.activation_checkpointing})", mem.activations),
+            ("loss buffers", mem.loss)]
+    for what, n in rows:
+        table.add_row(what, gib(n))
+    table.add_row(f"peak (end of the {mem.phase} pass)", gib(mem.peak), style="bold")
+    table.add_row(f"+{FRAGMENTATION:.0%} allocator, +{CONTEXT / GIB:.0f} GiB context" if plan.gpu.key != "cpu"
+                  else "needed", gib(needs(mem, plan.gpu)))
+    table.add_row("available" + (" (80% of RAM)" if plan.gpu.key == "cpu" else ""), gib(plan.capacity))
+    console.print(table)
+    fit = "[green]fits[/]" if plan.fits else "[red]does not fit[/]"
+    console.print(f"{fit}; largest micro-batch that fits: {plan.max_batch or 'none'}")
+    if plan.tokens_per_s:
+        console.print(f"speed: about {plan.tokens_per_s:,.0f} tokens/s ({plan.mfu.mfu:.1%} MFU: {plan.mfu.basis}); "
+                      f"train.max_steps={t.max_steps:,} take about {duration(plan.seconds)}", highlight=False)
+    else:
+        console.print("speed: no estimate on the CPU (no measured table); run a few steps and read tokens_per_s")
+    console.print(f"disk: {gb(plan.checkpoint)} per checkpoint; the run directory reaches about "
+                  f"{gb(plan.run_disk)} (checkpoint.keep_last={plan.cfg.checkpoint.keep_last}, one more while a "
+                  "save is written, and the final model)", highlight=False)
+    if plan.host_per_process:
+        console.print(f"host memory: {gb(plan.host_per_process)} per process ({', '.join(plan.host_parts)})",
+                      highlight=False)
+
+    opts = Table(title=f"options at micro-batch {plan.batch}", title_justify="left")
+    for col, just in (("layout", "left"), ("AC", "left"), ("peak GiB", "right"), ("fits", "left"),
+                      ("largest micro-batch", "right"), ("tokens/s", "right")):
+        opts.add_column(col, justify=just)
+    for o in plan.options:
+        current = o.ac == t.activation_checkpointing and o.memory == mem
+        opts.add_row(o.strategy, o.ac, gib(o.memory.peak), "yes" if o.fits else "no", str(o.max_batch or "-"),
+                     f"{o.tokens_per_s:,.0f}" if o.tokens_per_s else "-", style="bold" if current else None)
+    console.print(opts)
+    for note in plan.notes:
+        console.print(f"note: {escape(note)}", highlight=False)
+    for w in plan.warnings:
+        console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)

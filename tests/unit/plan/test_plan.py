@@ -1,0 +1,105 @@
+"""The plan: fits and suggestions, speed from the measured table, the CLI's output and errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kiln.config import load_config
+from kiln.errors import ConfigError
+from kiln.plan import make_plan
+from kiln.plan.estimate import largest_batch, layout_for
+from kiln.plan.gpus import GPUS, gpu_for_name, local_device
+
+
+def test_the_1b_preset_on_an_h100_matches_what_was_measured():
+    plan = make_plan(load_config("gpu-1b"), 1, GPUS["h100"])
+    assert plan.fits and plan.max_batch > plan.cfg.train.batch_size
+    assert plan.tokens_per_s == pytest.approx(71_170, rel=0.05)  # throughput.md: 1b batch 8 on an H100
+    assert plan.checkpoint == pytest.approx(13.2e9, rel=0.01)  # checkpoint.md: the 1b state, 13.2 GB
+    assert plan.seconds == pytest.approx(20_000 * 65_536 / plan.tokens_per_s)
+    assert "measured on this card" in plan.mfu.basis
+
+
+def test_8b_on_one_rtx4090_does_not_fit_and_says_what_would():
+    plan = make_plan(load_config("gpu-1b", ["model.size=8b"]), 1, GPUS["rtx4090"])
+    assert not plan.fits and plan.max_batch == 0
+    assert any("does not fit" in w for w in plan.warnings)
+    assert any("the smallest that fits" in w and "rtx4090" in w for w in plan.warnings)
+    assert "H100 measurements" in plan.mfu.basis  # no measurement on that card: it says so
+
+
+def test_8b_on_four_a100s_shards_and_keeps_the_global_batch():
+    cfg = load_config("gpu-1b", ["model.size=8b"])
+    plan = make_plan(cfg, 4, GPUS["a100"])
+    assert plan.layout.strategy == "fsdp" and plan.layout.shard == 4
+    assert 0 < plan.max_batch < 8 and not plan.fits
+    hint = next(w for w in plan.warnings if "the same global batch" in w)
+    b, accum = (int(part.split("=")[1]) for part in hint.split()[2:4])
+    assert b <= plan.max_batch and b * accum == 8 * 4
+    assert {o.strategy for o in plan.options} == {"ddp", "fsdp", "fsdp+offload"}
+    assert any(o.fits for o in plan.options if o.strategy == "fsdp" and o.ac == "full")
+
+
+def test_the_quickstart_plans_for_the_cpu_without_a_speed():
+    cfg = load_config(None, ["train.device=cpu"])
+    device, note = local_device(None, cfg.train.device)
+    plan = make_plan(cfg, 1, device)
+    assert device.key == "cpu" and note is None
+    assert plan.fits and not plan.bf16 and plan.tokens_per_s is None
+
+
+def test_layout_follows_the_rule_of_kiln_train():
+    small, big = load_config("gpu-124m"), load_config("gpu-1b", ["model.size=8b"])
+    mem = GPUS["h100"].memory
+    assert layout_for(small, 1, 10**8, mem).strategy == "single"
+    assert layout_for(small, 2, 10**8, mem).strategy == "ddp"
+    assert layout_for(big, 2, 8 * 10**9, mem).strategy == "fsdp"
+    assert layout_for(load_config("gpu-124m", ["dist.cpu_offload=true"]), 2, 10**8, mem).offload
+
+
+@pytest.mark.parametrize("limit", [0, 1, 2, 3, 17, 1000])
+def test_largest_batch_finds_the_boundary(limit):
+    assert largest_batch(lambda b: b <= limit) == limit
+
+
+def test_gpu_names_and_keys():
+    assert gpu_for_name("NVIDIA H100 80GB HBM3").key == "h100"
+    assert gpu_for_name("NVIDIA A100-SXM4-40GB").key == "a100-40"
+    assert gpu_for_name("4090").key == "rtx4090"
+    assert gpu_for_name("Voodoo 2") is None
+    with pytest.raises(ConfigError, match="--gpu voodoo"):
+        local_device("voodoo", "cuda")
+
+
+def kiln(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_prints_the_plan_and_warns_with_exit_0():
+    r = kiln("plan", "gpu-1b", "model.size=8b", "--gpu", "rtx4090")
+    assert r.returncode == 0, r.stderr
+    for text in ("8.03B parameters", "AdamW moments", "activations", "largest micro-batch", "per checkpoint",
+                 "does not fit", "warning:"):
+        assert text in r.stdout
+    bad = kiln("plan", "gpu-1b", "--gpu", "voodoo")
+    assert bad.returncode == 2 and "not a card the planner knows" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_lora_plans_an_8b_model_on_one_rtx4090():
+    from kiln.plan.memory import Lora, lora_params
+
+    full = make_plan(load_config("gpu-1b", ["model.size=8b"]), 1, GPUS["rtx4090"])
+    assert any("LoRA fits" in w for w in full.warnings)
+    cfg = load_config("gpu-1b", ["model.size=8b", "lora.rank=16", "lora.targets=[all]", "train.batch_size=1",
+                                 "train.grad_accum=16", "train.activation_checkpointing=full"])
+    plan = make_plan(cfg, 1, GPUS["rtx4090"])
+    trained = lora_params(plan.model, Lora(16, ("all",)))
+    m = plan.model
+    d, q, kv, h = m.d_model, m.n_heads * m.head_dim, m.kv_heads * m.head_dim, m.mlp_hidden
+    assert trained == m.n_layers * 16 * ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + h) + (h + d))
+    assert plan.fits and plan.memory.weights == 2 * plan.n_params + 4 * trained  # frozen bf16 base
+    assert plan.memory.grads == 4 * trained and plan.memory.optimizer == 8 * trained
+    assert plan.checkpoint < 1e9  # the adapters only
