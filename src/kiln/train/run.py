@@ -11,13 +11,13 @@ from rich.console import Console
 
 from kiln.config import RunConfig, derive
 from kiln.data.build import build_data, data_position
+from kiln.dist.materialize import build_model
 from kiln.dist.mesh import Mesh, init_mesh
-from kiln.dist.parallelize import full_model, parallelize
+from kiln.dist.parallelize import full_model
 from kiln.dist.watch import EXIT_CODE, Watch
 from kiln.errors import ConfigError, DataError
 from kiln.model.generate import generate, start_ids
-from kiln.model.hf_import import load_init_weights, resolve_init_from
-from kiln.model.llama import Transformer
+from kiln.model.hf_import import resolve_init_from
 from kiln.model.registry import flops_per_token, param_count
 from kiln.monitor.sinks import ConsoleSink, JsonlSink
 from kiln.state.callback import CheckpointEvery
@@ -134,15 +134,14 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     n_params = param_count(cfg.model)
     threads = apply_threads(tcfg.threads, device, n_params)  # CPU only
     torch.manual_seed(tcfg.seed)
-    model = Transformer(cfg.model)
-    if cfg.model.init_from and resume_from is None:  # a resume takes every weight from its checkpoint
-        load_init_weights(model, cfg.model)
-        console.print(f"weights: {cfg.model.init_from}")
-    # on the CPU until here: parallelize moves it (or this rank's shard) to the device
+    weights = cfg.model.init_from if resume_from is None else None  # a resume takes every weight from its checkpoint
     console.print(f"model: {n_params / 1e6:.2f}M parameters ({cfg.model.n_layers} layers, d={cfg.model.d_model}) "
                   f"on {device}" + (f" x {mesh.world} processes" if mesh.distributed else "")
                   + (f", {threads} thread(s)" if device.type == "cpu" else ""))
-    model = parallelize(model, cfg, mesh, n_params, console.print)  # kiln.dist: AC -> compile -> FSDP2 / DDP
+    # kiln.dist: AC -> compile -> FSDP2 / DDP; under FSDP built on the meta device, each rank initialising its shard
+    model = build_model(cfg, mesh, n_params, console.print, weights_from=weights)
+    if weights:
+        console.print(f"weights: {weights}")
     g = tcfg.batch_size * tcfg.grad_accum * mesh.world
     console.print(f"global batch: {g} sequences ({g * tcfg.seq_len:,} tokens) per step = {tcfg.batch_size} per "
                   f"micro-batch x {tcfg.grad_accum} accumulated x {mesh.world} data-parallel rank(s)")
