@@ -13,6 +13,7 @@ the safetensors files.
 
 One process and DDP hold the whole model anyway: it is built on the CPU as before; with `weights_from`
 it is built on the meta device and materialised empty, so the random init it would overwrite is skipped.
+A resume (`init=False`) skips it under every strategy: the checkpoint overwrites every parameter.
 Rope tables are buffers, not parameters: `to_empty` leaves them garbage and `init_buffers` rebuilds them.
 """
 
@@ -33,30 +34,32 @@ from kiln.model.llama import Transformer
 
 
 def build_model(cfg: RunConfig, m: Mesh, n_params: int, log: Callable[[str], None] = print,
-                weights_from: str | None = None) -> nn.Module:
+                weights_from: str | None = None, init: bool = True) -> nn.Module:
     """The model `cfg` describes, parallelized for `m` (see `parallelize`), with the seeded random init
-    of a one-process run, or the weights of the Hugging Face directory `weights_from`.
+    of a one-process run, or the weights of the Hugging Face directory `weights_from`, or (`init`
+    false: a resume, whose checkpoint brings every weight) uninitialised parameters.
 
     Call after torch.manual_seed(train.seed): the random init draws from the global CPU generator."""
     strategy = choose_strategy(cfg, m, n_params, log)
     if strategy != "fsdp":
-        if weights_from is None:
+        if weights_from is None and init:
             model = Transformer(cfg.model)
         else:
             with torch.device("meta"):
                 model = Transformer(cfg.model)
             model.to_empty(device="cpu")
             model.init_buffers()
-            load_init_weights(model, cfg.model.model_copy(update={"init_from": weights_from}))
+            if weights_from is not None:
+                load_init_weights(model, cfg.model.model_copy(update={"init_from": weights_from}))
         return parallelize(model, cfg, m, n_params, log, strategy=strategy)
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model = parallelize(model, cfg, m, n_params, log, strategy=strategy)
     materialize(model, m, cpu_offload=cfg.dist.cpu_offload)
-    if weights_from is None:
-        init_shards(model)
-    else:
+    if weights_from is not None:
         load_shards(model, weights_from, cfg.model.allow_pickle, cfg.model.tie_embeddings)
+    elif init:
+        init_shards(model)
     return model
 
 

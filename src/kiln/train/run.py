@@ -139,7 +139,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
                   f"on {device}" + (f" x {mesh.world} processes" if mesh.distributed else "")
                   + (f", {threads} thread(s)" if device.type == "cpu" else ""))
     # kiln.dist: AC -> compile -> FSDP2 / DDP; under FSDP built on the meta device, each rank initialising its shard
-    model = build_model(cfg, mesh, n_params, console.print, weights_from=weights)
+    model = build_model(cfg, mesh, n_params, console.print, weights_from=weights, init=resume_from is None)
     if weights:
         console.print(f"weights: {weights}")
     g = tcfg.batch_size * tcfg.grad_accum * mesh.world

@@ -115,3 +115,15 @@ def test_a_safetensors_tensor_of_the_wrong_shape_is_a_state_error(tmp_path):
     shape = r"model.layers.0.mlp.down_proj.weight has shape \[256, 512\], the model expects \[256, 768\]"
     with pytest.raises(StateError, match=shape):
         load_shards(model, hf, False, True)
+
+
+def test_a_resume_builds_without_a_random_init_but_with_rope_tables_and_ties():
+    rc = RunConfig.model_validate({**config(tie_embeddings=True), "dist": {}})
+    _, _, reference = one_process(config(tie_embeddings=True))
+    torch.manual_seed(0)
+    rng = torch.get_rng_state()
+    model = build_model(rc, Mesh(), param_count(rc.model), init=False)  # the checkpoint brings the weights
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    torch.testing.assert_close(model.rope_cos, reference.rope_cos)
+    torch.testing.assert_close(model.rope_sin, reference.rope_sin)
