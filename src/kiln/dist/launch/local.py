@@ -61,6 +61,9 @@ def relaunch(nproc: int, argv: list[str] | None = None, max_restarts: int = 0) -
     env = {**os.environ}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
+    # a restarted job needs a fresh key-value store: in the one torchrun shares across restarts, the new
+    # processes read the dead ones' addresses and gloo's first connection fails (torch 2.13)
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     proc = subprocess.Popen(torchrun_command(nproc, args, max_restarts), env=env)
     # a scheduler's SIGTERM comes to this process alone: torchrun passes it on to the workers
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
