@@ -19,6 +19,11 @@ per token and the card's peak), peak memory is torch.cuda.max_memory_allocated. 
 another Kiln job, SIGKILLs all its processes once its first checkpoint is complete, starts it again and
 checks it resumed from that checkpoint and its loss goes on from there. The table is printed and appended,
 dated and with the card's name, to benchmarks/results/fsdp_8b.md.
+
+Disk: an 8B checkpoint (fp32 weights + AdamW moments) is about 90 GB, and the final one is written before
+the one mid-run is deleted: give --run-root a file system with ~200 GB free. Time on 4 GPUs: each job
+initialises 8B parameters on the CPU (a minute or two) and compiles; --skip-hf or leaving out
+--kill-resume keeps one call shorter.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -119,7 +125,7 @@ def kiln_command(args, run_dir: Path, checkpoint_every: int) -> list[str]:
             f"train.compile={str(cuda and not args.no_compile).lower()}", f"train.activation_checkpointing={args.ac}",
             "train.eval_every=0", "train.sample_tokens=0", "train.warmup_steps=2", "logging.every=1",
             "logging.console=false", f"checkpoint.every={checkpoint_every}", "checkpoint.async_save=true",
-            "checkpoint.save_final=false", "checkpoint.keep_last=2", "dist.strategy=fsdp", "dist.sharding=full",
+            "checkpoint.save_final=false", "checkpoint.keep_last=1", "dist.strategy=fsdp", "dist.sharding=full",
             "data.sources=[@stdlib]", f"data.vocab_size={vocab}", f"data.cache_dir={args.cache_dir}",
             f"train.run_dir={run_dir}", *args.set, "--nproc", str(args.nproc)]
 
@@ -261,6 +267,8 @@ def main() -> None:
     ap.add_argument("--checkpoint-at", type=int, default=0, help="step of the async checkpoint (0: half way)")
     ap.add_argument("--kill-resume", action="store_true", help="also SIGKILL a Kiln job after its checkpoint, resume")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--run-root", default=None, help="where the run directories go (8B: ~200 GB free for 2 "
+                    "checkpoints of weights and AdamW state); default: the system's temporary directory")
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "kiln-bench-cache"))
     ap.add_argument("--set", action="append", default=[], help="extra Kiln KEY=VALUE override (repeatable)")
     ap.add_argument("--json", default=None)
@@ -271,10 +279,11 @@ def main() -> None:
     card = torch.cuda.get_device_name() if args.device == "cuda" and torch.cuda.is_available() else "cpu"
     info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "card": card, "nproc": args.nproc,
             "size": args.size, "seq": args.seq, "ac": args.ac, "steps": args.steps, "torch": torch.__version__}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=args.run_root) as tmp:
         root = Path(tmp)
         kiln = run_kiln(args, root)
         print("kiln", json.dumps(kiln), flush=True)
+        shutil.rmtree(root / "kiln")  # its checkpoints (about 2 x 90 GB at 8B) make room for the next job's
         hf = {"skipped": "skipped (--skip-hf)"} if args.skip_hf else run_hf(args, root)
         if "error" in hf and args.device == "cpu":  # accelerate's FSDP may refuse the CPU: the smoke test goes on
             hf = {"skipped": "skipped on CPU", "error_tail": hf["error"][-300:]}
