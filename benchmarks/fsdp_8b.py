@@ -125,8 +125,8 @@ def kiln_command(args, run_dir: Path, checkpoint_every: int) -> list[str]:
             f"train.compile={str(cuda and not args.no_compile).lower()}", f"train.activation_checkpointing={args.ac}",
             "train.eval_every=0", "train.sample_tokens=0", "train.warmup_steps=2", "logging.every=1",
             "logging.console=false", f"checkpoint.every={checkpoint_every}", "checkpoint.async_save=true",
-            "checkpoint.save_final=false", "checkpoint.keep_last=1", "dist.strategy=fsdp", "dist.sharding=full",
-            "data.sources=[@stdlib]", f"data.vocab_size={vocab}", f"data.cache_dir={args.cache_dir}",
+            "checkpoint.save_final=false", "checkpoint.keep_last=2", "dist.strategy=fsdp", "dist.sharding=full",
+            f"data.vocab_size={vocab}", f"data.cache_dir={args.cache_dir}",
             f"train.run_dir={run_dir}", *args.set, "--nproc", str(args.nproc)]
 
 
