@@ -47,6 +47,8 @@ def train(
     help_config: bool = typer.Option(False, "--help-config", help="List every config key with its doc and exit."),
     nproc: int = typer.Option(1, "--nproc", help="Start torchrun with this many processes on this machine (one "
                               "per GPU); see dist.* in --help-config for DDP / FSDP."),
+    max_restarts: int = typer.Option(0, "--max-restarts", help="With --nproc: torchrun restarts the job this many "
+                                     "times after a process dies; each start resumes from the newest checkpoint."),
 ) -> None:
     """Train a model, or resume one.
 
@@ -68,10 +70,10 @@ def train(
     if help_config:
         print(describe_fields())
         return
-    if nproc != 1:  # kiln.dist: torchrun runs this same command in nproc processes
+    if nproc != 1 or max_restarts:  # kiln.dist: torchrun runs this same command in nproc processes
         from kiln.dist.launch.local import relaunch
 
-        raise typer.Exit(relaunch(nproc))
+        raise typer.Exit(relaunch(nproc, max_restarts=max_restarts))
     overrides = list(overrides or [])
     if config is not None and "=" in config:  # only overrides were given
         overrides.insert(0, config)

@@ -8,8 +8,9 @@ parameters into DTensors) or a `DistributedDataParallel` around it. State-dict k
 the plain model under every strategy (DCP's get_state_dict strips wrappers), so a checkpoint
 moves between strategies and world sizes.
 
-The model is built on the CPU with the seeded initialisation of a one-process run, so every
-strategy starts from the same weights; `fully_shard` moves each process's shard to its device.
+`kiln.dist.materialize.build_model` builds the model for it: under FSDP on the meta device, sharded
+here, then each process's shard materialised and initialised (the weights of a one-process run); one
+process and DDP get a model on the CPU, moved to the device here.
 """
 
 from __future__ import annotations
@@ -72,12 +73,13 @@ def choose_strategy(cfg: RunConfig, m: Mesh, n_params: int, log: Callable[[str],
 
 
 def parallelize(model: nn.Module, cfg: RunConfig, m: Mesh, n_params: int | None = None,
-                log: Callable[[str], None] = print) -> nn.Module:
-    """Apply AC, compile and the run's strategy to `model` (built on the CPU). Returns what to train."""
+                log: Callable[[str], None] = print, strategy: str | None = None) -> nn.Module:
+    """Apply AC, compile and the run's strategy (`strategy`, else `choose_strategy`'s) to `model`, built
+    on the CPU (or, for fsdp, on the meta device: see kiln.dist.materialize). Returns what to train."""
     tcfg, d = cfg.train, cfg.dist
     if n_params is None:
         n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    strategy = choose_strategy(cfg, m, n_params, log)
+    strategy = strategy or choose_strategy(cfg, m, n_params, log)
     apply_ac(model, tcfg.activation_checkpointing)
     if tcfg.compile:
         scope = tcfg.compile_scope
@@ -184,7 +186,7 @@ def full_model(model: nn.Module, cfg: RunConfig, m: Mesh) -> nn.Module | None:
     with torch.device("meta"):
         plain = apply_lora(Transformer(cfg.model), cfg.lora)  # LoRA: the adapters' keys too
     plain.to_empty(device="cpu")
-    plain.init_weights()  # re-ties embeddings and rebuilds the rope tables; the weights come next
+    plain.init_buffers()  # re-ties embeddings and rebuilds the rope tables; the weights come next
     missing, unexpected = plain.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if not (k == "lm_head.weight" and cfg.model.tie_embeddings)]:
         raise RuntimeError(f"gathered state does not match the model: missing {missing}, unexpected {unexpected}")

@@ -10,7 +10,9 @@ is built, as different submodules or flags read once, so the default Llama path 
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +50,12 @@ class LayerNorm1P(nn.LayerNorm):
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.weight)
         nn.init.zeros_(self.bias)
+
+
+def _norm_order(norm: nn.Module) -> list:
+    """A norm's parameters with their initialiser: RMSNorm's scale at one, LayerNorm1P's weight and bias at zero."""
+    init = nn.init.zeros_ if isinstance(norm, LayerNorm1P) else nn.init.ones_
+    return [(p, init) for p in norm.parameters()]
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -185,26 +193,37 @@ class Transformer(nn.Module):
     def init_weights(self) -> None:
         """GPT-2/Llama practice: N(0, std) everywhere, residual output projections scaled by
         1/sqrt(2 * n_layers); norms at one. Deterministic under torch.manual_seed."""
-        std = self.cfg.init_std
-        if self.cfg.tie_embeddings:  # re-tie: to_empty() after meta construction unties them
-            self.lm_head.weight = self.embed_tokens.weight
-        nn.init.normal_(self.embed_tokens.weight, std=std)
+        self.init_buffers()
+        for param, init in self.init_order():
+            init(param)
+
+    def init_order(self) -> list[tuple[nn.Parameter, Callable[[torch.Tensor], torch.Tensor]]]:
+        """Every parameter (a tied one once) with its initialiser, in the order they draw from the RNG.
+        kiln.dist initialises a sharded model from it one full-size parameter at a time."""
+        std, out_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        normal, resid = functools.partial(nn.init.normal_, std=std), functools.partial(nn.init.normal_, std=out_std)
+        order: list = [(self.embed_tokens.weight, normal)]
         for block in self.layers:
             attn, mlp = block.self_attn, block.mlp
-            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, getattr(mlp, "gate_proj", None), mlp.up_proj):
-                if lin is not None:
-                    nn.init.normal_(lin.weight, std=std)
-            for lin in (attn.o_proj, mlp.down_proj):
-                nn.init.normal_(lin.weight, std=std / math.sqrt(2 * self.cfg.n_layers))
+            linears = [attn.q_proj, attn.k_proj, attn.v_proj, getattr(mlp, "gate_proj", None), mlp.up_proj]
+            order += [(lin.weight, normal) for lin in linears if lin is not None]
+            order += [(lin.weight, resid) for lin in (attn.o_proj, mlp.down_proj)]
             for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.up_proj, mlp.down_proj,
                         getattr(mlp, "gate_proj", None)):
                 if lin is not None and lin.bias is not None:
-                    nn.init.zeros_(lin.bias)
-            block.input_layernorm.reset_parameters()
-            block.post_attention_layernorm.reset_parameters()
-        self.norm.reset_parameters()
+                    order.append((lin.bias, nn.init.zeros_))
+            order += _norm_order(block.input_layernorm) + _norm_order(block.post_attention_layernorm)
+        order += _norm_order(self.norm)
         if not self.cfg.tie_embeddings:
-            nn.init.normal_(self.lm_head.weight, std=std)
+            order.append((self.lm_head.weight, normal))
+        return order
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Re-tie the embeddings (to_empty() after meta construction unties them) and rebuild the rope
+        tables, which are not saved: after to_empty(), before weights are initialised or loaded."""
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
         cos, sin = self._rotary(self.cfg.max_seq_len, self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,11 +62,14 @@ class _Handler:
 class SignalGuard(_Handler):
     """While active, the first SIGTERM/SIGINT sets `requested`; a second one aborts the process."""
 
-    COLLECTIVE_EVERY = 10  # steps between two checks across processes (preemption notices give ~30 s or more)
+    COLLECTIVE_EVERY = 10  # most steps between two checks across processes
+    CHECK_SECONDS = 1.0  # and fewer where steps are slow: about one check a second (torchrun's grace is 30 s)
 
     def __init__(self, log: Callable[[str], None] = print, group=None):
         self.requested: str | None = None
         self.log, self.group = log, group
+        self._next: int | None = None  # the step of the next check (None: the next multiple of COLLECTIVE_EVERY)
+        self._last: tuple[int, float] | None = None  # step and time of the last check
 
     def on_signal(self, signum: int, name: str) -> None:
         if self.requested is None:
@@ -82,16 +86,26 @@ class SignalGuard(_Handler):
     def should_stop(self, step: int | None = None) -> str | None:
         """The signal's name if any process of the run got one (all processes agree on the step).
 
-        With several processes the answer takes a collective, so it is asked only on every
-        `COLLECTIVE_EVERY`-th `step` (the same step on every rank; None asks now): no barrier
-        between the ranks' hosts in every step, and a stop at most that many steps later."""
+        With several processes the answer takes a collective, so it is asked at a step cadence (the
+        same steps on every rank; None asks now): every `COLLECTIVE_EVERY`-th step at first, then every
+        k-th, k chosen from the slowest rank's step time so that checks come about every `CHECK_SECONDS`
+        (every step at 8B scale, every 10th for a small model): no barrier between the ranks' hosts in
+        every fast step, and a stop well within a preemption's grace period when steps are slow."""
         if self.group is None:
             return self.requested
-        if step is not None and step % self.COLLECTIVE_EVERY:
+        if step is not None and (step % self.COLLECTIVE_EVERY if self._next is None else step < self._next):
             return None
-        flag = torch.tensor([1 if self.requested else 0])
+        now = time.monotonic()
+        per_step = 0.0
+        if step is not None and self._last is not None and step > self._last[0]:
+            per_step = (now - self._last[1]) / (step - self._last[0])
+        flag = torch.tensor([1.0 if self.requested else 0.0, per_step], dtype=torch.float64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return (self.requested or "SIGTERM") if flag.item() else None
+        stop, slowest = flag.tolist()
+        if step is not None:  # every rank derives the same cadence from the same reduced numbers
+            every = self.COLLECTIVE_EVERY if slowest <= 0 else int(self.CHECK_SECONDS / slowest)
+            self._next, self._last = step + max(1, min(self.COLLECTIVE_EVERY, every)), (step, now)
+        return (self.requested or "SIGTERM") if stop else None
 
 
 def emergency_checkpoint(trainer, checkpointer, error: BaseException, log: Callable[[str], None]) -> Path | None:

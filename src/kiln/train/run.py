@@ -13,14 +13,14 @@ from rich.console import Console
 from kiln.config import RunConfig, derive
 from kiln.data.build import build_data, data_position
 from kiln.data.prepare.token_bytes import token_byte_lengths
+from kiln.dist.materialize import build_model
 from kiln.dist.mesh import Mesh, init_mesh
-from kiln.dist.parallelize import full_model, parallelize
+from kiln.dist.parallelize import full_model
 from kiln.dist.watch import EXIT_CODE, Watch
 from kiln.errors import ConfigError, DataError
 from kiln.events import RunEnd
 from kiln.model.generate import generate, start_ids
-from kiln.model.hf_import import load_init_weights, resolve_init_from
-from kiln.model.llama import Transformer
+from kiln.model.hf_import import resolve_init_from
 from kiln.model.lora import (
     adapter_state_dict,
     apply_lora,
@@ -165,23 +165,27 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     n_params = param_count(cfg.model)
     threads = apply_threads(tcfg.threads, device, n_params)  # CPU only
     torch.manual_seed(tcfg.seed)
-    model = Transformer(cfg.model)
-    # a resume takes every weight from its checkpoint, except a LoRA run's frozen base (not saved there)
-    if cfg.model.init_from and (resume_from is None or cfg.lora.rank):
-        load_init_weights(model, cfg.model)
-        console.print(f"weights: {cfg.model.init_from}")
     flops = flops_per_token(cfg.model, tcfg.seq_len)
     memory_params = n_params  # what dist.strategy=auto weighs, in fp32-trained parameters (16 bytes each)
-    if cfg.lora.rank:
-        apply_lora(model, cfg.lora)  # freezes the base: only the adapters train, are optimized and saved
+
+    def adapt(model) -> int:  # LoRA: freezes the base; only the adapters train, are optimized and saved
+        nonlocal flops, memory_params
+        apply_lora(model, cfg.lora)
         console.print(trainable_summary(model, cfg.lora))
         flops = lora_flops_per_token(flops, cfg.model, tcfg.seq_len, trainable_count(model))
         memory_params = -(-training_bytes(model) // 16)
-    # on the CPU until here: parallelize moves it (or this rank's shard) to the device
+        return memory_params
+
+    # a resume takes every weight from its checkpoint, except a LoRA run's frozen base (not saved there)
+    weights = cfg.model.init_from if resume_from is None or cfg.lora.rank else None
     console.print(f"model: {n_params / 1e6:.2f}M parameters ({cfg.model.n_layers} layers, d={cfg.model.d_model}) "
                   f"on {device}" + (f" x {mesh.world} processes" if mesh.distributed else "")
                   + (f", {threads} thread(s)" if device.type == "cpu" else ""))
-    model = parallelize(model, cfg, mesh, memory_params, console.print)  # kiln.dist: AC -> compile -> FSDP2 / DDP
+    # kiln.dist: AC -> compile -> FSDP2 / DDP; under FSDP built on the meta device, each rank initialising its shard
+    model = build_model(cfg, mesh, n_params, console.print, weights_from=weights, init=resume_from is None,
+                        adapt=adapt if cfg.lora.rank else None)
+    if weights:
+        console.print(f"weights: {weights}")
     micro, auto = tcfg.batch_size, None
     if micro == "auto":  # kiln.train.autobatch: the largest that fits, from the cache or real steps
         from kiln.train.autobatch import choose_micro_batch

@@ -90,6 +90,47 @@ def test_nproc_becomes_a_torchrun_command():
     cmd = torchrun_command(4, ["cfg.yaml"])
     assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", "kiln.cli", "train",
                        "cfg.yaml"]
+    assert without_nproc(["cfg.yaml", "--max-restarts", "3", "--nproc=2", "--max-restarts=1"]) == ["cfg.yaml"]
+    cmd = torchrun_command(2, ["cfg.yaml"], max_restarts=3)
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=3", "-m",
+                       "kiln.cli", "train", "cfg.yaml"]
+
+
+def test_max_restarts_passes_through_to_torchrun_and_sigterm_is_forwarded(monkeypatch):
+    """`kiln train --nproc 2 --max-restarts 3` starts torchrun with --max-restarts=3 and a long shutdown timeout;
+    a SIGTERM to it reaches torchrun (here a stand-in that reports the signal it got)."""
+    import signal
+    import subprocess
+
+    from kiln.dist.launch import local
+
+    started = {}
+
+    class Torchrun:
+        def __init__(self, cmd, env):
+            started.update(cmd=cmd, env=env)
+            self.got = None
+
+        def send_signal(self, signum):
+            self.got = signum
+
+        def wait(self):
+            if self.got is None:
+                signal.raise_signal(signal.SIGTERM)  # the scheduler preempts the job
+            return 128 + self.got
+
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(subprocess, "Popen", Torchrun)
+    before = signal.getsignal(signal.SIGTERM)
+    code = local.relaunch(2, ["train", "cfg.yaml", "--nproc", "2", "--max-restarts", "3"], max_restarts=3)
+    assert code == 128 + signal.SIGTERM
+    assert "--max-restarts=3" in started["cmd"] and started["cmd"][-2:] == ["train", "cfg.yaml"]
+    assert started["env"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(local.SHUTDOWN_TIMEOUT_S)
+    assert signal.getsignal(signal.SIGTERM) is before  # restored
+    with pytest.raises(ConfigError, match="0 or more"):
+        local.relaunch(2, ["train"], max_restarts=-1)
 
 
 @pytest.mark.parametrize("argv", [["--nproc", "0"]])

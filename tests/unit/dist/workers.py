@@ -8,9 +8,9 @@ import sys
 import torch
 
 from kiln.config import RunConfig
+from kiln.dist.materialize import build_model
 from kiln.dist.mesh import Mesh
-from kiln.dist.parallelize import parallelize
-from kiln.model.llama import Transformer
+from kiln.model.registry import param_count
 from kiln.train.events import Callback
 from kiln.train.trainer import Trainer
 
@@ -65,7 +65,8 @@ def train_losses(cfg: RunConfig, mesh: Mesh) -> tuple[list[float], dict, str]:
     """The logged loss of every step of a run of `cfg` on `mesh`; the last metrics; the strategy used."""
     torch.manual_seed(0)
     logs: list[str] = []
-    model = parallelize(Transformer(cfg.model), cfg, mesh, log=logs.append)
+    # FSDP: built on the meta device, each rank initialising its shard (the one-process weights)
+    model = build_model(cfg, mesh, param_count(cfg.model), log=logs.append)
     record = Losses()
     trainer = Trainer(cfg, model, GlobalBatches(cfg.train.batch_size, mesh.rank, mesh.world), None, mesh.device,
                       [record], mesh=mesh)

@@ -6,6 +6,8 @@ import multiprocessing as mp
 import signal
 import time
 
+import pytest
+
 from kiln.state.preempt import SignalGuard
 
 
@@ -25,3 +27,22 @@ def test_a_process_forked_under_the_guard_dies_of_sigterm():
         child.join(30)
         assert child.exitcode == -signal.SIGTERM  # not swallowed as a stop request of the child's own
         assert guard.requested is None  # and the parent's guard saw nothing
+
+
+@pytest.mark.parametrize("seconds_per_step, checks", [(0.01, [10, 20, 30, 40]), (0.5, [10, 20, 22, 24, 26, 28, 30,
+                                                                                         32, 34, 36, 38, 40]),
+                                                      (3.0, [10, 20, *range(21, 41)])])
+def test_processes_check_for_a_signal_about_once_a_second_and_at_most_every_tenth_step(
+        monkeypatch, seconds_per_step, checks):
+    """Slow steps (a large model) are checked more often, so a stop comes well within a preemption's grace."""
+    import kiln.state.preempt as preempt
+
+    clock = {"now": 100.0}
+    asked: list[int] = []
+    monkeypatch.setattr(preempt.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(preempt.dist, "all_reduce", lambda tensor, op=None, group=None: asked.append(step))
+    guard = preempt.SignalGuard(group=object())  # one process: its own values are the maximum
+    for step in range(1, 41):
+        clock["now"] += seconds_per_step
+        assert guard.should_stop(step) is None
+    assert asked == checks

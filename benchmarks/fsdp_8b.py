@@ -1,0 +1,318 @@
+"""An 8B model (Llama-3-8B shape) with FSDP2 `full` on N GPUs: Kiln beside the Hugging Face Trainer, in one call.
+
+    python benchmarks/fsdp_8b.py --nproc 4 --steps 30 --ac full                  # the 4-GPU measurement
+    python benchmarks/fsdp_8b.py --nproc 4 --steps 30 --ac selective --kill-resume
+    python benchmarks/fsdp_8b.py --size tiny --device cpu --nproc 2 --steps 12 --seq 64   # a smoke test (gloo)
+
+(a) Kiln: `kiln train --nproc N` with model.size=SIZE (8b: d 4096, 32 layers, GQA 32/8, vocab 128256),
+    dist.strategy=fsdp, dist.sharding=full, batch 1 per GPU, sequence SEQ, bf16, compile (GPU), activation
+    checkpointing --ac, random init, on the standard library corpus (tokenized once into --cache-dir; the
+    model keeps its 128256-entry vocabulary). One async checkpoint is written at --checkpoint-at: the time
+    the loop was blocked by it is the step after it minus the median step (metrics.jsonl, logging.every=1),
+    and the background write time is the checkpoint's meta.json write_seconds.
+(b) The Hugging Face Trainer on the same shape (LlamaConfig built here, random init, bf16, fused AdamW,
+    batch 1 per GPU, FSDP2 through accelerate with its own activation checkpointing and layer wrapping),
+    random token ids; a TrainerCallback times every step (device synchronised), warm-up excluded.
+
+tokens/s per GPU and MFU are medians over the steps after --warmup (both MFUs use Kiln's 6N + 12LdT FLOPs
+per token and the card's peak), peak memory is torch.cuda.max_memory_allocated. --kill-resume then starts
+another Kiln job, SIGKILLs all its processes once its first checkpoint is complete, starts it again and
+checks it resumed from that checkpoint and its loss goes on from there. The table is printed and appended,
+dated and with the card's name, to benchmarks/results/fsdp_8b.md.
+
+Disk: an 8B checkpoint (fp32 weights + AdamW moments) is about 90 GB, and the final one is written before
+the one mid-run is deleted: give --run-root a file system with ~200 GB free. Time on 4 GPUs: each job
+initialises 8B parameters on the CPU (a minute or two) and compiles; --skip-hf or leaving out
+--kill-resume keeps one call shorter.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# run as a script, this folder comes first on sys.path; keep its files from shadowing the stdlib
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+
+RESULTS = Path(__file__).parent / "results" / "fsdp_8b.md"
+
+HF_WORKER = r'''
+import json, os, statistics, sys, time
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+a = json.loads(sys.argv[1])
+cuda = a["device"] == "cuda"
+cfg = LlamaConfig(vocab_size=a["vocab"], hidden_size=a["d"], intermediate_size=a["ffn"], num_hidden_layers=a["layers"],
+                  num_attention_heads=a["heads"], num_key_value_heads=a["kv"], max_position_embeddings=a["seq"],
+                  rope_theta=a["theta"], tie_word_embeddings=a["tie"], attention_bias=False, mlp_bias=False)
+cfg._attn_implementation = "sdpa"
+torch.manual_seed(0)
+model = LlamaForCausalLM(cfg)  # random init, fp32 master weights (bf16 compute through autocast/FSDP)
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1 << 20
+    def __getitem__(self, i):
+        ids = torch.randint(0, a["vocab"], (a["seq"],), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+class Clock(TrainerCallback):
+    def __init__(self):
+        self.times, self.t0 = [], None
+    def on_step_begin(self, args, state, control, **kw):
+        if cuda: torch.cuda.synchronize()
+        self.t0 = time.perf_counter()
+    def on_step_end(self, args, state, control, **kw):
+        if cuda: torch.cuda.synchronize()
+        self.times.append(time.perf_counter() - self.t0)
+
+fsdp_config = {"version": 2, "activation_checkpointing": a["ac"] != "none", "reshard_after_forward": True,
+               "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+args = TrainingArguments(output_dir=a["out"], per_device_train_batch_size=1, max_steps=a["steps"], learning_rate=3e-4,
+                         warmup_steps=0, bf16=cuda, optim="adamw_torch_fused", fsdp=True, fsdp_config=fsdp_config,
+                         logging_steps=1, save_strategy="no", report_to=[], dataloader_num_workers=0,
+                         use_cpu=not cuda, ddp_backend=None if cuda else "gloo", seed=0)
+clock = Clock()
+if cuda: torch.cuda.reset_peak_memory_stats()
+trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[clock])
+trainer.train()
+if int(os.environ.get("RANK", "0")) == 0:
+    late = clock.times[a["warmup"]:] or clock.times
+    step = statistics.median(late)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    loss = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    print("HF_RESULT " + json.dumps({"step_s": step, "tokens_per_s_per_gpu": a["seq"] / step, "peak_gib": peak,
+                                     "first_loss": loss[0] if loss else None, "last_loss": loss[-1] if loss else None}),
+          flush=True)
+'''
+
+
+def model_config(size: str, seq: int):
+    from kiln.config import RunConfig
+
+    return RunConfig.model_validate({"model": {"size": size, "max_seq_len": max(seq, 64)},
+                                     "train": {"seq_len": seq}}).model
+
+
+def peak_flops(device: str) -> float | None:
+    if device != "cuda":
+        return None
+    import torch
+
+    from kiln.monitor.meters import peak_for_name
+
+    return peak_for_name(torch.cuda.get_device_name())
+
+
+def kiln_command(args, run_dir: Path, checkpoint_every: int) -> list[str]:
+    cuda = args.device == "cuda"
+    vocab = 32000 if args.size != "tiny" else 512
+    return [sys.executable, "-m", "kiln.cli", "train", f"model.size={args.size}",
+            f"model.max_seq_len={max(args.seq, 64)}", f"train.seq_len={args.seq}", "train.batch_size=1",
+            "train.grad_accum=1", f"train.max_steps={args.steps}",
+            f"train.device={args.device}", f"train.precision={'bf16' if cuda else 'fp32'}",
+            f"train.compile={str(cuda and not args.no_compile).lower()}", f"train.activation_checkpointing={args.ac}",
+            "train.eval_every=0", "train.sample_tokens=0", "train.warmup_steps=2", "logging.every=1",
+            "logging.console=false", f"checkpoint.every={checkpoint_every}", "checkpoint.async_save=true",
+            "checkpoint.save_final=false", "checkpoint.keep_last=2", "dist.strategy=fsdp", "dist.sharding=full",
+            f"data.vocab_size={vocab}", f"data.cache_dir={args.cache_dir}",
+            f"train.run_dir={run_dir}", *args.set, "--nproc", str(args.nproc)]
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("event") == "train"]
+
+
+def run_kiln(args, root: Path) -> dict:
+    run_dir = root / "kiln"
+    at = args.checkpoint_at or max(args.warmup + 1, args.steps // 2)
+    t0 = time.perf_counter()
+    done = subprocess.run(kiln_command(args, run_dir, at), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"kiln train failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    recs = {r["step"]: r for r in train_records(run_dir)}
+    tokens = args.seq  # per GPU per step: batch 1
+    step_s = {s: tokens / r["tokens_per_s_per_device"] for s, r in recs.items()}
+    late = [s for s in recs if s > args.warmup and s != at + 1]
+    median_step = statistics.median(step_s[s] for s in late)
+    out = {"tokens_per_s_per_gpu": statistics.median(recs[s]["tokens_per_s_per_device"] for s in late),
+           "mfu": statistics.median(recs[s].get("mfu") or 0.0 for s in late) or None,
+           "peak_gib": max((r.get("peak_mem_gib") or 0.0 for r in recs.values()), default=0.0) or None,
+           "first_loss": recs[min(recs)]["loss"], "last_loss": recs[max(recs)]["loss"],
+           "wall_s": time.perf_counter() - t0}
+    ck = run_dir / "checkpoints" / f"step_{at:08d}" / "meta.json"
+    if at < args.steps and at + 1 in step_s and ck.is_file():
+        meta = json.loads(ck.read_text())
+        out.update(checkpoint_step=at, blocked_s=max(0.0, step_s[at + 1] - median_step),
+                   checkpoint_write_s=meta.get("write_seconds"), checkpoint_gib=meta.get("bytes", 0) / 2**30)
+    return out
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid, ppid = int(stat.parent.name), int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(pid)
+    todo, found = [root], []
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_resume(args, root: Path) -> dict:
+    """Start a Kiln job, SIGKILL every process of it once its first checkpoint is complete, start it again."""
+    run_dir = root / "kiln-kill"
+    at = args.checkpoint_at or max(2, args.steps // 2)
+    cmd = kiln_command(args, run_dir, at)
+    log = open(root / "kill-first.log", "w")
+    job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    meta = run_dir / "checkpoints" / f"step_{at:08d}" / "meta.json"
+    while not meta.is_file():
+        if job.poll() is not None:
+            raise SystemExit(f"the job ended before its checkpoint (code {job.returncode}); see {log.name}")
+        time.sleep(0.05)
+    killed_at = max(train_records(run_dir), key=lambda r: r["step"])["step"]
+    for pid in [*reversed(descendants(job.pid)), job.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job.wait()
+    before = {r["step"]: r["loss"] for r in train_records(run_dir)}
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"the resumed job failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    after = {r["step"]: r["loss"] for r in train_records(run_dir)}
+    resumed = f"(step {at}," in done.stdout and "resumed from" in done.stdout
+    return {"checkpoint_step": at, "killed_after_step": killed_at, "resumed_from_it": resumed,
+            "restart_to_end_s": time.perf_counter() - t0, "loss_at_checkpoint": before.get(at),
+            "loss_after_resume": after.get(at + 1), "steps_logged": sorted(after) == list(range(1, args.steps + 1))}
+
+
+def run_hf(args, root: Path) -> dict:
+    m = model_config(args.size, args.seq)
+    spec = {"vocab": m.vocab_size or 128256, "d": m.d_model, "ffn": m.mlp_hidden, "layers": m.n_layers,
+            "heads": m.n_heads, "kv": m.kv_heads, "seq": args.seq, "theta": m.rope_theta, "tie": m.tie_embeddings,
+            "steps": args.steps, "warmup": args.warmup, "ac": args.ac, "device": args.device, "out": str(root / "hf")}
+    if args.size == "tiny":
+        spec["vocab"] = 512
+    script = root / "hf_worker.py"
+    script.write_text(HF_WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", str(script),
+           json.dumps(spec)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("HF_RESULT ")), None)
+    if done.returncode != 0 or line is None:
+        return {"error": (done.stderr or done.stdout)[-1500:]}
+    out = json.loads(line.removeprefix("HF_RESULT "))
+    from kiln.model.registry import flops_per_token
+
+    peak = peak_flops(args.device)
+    out["mfu"] = out["tokens_per_s_per_gpu"] * flops_per_token(m, args.seq, spec["vocab"]) / peak if peak else None
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def fmt(v, spec: str, missing: str = "-") -> str:
+    return missing if v is None else format(v, spec)
+
+
+def table(kiln: dict, hf: dict) -> list[str]:
+    rows = ["| trainer | tokens/s/GPU | MFU | peak GiB | first -> last loss |", "| --- | ---: | ---: | ---: | --- |"]
+    for name, r in (("Kiln", kiln), ("HF Trainer", hf)):
+        if "error" in r or "skipped" in r:
+            rows.append(f"| {name} | {r.get('skipped') or 'failed'} | | | |")
+            continue
+        mfu = fmt(r.get("mfu") and 100 * r["mfu"], ".1f") + ("%" if r.get("mfu") else "")
+        rows.append(f"| {name} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | {fmt(r.get('peak_gib'), '.1f')} | "
+                    f"{fmt(r.get('first_loss'), '.3f')} -> {fmt(r.get('last_loss'), '.3f')} |")
+    if "tokens_per_s_per_gpu" in hf and "tokens_per_s_per_gpu" in kiln:
+        rows.append(f"\nKiln / HF Trainer: **{kiln['tokens_per_s_per_gpu'] / hf['tokens_per_s_per_gpu']:.2f}x** "
+                    "tokens/s per GPU")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="8b", help="model.size (8b; tiny for a CPU smoke test)")
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5, help="steps left out of the medians (compile, allocator)")
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--ac", default="full", choices=["none", "selective", "full"])
+    ap.add_argument("--no-compile", action="store_true", help="Kiln without torch.compile")
+    ap.add_argument("--checkpoint-at", type=int, default=0, help="step of the async checkpoint (0: half way)")
+    ap.add_argument("--kill-resume", action="store_true", help="also SIGKILL a Kiln job after its checkpoint, resume")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--run-root", default=None, help="where the run directories go (8B: ~200 GB free for 2 "
+                    "checkpoints of weights and AdamW state); default: the system's temporary directory")
+    ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "kiln-bench-cache"))
+    ap.add_argument("--set", action="append", default=[], help="extra Kiln KEY=VALUE override (repeatable)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-append", action="store_true", help=f"do not append to {RESULTS}")
+    args = ap.parse_args()
+    import torch
+
+    card = torch.cuda.get_device_name() if args.device == "cuda" and torch.cuda.is_available() else "cpu"
+    info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "card": card, "nproc": args.nproc,
+            "size": args.size, "seq": args.seq, "ac": args.ac, "steps": args.steps, "torch": torch.__version__}
+    with tempfile.TemporaryDirectory(dir=args.run_root) as tmp:
+        root = Path(tmp)
+        kiln = run_kiln(args, root)
+        print("kiln", json.dumps(kiln), flush=True)
+        shutil.rmtree(root / "kiln")  # its checkpoints (about 2 x 90 GB at 8B) make room for the next job's
+        hf = {"skipped": "skipped (--skip-hf)"} if args.skip_hf else run_hf(args, root)
+        if "error" in hf and args.device == "cpu":  # accelerate's FSDP may refuse the CPU: the smoke test goes on
+            hf = {"skipped": "skipped on CPU", "error_tail": hf["error"][-300:]}
+        print("hf", json.dumps(hf), flush=True)
+        killed = kill_resume(args, root) if args.kill_resume else None
+        if killed:
+            print("kill-resume", json.dumps(killed), flush=True)
+    lines = [f"\n## {info['date']}: {args.size}, {args.nproc} x {card}, seq {args.seq}, batch 1/GPU, AC {args.ac}, "
+             f"{args.steps} steps (median after {args.warmup})", "", *table(kiln, hf)]
+    if "blocked_s" in kiln:
+        lines.append(f"\nAsync checkpoint at step {kiln['checkpoint_step']} ({kiln['checkpoint_gib']:.1f} GiB): "
+                     f"training blocked {kiln['blocked_s']:.2f} s; written in the background in "
+                     f"{kiln['checkpoint_write_s']:.1f} s.")
+    if killed:
+        lines.append(f"\nSIGKILL after step {killed['killed_after_step']} (checkpoint at {killed['checkpoint_step']}): "
+                     f"resumed from it: {killed['resumed_from_it']}; loss {fmt(killed['loss_at_checkpoint'], '.3f')} "
+                     f"at the checkpoint -> {fmt(killed['loss_after_resume'], '.3f')} the step after; every step "
+                     f"logged: {killed['steps_logged']}; restart to end {killed['restart_to_end_s']:.0f} s.")
+    if "error" in hf:
+        lines.append(f"\nHF Trainer failed: `{hf['error'][-300:]!r}`")
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_append:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        with open(RESULTS, "a") as f:
+            f.write(text + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps({**info, "kiln": kiln, "hf": hf, "kill_resume": killed}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

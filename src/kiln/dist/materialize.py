@@ -1,0 +1,168 @@
+"""Build the model a run trains, with no process holding more of it than it needs.
+
+    model = build_model(cfg, mesh, n_params, log, weights_from=cfg.model.init_from)  # AC, compile, DDP/FSDP applied
+
+FSDP: the model is built on the meta device (shapes only, no memory), checkpointed, compiled and
+sharded there, then `to_empty` gives each process its shard on its device, uninitialised. Each
+parameter is then initialised full-size on the CPU, one at a time, in the order and from the random
+stream of a one-process run (`Transformer.init_order`, after torch.manual_seed(train.seed)), and the
+process keeps its rows: the weights equal a one-process run's bit for bit, and the host never holds
+more than one full parameter (the embedding table, the largest). With `weights_from` (model.init_from
+on a fresh start) no random init happens: each process reads its rows of each tensor straight from
+the safetensors files.
+
+One process and DDP hold the whole model anyway: it is built on the CPU as before; with `weights_from`
+it is built on the meta device and materialised empty, so the random init it would overwrite is skipped.
+A resume (`init=False`) skips it under every strategy: the checkpoint overwrites every parameter.
+Rope tables are buffers, not parameters: `to_empty` leaves them garbage and `init_buffers` rebuilds them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kiln.config import RunConfig
+from kiln.dist.mesh import Mesh
+from kiln.dist.parallelize import choose_strategy, parallelize
+from kiln.errors import StateError
+from kiln.model.hf_import import load_init_weights, read_hf_state_dict, weight_files
+from kiln.model.llama import Transformer
+
+
+def build_model(cfg: RunConfig, m: Mesh, n_params: int, log: Callable[[str], None] = print,
+                weights_from: str | None = None, init: bool = True,
+                adapt: Callable[[nn.Module], int] | None = None) -> nn.Module:
+    """The model `cfg` describes, parallelized for `m` (see `parallelize`), with the seeded random init
+    of a one-process run, or the weights of the Hugging Face directory `weights_from`, or (`init`
+    false: a resume, whose checkpoint brings every weight) uninitialised parameters.
+
+    `adapt` (LoRA) changes the plain, loaded model before it is parallelized and returns the parameter count
+    the strategy weighs; the model is then built whole on the CPU under every strategy (its base is frozen,
+    in bf16 by default, and FSDP shards it from there).
+    Call after torch.manual_seed(train.seed): the random init draws from the global CPU generator."""
+    if adapt is not None:
+        model = _plain(cfg, weights_from, init)
+        return parallelize(model, cfg, m, adapt(model), log)
+    strategy = choose_strategy(cfg, m, n_params, log)
+    if strategy != "fsdp":
+        return parallelize(_plain(cfg, weights_from, init), cfg, m, n_params, log, strategy=strategy)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model = parallelize(model, cfg, m, n_params, log, strategy=strategy)
+    materialize(model, m, cpu_offload=cfg.dist.cpu_offload)
+    if weights_from is not None:
+        load_shards(model, weights_from, cfg.model.allow_pickle, cfg.model.tie_embeddings)
+    elif init:
+        init_shards(model)
+    return model
+
+
+def _plain(cfg: RunConfig, weights_from: str | None, init: bool) -> nn.Module:
+    """The whole model on the CPU: seeded random init, or (with `weights_from`, or `init` false) built without
+    it and loaded, or left for a checkpoint to fill."""
+    if weights_from is None and init:
+        return Transformer(cfg.model)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    if weights_from is not None:
+        load_init_weights(model, cfg.model.model_copy(update={"init_from": weights_from}))
+    return model
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, m: Mesh, cpu_offload: bool = False) -> None:
+    """Give the meta-device, sharded `model` real (uninitialised) memory: parameters on the device (the
+    CPU with cpu_offload, where FSDP2 keeps them), buffers on the device; rebuild ties and rope tables."""
+    model.to_empty(device="cpu" if cpu_offload else m.device)
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != m.device:
+                module._buffers[name] = buf.to(m.device)
+    model.init_buffers()
+
+
+def local_slices(param: torch.Tensor) -> tuple[slice, ...]:
+    """Which part of the full tensor this process holds of `param` (a DTensor shard, or a plain tensor: all)."""
+    if not hasattr(param, "device_mesh"):
+        return tuple(slice(0, n) for n in param.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+@torch.no_grad()
+def init_shards(model: nn.Module) -> None:
+    """The one-process init, parameter by parameter: each drawn full-size on the CPU from the global
+    generator (every process draws the same numbers), this process's rows copied to its shard."""
+    for param, init in model.init_order():
+        full = torch.empty(param.shape, dtype=param.dtype)
+        init(full)
+        _local(param).copy_(full[local_slices(param)])
+        del full
+
+
+def _hf_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+@torch.no_grad()
+def load_shards(model: nn.Module, path: str | Path, allow_pickle: bool, tied: bool) -> None:
+    """Each parameter's rows of this process, read from the safetensors files of `path` (a Hugging Face
+    model directory) without loading the rest. Pickled weights are read whole, then sliced."""
+    files = weight_files(path, allow_pickle)
+    params = dict(model.named_parameters())  # a tied lm_head is the embedding: listed once
+    if tied:
+        params.pop("lm_head.weight", None)
+    wanted = {_hf_name(n): n for n in params}
+    if files[0].suffix != ".safetensors":
+        state = read_hf_state_dict(path, allow_pickle)
+        _check_names(path, wanted, state.keys(), tied)
+        for hf, name in wanted.items():
+            _copy(params[name], state[hf], path, hf)
+        return
+    from safetensors import safe_open
+
+    found = set()
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                keys = list(f.keys())
+                found.update(keys)
+                for hf in keys:
+                    if hf in wanted:
+                        _copy(params[wanted[hf]], f.get_slice(hf), path, hf)
+        except StateError:
+            raise
+        except Exception as e:  # safetensors raises its own types on damaged files
+            raise StateError(f"{file} cannot be read ({e}); copy it again from its source") from None
+    _check_names(path, wanted, found, tied)
+
+
+def _check_names(path, wanted: dict[str, str], found, tied: bool) -> None:
+    found = {k for k in found if not k.endswith("rotary_emb.inv_freq")}
+    if tied:
+        found.discard("lm_head.weight")
+    missing, unexpected = sorted(set(wanted) - found), sorted(found - set(wanted))
+    if missing or unexpected:
+        raise StateError(f"the weights in {path} do not fit its config.json: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+
+
+def _copy(param: torch.Tensor, source, path, hf: str) -> None:
+    shape = tuple(source.get_shape()) if hasattr(source, "get_shape") else tuple(source.shape)
+    if shape != tuple(param.shape):
+        raise StateError(f"the weights in {path} do not fit its config.json: {hf} has shape {list(shape)}, "
+                         f"the model expects {list(param.shape)}")
+    part = source[local_slices(param)]
+    _local(param).copy_(part)

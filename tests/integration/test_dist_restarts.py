@@ -1,0 +1,212 @@
+"""Whole-job failures under torchrun (gloo, CPU), each against a run that was never interrupted:
+
+- the whole job killed with SIGKILL once a checkpoint exists, then `kiln train RUN_DIR --nproc 2`: the
+  same losses and final weights;
+- one worker killed with SIGKILL under `--max-restarts 1`: torchrun restarts the job, which resumes from
+  the newest checkpoint by itself and finishes with the same losses and weights;
+- SIGTERM to the `kiln train --nproc 2` process alone (as a scheduler sends it): every worker stops at the
+  same step with one complete checkpoint, and the resume finishes with the same losses and weights;
+- a 4-process job killed after its first checkpoint resumes on 2 processes at the same global sample.
+
+No fixed sleeps: the tests poll the run directory (and /proc for the workers) until what they wait for
+is there."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.state.rundir import checkpoints
+
+from .conftest import stdlib_corpus
+
+STEPS, EVERY = 20, 5
+ENV = {**os.environ, "COLUMNS": "400", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> list[str]:
+    cache, corpus = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("corpus")
+    stdlib_corpus(corpus, 240)
+    return ["model.size=tiny", "train.seq_len=32", f"train.max_steps={STEPS}", "train.warmup_steps=2",
+            "train.eval_every=0", "train.eval_batches=2", "train.sample_tokens=0", "train.device=cpu",
+            "train.precision=fp32", f"checkpoint.every={EVERY}", "checkpoint.keep_last=100", "logging.every=1",
+            "logging.console=false", f"data.sources=[{corpus}]", "data.val_fraction=0.1", "data.vocab_size=512",
+            f"data.cache_dir={cache}", "dist.strategy=fsdp"]
+
+
+def command(*args: str, nproc: int = 2, max_restarts: int = 0) -> list[str]:
+    return [sys.executable, "-m", "kiln.cli", "train", *args, "--nproc", str(nproc),
+            *(["--max-restarts", str(max_restarts)] if max_restarts else [])]
+
+
+def finish(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    done = subprocess.run(command(*args, nproc=nproc), capture_output=True, text=True, timeout=300, env=ENV)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
+def start(tmp_path: Path, *args: str, nproc: int = 2, max_restarts: int = 0) -> subprocess.Popen:
+    """`kiln train --nproc` in the background, output to files."""
+    out, err = open(tmp_path / "stdout.txt", "w"), open(tmp_path / "stderr.txt", "w")
+    return subprocess.Popen(command(*args, nproc=nproc, max_restarts=max_restarts), stdout=out, stderr=err, env=ENV)
+
+
+def output(tmp_path: Path) -> str:
+    return (tmp_path / "stdout.txt").read_text() + (tmp_path / "stderr.txt").read_text()
+
+
+def wait_until(what, proc: subprocess.Popen, tmp_path: Path, timeout: float = 240):
+    """Poll `what()` until it gives something true; fail if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        assert proc.poll() is None, f"the job ended (code {proc.returncode}) first:\n{output(tmp_path)[-3000:]}"
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting:\n{output(tmp_path)[-3000:]}")
+
+
+def steps_saved(run_dir: Path) -> list[int]:
+    return [int(p.name.split("_")[1]) for p in checkpoints(run_dir)]
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below `root` (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid, ppid = int(stat.parent.name), int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(pid)
+    todo, found = [root], []
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def worker(root: int, rank: int) -> int | None:
+    """The pid of the training process of `rank` below `root` (None until it runs)."""
+    for pid in descendants(root):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"kiln.cli" in cmdline and b"torch.distributed.run" not in cmdline:
+            return pid
+    return None
+
+
+def kill_job(job: subprocess.Popen) -> None:
+    """SIGKILL every process of the job at once, as a lost machine would stop them."""
+    for pid in [*reversed(descendants(job.pid)), job.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job.wait(timeout=60)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if r["event"] == "train"}
+
+
+def same_weights(a: Path, b: Path) -> None:
+    from kiln.state.weights import load_model
+
+    ma, _ = load_model(a)
+    mb, _ = load_model(b)
+    for (k, va), (_, vb) in zip(ma.state_dict().items(), mb.state_dict().items()):
+        assert torch.equal(va, vb), k
+
+
+@pytest.fixture(scope="module")
+def reference(base, tmp_path_factory) -> Path:
+    """2 processes, 2 sequences each, never interrupted."""
+    run_dir = tmp_path_factory.mktemp("runs") / "reference"
+    finish(*base, "train.batch_size=2", f"train.run_dir={run_dir}")
+    assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
+    return run_dir
+
+
+def killed_early(run_dir: Path) -> None:
+    """The job was stopped before it finished (else the test would prove nothing)."""
+    assert not (run_dir / "model").exists() and max(steps_saved(run_dir)) < STEPS
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_whole_job_then_resume_is_exact(base, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    job = start(tmp_path, *base, "train.batch_size=2", f"train.run_dir={run_dir}")
+    wait_until(lambda: steps_saved(run_dir), job, tmp_path)
+    kill_job(job)  # kiln, torchrun and its workers: all at once
+    killed_early(run_dir)
+    out = finish(str(run_dir))
+    assert "resumed from" in out.stdout
+    assert losses(run_dir) == losses(reference)
+    same_weights(run_dir, reference)
+
+
+@pytest.mark.slow
+def test_a_killed_worker_restarts_the_job_which_resumes_by_itself(base, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    job = start(tmp_path, *base, "train.batch_size=2", f"train.run_dir={run_dir}", max_restarts=1)
+    wait_until(lambda: steps_saved(run_dir), job, tmp_path)
+    victim = wait_until(lambda: worker(job.pid, 1), job, tmp_path)
+    os.kill(victim, signal.SIGKILL)
+    assert job.wait(timeout=300) == 0, output(tmp_path)[-4000:]
+    out = output(tmp_path)
+    assert "(exitcode: -9)" in out and out.count("kiln run directory:") == 2  # torchrun started the job again
+    assert out.count("resumed from") == 1  # which resumed from a checkpoint by itself
+    assert losses(run_dir) == losses(reference)
+    same_weights(run_dir, reference)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_writes_one_checkpoint_and_the_resume_is_exact(base, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    job = start(tmp_path, *base, "train.batch_size=2", f"train.run_dir={run_dir}")
+    wait_until(lambda: steps_saved(run_dir), job, tmp_path)
+    job.send_signal(signal.SIGTERM)  # the launcher alone: torchrun and the workers hear it from it
+    job.wait(timeout=120)
+    out = output(tmp_path)
+    killed_early(run_dir)
+    metas = [json.loads((p / "meta.json").read_text()) for p in checkpoints(run_dir)]
+    preempt = [m for m in metas if m["reason"] == "preempt"]
+    assert len(preempt) == 1 and preempt[0] == metas[-1] and preempt[0]["world_size"] == 2, out[-3000:]
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp-")]  # nothing half-written
+    assert f"stopped by SIGTERM after step {preempt[0]['step']}" in out
+    assert "forcefully exiting via SIGKILL" not in out  # every worker finished within torchrun's grace
+    finish(str(run_dir))
+    assert losses(run_dir) == losses(reference)
+    same_weights(run_dir, reference)
+
+
+@pytest.mark.slow
+def test_a_four_process_job_resumes_on_two_at_the_same_global_sample(base, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    job = start(tmp_path, *base, "train.batch_size=1", f"train.run_dir={run_dir}", nproc=4)  # 4 x 1 sequences
+    wait_until(lambda: steps_saved(run_dir), job, tmp_path)
+    kill_job(job)
+    killed_early(run_dir)
+    saved = max(steps_saved(run_dir))
+    out = finish(str(run_dir), "train.batch_size=2")  # 2 x 2 sequences: the same global batch
+    assert "elastic resume: 4 -> 2 process(es)" in out.stdout
+    got, expected = losses(run_dir), losses(reference)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert [got[s] for s in sorted(got)] == pytest.approx([expected[s] for s in sorted(got)], rel=1e-4)
+    assert saved < STEPS

@@ -1,0 +1,53 @@
+"""Run in each process of the 2-process gloo build tests (started by torchrun from test_materialize.py).
+
+argv: OUT_DIR CONFIG_JSON [HF_DIR]. Builds the model with kiln.dist.materialize.build_model after the
+one-process seed, gathers every parameter's full tensor, and rank 0 saves them (and the peak RSS growth
+of the build on each rank) under OUT_DIR."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+from kiln.config import RunConfig
+from kiln.dist.materialize import build_model
+from kiln.dist.mesh import init_mesh
+from kiln.model.registry import param_count
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kB
+
+
+def rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+
+
+def main() -> None:
+    out, cfg = Path(sys.argv[1]), RunConfig.model_validate(json.loads(sys.argv[2]))
+    weights = sys.argv[3] if len(sys.argv) > 3 else None
+    mesh = init_mesh("cpu", cfg.dist)
+    small = cfg.model_copy(update={"model": cfg.model.model_copy(update={"n_layers": 1, "vocab_size": 64})})
+    build_model(small, mesh, param_count(small.model), lambda s: None)  # warm up: imports and op caches
+    torch.manual_seed(cfg.train.seed)
+    before = rss_bytes()  # now; the build's peak is measured from here
+    model = build_model(cfg, mesh, param_count(cfg.model), lambda s: None, weights_from=weights)
+    grew = peak_rss_bytes() - before
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    growth = [None] * mesh.world
+    torch.distributed.all_gather_object(growth, grew)
+    after = torch.rand(4)  # the global generator after the build: as in one process
+    if mesh.rank == 0:
+        torch.save({"state": full, "rng_after": after, "rss_growth": growth,
+                    "tied": model.lm_head.weight is model.embed_tokens.weight,
+                    "rope": (model.rope_cos.clone(), model.rope_sin.clone()),
+                    "kinds": sorted({type(p).__name__ for p in model.parameters()})}, out / "built.pt")
+    mesh.close(clean=True)
+
+
+if __name__ == "__main__":
+    main()
