@@ -24,6 +24,7 @@ last good state is restored, and a `TrainingError` naming the steps and their sa
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 from typing import Any
 
@@ -35,6 +36,26 @@ from kiln.errors import TrainingError
 from kiln.events import Callback
 from kiln.state.parts import trainer_parts
 from kiln.state.snapshot import MemorySnapshots
+
+
+def host_room(model: torch.nn.Module, copies: int, local_world: int, share: float = 0.75) -> tuple[bool, int, int]:
+    """Whether `copies` host copies of every process's training state (this process's weights, plus two AdamW
+    moments of each trainable one) fit in `share` of the host's available memory. Returns (fits, bytes needed
+    by the node's processes, bytes available). A rollback snapshot is one copy, an async checkpoint's staging
+    another: at 8B under FSDP on two GPUs that is 64 GB a process each."""
+    per = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p  # kiln.dist: an FSDP2 shard
+        n = local.numel() * local.element_size()
+        per += 3 * n if p.requires_grad else n
+    need = per * copies * local_world
+    try:
+        import psutil
+
+        have = psutil.virtual_memory().available
+    except ImportError:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return need <= share * have, need, have
 
 
 class SkipList:

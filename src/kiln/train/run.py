@@ -47,7 +47,7 @@ from kiln.state.verify import read_meta
 from kiln.state.weights import save_model
 from kiln.train.early_stop import EarlyStop
 from kiln.train.events import EvalEvery
-from kiln.train.rollback import Rollback
+from kiln.train.rollback import Rollback, host_room
 from kiln.train.threads import apply_threads
 from kiln.train.trainer import Trainer
 
@@ -204,7 +204,14 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     watchers = RunWatchers(cfg, run_dir, device, checkpoint_bytes(n_params), mesh.rank, plain)
     extra, callbacks = list(callbacks), [*watchers.first, EvalEvery(tcfg.eval_every)]
     if cfg.recovery.rollback:  # kiln.train.rollback: bad steps undone from the memory snapshots
-        callbacks.insert(0, Rollback(cfg.recovery, checkpointer.snapshots, cfg.checkpoint.snapshot_every))
+        fits, need, have = host_room(model, 2 if cfg.checkpoint.async_save else 1, mesh.local_world)
+        if fits:
+            callbacks.insert(0, Rollback(cfg.recovery, checkpointer.snapshots, cfg.checkpoint.snapshot_every))
+        else:
+            console.print(f"recovery.rollback is off for this run: its snapshot of the training state beside the "
+                          f"checkpoint's staging copy takes {need / 1e9:.0f} GB of host memory on this node, and "
+                          f"{have / 1e9:.0f} GB are available; a non-finite loss stops the run instead",
+                          highlight=False)
     if cfg.logging.console and mesh.rank == 0:  # kiln.dist: rank 0 writes console and metrics
         callbacks.append(ConsoleSink(console))
     if cfg.logging.jsonl and mesh.rank == 0:

@@ -132,3 +132,20 @@ def test_spike_verdict_needs_a_full_window_and_a_high_z_score(tmp_path):
     off = Rollback(config(tmp_path, recovery={"spike_window": 4, "spike_zscore": 0}).recovery, MemorySnapshots())
     off.window.extend(rb.window)
     assert off.verdict(40.0, 1.0) is None
+
+
+def test_host_room_counts_moments_of_trainable_weights_only_and_refuses_what_does_not_fit(monkeypatch):
+    import psutil
+
+    from kiln.train.rollback import host_room
+
+    model = torch.nn.Sequential(torch.nn.Linear(100, 10, bias=False), torch.nn.Linear(10, 10, bias=False))
+    model[1].weight.requires_grad_(False)  # frozen (a LoRA base): one copy, no moments
+    per = 3 * 1000 * 4 + 100 * 4
+
+    class Mem:
+        available = 10 * per
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Mem)
+    assert host_room(model, copies=1, local_world=1) == (True, per, 10 * per)
+    assert host_room(model, copies=2, local_world=4) == (False, 8 * per, 10 * per)
