@@ -108,7 +108,8 @@ def model_saved(path: Path) -> bool:
         json.loads((path / "model_config.json").read_text())
     except (OSError, ValueError):
         return False
-    return (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
+    weights = (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    return weights and (path / "tokenizer.json").is_file()
 
 
 def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict | None, finished: bool,
@@ -131,15 +132,24 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     tcfg = cfg.train
     train_loader, val_loader = data.train, data.val
 
-    n_params = param_count(cfg.model)
-    threads = apply_threads(tcfg.threads, device, n_params)  # CPU only
     torch.manual_seed(tcfg.seed)
-    model = Transformer(cfg.model)
-    if cfg.model.init_from and resume_from is None:  # a resume takes every weight from its checkpoint
-        load_init_weights(model, cfg.model)
+    if cfg.model.hf_class == "auto":  # any transformers causal LM (kiln.model.hf_auto): the slower path
+        from kiln.model.hf_auto import build_auto
+
+        model = build_auto(cfg.model, cfg.lora, weights=resume_from is None or cfg.lora.rank > 0)
+        n_params, flops = model.param_count(), model.flops_per_token(tcfg.seq_len)
+        shape = f"{type(model.base).__name__} through AutoModelForCausalLM, {len(model.layers)} blocks"
+    else:
+        n_params, flops = param_count(cfg.model), flops_per_token(cfg.model, tcfg.seq_len)
+        shape = f"{cfg.model.n_layers} layers, d={cfg.model.d_model}"
+        model = Transformer(cfg.model)
+        if cfg.model.init_from and resume_from is None:  # a resume takes every weight from its checkpoint
+            load_init_weights(model, cfg.model)
+    if cfg.model.init_from and resume_from is None:
         console.print(f"weights: {cfg.model.init_from}")
+    threads = apply_threads(tcfg.threads, device, n_params)  # CPU only
     # on the CPU until here: parallelize moves it (or this rank's shard) to the device
-    console.print(f"model: {n_params / 1e6:.2f}M parameters ({cfg.model.n_layers} layers, d={cfg.model.d_model}) "
+    console.print(f"model: {n_params / 1e6:.2f}M parameters ({shape}) "
                   f"on {device}" + (f" x {mesh.world} processes" if mesh.distributed else "")
                   + (f", {threads} thread(s)" if device.type == "cpu" else ""))
     model = parallelize(model, cfg, mesh, n_params, console.print)  # kiln.dist: AC -> compile -> FSDP2 / DDP
@@ -156,7 +166,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         callbacks.append(JsonlSink(run_dir / "metrics.jsonl"))
     callbacks += [*extra, CheckpointEvery(checkpointer, guard)]  # last: a checkpoint sees its step's eval
     trainer = Trainer(cfg, model, train_loader, val_loader, device, callbacks,
-                      flops_per_token=flops_per_token(cfg.model, tcfg.seq_len), mesh=mesh)
+                      flops_per_token=flops, mesh=mesh)
     if resume_from is not None:
         meta = checkpointer.load(trainer, resume_from, check_hashes=False)  # verified when chosen
         console.print(f"resumed from {resume_from} (step {meta['step']}, {meta['tokens_seen']:,} tokens)")
