@@ -5,6 +5,9 @@ checkpoints export to directories transformers (and PEFT, for LoRA) load with eq
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,3 +132,29 @@ def test_peft_lora_trains_adapters_and_exports_them(root, tmp_path):
         torch.testing.assert_close(model(x), merged)
     out = export_from(sorted((run_dir / "checkpoints").iterdir())[-1], tmp_path / "from-ckpt")
     torch.testing.assert_close(logits_of(out, x), merged, atol=1e-5, rtol=1e-5)
+
+
+def kiln_train(*args: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "kiln.cli", "train", *args] + (["--nproc", str(nproc)] if nproc > 1 else [])
+    env = {**os.environ, "COLUMNS": "400", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.parametrize("strategy", ["fsdp"])
+def test_two_processes_train_the_losses_of_one(root, tmp_path, strategy):
+    """FSDP2 shards each decoder block of the transformers model (found generically), with activation
+    checkpointing; the losses and final weights are the one-process run's with the same global batch."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = overrides(root, "llama", one, "train.activation_checkpointing=full")
+    kiln_train(*args)
+    args = overrides(root, "llama", two, "train.batch_size=2", f"dist.strategy={strategy}",
+                     "train.activation_checkpointing=full")
+    kiln_train(*args, nproc=2)
+    want, got = step_losses(one), step_losses(two)
+    assert sorted(got) == sorted(want) == list(range(1, 13))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-4), step
+    x = torch.randint(0, 300, (1, 16))
+    torch.testing.assert_close(logits_of(two / "model", x), logits_of(one / "model", x), atol=1e-4, rtol=1e-4)
