@@ -221,3 +221,35 @@ def test_lora_base_is_bf16_and_adapters_fp32(tmp_path):
     dtypes = {p.dtype for n, p in model.named_parameters() if p.requires_grad}
     frozen = {p.dtype for n, p in model.named_parameters() if not p.requires_grad}
     assert dtypes == {torch.float32} and frozen == {torch.bfloat16}
+
+
+def test_activation_checkpointing_replays_dropout(tmp_path):
+    """Blocks with dropout (GPT-2's defaults) recompute with the same dropout masks under checkpointing."""
+    config = transformers.GPT2Config(**{**TINY["gpt2"], "resid_pdrop": 0.3, "attn_pdrop": 0.3})
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "drop")
+    cfg = model_cfg(tmp_path / "drop")
+    x, y = torch.randint(0, 64, (2, 10)), torch.randint(0, 64, (2, 10))
+    grads = []
+    for mode in ("none", "full"):
+        model = apply_ac(build_auto(cfg), mode).train()
+        torch.manual_seed(1)
+        model(x, y).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, msg=name)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager(tmp_path):
+    from kiln.dist.compile import apply_compile
+
+    cfg = model_cfg(hf_dir(tmp_path, "llama"))
+    x, y, docs = torch.randint(0, 64, (2, 12)), torch.randint(0, 64, (2, 12)), torch.tensor([[0] * 5 + [1] * 7] * 2)
+    eager, compiled = build_auto(cfg), apply_compile(build_auto(cfg))
+    keys = list(compiled.state_dict())
+    for model in (eager, compiled):
+        model(x, y, docs).backward()
+    assert list(compiled.state_dict()) == keys == list(eager.state_dict())
+    for (name, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
