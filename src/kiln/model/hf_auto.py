@@ -22,7 +22,6 @@ and run. It is refused unless `model.trust_remote_code` is true.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -258,10 +257,3 @@ def load_auto(path: Path, cfg: ModelConfig) -> HFCausalLM:
         raise StateError(f"{path}: transformers cannot load the saved model ({type(e).__name__}: {e})") from None
     return HFCausalLM(hf, cfg)
 
-
-def model_config_of(path: Path) -> dict[str, Any] | None:
-    """The Kiln model config saved beside a final model, or None."""
-    try:
-        return json.loads((path / "model_config.json").read_text())
-    except (OSError, ValueError):
-        return None

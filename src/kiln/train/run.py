@@ -139,6 +139,9 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         model = build_auto(cfg.model, cfg.lora, weights=resume_from is None or cfg.lora.rank > 0)
         n_params, flops = model.param_count(), model.flops_per_token(tcfg.seq_len)
         shape = f"{type(model.base).__name__} through AutoModelForCausalLM, {len(model.layers)} blocks"
+        if model.is_peft:
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            shape += f"; {trainable / 1e6:.2f}M of them train (PEFT LoRA)"
     else:
         n_params, flops = param_count(cfg.model), flops_per_token(cfg.model, tcfg.seq_len)
         shape = f"{cfg.model.n_layers} layers, d={cfg.model.d_model}"

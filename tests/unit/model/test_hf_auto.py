@@ -253,3 +253,10 @@ def test_compiled_blocks_match_eager(tmp_path):
     assert list(compiled.state_dict()) == keys == list(eager.state_dict())
     for (name, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_auto_needs_a_model_directory():
+    from kiln.config import load_config
+
+    with pytest.raises(ConfigError, match="model.hf_class=auto trains a Hugging Face model directory"):
+        load_config(None, ["model.hf_class=auto"])
