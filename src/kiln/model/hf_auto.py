@@ -65,12 +65,11 @@ def check_remote_code(path: str | Path, hf: dict[str, Any], trust: bool) -> None
 def auto_config(model: ModelConfig) -> ModelConfig:
     """The ModelConfig of an `hf_class=auto` run: model.init_from's vocabulary and context length (where its
     config.json names one), the run's max_seq_len where set. ConfigError for fields only the native model has."""
-    from kiln.model.hf_import import read_hf_config, weight_files
+    from kiln.model.hf_import import read_hf_config
 
     assert model.init_from is not None
     hf = read_hf_config(model.init_from)
     check_remote_code(model.init_from, hf, model.trust_remote_code)
-    weight_files(model.init_from, model.allow_pickle)  # safetensors only, unless pickles are allowed
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
     clash = sorted(model.model_fields_set - _FREE)
     if clash:
@@ -106,16 +105,18 @@ def build_auto(cfg: ModelConfig, lora: LoraConfig | None = None, weights: bool =
     whose weights come from its checkpoint). With lora.rank > 0 the model gets PEFT LoRA adapters and
     only they train."""
     tr = _transformers()
-    from kiln.model.hf_import import read_hf_config
+    from kiln.model.hf_import import read_hf_config, weight_files
 
     check_remote_code(cfg.init_from, read_hf_config(cfg.init_from), cfg.trust_remote_code)
+    # safetensors only, unless pickles are allowed (the same refusal as the native import)
+    safetensors = not weights or weight_files(cfg.init_from, cfg.allow_pickle)[0].suffix == ".safetensors"
     use_lora = lora is not None and lora.rank > 0
     dtype = torch.bfloat16 if use_lora and lora.base_dtype == "bf16" else torch.float32
     trust = cfg.trust_remote_code
     try:
         if weights:
             hf = tr.AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=dtype, trust_remote_code=trust,
-                                                         use_safetensors=not cfg.allow_pickle)
+                                                         use_safetensors=safetensors)
         else:
             conf = tr.AutoConfig.from_pretrained(cfg.init_from, trust_remote_code=trust)
             hf = tr.AutoModelForCausalLM.from_config(conf, dtype=dtype, trust_remote_code=trust)
