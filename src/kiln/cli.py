@@ -195,15 +195,18 @@ def export(
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 or fp32 (default: as saved)."),
     tokenizer: str | None = typer.Option(None, "--tokenizer", help="Tokenizer to ship with it (default: the "
                                                                       "run's)."),
+    adapters: bool = typer.Option(False, "--adapters", help="A LoRA run's adapters alone, in PEFT's format "
+                                  "(adapter_model.safetensors, adapter_config.json), instead of the merged model."),
 ) -> None:
     """Write a model in the Hugging Face layout (safetensors, config.json, tokenizer files) that
-    AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load.
+    AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load. A LoRA run writes its
+    merged weights, or with --adapters the adapters that peft.PeftModel.from_pretrained loads onto the base.
 
     Example: kiln export runs/20261126-101500 --to exports/my-model --dtype bf16
     """
     from kiln.state.export import export_from
 
-    print(export_from(source, to, dtype, tokenizer))
+    print(export_from(source, to, dtype, tokenizer, adapters=adapters))
 
 
 @app.command()
@@ -226,6 +229,106 @@ def inspect(
     if config is not None or overrides:
         compare = load_config(config, list(overrides or [])).model_dump(mode="json")
     print(describe(path, compare, check=verify))
+
+
+@app.command("eval")
+def eval_(
+    target: str = typer.Argument(..., help="A run directory (its model/, else its newest checkpoint), a model/ "
+                                           "folder, a checkpoint directory or a Hugging Face model directory."),
+    data: list[str] = typer.Option(..., "--data", "-d", help="Source files, directories or globs (any format "
+                                   "`kiln prepare` reads; repeat the option for more), or one prepared dataset "
+                                   "directory made with the model's tokenizer."),
+    more: list[str] | None = typer.Argument(None, help="More sources (a glob the shell expanded after --data)."),
+    split: str | None = typer.Option(None, "--split", help="Split of a prepared dataset (default: val if it "
+                                     "has one, else train)."),
+    max_tokens: int | None = typer.Option(None, "--max-tokens", min=1, help="Evaluate at most this many tokens "
+                                          "(default: all)."),
+    batch_size: int | None = typer.Option(None, "--batch-size", min=1, help="Rows per batch (default: the run's "
+                                          "train.batch_size, else 8)."),
+    seq_len: int | None = typer.Option(None, "--seq-len", min=1, help="Tokens per row (default: the run's "
+                                       "train.seq_len, else up to 1024)."),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N."),
+    seed: int | None = typer.Option(None, "--seed", min=0, help="Seed of the row order (default: the run's "
+                                    "train.seed, as its validation reads them; else 0)."),
+    out: str | None = typer.Option(None, "--out", "-o", help="JSON file to write (default: RUN/eval.json, "
+                                   "RUN/eval-step_N.json for a checkpoint, DIR.eval.json for a Hugging Face model)."),
+    fmt: str | None = typer.Option(None, "--format", help="Format of the sources (as data.format; default: the "
+                                   "run's, else by suffix)."),
+    field: str | None = typer.Option(None, "--field", help="JSON field or column holding the text (as data.field)."),
+    text_unit: str | None = typer.Option(None, "--text-unit", help="Text files: a document per file, line or "
+                                         "paragraph (as data.text_unit)."),
+) -> None:
+    """Loss, perplexity and bits per byte of a model on any data, printed and written as JSON.
+
+    Bits per byte do not depend on the tokenizer, so models with different tokenizers compare on
+    the same text. Documents are packed and masked as in training.
+
+    Example: kiln eval runs/20261126-101500 --data held-out/*.jsonl --max-tokens 1000000
+    """
+    from rich.table import Table
+
+    from kiln.evaluate import evaluate, write_result
+
+    result = evaluate(target, [*data, *(more or [])], split=split, max_tokens=max_tokens, batch_size=batch_size,
+                      seq_len=seq_len, device=device, seed=seed, format=fmt, field=field, text_unit=text_unit)
+    path = write_result(result, out)
+    table = Table(title=f"kiln eval {result['target']}", title_justify="left")
+    for name in ("loss", "perplexity", "bits per byte", "tokens", "bytes"):
+        table.add_column(name, justify="right")
+    bpb = result["bits_per_byte"]
+    table.add_row(f"{result['loss']:.4f}", f"{result['perplexity']:.3f}", f"{bpb:.4f}" if bpb is not None else "-",
+                  f"{result['tokens']:,}", f"{result['bytes']:,}")
+    console.print(table)
+    console.print(f"data: {', '.join(result['data'])} ({result['split']} split, seq_len {result['seq_len']}, "
+                  f"document mask {'on' if result['document_mask'] else 'off'}); written to {path}", highlight=False)
+
+
+@app.command()
+def plot(
+    runs: list[str] = typer.Argument(..., help="Run directories (or their metrics.jsonl files) to draw together."),
+    out: str | None = typer.Option(None, "--out", "-o", help="PNG file to write; an .html page and a .json list "
+                                   "of the panels go beside it (default: RUN/plots.png for one run, "
+                                   "plots-compare.png here for several)."),
+) -> None:
+    """Plot training and validation loss, learning rate, gradient norm, tokens/s, MFU, memory and data
+    wait against steps and tokens, several runs overlaid.
+
+    Example: kiln plot runs/20261126-101500 runs/20261126-120000 --out compare.png
+    """
+    from kiln.monitor.plots import write_plots
+
+    if out is None:
+        first = Path(runs[0]).expanduser()
+        out = str((first if first.is_dir() else first.parent) / "plots.png") if len(runs) == 1 else "plots-compare.png"
+    paths = write_plots(runs, out)
+    console.print(f"wrote {paths['png']} and {paths['html']}", highlight=False)
+
+
+@app.command("runs")
+def runs_(
+    directory: str = typer.Argument("runs", help="Directory holding run directories (default: runs)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON (one object per run) instead of a table."),
+) -> None:
+    """List the runs under a directory: name, status (running, finished, stopped, crashed), steps,
+    tokens, best validation loss, last checkpoint and wall time.
+
+    Example: kiln runs runs/
+    """
+    import json
+
+    from kiln.monitor.runs import list_runs, runs_table
+
+    found = list_runs(directory)
+    if as_json:
+        print(json.dumps([r.as_dict() for r in found], indent=1))
+        return
+    if not found:
+        console.print(f"no runs in {directory}", highlight=False)
+        return
+    console.print(runs_table(found, f"runs in {directory}"))
+    for r in found:
+        if r.note and r.status in ("stopped", "crashed"):
+            console.print(f"{r.name}: {r.status} ({r.note})", highlight=False)
 
 
 # --------------------------------------------------------------------------- launch (kiln.dist.launch)

@@ -296,13 +296,28 @@ class DataConfig(Section):
         return out
 
 
+class EarlyStopConfig(Section):
+    """Stop training when the validation loss stops improving (needs a validation split and train.eval_every)."""
+
+    patience: int = Field(0, ge=0)
+    """Stop after this many evaluations in a row without improvement (0: early stopping off)."""
+    min_delta: float = Field(0.0, ge=0)
+    """An evaluation improves only when its validation loss is below the best so far by more than this."""
+
+
 class TrainConfig(Section):
     seq_len: int = Field(256, ge=1)
     """Tokens per training sequence."""
-    batch_size: int = Field(8, ge=1)
-    """Sequences per micro-batch on each device."""
+    batch_size: int | Literal["auto"] = 8
+    """Sequences per micro-batch on each device; 'auto' tries real training steps before the run and takes the
+    largest that fits with recovery.auto_batch_margin to spare (on the CPU: from a memory budget), needs
+    train.global_batch_tokens, and caches the result per model, sequence, precision, device and world size."""
     grad_accum: int = Field(1, ge=1)
-    """Micro-batches accumulated per optimizer step."""
+    """Micro-batches accumulated per optimizer step (derived from train.global_batch_tokens when that is set)."""
+    global_batch_tokens: int | None = Field(None, ge=1)
+    """Tokens per optimizer step over all data-parallel ranks, a multiple of train.seq_len; the micro-batch
+    may change (auto, or halved after an out-of-memory error) while this stays. null: batch_size x
+    grad_accum x ranks x seq_len."""
     max_steps: int = Field(300, ge=1)
     """Optimizer steps to train for."""
     lr: float = Field(2e-3, gt=0, le=1)
@@ -337,7 +352,8 @@ class TrainConfig(Section):
     """Compile the model and the loss kernel with torch.compile (fastest on GPU; slow to start on CPU)."""
     compile_scope: Literal["blocks", "model"] = "blocks"
     """With compile: 'blocks' compiles each transformer block (one graph for all, quick to compile);
-    'model' the whole forward pass up to the loss (1-2% faster at 124m, longer to compile)."""
+    'model' the whole forward pass up to the loss (1-2% faster at 124m, longer to compile; one process
+    only: under DDP and FSDP it is compiled per block, so gradient reduction overlaps the backward pass)."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """Recompute activations in the backward pass to save memory: 'selective' keeps each block's matrix
     product and attention outputs and recomputes its elementwise ops; 'full' recomputes whole blocks
@@ -350,6 +366,21 @@ class TrainConfig(Section):
     """Prompt of the sample printed at the end of training."""
     sample_tokens: int = Field(80, ge=0)
     """Tokens generated for that sample (0: no sample)."""
+    early_stop: EarlyStopConfig = EarlyStopConfig()
+    """Early stopping on validation loss: patience (evaluations) and min_delta; off unless patience > 0."""
+
+    @field_validator("batch_size", mode="plain")
+    @classmethod
+    def _batch_size(cls, v: Any) -> int | str:
+        if v == "auto":
+            return v
+        if isinstance(v, str) and v.strip().isdigit():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError("Input should be a whole number of sequences, or 'auto'")
+        if v < 1:
+            raise ValueError("Input should be greater than or equal to 1")
+        return v
 
     @field_validator("device")
     @classmethod
@@ -357,6 +388,44 @@ class TrainConfig(Section):
         if not re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", v):
             raise ValueError("not a device; use auto, cpu, cuda or cuda:N")
         return v
+
+    def problems(self) -> list[Problem]:
+        out: list[Problem] = []
+        g = self.global_batch_tokens
+        if self.batch_size == "auto" and g is None:
+            out.append((("batch_size", "global_batch_tokens"), "train.batch_size=auto needs train.global_batch_tokens "
+                        "(the tokens of one optimizer step), so the batch the optimizer sees does not depend on "
+                        "the device; set it, e.g. train.global_batch_tokens=" f"{8 * self.seq_len * 8}"))
+        if g is not None and g % self.seq_len:
+            out.append((("global_batch_tokens", "seq_len"), f"train.global_batch_tokens={g} is not a multiple of "
+                        f"train.seq_len={self.seq_len}; use {max(1, g // self.seq_len) * self.seq_len}"))
+        elif g is not None and "grad_accum" in self.model_fields_set:
+            out.append((("global_batch_tokens", "grad_accum"), "give train.global_batch_tokens or train.grad_accum, "
+                        "not both: the accumulation follows from the global batch and the micro-batch"))
+        return out
+
+    def step_rows(self, world: int) -> int:
+        """Sequences each of `world` data-parallel ranks trains on per optimizer step (ConfigError if the
+        global batch does not split evenly between them)."""
+        if self.global_batch_tokens is None:
+            return int(self.batch_size) * self.grad_accum
+        rows = self.global_batch_tokens // self.seq_len
+        if rows % world:
+            raise ConfigError(f"train.global_batch_tokens={self.global_batch_tokens} is {rows} sequences, which "
+                              f"{world} data-parallel ranks cannot share evenly; make it a multiple of "
+                              f"{world * self.seq_len}")
+        return rows // world
+
+    def loader_rows(self, world: int) -> int:
+        """Sequences in each batch a loader yields: the micro-batch, or with batch_size auto a whole step's."""
+        rows = self.step_rows(world)
+        if self.batch_size == "auto":
+            return rows
+        if rows % self.batch_size:
+            raise ConfigError(f"train.global_batch_tokens={self.global_batch_tokens} gives {rows} sequences per "
+                              f"rank per step, not a multiple of train.batch_size={self.batch_size}; choose a "
+                              "batch_size that divides it, or train.batch_size=auto")
+        return self.batch_size
 
 
 class OptimConfig(Section):
@@ -396,6 +465,44 @@ class CheckpointConfig(Section):
     """Threads (and files per process) that write a checkpoint; more threads, faster saves on fast disks."""
     on_signal: bool = True
     """On SIGTERM/SIGINT finish the step, write a checkpoint and exit 0; on a crash write an emergency one."""
+    keep_best: bool = True
+    """Keep the local checkpoint with the lowest validation loss even when keep_last would delete it (a
+    checkpoint records the loss when an evaluation falls on its step: align train.eval_every with every)."""
+
+
+class RecoveryConfig(Section):
+    """What a run does on its own when a step runs out of memory or goes bad (kiln.train.oom, rollback)."""
+
+    auto_batch_margin: float = Field(0.1, ge=0, lt=1)
+    """With train.batch_size auto: the fraction of device memory left free (on the CPU: of available memory
+    left unplanned) by the micro-batch chosen."""
+    auto_batch_cache: bool = True
+    """With train.batch_size auto: remember the micro-batch found (auto_batch.json in data.cache_dir, keyed by
+    model, sequence length, precision, compile and checkpointing, device and world size) so a restart does not
+    search again."""
+    oom_retries: int = Field(3, ge=0)
+    """Times one step may run out of device memory: each time the step's gradients are dropped, the micro-batch
+    is halved (more accumulation, same samples in the same order) and the step runs again; one more stops the
+    run with a ResourceError and an emergency checkpoint (0: the first one stops it). One process only."""
+    rollback: bool = True
+    """Roll back a bad step (non-finite loss or gradient norm, or a loss spike): restore the newest in-memory
+    snapshot, pass over the step's samples (recorded, so a resume passes over them too) and go on. Costs one
+    copy of the state in host memory and a host read of the loss every step."""
+    snapshot_every: int = Field(50, ge=1)
+    """Steps between the in-memory snapshots a rollback restores, when checkpoint.snapshot_every is 0
+    (that cadence wins when set); the first is taken at the start."""
+    spike_zscore: float = Field(6.0, ge=0)
+    """A step whose loss is this many standard deviations above the mean of the last spike_window good steps
+    is a spike (0: spikes are not checked, only non-finite values)."""
+    spike_window: int = Field(50, ge=2)
+    """Good steps the spike check compares against; no step is called a spike before there are this many."""
+    max_rollbacks: int = Field(3, ge=0)
+    """Rollbacks allowed within rollback_window steps; one more bad step stops the run with a TrainingError
+    (the last good state saved as an emergency checkpoint, the offending samples named)."""
+    rollback_window: int = Field(1000, ge=1)
+    """Steps over which max_rollbacks counts."""
+    lr_factor: float = Field(1.0, gt=0, le=1)
+    """Multiply the learning rate by this after each rollback (1: unchanged); kept across resumes."""
 
 
 class LoggingConfig(Section):
@@ -405,6 +512,8 @@ class LoggingConfig(Section):
     """Show a progress bar and log lines on the console."""
     jsonl: bool = True
     """Write metrics to metrics.jsonl in the run directory."""
+    plots: bool = True
+    """At the end of a run, draw plots.png from metrics.jsonl (needs matplotlib: pip install 'kiln[plot]')."""
 
 
 
@@ -493,6 +602,8 @@ class RunConfig(Section):
     """What is saved and when."""
     logging: LoggingConfig = LoggingConfig()
     """Where metrics go."""
+    recovery: RecoveryConfig = RecoveryConfig()
+    """Automatic micro-batch, out-of-memory retries and rollback of bad steps."""
     dist: DistConfig = DistConfig()
     """Several processes and devices (torchrun): DDP or FSDP2, sharding, offload, watchdog."""
     lora: LoraConfig = LoraConfig()

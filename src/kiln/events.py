@@ -23,6 +23,9 @@ class Callback:
 
     def on_eval_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None: ...
 
+    def on_notice(self, trainer: Trainer, kind: str, info: dict[str, Any]) -> None:
+        """Something the run did on its own (`kind`: auto_batch, oom, rollback, ...); `info` is plain data."""
+
     def on_train_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None: ...
 
 

@@ -124,7 +124,7 @@ def test_peft_lora_trains_adapters_and_exports_them(root, tmp_path):
     merged = logits_of(run_dir / "model", x)  # the adapters merged into the base
     assert not torch.allclose(logits_of(root / "llama", x), merged, atol=1e-4)  # the adapters trained
     base = transformers.AutoModelForCausalLM.from_pretrained(root / "llama", dtype=torch.float32)
-    adapted = peft.PeftModel.from_pretrained(base, run_dir / "model" / "adapter").eval()
+    adapted = peft.PeftModel.from_pretrained(base, run_dir / "model" / "adapters").eval()
     with torch.no_grad():
         torch.testing.assert_close(adapted(input_ids=x).logits, merged, atol=1e-5, rtol=1e-5)
     model, _ = load_model(run_dir)

@@ -70,7 +70,7 @@ def test_every_preset_loads():
     from kiln.config import PRESETS_DIR
 
     names = [p.stem for p in PRESETS_DIR.glob("*.yaml")]
-    assert {"quickstart", "gpu-124m", "gpu-1b"} <= set(names)
+    assert {"quickstart", "gpu-124m", "gpu-1b", "cpt-8b-1gpu", "cpt-8b-4gpu"} <= set(names)
     for name in names:
         load_config(name)
 

@@ -21,7 +21,7 @@ LAYERS: list[list[str]] = [
     ["kiln.sizes", "kiln.config"],  # the validated config (named sizes are plain data)
     ["kiln.data", "kiln.model"],  # read, prepare and load data; the pure model
     ["kiln.dist", "kiln.monitor", "kiln.state"],  # parallelism, sinks, checkpoints and the run directory
-    ["kiln.train"],  # the loop and `kiln train` end to end
+    ["kiln.train", "kiln.evaluate"],  # the loop and `kiln train` end to end; `kiln eval` of any model
     ["kiln.cli"],  # the command
 ]
 

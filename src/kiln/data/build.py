@@ -98,16 +98,17 @@ def build_data(cfg: RunConfig, device: torch.device, rank: int | None = None, wo
     if rank is None or world is None:
         rank, world = data_position()
     d, t = cfg.data, cfg.train
+    rows = t.loader_rows(world)  # a micro-batch, or with train.batch_size auto one step's rows (kiln.train)
     common = dict(seed=t.seed, document_mask=d.document_mask, prefetch=d.prefetch,
                   pin_memory=d.pin_memory and device.type == "cuda")
     if d.streaming:
         from kiln.data.load.streaming import StreamingLoader, streaming_tokenizer
 
         tok = streaming_tokenizer(d, console)
-        train = StreamingLoader(d, tok, "train", t.seq_len, t.batch_size, rank=rank, world=world, **common)
+        train = StreamingLoader(d, tok, "train", t.seq_len, rows, rank=rank, world=world, **common)
         val = None
         if d.val_fraction > 0:
-            val = StreamingLoader(d, tok, "val", t.seq_len, t.batch_size, **{**common, "prefetch": 0})
+            val = StreamingLoader(d, tok, "val", t.seq_len, rows, **{**common, "prefetch": 0})
         lines = [f"data: streaming {', '.join(d.sources)} (vocab {tok.vocab_size})"]
         if train.rows.files.passed_over:  # as `kiln prepare` reports them
             from kiln.data.prepare.report import passed_over_text
@@ -122,12 +123,12 @@ def build_data(cfg: RunConfig, device: torch.device, rank: int | None = None, wo
 
     datasets = prepare_all(d, console)
     weights = [e.weight for e in d.mixture] or [1.0]
-    train = PackedLoader.from_datasets(datasets, "train", t.seq_len, t.batch_size, weights=weights, rank=rank,
+    train = PackedLoader.from_datasets(datasets, "train", t.seq_len, rows, weights=weights, rank=rank,
                                        world=world, shuffle=d.shuffle, **common)
     with_val = [(ds, w) for ds, w in zip(datasets, weights) if _split_tokens(ds, "val") > t.seq_len]
     val = None
     if with_val:
-        val = PackedLoader.from_datasets([ds for ds, _ in with_val], "val", t.seq_len, t.batch_size,
+        val = PackedLoader.from_datasets([ds for ds, _ in with_val], "val", t.seq_len, rows,
                                          weights=[w for _, w in with_val], **{**common, "prefetch": 0})
     lines = [f"data: {ds.path} ({_split_tokens(ds, 'train'):,} train / {_split_tokens(ds, 'val'):,} val tokens"
              + (f", weight {w / sum(weights):.3f})" if len(datasets) > 1 else ")")

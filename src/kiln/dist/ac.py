@@ -33,16 +33,15 @@ def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _checkpointed(forward, mode: str, random: bool = False):
+def _checkpointed(forward, mode: str, preserve_rng: bool = False):
     context_fn = (functools.partial(create_selective_checkpoint_contexts, _selective_policy)
                   if mode == "selective" else None)
 
     @functools.wraps(forward)
     def wrapped(*args, **kwargs):
         extra = {"context_fn": context_fn} if context_fn else {}
-        # Kiln's blocks draw no random numbers, so there is no RNG state to replay; a block with dropout
-        # (a transformers model's) replays it, so the recomputation drops the same units
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=random, **extra, **kwargs)
+        # a block draws random numbers only with dropout (LoRA's): then the recomputation replays its RNG state
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=preserve_rng, **extra, **kwargs)
 
     return wrapped
 
@@ -56,7 +55,7 @@ def apply_ac(model: nn.Module, mode: str) -> nn.Module:
     for block in model.layers:
         if getattr(block, "_kiln_ac", None):
             raise RuntimeError("activation checkpointing is already applied to this model")
-        random = any(isinstance(m, nn.Dropout) and m.p > 0 for m in block.modules())
-        block.forward = _checkpointed(block.forward, mode, random)
+        dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in block.modules())
+        block.forward = _checkpointed(block.forward, mode, preserve_rng=dropout)
         block._kiln_ac = mode
     return model

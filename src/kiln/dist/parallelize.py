@@ -81,8 +81,11 @@ def parallelize(model: nn.Module, cfg: RunConfig, m: Mesh, n_params: int | None 
     apply_ac(model, tcfg.activation_checkpointing)
     if tcfg.compile:
         scope = tcfg.compile_scope
-        if strategy == "fsdp" and scope == "model":
-            log("train.compile_scope=model is compiled per block under FSDP (each block is its own shard unit)")
+        if strategy in ("fsdp", "ddp") and scope == "model":
+            # FSDP: each block is its own shard unit. DDP: one whole-model graph hands back every gradient
+            # at the end of its backward, so no all-reduce could overlap it; per block, each block's do.
+            log(f"train.compile_scope=model is compiled per block under {strategy} (its gradient reduction "
+                "overlaps the backward pass block by block)")
             scope = "blocks"
         apply_compile(model, scope=scope)  # in place: state-dict keys stay the same
     if strategy == "single":
@@ -184,9 +187,10 @@ def full_model(model: nn.Module, cfg: RunConfig, m: Mesh) -> nn.Module | None:
             raise RuntimeError(f"gathered state does not match the model: missing {missing}, unexpected {unexpected}")
         return plain.to(m.device)
     from kiln.model.llama import Transformer
+    from kiln.model.lora import apply_lora
 
     with torch.device("meta"):
-        plain = Transformer(cfg.model)
+        plain = apply_lora(Transformer(cfg.model), cfg.lora)  # LoRA: the adapters' keys too
     plain.to_empty(device="cpu")
     plain.init_weights()  # re-ties embeddings and rebuilds the rope tables; the weights come next
     missing, unexpected = plain.load_state_dict(state, strict=False)

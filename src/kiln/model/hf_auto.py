@@ -227,7 +227,7 @@ class HFCausalLM(nn.Module):
     def save_pretrained(self, out: str | Path, tokenizer=None, merged: bool = True, dtype: torch.dtype | None = None
                         ) -> Path:
         """The Hugging Face layout in `out` (config.json, safetensors, tokenizer files) that
-        AutoModelForCausalLM.from_pretrained loads. Under LoRA: PEFT's adapters in `out/adapter`, and
+        AutoModelForCausalLM.from_pretrained loads. Under LoRA: PEFT's adapters in `out/adapters`, and
         with `merged` the base model with the adapters merged in `out` (this model's weights merge too)."""
         from kiln.state.export import write_tokenizer
 
@@ -235,7 +235,7 @@ class HFCausalLM(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         hf = self.hf
         if self.is_peft:
-            hf.save_pretrained(str(out / "adapter"), safe_serialization=True)
+            hf.save_pretrained(str(out / "adapters"), safe_serialization=True)
             if not merged:
                 return out
             hf = hf.merge_and_unload()

@@ -41,7 +41,12 @@ class ConsoleSink(Callback):
 
     def on_eval_end(self, trainer, metrics: dict[str, Any]) -> None:
         self.console.print(f"[bold]eval[/] step {metrics['step']}: val_loss {metrics['val_loss']:.4f}  "
-                           f"val_ppl {metrics['val_ppl']:.2f}")
+                           f"val_ppl {metrics['val_ppl']:.2f}"
+                           + (f"  val_bpb {metrics['val_bpb']:.4f}" if "val_bpb" in metrics else ""))
+
+    def on_notice(self, trainer, kind: str, info: dict[str, Any]) -> None:
+        if info.get("message"):
+            self.console.print(f"[bold yellow]{kind}[/] {info['message']}", highlight=False)
 
     def on_train_end(self, trainer, metrics: dict[str, Any]) -> None:
         if self.progress:
@@ -93,7 +98,25 @@ class JsonlSink(Callback):
     def on_eval_end(self, trainer, metrics) -> None:
         self._write(trainer, "eval", metrics)
 
+    def on_notice(self, trainer, kind: str, info: dict[str, Any]) -> None:
+        self._open(trainer, None)
+        if kind == "rollback":  # the steps after the restored one are trained again: their records go
+            self.file.close()
+            keep = [line for line in self.path.read_text().splitlines() if _kept(line, trainer.step)]
+            atomic_write(self.path, "".join(f"{line}\n" for line in keep))
+            self.file = open(self.path, "a")
+        self._write(trainer, kind, {"step": trainer.step, **info})
+
     def on_train_end(self, trainer, metrics) -> None:
         if self.file:
             self.file.close()
             self.file = None
+
+
+def _kept(line: str, step: int) -> bool:
+    """Whether a metrics.jsonl record stays after a rollback to `step`: notices and records up to it do."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return rec.get("event") not in ("train", "eval") or rec.get("step", -1) <= step

@@ -26,7 +26,8 @@ class CheckpointEvery(Callback):
         if signame:
             path = self.ckpt.save(trainer, "preempt", blocking=True)
             raise Preempted(signame, step, path)
-        if c.every and step % c.every == 0 and step < trainer.cfg.train.max_steps:
+        last = step >= trainer.cfg.train.max_steps or getattr(trainer, "stop_reason", None)  # the final save follows
+        if c.every and step % c.every == 0 and not last:
             self.ckpt.save(trainer)
 
     def on_train_end(self, trainer, metrics: dict[str, Any]) -> None:

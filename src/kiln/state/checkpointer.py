@@ -45,7 +45,7 @@ from kiln.state import staging
 from kiln.state.parts import RANK_KEYS, SMALL_KEYS, TENSOR_KEYS, as_parts
 from kiln.state.policy import CheckpointPolicy
 from kiln.state.resume import verified
-from kiln.state.retention import KeepLast, check_room
+from kiln.state.retention import KeepBest, KeepLast, check_room
 from kiln.state.rundir import CHECKPOINTS, TMP_PREFIX, checkpoints, from_rank0, step_dir_name
 from kiln.state.snapshot import MemorySnapshots, Snapshot
 from kiln.state.storage import ParallelFileSystemReader, hashing_writer
@@ -83,13 +83,16 @@ def _innermost(exc: BaseException) -> BaseException:
 
 
 def default_policies(run_dir: Path, cfg: RunConfig, log: Callable[[str], None]) -> list[CheckpointPolicy]:
-    """The archive (when checkpoint.archive_url is set) and retention (checkpoint.keep_last), in that order."""
+    """The archive (when checkpoint.archive_url is set), the best checkpoint's hold (checkpoint.keep_best) and
+    retention (checkpoint.keep_last), in that order."""
     ccfg, policies = cfg.checkpoint, []
     if ccfg.archive_url:
         from kiln.state.archive import Archive
         from kiln.state.archiver import Archiver
 
         policies.append(Archiver(Archive(ccfg.archive_url, run_dir.name), run_dir, ccfg, log))
+    if ccfg.keep_best:
+        policies.append(KeepBest(run_dir))
     policies.append(KeepLast(run_dir, ccfg.keep_last, holders=list(policies), log=log))
     return policies
 
@@ -319,6 +322,7 @@ class Checkpointer:
             "format": FORMAT, "step": step, "tokens_seen": small["trainer"]["tokens_seen"],
             "reason": small["reason"], "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "write_seconds": round(seconds, 3), "hash_seconds": round(hashing, 3), "val_loss": val_loss,
+            "stop_reason": small["trainer"].get("stop_reason"),
             "world_size": dist.get_world_size() if self.distributed else 1,
             "versions": {"kiln": __version__, "torch": torch.__version__},
             "fingerprints": small["fingerprints"], "config": self.cfg.model_dump(mode="json"),

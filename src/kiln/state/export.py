@@ -9,6 +9,12 @@ the weights as safetensors (`model.safetensors`, or shards `model-0000K-of-0000N
 `tokenizer_config.json` naming its special tokens). Sources `export_from` reads: a run's final
 `model/` directory (or the run directory holding it), a checkpoint directory (DCP), a run
 directory without a final model (its newest checkpoint), or a Hugging Face model directory.
+
+A LoRA run exports its merged weights (base + (alpha / r) B A, fp32 unless `dtype` says otherwise) in
+the same layout, or with `adapters=True` (`kiln export --adapters`) its adapters alone in PEFT's format
+(`adapter_model.safetensors`, `adapter_config.json`: see kiln.model.lora_peft). From a checkpoint,
+which holds the adapters only, the base is read from the run's model.init_from, after its hash is
+checked against the one the checkpoint recorded.
 """
 
 from __future__ import annotations
@@ -113,14 +119,19 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path, max_len: int) -> None:
 
 
 def export_from(src: str | Path, to: str | Path, dtype: str | None = None, tokenizer: str | Path | None = None,
-                max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
-    """`kiln export SRC --to TO`: find what SRC holds (see the module doc) and export it."""
+                max_shard_bytes: int = MAX_SHARD_BYTES, adapters: bool = False) -> Path:
+    """`kiln export SRC --to TO`: find what SRC holds (see the module doc) and export it; `adapters`:
+    a LoRA run's adapters in PEFT's format instead of the merged model."""
     from kiln.state.weights import load_model
 
     p = Path(src).expanduser()
     if not p.is_dir():
         raise StateError(f"{p} is not a directory; give a run directory, its model/ folder, a checkpoint "
                          "directory (checkpoints/step_...) or a Hugging Face model directory")
+    if dtype is not None and dtype not in DTYPES:
+        raise StateError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
+    if adapters:
+        return _export_adapters(p, to, dtype)
     tok = Tokenizer.load(tokenizer) if tokenizer is not None else None
     if (p / "model_config.json").is_file() or (p / "model" / "model_config.json").is_file():
         model, saved_tok = load_model(p)
@@ -196,11 +207,35 @@ def read_checkpoint_model(ckpt: Path) -> tuple[ModelConfig, dict[str, torch.Tens
 
     Reads only the "model" key of the DCP files through `torch.distributed.checkpoint`'s public load,
     in this one process: a sharded checkpoint of any world size is gathered whole."""
+    from kiln.model.llama import Transformer
+
+    run_cfg, meta, state = _checkpoint_tensors(ckpt)
+    cfg = run_cfg.model
+    if run_cfg.lora.rank:  # adapters only: the base comes from init_from, checked against the recorded hash
+        from kiln.model.hf_import import load_init_weights
+        from kiln.model.lora import merge_state_dict
+        from kiln.state.lora_base import base_hash, check_base
+
+        current = base_hash(cfg.init_from, cfg.allow_pickle) if cfg.init_from and Path(cfg.init_from).exists() \
+            else None
+        if current is None:
+            raise StateError(f"{ckpt} holds LoRA adapters only, and their base model.init_from={cfg.init_from} is "
+                             "not there: restore it, or export the adapters alone with --adapters")
+        check_base(meta.get("fingerprints") or {}, current, f"checkpoint {ckpt}", cfg.init_from)
+        base = Transformer(cfg)
+        load_init_weights(base, cfg)
+        state = merge_state_dict({**base.state_dict(), **state}, run_cfg.lora)
+    return cfg, state, _checkpoint_tokenizer(ckpt, run_cfg, meta)
+
+
+def _checkpoint_tensors(ckpt: Path) -> tuple[Any, dict, dict[str, torch.Tensor]]:
+    """(run config, meta.json, the "model" part of the checkpoint): every weight, or a LoRA run's adapters."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     from kiln.config import RunConfig
     from kiln.model.llama import Transformer
+    from kiln.model.lora import adapter_state_dict, apply_lora
     from kiln.state.verify import read_meta
 
     meta = read_meta(ckpt)
@@ -210,8 +245,9 @@ def read_checkpoint_model(ckpt: Path) -> tuple[ModelConfig, dict[str, torch.Tens
         raise StateError(f"{ckpt}: its meta.json has no valid config ({e})") from None
     cfg = run_cfg.model
     with torch.device("meta"):
-        model = Transformer(cfg)
-    state = {k: torch.empty_like(v, device="cpu") for k, v in model.state_dict().items()}
+        model = apply_lora(Transformer(cfg), run_cfg.lora)
+    live = adapter_state_dict(model) if run_cfg.lora.rank else model.state_dict()
+    state = {k: torch.empty_like(v, device="cpu") for k, v in live.items()}
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
     try:
@@ -221,7 +257,27 @@ def read_checkpoint_model(ckpt: Path) -> tuple[ModelConfig, dict[str, torch.Tens
                      no_dist=True)
     except Exception as e:  # DCP wraps storage and planning errors in its own types
         raise StateError(f"{ckpt}: the model weights cannot be read ({e}); `kiln inspect {ckpt}` checks it") from None
-    return cfg, state, _checkpoint_tokenizer(ckpt, run_cfg, meta)
+    return run_cfg, meta, state
+
+
+def _export_adapters(p: Path, to: str | Path, dtype: str | None) -> Path:
+    """The LoRA adapters of a run (its model/adapters/, else its newest checkpoint) in PEFT's format."""
+    from kiln.model.lora_peft import CONFIG, read_peft_adapters, save_peft, write_peft_adapters
+    from kiln.state.rundir import checkpoints
+
+    cast = DTYPES[dtype] if dtype else None
+    for saved in (p / "adapters", p / "model" / "adapters"):  # a finished run's model/ keeps them
+        if (saved / CONFIG).is_file():
+            return save_peft(*read_peft_adapters(saved), to, cast)
+    ckpt = p if (p / ".metadata").is_file() else (checkpoints(p) or [None])[-1]
+    if ckpt is None:
+        raise StateError(f"{p} holds no LoRA adapters: give the directory of a `kiln train` run with lora.rank > 0, "
+                         "its model/ folder or one of its checkpoints")
+    run_cfg, _, state = _checkpoint_tensors(ckpt)
+    if not run_cfg.lora.rank:
+        raise StateError(f"{ckpt} was trained without LoRA (lora.rank=0), so it has no adapters; export the whole "
+                         "model without --adapters")
+    return write_peft_adapters(state, run_cfg.model, run_cfg.lora, run_cfg.model.init_from, to, cast)
 
 
 def _checkpoint_tokenizer(ckpt: Path, run_cfg, meta: dict) -> Tokenizer | None:

@@ -1,6 +1,7 @@
 """The parts of a run's state, each a `Stateful` (`state_dict()` / `load_state_dict()`), under fixed keys.
 
-    model      the model's parameters and buffers (DCP; DTensor shards under FSDP2)
+    model      the model's trainable parameters and its buffers (DCP; DTensor shards under FSDP2); frozen
+               parameters (a LoRA run's base) are left out: they come from model.init_from, known by hash
     optim      the optimizer's moments (DCP); its hyperparameters come from the config on load
     scheduler  the learning-rate schedule's position (JSON); its peak rate comes from the config on load
     loader     the training loader's position (JSON)
@@ -19,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -45,18 +47,26 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 class ModelState:
+    """The model's weights without its frozen parameters: with LoRA, the adapters alone. Loading sets
+    those and leaves the frozen base as it is (the caller loaded it from model.init_from)."""
+
     def __init__(self, model: nn.Module):
         self.model = _unwrap(model)
+        inner = getattr(self.model, "module", self.model)  # DDP's keys are those of the module inside
+        # every name of a frozen parameter: a tied one has two (embed_tokens.weight and lm_head.weight)
+        self.frozen = {n for n, p in inner.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        self.options = StateDictOptions(ignore_frozen_params=bool(self.frozen), strict=not self.frozen)
 
     def state_dict(self) -> dict[str, Any]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return get_model_state_dict(self.model)
+            state = get_model_state_dict(self.model, options=self.options)
+        return {k: v for k, v in state.items() if k not in self.frozen} if self.frozen else state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            set_model_state_dict(self.model, state)
+            set_model_state_dict(self.model, state, options=self.options)
 
 
 class OptimizerState:

@@ -129,7 +129,8 @@ def train_guarded(trainer, checkpointer, guard: SignalGuard | None, run_dir: Pat
     except KeyboardInterrupt:
         raise  # a second signal: abort now
     except Exception as e:
-        if guard is not None and not isinstance(e, KilnError):
+        # a KilnError is the user's to fix, unless it asks for the state first (out of memory, too many rollbacks)
+        if guard is not None and (not isinstance(e, KilnError) or getattr(e, "emergency", False)):
             emergency_checkpoint(trainer, checkpointer, e, log)
         try:
             checkpointer.close()

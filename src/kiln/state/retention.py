@@ -57,6 +57,33 @@ def _delete(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
+class KeepBest(CheckpointPolicy):
+    """Holds the local checkpoint with the lowest validation loss (from meta.json) against `KeepLast`, so the
+    best checkpoint survives however many newer ones come (checkpoint.keep_best)."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.best: tuple[float, str] | None = None
+        for path in checkpoints(self.run_dir):  # a resume: the best among those already there
+            try:
+                self._consider(path, read_meta(path))
+            except StateError:
+                continue
+
+    def _consider(self, path: Path, meta: dict) -> None:
+        val = meta.get("val_loss")
+        if val is not None and (self.best is None or val < self.best[0]):
+            self.best = (float(val), path.name)
+
+    def after_save(self, path: Path, meta: dict) -> None:
+        self._consider(path, meta)
+
+    def holds(self) -> set[str]:
+        if self.best is None or not (self.run_dir / CHECKPOINTS / self.best[1]).is_dir():
+            return set()
+        return {self.best[1]}
+
+
 class KeepLast(CheckpointPolicy):
     def __init__(self, run_dir: str | Path, keep_last: int, holders: Iterable[CheckpointPolicy] = (),
                  log: Callable[[str], None] = print):

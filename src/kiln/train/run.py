@@ -11,6 +11,7 @@ from rich.console import Console
 
 from kiln.config import RunConfig, derive
 from kiln.data.build import build_data, data_position
+from kiln.data.prepare.token_bytes import token_byte_lengths
 from kiln.dist.mesh import Mesh, init_mesh
 from kiln.dist.parallelize import full_model, parallelize
 from kiln.dist.watch import EXIT_CODE, Watch
@@ -18,16 +19,30 @@ from kiln.errors import ConfigError, DataError
 from kiln.model.generate import generate, start_ids
 from kiln.model.hf_import import load_init_weights, resolve_init_from
 from kiln.model.llama import Transformer
+from kiln.model.lora import (
+    adapter_state_dict,
+    apply_lora,
+    lora_flops_per_token,
+    merge_lora,
+    trainable_count,
+    trainable_summary,
+    training_bytes,
+)
 from kiln.model.registry import flops_per_token, param_count
+from kiln.monitor.plots import PlotAtEnd
 from kiln.monitor.sinks import ConsoleSink, JsonlSink
 from kiln.state.callback import CheckpointEvery
 from kiln.state.checkpointer import Checkpointer
+from kiln.state.lora_base import KEY as BASE_KEY
+from kiln.state.lora_base import base_hash, check_base
 from kiln.state.preempt import SignalGuard, StopSignals, train_guarded
 from kiln.state.resume import check_compatible, choose_checkpoint, fingerprints, run_directory
 from kiln.state.rundir import hold_run_dir, process_rank, write_config
 from kiln.state.verify import read_meta
 from kiln.state.weights import save_model
+from kiln.train.early_stop import EarlyStop
 from kiln.train.events import EvalEvery
+from kiln.train.rollback import Rollback
 from kiln.train.threads import apply_threads
 from kiln.train.trainer import Trainer
 
@@ -83,6 +98,9 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
 
 
 def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: Mesh) -> Path:
+    if cfg.lora.rank and not cfg.model.init_from:
+        raise ConfigError("lora.rank is set but model.init_from is not: LoRA adapts a trained base model; set "
+                          "model.init_from to its Hugging Face directory, or lora.rank=0 to train every weight")
     if cfg.model.init_from:  # the architecture comes from the Hugging Face directory's config.json
         cfg = with_init_from(cfg)
     run_dir, may_resume = run_directory(cfg, resume, console.print)
@@ -126,8 +144,12 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     if cfg.model.init_from:
         check_model_tokenizer(cfg, tok)
     prints = fingerprints(cfg, data)
+    if cfg.lora.rank:  # the frozen base is referenced by its hash, not saved in the checkpoints
+        prints[BASE_KEY] = base_hash(cfg.model.init_from, cfg.model.allow_pickle)
     if meta is not None:
         check_compatible(meta, cfg, prints, resume == "force", console.print, world=data_position()[1])
+        check_base(meta.get("fingerprints", {}), prints.get(BASE_KEY), f"checkpoint {resume_from}",
+                   cfg.model.init_from)
 
     tcfg = cfg.train
     train_loader, val_loader = data.train, data.val
@@ -136,40 +158,64 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     if cfg.model.hf_class == "auto":  # any transformers causal LM (kiln.model.hf_auto): the slower path
         from kiln.model.hf_auto import build_auto
 
+        # PEFT LoRA inside: a resume loads the frozen base from init_from too (its checkpoint holds the adapters)
         model = build_auto(cfg.model, cfg.lora, weights=resume_from is None or cfg.lora.rank > 0)
         n_params, flops = model.param_count(), model.flops_per_token(tcfg.seq_len)
+        memory_params = -(-training_bytes(model) // 16) if model.is_peft else n_params
         shape = f"{type(model.base).__name__} through AutoModelForCausalLM, {len(model.layers)} blocks"
         if model.is_peft:
-            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            shape += f"; {trainable / 1e6:.2f}M of them train (PEFT LoRA)"
+            shape += f"; {trainable_count(model) / 1e6:.2f}M of them train (PEFT LoRA)"
     else:
         n_params, flops = param_count(cfg.model), flops_per_token(cfg.model, tcfg.seq_len)
         shape = f"{cfg.model.n_layers} layers, d={cfg.model.d_model}"
         model = Transformer(cfg.model)
-        if cfg.model.init_from and resume_from is None:  # a resume takes every weight from its checkpoint
+        # a resume takes every weight from its checkpoint, except a LoRA run's frozen base (not saved there)
+        if cfg.model.init_from and (resume_from is None or cfg.lora.rank):
             load_init_weights(model, cfg.model)
-    if cfg.model.init_from and resume_from is None:
+        memory_params = n_params  # what dist.strategy=auto weighs, in fp32-trained parameters (16 bytes each)
+        if cfg.lora.rank:
+            apply_lora(model, cfg.lora)  # freezes the base: only the adapters train, are optimized and saved
+            console.print(trainable_summary(model, cfg.lora))
+            flops = lora_flops_per_token(flops, cfg.model, tcfg.seq_len, trainable_count(model))
+            memory_params = -(-training_bytes(model) // 16)
+    if cfg.model.init_from and (resume_from is None or cfg.lora.rank):
         console.print(f"weights: {cfg.model.init_from}")
     threads = apply_threads(tcfg.threads, device, n_params)  # CPU only
     # on the CPU until here: parallelize moves it (or this rank's shard) to the device
     console.print(f"model: {n_params / 1e6:.2f}M parameters ({shape}) "
                   f"on {device}" + (f" x {mesh.world} processes" if mesh.distributed else "")
                   + (f", {threads} thread(s)" if device.type == "cpu" else ""))
-    model = parallelize(model, cfg, mesh, n_params, console.print)  # kiln.dist: AC -> compile -> FSDP2 / DDP
-    g = tcfg.batch_size * tcfg.grad_accum * mesh.world
-    console.print(f"global batch: {g} sequences ({g * tcfg.seq_len:,} tokens) per step = {tcfg.batch_size} per "
-                  f"micro-batch x {tcfg.grad_accum} accumulated x {mesh.world} data-parallel rank(s)")
+    model = parallelize(model, cfg, mesh, memory_params, console.print)  # kiln.dist: AC -> compile -> FSDP2 / DDP
+    micro, auto = tcfg.batch_size, None
+    if micro == "auto":  # kiln.train.autobatch: the largest that fits, from the cache or real steps
+        from kiln.train.autobatch import choose_micro_batch
+
+        micro, auto = choose_micro_batch(cfg, model, mesh, memory_params, console.print)
+        console.print(f"train.batch_size=auto: micro-batch {micro} ({auto['how']}; {auto['fit']} fit)")
+    rows = tcfg.step_rows(mesh.world)
+    g = rows * mesh.world
+    console.print(f"global batch: {g} sequences ({g * tcfg.seq_len:,} tokens) per step = {micro} per "
+                  f"micro-batch x {-(-rows // micro)} accumulated x {mesh.world} data-parallel rank(s)")
 
     checkpointer = Checkpointer(run_dir, cfg, prints, console.print)
     guard = SignalGuard(console.print, checkpointer.control_group) if cfg.checkpoint.on_signal else None
     extra, callbacks = list(callbacks), [EvalEvery(tcfg.eval_every)]
+    if cfg.recovery.rollback:  # kiln.train.rollback: bad steps undone from the memory snapshots
+        callbacks.insert(0, Rollback(cfg.recovery, checkpointer.snapshots, cfg.checkpoint.snapshot_every))
     if cfg.logging.console and mesh.rank == 0:  # kiln.dist: rank 0 writes console and metrics
         callbacks.append(ConsoleSink(console))
     if cfg.logging.jsonl and mesh.rank == 0:
         callbacks.append(JsonlSink(run_dir / "metrics.jsonl"))
+    if tcfg.early_stop.patience:  # after the sinks: its note follows the evaluation that decided it
+        callbacks.append(EarlyStop(tcfg.early_stop.patience, tcfg.early_stop.min_delta, console.print,
+                                   run_dir / "metrics.jsonl" if cfg.logging.jsonl and mesh.rank == 0 else None))
+    if cfg.logging.plots and cfg.logging.jsonl and mesh.rank == 0:
+        callbacks.append(PlotAtEnd(run_dir, console.print))
     callbacks += [*extra, CheckpointEvery(checkpointer, guard)]  # last: a checkpoint sees its step's eval
     trainer = Trainer(cfg, model, train_loader, val_loader, device, callbacks,
-                      flops_per_token=flops, mesh=mesh)
+                      flops_per_token=flops, mesh=mesh, micro_batch=micro)
+    if val_loader is not None:  # bytes of text per token id: validation reports bits per byte
+        trainer.token_bytes = torch.from_numpy(token_byte_lengths(tok, cfg.model.vocab_size)).to(device)
     if resume_from is not None:
         meta = checkpointer.load(trainer, resume_from, check_hashes=False)  # verified when chosen
         console.print(f"resumed from {resume_from} (step {meta['step']}, {meta['tokens_seen']:,} tokens)")
@@ -182,6 +228,8 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         if model is not None:
             _save_final(model, cfg, tok, run_dir, console)
         return run_dir
+    if auto is not None and mesh.rank == 0:  # after the resume: metrics.jsonl keeps the records up to its step
+        trainer.notice("auto_batch", **auto)
     first = (trainer.last_eval or trainer.evaluate()) if resume_from is not None else trainer.evaluate()
     stops.during, stops.then = "during training", f"the last complete checkpoint is kept; resume with: kiln " \
                                                    f"train {run_dir}"
@@ -190,7 +238,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         return run_dir
     if final:
         console.print(f"validation loss: {first['val_loss']:.4f} at start -> {final['val_loss']:.4f} "
-                      f"after {trainer.step} steps")
+                      f"after {trainer.step} steps" + (f" ({final['val_bpb']:.4f} bits per byte)"
+                                                       if "val_bpb" in final else ""))
+    if trainer.stop_reason:
+        console.print(f"stopped at step {trainer.step} of {tcfg.max_steps}: {trainer.stop_reason}", highlight=False)
     dropped = getattr(train_loader, "dropped", None)  # streaming: prepare's report shows them otherwise
     if dropped:
         console.print("streaming skipped records (first epoch read): "
@@ -222,7 +273,15 @@ def _save_final(model, cfg: RunConfig, tok, run_dir: Path, console: Console) -> 
     with StopSignals("during the final model save", f"model/ is incomplete; the final checkpoint is complete "
                      f"and `kiln train {run_dir}` writes model/ from it", defer=True,
                      deferred="finishing the model save first") as saving:
-        out = save_model(model, cfg.model, tok, run_dir / "model")
+        if cfg.model.hf_class == "auto":  # save_pretrained: PEFT's adapters in model/adapters, then merged
+            out = save_model(model, cfg.model, tok, run_dir / "model")
+        else:
+            if cfg.lora.rank:  # the adapters alone, in PEFT's format (first: a complete model/ has them)
+                from kiln.model.lora_peft import write_peft_adapters
+
+                write_peft_adapters(adapter_state_dict(model), cfg.model, cfg.lora, cfg.model.init_from,
+                                    run_dir / "model" / "adapters")
+            out = save_model(merge_lora(model), cfg.model, tok, run_dir / "model")  # LoRA: merged, plain
     console.print(f"model saved: {out}")
     if saving.received:
         console.print(f"stopped by {saving.received} after the model save; the run is complete", highlight=False)

@@ -15,13 +15,17 @@ from kiln.dist.parallelize import clip_grad_norm, grad_sync, optimizer_device, r
 from kiln.dist.watch import beat
 from kiln.errors import TrainingError
 from kiln.events import Callback, Events
+from kiln.model.loss import IGNORE_INDEX
 from kiln.monitor.meters import Throughput
+from kiln.train.oom import OomRetry
 from kiln.train.optim import build_optimizer, build_scheduler
+from kiln.train.rollback import SkipList, set_lr_scale
 
 
 class Trainer:
     def __init__(self, cfg: RunConfig, model: nn.Module, train_loader, val_loader, device: torch.device,
-                 callbacks: list[Callback] = (), flops_per_token: float = 0.0, mesh: Mesh | None = None):
+                 callbacks: list[Callback] = (), flops_per_token: float = 0.0, mesh: Mesh | None = None,
+                 micro_batch: int | None = None):
         self.cfg, self.model, self.device = cfg, model, device
         self.mesh = mesh or current_mesh(device)  # kiln.dist: ranks whose metrics are reduced
         self.train_loader, self.val_loader = train_loader, val_loader
@@ -30,11 +34,24 @@ class Trainer:
         self.events = Events(list(callbacks))
         self.step, self.tokens_seen = 0, 0
         self.consistent = True  # False while a step is half done
-        # the global batch: micro-batch x accumulation x data-parallel ranks (kiln.dist)
-        self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum * self.mesh.world
+        # the global batch: this rank's rows per step x data-parallel ranks (kiln.dist); a step's rows come in
+        # `loads` loader batches and train in micro-batches of `micro` rows (auto, or halved by kiln.train.oom)
+        tcfg = cfg.train
+        self.rows = tcfg.step_rows(self.mesh.world)
+        self.loads = self.rows // tcfg.loader_rows(self.mesh.world)
+        self.micro = micro_batch or (self.rows if tcfg.batch_size == "auto" else tcfg.batch_size)
+        self.tokens_per_step = self.rows * tcfg.seq_len * self.mesh.world
+        self.oom = OomRetry(cfg.recovery.oom_retries)
+        self.skips = SkipList()  # samples of bad steps, passed over (kiln.train.rollback)
+        self.check_step = None  # set by kiln.train.rollback.Rollback: undoes a bad step, True if it did
+        self.step_start: dict = {}  # the loader's position before this step's rows, and their global samples
+        self.step_samples = (0, 0)
+        self.lr_scale, self._base_lrs = 1.0, list(self.scheduler.base_lrs)
         peak = cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops else None
         self.meter = Throughput(flops_per_token, device, peak)
         self.last_eval: dict[str, Any] | None = None
+        self.token_bytes: torch.Tensor | None = None  # bytes of text per token id (on the device): val_bpb
+        self.stop_reason: str | None = None  # set by a callback (early stopping) to end training after this step
         use_bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 \
             else contextlib.nullcontext
@@ -42,11 +59,31 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """The trainer's own counters (saved under the key "trainer"; the rest of the state is its parts')."""
         last = dict(self.last_eval) if self.last_eval is not None else None
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "last_eval": last}
+        out = {"step": self.step, "tokens_seen": self.tokens_seen, "last_eval": last, "stop_reason": self.stop_reason,
+               "skipped": self.skips.state_dict(), "lr_scale": self.lr_scale}
+        for cb in self.events.callbacks:  # callbacks with a state of their own (early stopping) under their key
+            if getattr(cb, "state_key", None):
+                out[cb.state_key] = cb.state_dict()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.last_eval = dict(state["last_eval"]) if state.get("last_eval") is not None else None
+        for cb in self.events.callbacks:
+            if getattr(cb, "state_key", None) and state.get(cb.state_key) is not None:
+                cb.load_state_dict(state[cb.state_key])
+        self.skips.load_state_dict(state.get("skipped", []))
+        self.set_lr_scale(float(state.get("lr_scale", 1.0)))
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Train at `scale` times the configured learning rates from now on (lowered by rollbacks)."""
+        if scale != 1.0 or self.lr_scale != 1.0:
+            set_lr_scale(self.scheduler, self._base_lrs, scale)
+        self.lr_scale = scale
+
+    def notice(self, kind: str, **info: Any) -> None:
+        """Tell the callbacks of something the run did on its own (sinks log it; metrics.jsonl keeps it)."""
+        self.events.emit("on_notice", self, kind, info)
 
     def _batch(self, loader) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Next (tokens, targets, doc_ids): tokens and targets on the device; doc_ids (None without
@@ -54,19 +91,30 @@ class Trainer:
         tokens, targets, doc_ids = next(loader)
         return tokens.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True), doc_ids
 
+    def _step_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This rank's rows of the next step, (N, T) each, from `loads` loader batches; the rows of a step
+        that went bad before (`self.skips`) are read and passed over."""
+        world_rows = self.rows * self.mesh.world
+        while True:
+            self.step_start = self.train_loader.state_dict()
+            first = int(self.step_start.get("sample", -1))  # global index of the step's first sample
+            parts = [self._batch(self.train_loader) for _ in range(self.loads)]
+            if not self.skips.covers(first, world_rows):
+                break
+        self.step_samples = (first, first + world_rows)
+        if len(parts) == 1:
+            return parts[0]
+        docs = None if parts[0][2] is None else torch.cat([p[2] for p in parts])
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), docs
+
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over grad_accum micro-batches. Returns (loss, grad norm) on the device."""
-        accum, clip = self.cfg.train.grad_accum, self.cfg.train.grad_clip
-        total = torch.zeros((), device=self.device)
-        for i in range(accum):
-            with self.meter.waiting_for_data():
-                x, y, docs = self._batch(self.train_loader)  # (B, T) each
-            beat()  # kiln.dist watchdog: this rank is making progress
-            with grad_sync(self.model, sync=i == accum - 1):  # kiln.dist: no collective before the last
-                with self.autocast():
-                    loss = self.model(x, y, docs) / accum
-                loss.backward()
-            total += loss.detach()
+        """One optimizer step over this rank's rows of the global batch, in micro-batches of `self.micro`
+        rows (halved, and the step run again, on an out-of-memory error: kiln.train.oom).
+        Returns (loss, grad norm) on the device."""
+        with self.meter.waiting_for_data():
+            batch = self._step_batch()  # (N, T) each
+        total = self.oom.run(self, lambda: self._accumulate(batch))
+        clip = self.cfg.train.grad_clip
         # parameters without a gradient are skipped; max_norm=inf still measures the norm for the logs
         gnorm = clip_grad_norm(self.model, clip if clip > 0 else float("inf"))  # kiln.dist: over every shard
         self.optimizer.step()
@@ -74,15 +122,34 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return total, gnorm
 
+    def _accumulate(self, batch) -> torch.Tensor:
+        """Forward and backward of `batch` (N rows) in micro-batches of `self.micro` rows, each loss weighted by
+        its share of the rows: the gradients are those of the mean loss over all N, however they are split."""
+        x, y, docs = batch
+        n = x.shape[0]
+        total = torch.zeros((), device=self.device)
+        for lo in range(0, n, self.micro):
+            hi = min(lo + self.micro, n)
+            beat()  # kiln.dist watchdog: this rank is making progress
+            with grad_sync(self.model, sync=hi == n):  # kiln.dist: no collective before the last
+                with self.autocast():
+                    loss = self.model(x[lo:hi], y[lo:hi], None if docs is None else docs[lo:hi]) / (n / (hi - lo))
+                loss.backward()
+            total += loss.detach()
+        return total
+
     def train(self) -> dict[str, Any]:
         tcfg, every = self.cfg.train, max(1, self.cfg.logging.every)
         self.model.train()
         self.events.emit("on_train_start", self)
         self.meter.start(self.step)
         losses: list[torch.Tensor] = []
-        while self.step < tcfg.max_steps:
+        while self.step < tcfg.max_steps and self.stop_reason is None:
             self.consistent = False  # until the counters match the weights again (emergency checkpoints)
             loss, gnorm = self.train_step()
+            if self.check_step is not None and self.check_step(self, loss, gnorm):
+                losses.clear()  # a bad step, undone (kiln.train.rollback): back at the snapshot's step
+                continue
             self.step += 1
             self.tokens_seen += self.tokens_per_step
             self.consistent = True
@@ -92,7 +159,8 @@ class Trainer:
                 metrics = self._step_metrics(torch.stack(losses), gnorm)  # the one host sync
                 losses.clear()
             self.events.emit("on_step_end", self, metrics)
-        final = self.evaluate()
+        stopped_here = self.stop_reason is not None and (self.last_eval or {}).get("step") == self.step
+        final = self.last_eval if stopped_here else self.evaluate()  # an early stop has just evaluated
         self.events.emit("on_train_end", self, final)
         return final
 
@@ -115,22 +183,34 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
-        """Mean loss and perplexity over the same eval_batches validation batches every time ({} when
-        the data has no validation split)."""
+        """Mean loss, perplexity and bits per byte (with `token_bytes`) over the same eval_batches validation
+        batches every time ({} when the data has no validation split)."""
         if self.val_loader is None:
             return {}
         with self.meter.paused():  # evaluation time is not counted in training tokens/s
             self.model.eval()
             self.val_loader.reset()
-            total = torch.zeros((), device=self.device)
-            n = self.cfg.train.eval_batches
+            sums = torch.zeros(3, device=self.device)  # mean losses; summed nats; bytes of the targets
+            n, table = self.cfg.train.eval_batches, self.token_bytes
             for _ in range(n):
                 x, y, docs = self._batch(self.val_loader)
                 beat()
-                with self.autocast():
-                    total += self.model(x, y, docs).float()
+                for lo in range(0, len(x), self.micro):  # the micro-batch that trains fits here too
+                    hi = min(lo + self.micro, len(x))
+                    xs, ys, ds = x[lo:hi], y[lo:hi], None if docs is None else docs[lo:hi]
+                    with self.autocast():
+                        loss = self.model(xs, ys, ds).float()  # the mean over this part's targets
+                    sums[0] += loss if hi - lo == len(x) else loss * ((hi - lo) / len(x))
+                    if table is not None:
+                        counted = ys != IGNORE_INDEX  # (b, T)
+                        sums[1] += loss * counted.sum()
+                        sums[2] += (table[ys.clamp_min(0)] * counted).sum()
             self.model.train()
-            loss = (total / n).item()
-        self.last_eval = {"step": self.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+            total, nats, nbytes = sums.tolist()  # the one host sync
+        loss = total / n
+        self.last_eval = {"step": self.step, "tokens": self.tokens_seen, "val_loss": loss,
+                          "val_ppl": math.exp(min(loss, 50.0))}
+        if table is not None and nbytes > 0:
+            self.last_eval["val_bpb"] = nats / (math.log(2) * nbytes)
         self.events.emit("on_eval_end", self, self.last_eval)
         return self.last_eval

@@ -1,0 +1,180 @@
+"""Plots of runs from their metrics.jsonl: `kiln plot RUN [RUN ...]`, and plots.png at the end of every run.
+
+    fig, panels = draw([read_metrics(run) for run in runs])
+    write_plots(runs, "compare.png")          # compare.png, compare.html and compare.json (the panels)
+
+One row per metric (training and validation loss, learning rate, gradient norm, tokens/s, and MFU,
+peak memory and data wait where a run logged them), plotted against optimizer steps (left column)
+and tokens seen (right column); several runs share each panel, one colour per run. The HTML page is
+self-contained: the same figure embedded as a PNG, and a table of each run's last values. The JSON
+sidecar lists the panels (metric and x axis of each) and the runs. matplotlib is an extra
+(`pip install 'kiln[plot]'`), imported only here and only when drawing, with the Agg backend (no display).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import ConfigError, StateError
+from kiln.events import Callback
+from kiln.files import atomic_write
+
+# (panel title, [(event, key, label suffix)], y scale): a panel is drawn when any run has any of its keys
+PANELS: list[tuple[str, list[tuple[str, str, str]], str]] = [
+    ("loss", [("train", "loss", "train"), ("eval", "val_loss", "val")], "linear"),
+    ("learning rate", [("train", "lr", "")], "linear"),
+    ("gradient norm", [("train", "grad_norm", "")], "log"),
+    ("tokens/s", [("train", "tokens_per_s", "")], "linear"),
+    ("MFU", [("train", "mfu", "")], "linear"),
+    ("peak memory (GiB)", [("train", "peak_mem_gib", "")], "linear"),
+    ("data wait (fraction of time)", [("train", "data_wait", "")], "linear"),
+]
+
+
+@dataclass
+class RunMetrics:
+    name: str
+    train: list[dict[str, Any]] = field(default_factory=list)
+    eval: list[dict[str, Any]] = field(default_factory=list)
+
+    def series(self, event: str, key: str, x: str) -> tuple[list[float], list[float]]:
+        """(x values, y values) of `key` in the `event` records, x being 'step' or 'tokens'."""
+        records = self.train if event == "train" else self.eval
+        pts = [(r[x], r[key]) for r in records if r.get(key) is not None and r.get(x) is not None]
+        if event == "eval" and x == "tokens" and not pts:  # older eval records: tokens from the train records
+            steps = {r["step"]: r["tokens"] for r in self.train if "tokens" in r}
+            pts = [(steps[r["step"]], r[key]) for r in records if r.get(key) is not None and r["step"] in steps]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def read_metrics(run_dir: str | Path, name: str | None = None) -> RunMetrics:
+    """The train and eval records of a run directory's metrics.jsonl (the last record of each step wins)."""
+    path = Path(run_dir).expanduser()
+    file = path / "metrics.jsonl" if path.is_dir() else path
+    if not file.is_file():
+        raise StateError(f"{file} does not exist; give a run directory of `kiln train` (with logging.jsonl on)")
+    by_step: dict[str, dict[int, dict]] = {"train": {}, "eval": {}}
+    for line in file.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:  # a line cut short by a kill
+            continue
+        if isinstance(rec, dict) and rec.get("event") in by_step and isinstance(rec.get("step"), int):
+            by_step[rec["event"]][rec["step"]] = rec
+    return RunMetrics(name or (path.name if path.is_dir() else path.parent.name),
+                      [by_step["train"][s] for s in sorted(by_step["train"])],
+                      [by_step["eval"][s] for s in sorted(by_step["eval"])])
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("plots need matplotlib: pip install 'kiln[plot]'") from None
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def panels_of(runs: list[RunMetrics]) -> list[tuple[str, list[tuple[str, str, str]], str]]:
+    """The panels some run has data for, in PANELS order."""
+    return [p for p in PANELS if any(r.series(ev, key, "step")[0] for r in runs for ev, key, _ in p[1])]
+
+
+def draw(runs: list[RunMetrics]):
+    """A matplotlib figure (rows: metrics; columns: against steps, against tokens) and its panel list."""
+    plt = _pyplot()
+    panels = panels_of(runs)
+    if not panels:
+        raise StateError(f"no metrics to plot in {', '.join(r.name for r in runs)}: their metrics.jsonl has no "
+                         "train or eval records yet")
+    fig, axes = plt.subplots(len(panels), 2, figsize=(13, 2.8 * len(panels)), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    listed = []
+    for row, (title, keys, scale) in enumerate(panels):
+        for col, x in enumerate(("step", "tokens")):
+            ax = axes[row][col]
+            for i, run in enumerate(runs):
+                for event, key, suffix in keys:
+                    xs, ys = run.series(event, key, x)
+                    if not xs:
+                        continue
+                    label = run.name + (f" {suffix}" if suffix else "")
+                    style = dict(marker="o", markersize=3, linestyle="--") if event == "eval" else {}
+                    ax.plot(xs, ys, color=colors[i % len(colors)], label=label, linewidth=1.2, **style)
+            ax.set_title(f"{title} vs {x}", fontsize=10)
+            ax.set_xlabel(x)
+            if scale == "log" and all(y > 0 for r in runs for ev, k, _ in keys for y in r.series(ev, k, x)[1]):
+                ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0] and (len(runs) > 1 or len(keys) > 1):
+                ax.legend(fontsize=8)
+            listed.append({"metric": title, "x": x, "keys": [k for _, k, _ in keys]})
+    fig.tight_layout()
+    return fig, listed
+
+
+def _summary_rows(runs: list[RunMetrics]) -> list[tuple[str, str, str, str, str]]:
+    rows = []
+    for r in runs:
+        last = r.train[-1] if r.train else {}
+        vals = [e["val_loss"] for e in r.eval if e.get("val_loss") is not None]
+        bpb = [e["val_bpb"] for e in r.eval if e.get("val_bpb") is not None]
+        rows.append((r.name, str(last.get("step", "-")), f"{last['loss']:.4f}" if "loss" in last else "-",
+                     f"{min(vals):.4f}" if vals else "-", f"{min(bpb):.4f}" if bpb else "-"))
+    return rows
+
+
+def write_plots(run_dirs: list[str | Path], out: str | Path, names: list[str] | None = None) -> dict[str, Path]:
+    """Draw the runs into `out` (a .png), with `out`.html and `out`.json beside it. Returns the three paths."""
+    runs = [read_metrics(d, n) for d, n in zip(run_dirs, names or [None] * len(run_dirs))]
+    seen: dict[str, int] = {}
+    for r in runs:  # two runs of the same name (runs/a/x, runs/b/x) are told apart
+        seen[r.name] = seen.get(r.name, 0) + 1
+        if seen[r.name] > 1:
+            r.name = f"{r.name} ({seen[r.name]})"
+    fig, panels = draw(runs)
+    png = Path(out).expanduser()
+    if png.suffix.lower() != ".png":
+        png = png.with_name(png.name + ".png")
+    png.parent.mkdir(parents=True, exist_ok=True)
+    tmp = png.with_name(png.name + ".tmp")
+    fig.savefig(tmp, dpi=90, format="png")
+    _pyplot().close(fig)
+    tmp.replace(png)
+    data = base64.b64encode(png.read_bytes()).decode()
+    rows = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in _summary_rows(runs))
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>kiln plots: {html.escape(png.stem)}</title>"
+            "<style>body{font-family:sans-serif;margin:1em}td,th{padding:2px 10px;text-align:right}"
+            "img{max-width:100%}</style></head><body>"
+            f"<h1>{html.escape(', '.join(r.name for r in runs))}</h1><table><tr><th>run</th><th>last step</th>"
+            f"<th>last loss</th><th>best val loss</th><th>best val bpb</th></tr>{rows}</table>"
+            f"<img alt='training curves' src='data:image/png;base64,{data}'></body></html>")
+    page_path, side = png.with_suffix(".html"), png.with_suffix(".json")
+    atomic_write(page_path, page)
+    atomic_write(side, json.dumps({"runs": [r.name for r in runs], "panels": panels}, indent=1) + "\n")
+    return {"png": png, "html": page_path, "json": side}
+
+
+class PlotAtEnd(Callback):
+    """A callback (rank 0) that writes <run_dir>/plots.png (and .html, .json) when training ends. A missing
+    matplotlib, or any failure to draw, is one line on the console: plots never fail a run."""
+
+    def __init__(self, run_dir: Path, log=print):
+        self.run_dir, self.log = Path(run_dir), log
+
+    def on_train_end(self, trainer, metrics) -> None:
+        try:
+            out = write_plots([self.run_dir], self.run_dir / "plots.png")
+        except ConfigError:
+            self.log("plots.png skipped: matplotlib is not installed (pip install 'kiln[plot]')")
+        except Exception as e:  # noqa: BLE001 - a plot is a convenience; the run's results are saved
+            self.log(f"plots.png skipped: {type(e).__name__}: {e}")
+        else:
+            self.log(f"plots: {out['png']}")

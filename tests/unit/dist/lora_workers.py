@@ -1,0 +1,58 @@
+"""Code run in each process of the 2-process gloo LoRA tests (started by torchrun from test_lora_dist.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from workers import GlobalBatches, Losses, config  # noqa: E402
+
+from kiln.config import LoraConfig  # noqa: E402
+from kiln.dist.mesh import Mesh  # noqa: E402
+from kiln.dist.parallelize import full_model, parallelize  # noqa: E402
+from kiln.model.llama import Transformer  # noqa: E402
+from kiln.model.lora import adapter_state_dict, apply_lora, is_adapter_key  # noqa: E402
+from kiln.state.parts import ModelState  # noqa: E402
+from kiln.train.trainer import Trainer  # noqa: E402
+
+
+def lora_run(case: dict, mesh: Mesh) -> dict:
+    """Train the tiny model with LoRA on `mesh`: the losses, the checkpoint part's keys, the gathered adapters."""
+    cfg = config(case["batch_size"], case["grad_accum"], **case.get("dist", {}))
+    cfg = cfg.model_copy(update={"lora": LoraConfig(**case["lora"])})
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update=case.get("train", {}))})
+    torch.manual_seed(0)
+    model = apply_lora(Transformer(cfg.model), cfg.lora)
+    model = parallelize(model, cfg, mesh, log=lambda _: None)
+    record = Losses()
+    trainer = Trainer(cfg, model, GlobalBatches(cfg.train.batch_size, mesh.rank, mesh.world), None, mesh.device,
+                      [record], mesh=mesh)
+    trainer.train()
+    part = sorted(ModelState(trainer.model).state_dict())
+    full = full_model(trainer.model, cfg, mesh)  # every rank takes part
+    adapters = {k: v.float().sum().item() for k, v in adapter_state_dict(full).items()} if full is not None else {}
+    frozen = sorted(k for k, v in full.named_parameters() if not v.requires_grad) if full is not None else []
+    return {"losses": record.losses, "part": part, "adapters": adapters, "wrapper": type(trainer.model).__name__,
+            "frozen_ok": all(not is_adapter_key(k) for k in frozen)}
+
+
+def main() -> None:
+    from kiln.config import RunConfig
+    from kiln.dist.mesh import init_mesh
+
+    out, cases = sys.argv[1], json.loads(sys.argv[2])
+    mesh = init_mesh("cpu", RunConfig().dist)
+    results = {name: lora_run(case, mesh) for name, case in cases.items()}
+    if mesh.rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    mesh.close(clean=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""`kiln plot` and plots.png: valid PNG images with a panel per metric a run logged, against steps and against
+tokens, several runs overlaid; without matplotlib a ConfigError naming the extra (and a note at a run's end)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+
+from kiln.errors import ConfigError
+from kiln.monitor.plots import PlotAtEnd, draw, read_metrics, write_plots
+
+pytest.importorskip("matplotlib")
+
+
+def fake_run(path, steps=20, gpu=False, tokens_per_step=256):
+    path.mkdir(parents=True)
+    lines = []
+    for s in range(1, steps + 1):
+        rec = {"event": "train", "time": 1000.0 + s, "step": s, "loss": 5 * math.exp(-s / 10), "lr": 1e-3,
+               "grad_norm": 1.0 / s, "tokens": s * tokens_per_step, "tokens_per_s": 1000.0 + s, "data_wait": 0.01}
+        if gpu:
+            rec |= {"mfu": 0.4, "peak_mem_gib": 12.5}
+        lines.append(rec)
+        if s % 5 == 0:
+            lines.append({"event": "eval", "time": 1000.0 + s, "step": s, "tokens": s * tokens_per_step,
+                          "val_loss": 5.2 * math.exp(-s / 10), "val_bpb": 1.2})
+    text = "".join(json.dumps(r) + "\n" for r in lines)
+    (path / "metrics.jsonl").write_text(text + '{"event": "train", "step": 99, "lo')  # a line cut by a kill
+    return path
+
+
+def read_png(path):
+    from matplotlib import image
+    from PIL import Image
+
+    with Image.open(path) as im:
+        im.verify()
+    with Image.open(path) as im:
+        assert im.format == "PNG"
+    return image.imread(path)
+
+
+def test_one_run_gets_a_panel_per_metric_against_steps_and_tokens(tmp_path):
+    run = fake_run(tmp_path / "a")
+    paths = write_plots([run], run / "plots.png")
+    pixels = read_png(paths["png"])
+    assert pixels.ndim == 3 and pixels.shape[0] > 500 and pixels.shape[1] > 500
+    panels = json.loads(paths["json"].read_text())["panels"]
+    # loss, lr, grad norm, tokens/s, data wait (no MFU or memory on this CPU run) x (step, tokens)
+    assert [(p["metric"], p["x"]) for p in panels][:2] == [("loss", "step"), ("loss", "tokens")]
+    assert len(panels) == 10 and {p["x"] for p in panels} == {"step", "tokens"}
+    page = paths["html"].read_text()
+    assert page.startswith("<!doctype html>") and "data:image/png;base64," in page and ">a<" in page
+
+
+def test_several_runs_share_the_panels_and_gpu_metrics_add_panels(tmp_path):
+    runs = [fake_run(tmp_path / "cpu"), fake_run(tmp_path / "gpu", gpu=True, tokens_per_step=512)]
+    fig, panels = draw([read_metrics(r) for r in runs])
+    assert len(fig.axes) == len(panels) == 14  # MFU and peak memory join
+    loss_vs_tokens = fig.axes[1]
+    assert len(loss_vs_tokens.get_lines()) == 4  # train and val of each run
+    assert max(loss_vs_tokens.get_lines()[2].get_xdata()) == 20 * 512  # the tokens axis is each run's own
+    paths = write_plots(runs, tmp_path / "out" / "compare")
+    assert paths["png"].name == "compare.png" and read_png(paths["png"]).shape[0] > 1000
+    assert json.loads(paths["json"].read_text())["runs"] == ["cpu", "gpu"]
+
+
+def test_the_last_record_of_a_step_wins_and_eval_tokens_come_from_train_records(tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    recs = [{"event": "train", "step": 1, "loss": 9.0, "tokens": 64}, {"event": "train", "step": 1, "loss": 4.0,
+            "tokens": 64}, {"event": "eval", "step": 1, "val_loss": 4.5}]  # a replayed step; an older eval record
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    m = read_metrics(run)
+    assert m.series("train", "loss", "step") == ([1], [4.0])
+    assert m.series("eval", "val_loss", "tokens") == ([64], [4.5])
+
+
+def test_without_matplotlib_a_config_error_names_the_extra(tmp_path, monkeypatch):
+    run = fake_run(tmp_path / "a")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ConfigError, match=r"pip install 'kiln\[plot\]'"):
+        write_plots([run], run / "plots.png")
+    notes = []
+    PlotAtEnd(run, notes.append).on_train_end(None, {})
+    assert notes == ["plots.png skipped: matplotlib is not installed (pip install 'kiln[plot]')"]
+    assert not (run / "plots.png").exists()

@@ -1,0 +1,92 @@
+"""`kiln runs`: one line per run directory, its status told from its lock and files: running (a live process
+holds the lock), finished, stopped (early stop or a signal) or crashed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from kiln.cli import app
+from kiln.monitor.runs import list_runs
+from kiln.state.verify import FORMAT
+
+HOLD = r'''
+import sys, time
+from pathlib import Path
+from kiln.state.rundir import hold_run_dir
+with hold_run_dir(sys.argv[1]):
+    print("held", flush=True)
+    sys.stdin.readline()  # until the test closes our stdin
+'''
+
+
+def make_run(root, name, *, ckpt=None, model=False, metrics=(), max_steps=100):
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(f"train:\n  max_steps: {max_steps}\n")
+    if ckpt is not None:
+        d = run / "checkpoints" / f"step_{ckpt['step']:08d}"
+        d.mkdir(parents=True)
+        (d / "meta.json").write_text(json.dumps({"format": FORMAT, "tokens_seen": ckpt["step"] * 64,
+                                                 "config": {"train": {"max_steps": max_steps}}, **ckpt}))
+    if model:
+        (run / "model").mkdir()
+        (run / "model" / "model_config.json").write_text("{}")
+        (run / "model" / "model.safetensors").write_bytes(b"x")
+        (run / "model" / "tokenizer.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+    return run
+
+
+def test_each_status_from_the_files(tmp_path):
+    train = [{"event": "train", "time": 100.0, "step": 10, "tokens": 640, "loss": 3.0},
+             {"event": "eval", "time": 130.0, "step": 10, "val_loss": 2.5},
+             {"event": "eval", "time": 160.0, "step": 20, "val_loss": 2.7},
+             {"event": "train", "time": 3761.0, "step": 20, "tokens": 1280, "loss": 2.0}]
+    make_run(tmp_path, "a-finished", ckpt={"step": 100, "reason": "final"}, model=True, metrics=train)
+    make_run(tmp_path, "b-finished-no-model", ckpt={"step": 100, "reason": "final"})
+    make_run(tmp_path, "c-early", ckpt={"step": 20, "reason": "final", "stop_reason": "early stop: no better"},
+             model=True, metrics=train)
+    make_run(tmp_path, "d-signal", ckpt={"step": 20, "reason": "preempt"})
+    make_run(tmp_path, "e-crashed", ckpt={"step": 10, "reason": "periodic"}, metrics=train)
+    make_run(tmp_path, "f-crashed-at-start")
+    (tmp_path / "not-a-run").mkdir()
+    runs = {r.name: r for r in list_runs(tmp_path)}
+    assert {n: r.status for n, r in runs.items()} == {
+        "a-finished": "finished", "b-finished-no-model": "finished", "c-early": "stopped", "d-signal": "stopped",
+        "e-crashed": "crashed", "f-crashed-at-start": "crashed"}
+    e = runs["e-crashed"]
+    assert (e.steps, e.tokens, e.best_val_loss, e.last_checkpoint) == (20, 1280, 2.5, "step_00000010")
+    assert e.wall_s == 3661.0
+    assert runs["c-early"].note == "early stop: no better"
+    assert runs["f-crashed-at-start"].steps is None and runs["f-crashed-at-start"].last_checkpoint is None
+
+
+def test_a_held_lock_is_running_and_a_killed_holder_is_not(tmp_path):
+    run = make_run(tmp_path, "live", ckpt={"step": 10, "reason": "periodic"})
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert [r.status for r in list_runs(tmp_path)] == ["running"]
+    finally:
+        holder.kill()  # as kill -9: the lock file stays, the OS lock goes with the process
+        holder.wait()
+    assert (run / ".lock").exists()
+    assert [r.status for r in list_runs(tmp_path)] == ["crashed"]
+
+
+def test_cli_table_and_json(tmp_path):
+    make_run(tmp_path, "a", ckpt={"step": 100, "reason": "final"}, model=True)
+    make_run(tmp_path, "b", ckpt={"step": 20, "reason": "final", "stop_reason": "early stop: flat"})
+    cli = CliRunner()
+    res = cli.invoke(app, ["runs", str(tmp_path)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "finished" in res.output and "stopped" in res.output and "b: stopped (early stop: flat)" in res.output
+    res = cli.invoke(app, ["runs", str(tmp_path), "--json"])
+    assert [(r["name"], r["status"]) for r in json.loads(res.output)] == [("a", "finished"), ("b", "stopped")]
+    res = cli.invoke(app, ["runs", str(tmp_path / "nope")])
+    assert res.exit_code != 0
