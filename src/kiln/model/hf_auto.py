@@ -226,11 +226,9 @@ class HFCausalLM(nn.Module):
 
     def save_pretrained(self, out: str | Path, tokenizer=None, merged: bool = True, dtype: torch.dtype | None = None
                         ) -> Path:
-        """The Hugging Face layout in `out` (config.json, safetensors, tokenizer files) that
+        """The Hugging Face layout in `out` (config.json, safetensors; `tokenizer(out)` writes the tokenizer) that
         AutoModelForCausalLM.from_pretrained loads. Under LoRA: PEFT's adapters in `out/adapters`, and
         with `merged` the base model with the adapters merged in `out` (this model's weights merge too)."""
-        from kiln.state.export import write_tokenizer
-
         out = Path(out).expanduser()
         out.mkdir(parents=True, exist_ok=True)
         hf = self.hf
@@ -244,7 +242,7 @@ class HFCausalLM(nn.Module):
             hf = hf.to(dtype)
         hf.save_pretrained(str(out), safe_serialization=True)
         if tokenizer is not None:
-            write_tokenizer(tokenizer, out, self.cfg.max_seq_len)
+            tokenizer(out)  # the caller's writer of the tokenizer files (kiln.state.export.write_tokenizer)
         return out
 
 

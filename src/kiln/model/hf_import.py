@@ -107,10 +107,6 @@ def resolve_init_from(model: ModelConfig) -> ModelConfig:
     """The ModelConfig of a run with `model.init_from`: the directory's architecture, with the run's
     max_seq_len where it sets one. ConfigError if the run also sets a field the directory decides."""
     assert model.init_from is not None
-    if model.hf_class == "auto":  # any causal LM, through transformers (kiln.model.hf_auto)
-        from kiln.model.hf_auto import auto_config
-
-        return auto_config(model)
     try:
         imported = from_hf_config_dict(read_hf_config(model.init_from))
     except StateError as e:

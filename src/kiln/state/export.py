@@ -101,6 +101,11 @@ def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_byt
     return [out / n for n in names]
 
 
+def tokenizer_writer(tokenizer: Tokenizer | None, max_len: int):
+    """A function of a directory that writes `tokenizer`'s files there (None without a tokenizer)."""
+    return None if tokenizer is None else (lambda out: write_tokenizer(tokenizer, Path(out), max_len))
+
+
 def write_tokenizer(tokenizer: Tokenizer, out: Path, max_len: int) -> None:
     """tokenizer.json, plus a tokenizer_config.json that AutoTokenizer reads (a fast tokenizer with its
     BOS/EOS tokens; the EOS doubles as padding)."""
@@ -136,7 +141,8 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
     if (p / "model_config.json").is_file() or (p / "model" / "model_config.json").is_file():
         model, saved_tok = load_model(p)
         if model.cfg.hf_class == "auto":  # a transformers model: its own save_pretrained
-            return model.save_pretrained(to, tok or saved_tok, dtype=DTYPES[_dtype(dtype)] if dtype else None)
+            return model.save_pretrained(to, tokenizer_writer(tok or saved_tok, model.cfg.max_seq_len),
+                                         dtype=DTYPES[_dtype(dtype)] if dtype else None)
         return export_hf(model, model.cfg, tok or saved_tok, to, dtype, max_shard_bytes)
     if (p / "config.json").is_file():  # a Hugging Face directory: converted (e.g. to bf16, or re-sharded)
         from kiln.model.hf_import import import_hf
@@ -154,7 +160,8 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
         ckpt = found[-1]
     if _run_config(ckpt).model.hf_class == "auto":
         model, found_tok = read_checkpoint_auto(ckpt)
-        return model.save_pretrained(to, tok or found_tok, dtype=DTYPES[_dtype(dtype)] if dtype else None)
+        return model.save_pretrained(to, tokenizer_writer(tok or found_tok, model.cfg.max_seq_len),
+                                     dtype=DTYPES[_dtype(dtype)] if dtype else None)
     cfg, state, found_tok = read_checkpoint_model(ckpt)
     return export_hf(state, cfg, tok or found_tok, to, dtype, max_shard_bytes)
 

@@ -18,7 +18,7 @@ from kiln.files import atomic_write_json, replace_file
 def save_model(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer | None, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     if cfg.hf_class == "auto":  # transformers' own layout (save_pretrained), which from_pretrained loads
-        model.save_pretrained(out, tokenizer)
+        model.save_pretrained(out, None if tokenizer is None else lambda d: tokenizer.save(Path(d) / "tokenizer.json"))
         atomic_write_json(out / "model_config.json", cfg.model_dump(mode="json"), indent=2)
         return out
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}

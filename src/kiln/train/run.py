@@ -49,7 +49,12 @@ from kiln.train.trainer import Trainer
 
 def with_init_from(cfg: RunConfig) -> RunConfig:
     """A copy of `cfg` whose model section is the architecture of model.init_from."""
-    model = resolve_init_from(cfg.model)
+    if cfg.model.hf_class == "auto":  # any causal LM, through transformers (kiln.model.hf_auto)
+        from kiln.model.hf_auto import auto_config
+
+        model = auto_config(cfg.model)
+    else:
+        model = resolve_init_from(cfg.model)
     if cfg.train.seq_len > model.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} is longer than the {model.max_seq_len} positions of "
                           f"{cfg.model.init_from}; shorten train.seq_len or set model.max_seq_len")

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from kiln.config import LoraConfig, ModelConfig, OptimConfig
 from kiln.dist.ac import apply_ac
 from kiln.errors import ConfigError, StateError
-from kiln.model.hf_auto import build_auto, decoder_layers, doc_positions
+from kiln.model.hf_auto import auto_config, build_auto, decoder_layers, doc_positions
 from kiln.model.hf_import import resolve_init_from
 from kiln.train.optim import build_optimizer
 
@@ -39,7 +39,7 @@ def hf_dir(root: Path, kind: str) -> Path:
 
 
 def model_cfg(path: Path, **extra) -> ModelConfig:
-    return resolve_init_from(ModelConfig(init_from=str(path), hf_class="auto", **extra))
+    return auto_config(ModelConfig(init_from=str(path), hf_class="auto", **extra))
 
 
 def test_doc_positions_restart_at_every_document():
