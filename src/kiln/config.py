@@ -149,6 +149,9 @@ class ModelConfig(Section):
         if self.n_heads % self.kv_heads:
             out.append((("n_heads", "n_kv_heads"),
                         f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"))
+        if self.hf_class == "auto" and not self.init_from:
+            out.append((("hf_class", "init_from"), "model.hf_class=auto trains a Hugging Face model directory: set "
+                                                   "model.init_from to it (or use hf_class native)"))
         return out
 
     @property

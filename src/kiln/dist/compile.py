@@ -22,9 +22,11 @@ def apply_compile(model: nn.Module, loss: bool = True, scope: str = "blocks", mo
     if scope == "model":
         model.compile(mode=mode)
     else:
+        full = getattr(model, "fullgraph", True)  # False for transformers' blocks (kiln.model.hf_auto)
         for block in model.layers:
-            block.compile(fullgraph=True, mode=mode)
-        model.norm.compile(fullgraph=True, mode=mode)
+            block.compile(fullgraph=full, mode=mode)
+        if getattr(model, "norm", None) is not None:
+            model.norm.compile(fullgraph=full, mode=mode)
     if loss:
         compile_loss_kernel()
     return model

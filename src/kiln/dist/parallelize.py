@@ -180,6 +180,14 @@ def full_model(model: nn.Module, cfg: RunConfig, m: Mesh) -> nn.Module | None:
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if m.rank != 0:
         return None
+    if cfg.model.hf_class == "auto":  # a transformers model (kiln.model.hf_auto): built whole on the CPU
+        from kiln.model.hf_auto import build_auto
+
+        plain = build_auto(cfg.model, cfg.lora, weights=False)
+        missing, unexpected = plain.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise RuntimeError(f"gathered state does not match the model: missing {missing}, unexpected {unexpected}")
+        return plain.to(m.device)
     from kiln.model.llama import Transformer
     from kiln.model.lora import apply_lora
 

@@ -24,7 +24,7 @@ from kiln.model.hf import from_hf_config_dict, from_hf_state_dict
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 # fields init_from sets; a user may still choose these beside it
-_FREE = {"init_from", "allow_pickle", "max_seq_len", "size", "init_std"}
+_FREE = {"init_from", "allow_pickle", "max_seq_len", "size", "init_std", "hf_class", "trust_remote_code"}
 
 
 def _dir(path: str | Path) -> Path:
@@ -107,13 +107,17 @@ def resolve_init_from(model: ModelConfig) -> ModelConfig:
     """The ModelConfig of a run with `model.init_from`: the directory's architecture, with the run's
     max_seq_len where it sets one. ConfigError if the run also sets a field the directory decides."""
     assert model.init_from is not None
-    imported = from_hf_config_dict(read_hf_config(model.init_from))
+    try:
+        imported = from_hf_config_dict(read_hf_config(model.init_from))
+    except StateError as e:
+        raise StateError(f"model.init_from={model.init_from}: {e}. Set model.hf_class=auto to train it through "
+                         "transformers' AutoModelForCausalLM instead (slower; see the README)") from None
     clash = [f"model.{k}={getattr(model, k)!r} (the model has {getattr(imported, k)!r})"
              for k in sorted(model.model_fields_set - _FREE) if getattr(model, k) != getattr(imported, k)]
     if clash:
         raise ConfigError(f"model.init_from={model.init_from} sets the architecture from its config.json, but the "
                           f"config also sets {'; '.join(clash)}: remove those fields")
-    keep = {k: getattr(model, k) for k in ("init_from", "allow_pickle", "max_seq_len")
+    keep = {k: getattr(model, k) for k in ("init_from", "allow_pickle", "max_seq_len", "trust_remote_code")
             if k in model.model_fields_set or k != "max_seq_len"}
     return imported.model_copy(update=keep)
 

@@ -101,6 +101,11 @@ def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_byt
     return [out / n for n in names]
 
 
+def tokenizer_writer(tokenizer: Tokenizer | None, max_len: int):
+    """A function of a directory that writes `tokenizer`'s files there (None without a tokenizer)."""
+    return None if tokenizer is None else (lambda out: write_tokenizer(tokenizer, Path(out), max_len))
+
+
 def write_tokenizer(tokenizer: Tokenizer, out: Path, max_len: int) -> None:
     """tokenizer.json, plus a tokenizer_config.json that AutoTokenizer reads (a fast tokenizer with its
     BOS/EOS tokens; the EOS doubles as padding)."""
@@ -135,6 +140,9 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
     tok = Tokenizer.load(tokenizer) if tokenizer is not None else None
     if (p / "model_config.json").is_file() or (p / "model" / "model_config.json").is_file():
         model, saved_tok = load_model(p)
+        if model.cfg.hf_class == "auto":  # a transformers model: its own save_pretrained
+            return model.save_pretrained(to, tokenizer_writer(tok or saved_tok, model.cfg.max_seq_len),
+                                         dtype=DTYPES[_dtype(dtype)] if dtype else None)
         return export_hf(model, model.cfg, tok or saved_tok, to, dtype, max_shard_bytes)
     if (p / "config.json").is_file():  # a Hugging Face directory: converted (e.g. to bf16, or re-sharded)
         from kiln.model.hf_import import import_hf
@@ -150,8 +158,55 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
             raise StateError(f"{p} holds no final model (model/), no checkpoint and no Hugging Face model; give "
                              "the directory of a `kiln train` run or one of its checkpoints")
         ckpt = found[-1]
+    if _run_config(ckpt).model.hf_class == "auto":
+        model, found_tok = read_checkpoint_auto(ckpt)
+        return model.save_pretrained(to, tokenizer_writer(tok or found_tok, model.cfg.max_seq_len),
+                                     dtype=DTYPES[_dtype(dtype)] if dtype else None)
     cfg, state, found_tok = read_checkpoint_model(ckpt)
     return export_hf(state, cfg, tok or found_tok, to, dtype, max_shard_bytes)
+
+
+def _dtype(dtype: str) -> str:
+    if dtype not in DTYPES:
+        raise StateError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
+    return dtype
+
+
+def _run_config(ckpt: Path):
+    from kiln.config import RunConfig
+    from kiln.state.verify import read_meta
+
+    try:
+        return RunConfig.model_validate(read_meta(ckpt)["config"])
+    except (KeyError, ValueError) as e:
+        raise StateError(f"{ckpt}: its meta.json has no valid config ({e})") from None
+
+
+def _load_dcp_model(ckpt: Path, state: dict[str, torch.Tensor]) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is meant
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": state}, checkpoint_id=str(ckpt), planner=DefaultLoadPlanner(allow_partial_load=True),
+                     no_dist=True)
+    except Exception as e:  # DCP wraps storage and planning errors in its own types
+        raise StateError(f"{ckpt}: the model weights cannot be read ({e}); `kiln inspect {ckpt}` checks it") from None
+
+
+def read_checkpoint_auto(ckpt: Path):
+    """(HFCausalLM, tokenizer) of a checkpoint of a `model.hf_class=auto` run: the architecture of its
+    model.init_from (and, under LoRA, its frozen base weights), the checkpoint's weights."""
+    from kiln.model.hf_auto import build_auto
+    from kiln.state.verify import read_meta
+
+    run_cfg = _run_config(ckpt)
+    model = build_auto(run_cfg.model, run_cfg.lora, weights=run_cfg.lora.rank > 0)
+    state = dict(model.state_dict())
+    _load_dcp_model(ckpt, state)
+    model.load_state_dict(state)
+    return model.eval(), _checkpoint_tokenizer(ckpt, run_cfg, read_meta(ckpt))
 
 
 def read_checkpoint_model(ckpt: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:

@@ -17,6 +17,10 @@ from kiln.files import atomic_write_json, replace_file
 
 def save_model(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer | None, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.hf_class == "auto":  # transformers' own layout (save_pretrained), which from_pretrained loads
+        model.save_pretrained(out, None if tokenizer is None else lambda d: tokenizer.save(Path(d) / "tokenizer.json"))
+        atomic_write_json(out / "model_config.json", cfg.model_dump(mode="json"), indent=2)
+        return out
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)  # the same tensor as embed_tokens.weight
@@ -40,7 +44,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn
     if (p / "model").is_dir():
         p = p / "model"
     weights, conf = p / "model.safetensors", p / "model_config.json"
-    if not weights.is_file() or not conf.is_file():
+    if not (weights.is_file() or (p / "model.safetensors.index.json").is_file()) or not conf.is_file():
         raise StateError(f"no saved model in {path}: expected {weights.name} and {conf.name}. "
                          "Give a run directory of a finished `kiln train`.")
     try:
@@ -48,6 +52,12 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn
     except ValueError as e:  # bad JSON or fields (pydantic's ValidationError is a ValueError)
         raise StateError(f"{conf} is not a valid model config ({e}); `kiln train RUN_DIR` saves the model "
                          "again from the run's newest checkpoint") from None
+    if cfg.hf_class == "auto":
+        from kiln.model.hf_auto import load_auto
+
+        model = load_auto(p, cfg)
+        tok = Tokenizer.load(p / "tokenizer.json") if (p / "tokenizer.json").is_file() else None
+        return model.to(device).eval(), tok
     model = Transformer(cfg)
     try:
         state = load_file(str(weights))

@@ -15,7 +15,7 @@ from kiln.data.build import build_data, data_position
 from kiln.data.prepare.token_bytes import token_byte_lengths
 from kiln.dist.materialize import build_model
 from kiln.dist.mesh import Mesh, init_mesh
-from kiln.dist.parallelize import full_model
+from kiln.dist.parallelize import full_model, parallelize
 from kiln.dist.watch import EXIT_CODE, Watch
 from kiln.errors import ConfigError, DataError
 from kiln.events import RunEnd
@@ -54,7 +54,12 @@ from kiln.train.trainer import Trainer
 
 def with_init_from(cfg: RunConfig) -> RunConfig:
     """A copy of `cfg` whose model section is the architecture of model.init_from."""
-    model = resolve_init_from(cfg.model)
+    if cfg.model.hf_class == "auto":  # any causal LM, through transformers (kiln.model.hf_auto)
+        from kiln.model.hf_auto import auto_config
+
+        model = auto_config(cfg.model)
+    else:
+        model = resolve_init_from(cfg.model)
     if cfg.train.seq_len > model.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} is longer than the {model.max_seq_len} positions of "
                           f"{cfg.model.init_from}; shorten train.seq_len or set model.max_seq_len")
@@ -135,7 +140,8 @@ def model_saved(path: Path) -> bool:
         json.loads((path / "model_config.json").read_text())
     except (OSError, ValueError):
         return False
-    return (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
+    weights = (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    return weights and (path / "tokenizer.json").is_file()
 
 
 def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict | None, finished: bool,
@@ -162,11 +168,26 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     tcfg = cfg.train
     train_loader, val_loader = data.train, data.val
 
-    n_params = param_count(cfg.model)
-    threads = apply_threads(tcfg.threads, device, n_params)  # CPU only
     torch.manual_seed(tcfg.seed)
-    flops = flops_per_token(cfg.model, tcfg.seq_len)
-    memory_params = n_params  # what dist.strategy=auto weighs, in fp32-trained parameters (16 bytes each)
+    # a resume takes every weight from its checkpoint, except a LoRA run's frozen base (not saved there)
+    weights = cfg.model.init_from if resume_from is None or cfg.lora.rank else None
+    if cfg.model.hf_class == "auto":  # any transformers causal LM (kiln.model.hf_auto): the slower path
+        from kiln.model.hf_auto import build_auto
+
+        model = build_auto(cfg.model, cfg.lora, weights=weights is not None)  # PEFT LoRA inside
+        n_params, flops = model.param_count(), model.flops_per_token(tcfg.seq_len)
+        memory_params = -(-training_bytes(model) // 16) if model.is_peft else n_params
+        shape = f"{type(model.base).__name__} through AutoModelForCausalLM, {len(model.layers)} blocks"
+        if model.is_peft:
+            shape += f"; {trainable_count(model) / 1e6:.2f}M of them train (PEFT LoRA)"
+    else:
+        n_params, flops = param_count(cfg.model), flops_per_token(cfg.model, tcfg.seq_len)
+        memory_params = n_params  # what dist.strategy=auto weighs, in fp32-trained parameters (16 bytes each)
+        shape = f"{cfg.model.n_layers} layers, d={cfg.model.d_model}"
+    threads = apply_threads(tcfg.threads, device, n_params)  # CPU only
+    console.print(f"model: {n_params / 1e6:.2f}M parameters ({shape}) "
+                  f"on {device}" + (f" x {mesh.world} processes" if mesh.distributed else "")
+                  + (f", {threads} thread(s)" if device.type == "cpu" else ""))
 
     def adapt(model) -> int:  # LoRA: freezes the base; only the adapters train, are optimized and saved
         nonlocal flops, memory_params
@@ -176,14 +197,12 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         memory_params = -(-training_bytes(model) // 16)
         return memory_params
 
-    # a resume takes every weight from its checkpoint, except a LoRA run's frozen base (not saved there)
-    weights = cfg.model.init_from if resume_from is None or cfg.lora.rank else None
-    console.print(f"model: {n_params / 1e6:.2f}M parameters ({cfg.model.n_layers} layers, d={cfg.model.d_model}) "
-                  f"on {device}" + (f" x {mesh.world} processes" if mesh.distributed else "")
-                  + (f", {threads} thread(s)" if device.type == "cpu" else ""))
     # kiln.dist: AC -> compile -> FSDP2 / DDP; under FSDP built on the meta device, each rank initialising its shard
-    model = build_model(cfg, mesh, n_params, console.print, weights_from=weights, init=resume_from is None,
-                        adapt=adapt if cfg.lora.rank else None)
+    if cfg.model.hf_class == "auto":
+        model = parallelize(model, cfg, mesh, memory_params, console.print)
+    else:
+        model = build_model(cfg, mesh, n_params, console.print, weights_from=weights, init=resume_from is None,
+                            adapt=adapt if cfg.lora.rank else None)
     if weights:
         console.print(f"weights: {weights}")
     micro, auto = tcfg.batch_size, None
@@ -293,12 +312,15 @@ def _save_final(model, cfg: RunConfig, tok, run_dir: Path, console: Console) -> 
     with StopSignals("during the final model save", f"model/ is incomplete; the final checkpoint is complete "
                      f"and `kiln train {run_dir}` writes model/ from it", defer=True,
                      deferred="finishing the model save first") as saving:
-        if cfg.lora.rank:  # the adapters alone, in PEFT's format (first: a complete model/ has them)
-            from kiln.model.lora_peft import write_peft_adapters
+        if cfg.model.hf_class == "auto":  # save_pretrained: PEFT's adapters in model/adapters, then merged
+            out = save_model(model, cfg.model, tok, run_dir / "model")
+        else:
+            if cfg.lora.rank:  # the adapters alone, in PEFT's format (first: a complete model/ has them)
+                from kiln.model.lora_peft import write_peft_adapters
 
-            write_peft_adapters(adapter_state_dict(model), cfg.model, cfg.lora, cfg.model.init_from,
-                                run_dir / "model" / "adapters")
-        out = save_model(merge_lora(model), cfg.model, tok, run_dir / "model")  # LoRA: merged, plain
+                write_peft_adapters(adapter_state_dict(model), cfg.model, cfg.lora, cfg.model.init_from,
+                                    run_dir / "model" / "adapters")
+            out = save_model(merge_lora(model), cfg.model, tok, run_dir / "model")  # LoRA: merged, plain
     console.print(f"model saved: {out}")
     if saving.received:
         console.print(f"stopped by {saving.received} after the model save; the run is complete", highlight=False)

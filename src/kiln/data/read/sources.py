@@ -1,5 +1,7 @@
 """Where documents come from: files, directories, globs, fsspec URLs, saved Hugging Face datasets
 and '@stdlib' (this Python's own standard library source), in any of the formats of `readers`.
+A dataset on the Hugging Face Hub is an fsspec URL too: `hf://datasets/ORG/NAME/data/*.parquet` (or
+the repository's folder) reads through huggingface_hub's HfFileSystem, its files in the same order.
 
     files = expand(["data/*.jsonl.zst", "s3://bucket/corpus/", "@stdlib"])
     for doc in iter_documents(cfg.data):           # validated documents, in a fixed order
@@ -30,7 +32,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 from kiln.data.read import readers, tables
 from kiln.data.read.records import RecordChecker, where
-from kiln.errors import DataError
+from kiln.errors import ConfigError, DataError
 from kiln.files import hash_stream
 
 STDLIB = "@stdlib"
@@ -237,6 +239,10 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
             try:
                 fs, path = fsspec.core.url_to_fs(spec)
             except ImportError as e:  # fsspec names the package of the protocol
+                if prefix == "hf://":  # huggingface_hub's HfFileSystem: hf://datasets/ORG/NAME/...
+                    raise ConfigError(f"data source '{spec}': reading the Hugging Face Hub needs huggingface_hub: "
+                                      "pip install huggingface_hub (or pip install 'kiln[hf]'), or download the "
+                                      "files and give their local path") from None
                 raise DataError(f"data source '{spec}': {str(e).rstrip('. ')} (needed for {prefix} URLs), or copy "
                                 "the files to a local path") from None
             except Exception as e:  # an implementation's own error (a malformed URL, ...)

@@ -1,0 +1,258 @@
+"""Any causal LM of transformers as a Kiln model: `model.hf_class=auto` (the slower path).
+
+    cfg = auto_config(run_cfg.model)                    # vocab and context of model.init_from
+    model = build_auto(cfg, lora=run_cfg.lora)          # AutoModelForCausalLM, its weights, PEFT adapters
+    loss = model(tokens, targets, doc_ids)              # Kiln's model call: a mean loss, or logits
+    model.save_pretrained(out, tokenizer)               # the Hugging Face layout, loaded by from_pretrained
+
+Architectures the native model does not have (Phi, Gemma, GPT-2, Nemotron-H's Mamba hybrid, ...)
+train in the same loop, loader, checkpoints and metrics. It is slower than the native model: the
+loss is computed on the whole batch's logits (not chunked), the blocks are compiled without
+`fullgraph`, and the attention is whatever the model's code does.
+
+Documents in a packed row: with `doc_ids` the model gets `position_ids` that restart at every
+document; transformers' models that build their masks through `masking_utils` then attend inside
+each document (its packed-sequence mask). A model whose forward takes no `position_ids` sees each row
+as one sequence: its documents attend across their boundaries (logged once).
+
+Remote code: a directory whose config.json has `auto_map` ships Python that transformers would import
+and run. It is refused unless `model.trust_remote_code` is true.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.config import LoraConfig, ModelConfig
+from kiln.errors import ConfigError, StateError
+from kiln.model.loss import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
+
+# Kiln's LoRA target names -> the Hugging Face module names they stand for (Llama-like models; others
+# take 'all', which PEFT resolves to every linear layer but the output head)
+HF_TARGETS = {"q": ["q_proj"], "k": ["k_proj"], "v": ["v_proj"], "o": ["o_proj", "out_proj", "dense"],
+              "gate": ["gate_proj"], "up": ["up_proj", "fc1"], "down": ["down_proj", "fc2"]}
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+_FREE = {"init_from", "allow_pickle", "max_seq_len", "hf_class", "trust_remote_code", "init_std", "size"}
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("model.hf_class=auto needs transformers: pip install 'kiln[hf]'") from None
+    transformers.utils.logging.disable_progress_bar()  # its per-file bars would break Kiln's console output
+    return transformers
+
+
+def check_remote_code(path: str | Path, hf: dict[str, Any], trust: bool) -> None:
+    """ConfigError if the model in `path` ships its own code (config.json `auto_map`) and `trust` is off."""
+    if hf.get("auto_map") and not trust:
+        names = ", ".join(sorted(set(map(str, hf["auto_map"].values()))))
+        raise ConfigError(f"model.init_from: {path} ships its own model code (config.json auto_map: {names}), which "
+                          "transformers would import and run with your permissions. Kiln does not run it unless "
+                          "you set model.trust_remote_code=true: do so only for a directory you trust")
+
+
+def auto_config(model: ModelConfig) -> ModelConfig:
+    """The ModelConfig of an `hf_class=auto` run: model.init_from's vocabulary and context length (where its
+    config.json names one), the run's max_seq_len where set. ConfigError for fields only the native model has."""
+    from kiln.model.hf_import import read_hf_config
+
+    assert model.init_from is not None
+    hf = read_hf_config(model.init_from)
+    check_remote_code(model.init_from, hf, model.trust_remote_code)
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
+    clash = sorted(model.model_fields_set - _FREE)
+    if clash:
+        raise ConfigError(f"model.init_from={model.init_from} with model.hf_class=auto takes the architecture from "
+                          f"its config.json, but the config also sets {', '.join('model.' + k for k in clash)}: "
+                          "remove those fields")
+    update: dict[str, Any] = {"vocab_size": text.get("vocab_size") or hf.get("vocab_size")}
+    if "max_seq_len" not in model.model_fields_set:
+        context = next((text[k] for k in _CONTEXT_KEYS if isinstance(text.get(k), int) and text[k] > 0), None)
+        if context is None:
+            raise ConfigError(f"model.init_from: {model.init_from}/config.json names no context length "
+                              f"({', '.join(_CONTEXT_KEYS)}); set model.max_seq_len")
+        update["max_seq_len"] = context
+    return model.model_copy(update=update)
+
+
+def _peft_config(lora: LoraConfig):
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("lora.rank > 0 with model.hf_class=auto needs peft: pip install 'kiln[hf]'") from None
+    if "all" in lora.targets:
+        targets: Any = "all-linear"
+    else:
+        targets = sorted({name for t in lora.targets for name in HF_TARGETS[t]})
+    return peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                           target_modules=targets, bias="none", task_type="CAUSAL_LM")
+
+
+def build_auto(cfg: ModelConfig, lora: LoraConfig | None = None, weights: bool = True) -> HFCausalLM:
+    """The model of model.init_from through AutoModelForCausalLM, on the CPU, in fp32 (the frozen base in
+    lora.base_dtype under LoRA); `weights` False: the architecture only, seeded-initialised (a resume,
+    whose weights come from its checkpoint). With lora.rank > 0 the model gets PEFT LoRA adapters and
+    only they train."""
+    tr = _transformers()
+    from kiln.model.hf_import import read_hf_config, weight_files
+
+    check_remote_code(cfg.init_from, read_hf_config(cfg.init_from), cfg.trust_remote_code)
+    # safetensors only, unless pickles are allowed (the same refusal as the native import)
+    safetensors = not weights or weight_files(cfg.init_from, cfg.allow_pickle)[0].suffix == ".safetensors"
+    use_lora = lora is not None and lora.rank > 0
+    dtype = torch.bfloat16 if use_lora and lora.base_dtype == "bf16" else torch.float32
+    trust = cfg.trust_remote_code
+    try:
+        if weights:
+            hf = tr.AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=dtype, trust_remote_code=trust,
+                                                         use_safetensors=safetensors)
+        else:
+            conf = tr.AutoConfig.from_pretrained(cfg.init_from, trust_remote_code=trust)
+            hf = tr.AutoModelForCausalLM.from_config(conf, dtype=dtype, trust_remote_code=trust)
+    except (ValueError, OSError, KeyError) as e:  # unknown model_type, a config it cannot read, ...
+        raise StateError(f"model.init_from={cfg.init_from}: transformers cannot build a causal LM from it "
+                         f"({type(e).__name__}: {e})") from None
+    hf.config.use_cache = False
+    if use_lora:
+        import peft
+
+        hf = peft.get_peft_model(hf, _peft_config(lora))  # freezes the base; adapters in fp32
+    return HFCausalLM(hf, cfg)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The list of decoder blocks of a transformers model: the ModuleList whose blocks are of a class the
+    model names in `_no_split_modules`, else the ModuleList that holds the most parameters."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    for m in lists:
+        if type(m[0]).__name__ in names:
+            return m
+    if not lists:
+        raise StateError(f"{type(base).__name__} has no list of blocks (nn.ModuleList) to checkpoint, compile "
+                         "or shard")
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def _takes(fn, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def doc_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """doc_ids (B, T) -> position_ids (B, T) that count from 0 at the start of every document."""
+    B, T = doc_ids.shape
+    idx = torch.arange(T, device=doc_ids.device).expand(B, T)
+    start = torch.ones_like(doc_ids, dtype=torch.bool)
+    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return idx - torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM (or a PEFT model around one) with Kiln's model call.
+
+    `layers` are its decoder blocks (for activation checkpointing, compile and FSDP in kiln.dist);
+    `cfg` is the run's ModelConfig (its max_seq_len bounds generation)."""
+
+    fullgraph = False  # transformers' blocks take keyword arguments and caches: compiled with graph breaks
+
+    def __init__(self, hf: nn.Module, cfg: ModelConfig):
+        super().__init__()
+        self.hf, self.cfg = hf, cfg
+        self.takes_positions = _takes(self.base.forward, "position_ids")
+        self._warned = False
+
+    @property
+    def base(self) -> nn.Module:
+        """The transformers model (inside PEFT's wrapper under LoRA)."""
+        return self.hf.get_base_model() if hasattr(self.hf, "get_base_model") else self.hf
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return decoder_layers(self.hf)
+
+    @property
+    def is_peft(self) -> bool:
+        return hasattr(self.hf, "peft_config")
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V), or with targets (B, T) the mean cross-entropy over targets
+        other than -100. doc_ids (B, T): each position's document (position ids restart at each)."""
+        kwargs: dict[str, Any] = {"use_cache": False}
+        if doc_ids is not None:
+            if self.takes_positions:
+                kwargs["position_ids"] = doc_positions(doc_ids.to(tokens.device))
+            elif not self._warned:
+                self._warned = True
+                log.warning("%s takes no position_ids: documents packed in a row attend across their boundaries "
+                            "on this path", type(self.base).__name__)
+        logits = self.hf(input_ids=tokens, **kwargs).logits  # (B, T, V)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+    def param_count(self) -> int:
+        """Parameters of the model, shared ones counted once."""
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, 6*N + 12*L*d*T as for the native model: N the parameters outside the
+        input embedding table, L the decoder blocks, d the embedding width (an estimate for models whose
+        blocks are not all attention)."""
+        emb = self.base.get_input_embeddings()
+        n = self.param_count() - (emb.weight.numel() if emb is not None and not self._tied() else 0)
+        d = emb.weight.shape[1] if emb is not None else 0
+        return 6.0 * n + 12.0 * len(self.layers) * d * seq_len
+
+    def _tied(self) -> bool:
+        out, emb = self.base.get_output_embeddings(), self.base.get_input_embeddings()
+        return out is not None and emb is not None and out.weight is emb.weight
+
+    def save_pretrained(self, out: str | Path, tokenizer=None, merged: bool = True, dtype: torch.dtype | None = None
+                        ) -> Path:
+        """The Hugging Face layout in `out` (config.json, safetensors; `tokenizer(out)` writes the tokenizer) that
+        AutoModelForCausalLM.from_pretrained loads. Under LoRA: PEFT's adapters in `out/adapters`, and
+        with `merged` the base model with the adapters merged in `out` (this model's weights merge too)."""
+        out = Path(out).expanduser()
+        out.mkdir(parents=True, exist_ok=True)
+        hf = self.hf
+        if self.is_peft:
+            hf.save_pretrained(str(out / "adapters"), safe_serialization=True)
+            if not merged:
+                return out
+            hf = hf.merge_and_unload()
+            self.hf = hf
+        if dtype is not None:
+            hf = hf.to(dtype)
+        hf.save_pretrained(str(out), safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer(out)  # the caller's writer of the tokenizer files (kiln.state.export.write_tokenizer)
+        return out
+
+
+def load_auto(path: Path, cfg: ModelConfig) -> HFCausalLM:
+    """The saved final model of an auto run (`<run>/model`, written by `HFCausalLM.save_pretrained`)."""
+    tr = _transformers()
+    try:
+        hf = tr.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, use_safetensors=True,
+                                                     trust_remote_code=cfg.trust_remote_code)
+    except (ValueError, OSError, KeyError) as e:
+        raise StateError(f"{path}: transformers cannot load the saved model ({type(e).__name__}: {e})") from None
+    return HFCausalLM(hf, cfg)
+
