@@ -237,9 +237,6 @@ def read_checkpoint_model(ckpt: Path) -> tuple[ModelConfig, dict[str, torch.Tens
 
 def _checkpoint_tensors(ckpt: Path) -> tuple[Any, dict, dict[str, torch.Tensor]]:
     """(run config, meta.json, the "model" part of the checkpoint): every weight, or a LoRA run's adapters."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-
     from kiln.config import RunConfig
     from kiln.model.llama import Transformer
     from kiln.model.lora import adapter_state_dict, apply_lora
@@ -257,13 +254,7 @@ def _checkpoint_tensors(ckpt: Path) -> tuple[Any, dict, dict[str, torch.Tensor]]
     state = {k: torch.empty_like(v, device="cpu") for k, v in live.items()}
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
-    try:
-        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is meant
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": state}, checkpoint_id=str(ckpt), planner=DefaultLoadPlanner(allow_partial_load=True),
-                     no_dist=True)
-    except Exception as e:  # DCP wraps storage and planning errors in its own types
-        raise StateError(f"{ckpt}: the model weights cannot be read ({e}); `kiln inspect {ckpt}` checks it") from None
+    _load_dcp_model(ckpt, state)
     return run_cfg, meta, state
 
 
