@@ -70,7 +70,7 @@ def _transformer(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> torch.nn.M
 def load_target(target: str | Path) -> Target:
     """What TARGET holds (see the module doc), loaded on the CPU."""
     from kiln.data.prepare.tokenizer import Tokenizer
-    from kiln.state.rundir import checkpoints
+    from kiln.state.rundir import checkpoint_of
     from kiln.state.weights import load_model
 
     p = Path(target).expanduser()
@@ -94,13 +94,7 @@ def load_target(target: str | Path) -> Target:
         cfg, state = import_hf(p)
         return Target(_transformer(cfg, state), Tokenizer.load(p), "hf", p, None,
                       default_out=p.with_name(p.name + ".eval.json"))
-    ckpt = p
-    if not (p / "meta.json").is_file():
-        found = checkpoints(p)
-        if not found:
-            raise StateError(f"{p} holds no final model (model/), no checkpoint and no Hugging Face model; give the "
-                             "directory of a `kiln train` run, one of its checkpoints or a Hugging Face model")
-        ckpt = found[-1]
+    ckpt = checkpoint_of(p)
     from kiln.state.export import read_checkpoint_model
     from kiln.state.verify import read_meta
 

@@ -149,15 +149,9 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
 
         cfg, state = import_hf(p)
         return export_hf(state, cfg, tok or Tokenizer.load(p), to, dtype, max_shard_bytes)
-    ckpt = p
-    if not (p / ".metadata").is_file():
-        from kiln.state.rundir import checkpoints
+    from kiln.state.rundir import checkpoint_of
 
-        found = checkpoints(p)
-        if not found:
-            raise StateError(f"{p} holds no final model (model/), no checkpoint and no Hugging Face model; give "
-                             "the directory of a `kiln train` run or one of its checkpoints")
-        ckpt = found[-1]
+    ckpt = p if (p / ".metadata").is_file() else checkpoint_of(p)
     if _run_config(ckpt).model.hf_class == "auto":
         model, found_tok = read_checkpoint_auto(ckpt)
         return model.save_pretrained(to, tokenizer_writer(tok or found_tok, model.cfg.max_seq_len),

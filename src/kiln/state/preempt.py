@@ -8,6 +8,7 @@ when the trainer is between steps, then propagates.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 import signal
@@ -30,7 +31,7 @@ class Preempted(Exception):
         self.signame, self.step, self.path = signame, step, path
 
 
-class _Handler:
+class _Handler(abc.ABC):
     """SIGTERM and SIGINT go to `on_signal` while the block runs (main thread only). A process forked
     meanwhile (tokenizer or loader workers) inherits the handler, and dies of the signal instead."""
 
@@ -55,8 +56,9 @@ class _Handler:
             return
         self.on_signal(signum, signal.Signals(signum).name)
 
+    @abc.abstractmethod
     def on_signal(self, signum: int, name: str) -> None:
-        raise NotImplementedError
+        """What a signal does while this handler is installed (each kind of handler says)."""
 
 
 class SignalGuard(_Handler):

@@ -154,6 +154,19 @@ def checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: step_of(p))
 
 
+def checkpoint_of(path: str | Path) -> Path:
+    """`path` if it is a checkpoint directory, else the newest complete checkpoint of the run at `path`;
+    StateError when it is neither."""
+    p = Path(path)
+    if (p / META).is_file():
+        return p
+    found = checkpoints(p)
+    if not found:
+        raise StateError(f"{p} holds no final model (model/), no checkpoint and no Hugging Face model; give the "
+                         "directory of a `kiln train` run, one of its checkpoints or a Hugging Face model")
+    return found[-1]
+
+
 def unfinished(run_dir: str | Path) -> list[Path]:
     """Directories of saves that never completed (killed or failed midway): Kiln's own temporaries."""
     root = Path(run_dir) / CHECKPOINTS
