@@ -62,16 +62,35 @@ class Losses(Callback):
         self.notices.append((kind, info))
 
 
+class Seen(Callback):
+    """The rows each completed step trained on: a failed attempt's rows (its forward ran, then memory ran out)
+    are dropped at the out-of-memory notice, before the step runs again."""
+
+    def __init__(self):
+        self.rows, self.pending = [], []
+
+    def hook(self, module, args):
+        self.pending.append(args[0].cpu())
+
+    def on_notice(self, trainer, kind, info):
+        if kind == "oom":
+            self.pending.clear()
+
+    def on_step_end(self, trainer, metrics):
+        self.rows += self.pending
+        self.pending = []
+
+
 def make(callbacks=(), steps=8) -> tuple[Trainer, list]:
     cfg = RunConfig.model_validate({"model": {"size": "tiny", "vocab_size": VOCAB, "max_seq_len": T},
                                     "train": {"seq_len": T, "batch_size": B, "max_steps": steps, "device": "cuda",
                                               "precision": "fp32", "warmup_steps": 2, "eval_every": 0},
                                     "logging": {"every": 1}, "recovery": {"rollback": False}})
     torch.manual_seed(0)
-    t = Trainer(cfg, Transformer(cfg.model).cuda(), Rows(), None, torch.device("cuda"), list(callbacks))
-    seen: list = []
-    t.model.register_forward_pre_hook(lambda m, args: seen.append(args[0].cpu()))
-    return t, seen
+    seen = Seen()
+    t = Trainer(cfg, Transformer(cfg.model).cuda(), Rows(), None, torch.device("cuda"), [*callbacks, seen])
+    t.model.register_forward_pre_hook(seen.hook)
+    return t, seen.rows
 
 
 def activation_bytes() -> int:
