@@ -44,15 +44,20 @@ def measure(preset: str, steps: int, extra: list[str], root: Path) -> dict:
     cfg = load_config(preset, overrides)
     gpu, _ = local_device(None, "cuda")
     plan = make_plan(cfg, 1, gpu)
-    seen: dict = {"tps": []}
+    seen: dict = {"tps": [], "step_peaks": []}
 
     class Probe(Callback):
         def on_step_end(self, trainer, metrics):
             if metrics and trainer.step > steps // 3:
                 seen["tps"].append(metrics["tokens_per_s"])
+            if trainer.step <= 3:  # the first steps apart (compilation, the optimizer's state appearing)
+                seen["step_peaks"].append(round(torch.cuda.max_memory_allocated() / 2**30, 2))
+                seen["first_peak"] = max(seen.get("first_peak", 0), torch.cuda.max_memory_allocated())
+                torch.cuda.reset_peak_memory_stats()
 
         def on_train_end(self, trainer, metrics):
-            seen["allocated"] = torch.cuda.max_memory_allocated()
+            seen["steady"] = torch.cuda.max_memory_allocated()  # steps 4 to the end
+            seen["allocated"] = max(seen["steady"], seen.get("first_peak", 0))
             seen["reserved"] = torch.cuda.max_memory_reserved()
             raise _Done
 
@@ -70,7 +75,8 @@ def measure(preset: str, steps: int, extra: list[str], root: Path) -> dict:
             "predicted_gib": plan.memory.peak / 2**30, "allocated_gib": seen["allocated"] / 2**30,
             "reserved_gib": seen["reserved"] / 2**30, "predicted_tps": plan.tokens_per_s, "tps": tps,
             "mem_error": plan.memory.peak / seen["allocated"] - 1, "tps_error": plan.tokens_per_s / tps - 1,
-            "max_batch": plan.max_batch, "wall_s": round(wall, 1)}
+            "max_batch": plan.max_batch, "wall_s": round(wall, 1), "first_step_peaks_gib": seen["step_peaks"],
+            "steady_gib": seen["steady"] / 2**30}
 
 
 def table(rows: list[dict]) -> str:

@@ -1,6 +1,10 @@
 """Data-parallel scaling: `kiln train` on N GPUs beside the same config on one GPU, in one call.
 
     python benchmarks/scaling.py --config gpu-124m --runs 1:ddp,2:ddp,2:fsdp --steps 120 --json out.json
+    python benchmarks/scaling.py --runs "1:auto,2:solo,2:ddp,2:ddp:recovery.rollback=false"   # where scaling goes
+
+A run is NPROC:STRATEGY[:KEY=VALUE;KEY=VALUE] (overrides of that run alone); STRATEGY `solo` starts NPROC
+independent one-GPU jobs at once and adds their rates (the machine's own limit, without communication).
 
 Each run is a real `kiln train` (torchrun started by `--nproc N` when N > 1) on the preset's data, with
 `train.batch_size` per GPU kept, so the global batch grows with N (weak scaling, as data-parallel
@@ -19,30 +23,46 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import tempfile
 import time
 
 
-def run(config: str, nproc: int, strategy: str, steps: int, extra: list[str], root: Path) -> dict:
-    run_dir = root / f"{nproc}-{strategy}"
-    cmd = [sys.executable, "-m", "kiln.cli", "train", config, f"train.run_dir={run_dir}", f"train.max_steps={steps}",
-           "train.eval_every=0", "train.sample_tokens=0", "logging.every=5", "checkpoint.every=100000",
-           "checkpoint.save_final=false", f"dist.strategy={strategy}", *extra]
-    if nproc > 1:
-        cmd += ["--nproc", str(nproc)]
-    t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+def logged(run_dir: Path, steps: int) -> tuple[list[dict], list[dict]]:
+    """(every logged step, those after the first quarter) of a run's metrics.jsonl."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps_logged = [r for r in rows if r.get("event") == "step" or ("tokens_per_s" in r and "loss" in r)]
-    late = [r for r in steps_logged if r["step"] > steps // 4]
-    return {"nproc": nproc, "strategy": strategy, "tokens_per_s": statistics.median(r["tokens_per_s"] for r in late),
-            "mfu": statistics.median(r.get("mfu", 0.0) or 0.0 for r in late), "last_loss": steps_logged[-1]["loss"],
-            "wall_s": round(wall, 1), "command": " ".join(cmd[2:])}
+    return steps_logged, [r for r in steps_logged if r["step"] > steps // 4]
+
+
+def run(config: str, nproc: int, strategy: str, steps: int, extra: list[str], root: Path, tag: str) -> dict:
+    """One job; strategy `solo` starts `nproc` independent one-GPU jobs at once (one per GPU, no communication)
+    and adds their rates: what the machine gives N processes when they do not talk to each other."""
+    solo = strategy == "solo"
+    dirs = [root / f"{tag}-{k}" for k in range(nproc if solo else 1)]
+    cmds = []
+    for run_dir in dirs:
+        cmd = [sys.executable, "-m", "kiln.cli", "train", config, f"train.run_dir={run_dir}",
+               f"train.max_steps={steps}", "train.eval_every=0", "train.sample_tokens=0", "logging.every=5",
+               "checkpoint.every=100000", "checkpoint.save_final=false",
+               f"dist.strategy={'auto' if solo else strategy}", *extra]
+        cmds.append(cmd + (["--nproc", str(nproc)] if nproc > 1 and not solo else []))
+    env = [dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(k)} if solo else {})) for k in range(len(cmds))]
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
+             for c, e in zip(cmds, env)]
+    outs = [p.communicate() for p in procs]
+    wall = time.perf_counter() - t0
+    for p, c, (_, err) in zip(procs, cmds, outs):
+        if p.returncode != 0:
+            raise SystemExit(f"{' '.join(c)} failed ({p.returncode}):\n{err[-4000:]}")
+    runs = [logged(d, steps) for d in dirs]
+    tps = sum(statistics.median(r["tokens_per_s"] for r in late) for _, late in runs)
+    return {"nproc": nproc, "strategy": strategy, "extra": extra, "tokens_per_s": tps,
+            "mfu": statistics.median(r.get("mfu", 0.0) or 0.0 for r in runs[0][1]), "last_loss": runs[0][0][-1]["loss"],
+            "wall_s": round(wall, 1), "command": " ".join(cmds[0][2:])}
 
 
 def main() -> None:
@@ -60,18 +80,19 @@ def main() -> None:
             "gpus": torch.cuda.device_count(), "config": args.config, "steps": args.steps}
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for spec in args.runs.split(","):
-            n, strategy = spec.split(":")
-            results.append(run(args.config, int(n), strategy, args.steps, args.set, Path(tmp)))
+        for k, spec in enumerate(args.runs.split(",")):
+            n, strategy, *own = spec.split(":")  # own: KEY=VALUE overrides of this run alone, ';'-separated
+            extra = args.set + (own[0].split(";") if own else [])
+            results.append(run(args.config, int(n), strategy, args.steps, extra, Path(tmp), f"{k}-{n}-{strategy}"))
             print(json.dumps(results[-1]), flush=True)
     base = next((r["tokens_per_s"] for r in results if r["nproc"] == 1), None)
     print(json.dumps(info))
-    print(f"{'run':<12} {'tokens/s':>12} {'MFU':>6} {'speed-up':>9} {'scaling':>8} {'loss':>7}")
+    print(f"{'run':<12} {'tokens/s':>12} {'MFU':>6} {'speed-up':>9} {'scaling':>8} {'loss':>7}  overrides")
     for r in results:
         up = r["tokens_per_s"] / base if base else float("nan")
         r["speedup"], r["scaling"] = up, up / r["nproc"]
         print(f"{r['nproc']} x {r['strategy']:<8} {r['tokens_per_s']:>12,.0f} {100 * r['mfu']:>5.1f}% {up:>8.2f}x "
-              f"{100 * r['scaling']:>7.1f}% {r['last_loss']:>7.3f}")
+              f"{100 * r['scaling']:>7.1f}% {r['last_loss']:>7.3f}  {' '.join(r['extra'][len(args.set):])}")
     if args.json:
         Path(args.json).write_text(json.dumps({**info, "results": results}, indent=1))
 

@@ -137,15 +137,16 @@ def state_bytes(n: int, layout: Layout) -> tuple[int, int, int]:
     return -(-4 * n // s), -(-4 * n // s), -(-8 * n // s)
 
 
-def compute_weight_bytes(m: ModelConfig, n: int, ac: str, bf16: bool, layout: Layout) -> int:
-    """Copies of the weights in the compute dtype alive at the end of the forward pass."""
+def compute_weight_bytes(m: ModelConfig, n: int, ac: str, bf16: bool, layout: Layout, compiled: bool = True) -> int:
+    """Copies of the weights in the compute dtype alive at the end of the forward pass: eager autocast caches
+    its bf16 copy of every weight until its block ends, whatever the activation checkpointing."""
     p, w = layer_params(m), (2 if bf16 else 4)
     if layout.strategy == "fsdp":
         if layout.sharding == "grad_op" and not layout.offload:
             return w * n  # gathered from forward to backward
         root = (m.vocab_size or 0) * m.d_model * (1 if m.tie_embeddings else 2)
         return w * (root + 2 * p)  # the root unit (embeddings) and a block with the next one prefetched
-    return 2 * m.n_layers * p if bf16 and ac == "none" else 0  # autocast's bf16 casts, kept for the backward
+    return 2 * m.n_layers * p if bf16 and (ac == "none" or not compiled) else 0  # autocast's bf16 casts
 
 
 def backward_bytes(m: ModelConfig, tokens: int, ac: str, compiled: bool, e: int, bf16: bool,
@@ -174,7 +175,7 @@ def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", comp
     tokens = seq_len * batch
     e = 2 if bf16 else 4
     weights, grads, optim = state_bytes(n, layout)
-    compute = compute_weight_bytes(m, n, ac, bf16, layout)
+    compute = compute_weight_bytes(m, n, ac, bf16, layout, compiled)
     acts = activation_bytes(m, tokens, ac, compiled, e)
     if lora is not None:
         s, trained = max(1, layout.shard), lora_params(m, lora)
