@@ -1,6 +1,7 @@
 """`kiln plan` against real runs: predicted peak memory and tokens/s beside what `kiln train` measures.
 
     python benchmarks/plan_check.py --presets gpu-124m,gpu-1b,gpu-3b --steps 30 --out benchmarks/results/plan.md
+    python benchmarks/plan_check.py --presets "gpu-1b:train.batch_size=4,gpu-124m:train.compile_scope=blocks"
 
 For each preset it asks the planner (kiln.plan.make_plan, for this machine's GPU), then trains the preset for
 `--steps` steps in this process through `kiln.train.run.run` (the preset's data, compile and AC as configured;
@@ -104,8 +105,11 @@ def main() -> None:
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for preset in args.presets.split(","):
-            rows.append(measure(preset, args.steps, args.set, Path(tmp)))
+        for k, spec in enumerate(args.presets.split(",")):
+            preset, *own = spec.split(":")  # own: KEY=VALUE overrides of this run alone, ';'-separated
+            extra = args.set + (own[0].split(";") if own else [])
+            rows.append(measure(preset, args.steps, extra, Path(tmp) / str(k)))
+            rows[-1]["preset"] = spec
             print(json.dumps(rows[-1]), flush=True)
     text = table(rows)
     ok = all(abs(r["mem_error"]) <= 0.10 and abs(r["tps_error"]) <= 0.15 for r in rows)
