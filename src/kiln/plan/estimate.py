@@ -153,11 +153,10 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
                      "of full training (no weight gradients for the base): an estimate")
     layout = layout_for(cfg, gpus, trained if lora else n, gpu.memory)
 
-    # document masks run flex attention on CUDA; several processes compile per block whatever compile_scope says
-    flex_blocks = cfg.data.document_mask and gpu.key != "cpu" and (t.compile_scope == "blocks" or gpus > 1)
+    flex = cfg.data.document_mask and gpu.key != "cpu"  # document masks run flex attention on CUDA
 
     def mem(batch: int, ac: str, lay: Layout) -> Memory:
-        return peak_memory(m, t.seq_len, batch, ac, compiled, bf16, lay, lora, flex_blocks)
+        return peak_memory(m, t.seq_len, batch, ac, compiled, bf16, lay, lora, flex)
 
     def fit(ac: str, lay: Layout):
         return lambda b: needs(mem(b, ac, lay), gpu) <= cap

@@ -42,11 +42,12 @@ from kiln.config import ModelConfig
 from kiln.model.registry import param_count
 
 LOGIT_CHUNK = 2**28  # kiln.model.loss.CHUNK_ELEMENTS: logits of one chunk of rows
-# document-masked attention (flex, on CUDA) inside per-block compiled graphs keeps this many more d-wide
-# activations per layer and token than plain causal attention: measured on an H100 in real `kiln train`
-# runs of the 1b (no AC) and 3b (selective AC) presets (benchmarks/results/plan.md); a whole-model graph
-# (the 124m preset) keeps none more
-FLEX_BLOCK_EXTRA = 3
+# document-masked attention (flex, on CUDA) with grouped-query heads keeps this many more q-wide activations
+# per layer and token than plain causal attention: measured on an H100 in real `kiln train` runs of the 1b
+# (32 query / 4 key-value heads, no AC) and 3b (24 / 8, selective AC) presets, and at the 1b shape with a
+# larger batch (benchmarks/results/plan.md); with as many key-value heads as query heads (the 124m preset,
+# per-block or whole-model graph) it keeps none more
+FLEX_GQA_EXTRA = 3
 
 
 @dataclass(frozen=True)
@@ -130,8 +131,9 @@ def loss_chunk_bytes(m: ModelConfig, tokens: int, compiled: bool, e: int, bf16: 
     return rows * v * per_logit + v * m.d_model * (4 + e + (2 if bf16 else 0))
 
 
-def activation_bytes(m: ModelConfig, tokens: int, ac: str, compiled: bool, e: int, flex_blocks: bool = False) -> int:
-    per_layer = act_per_layer_token(m, ac, compiled, e) + (FLEX_BLOCK_EXTRA * e * m.d_model if flex_blocks else 0)
+def activation_bytes(m: ModelConfig, tokens: int, ac: str, compiled: bool, e: int, flex: bool = False) -> int:
+    gqa = flex and m.kv_heads < m.n_heads
+    per_layer = act_per_layer_token(m, ac, compiled, e) + (FLEX_GQA_EXTRA * e * m.n_heads * m.head_dim if gqa else 0)
     return tokens * (m.n_layers * per_layer + loss_rest_per_token(m, e))
 
 
@@ -172,9 +174,9 @@ def backward_bytes(m: ModelConfig, tokens: int, ac: str, compiled: bool, e: int,
 
 def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", compiled: bool = True,
                 bf16: bool = True, layout: Layout = Layout(), lora: Lora | None = None,
-                flex_blocks: bool = False) -> Memory:
+                flex: bool = False) -> Memory:
     """Peak bytes on one device of a training step with micro-batch `batch` (see the module doc).
-    `flex_blocks`: document-masked attention on CUDA in per-block compiled graphs (FLEX_BLOCK_EXTRA).
+    `flex`: document-masked attention on CUDA (FLEX_GQA_EXTRA).
 
     With `lora`, only the adapters have gradients and AdamW state; the frozen base takes lora.base_bytes
     a weight (no compute copies when that is bf16), and each block keeps the adapters' rank-wide
@@ -184,7 +186,7 @@ def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", comp
     e = 2 if bf16 else 4
     weights, grads, optim = state_bytes(n, layout)
     compute = compute_weight_bytes(m, n, ac, bf16, layout, compiled)
-    acts = activation_bytes(m, tokens, ac, compiled, e, flex_blocks and compiled and ac != "full")
+    acts = activation_bytes(m, tokens, ac, compiled, e, flex and compiled and ac != "full")
     if lora is not None:
         s, trained = max(1, layout.shard), lora_params(m, lora)
         _, grads, optim = state_bytes(trained, layout)
