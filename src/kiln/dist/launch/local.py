@@ -52,7 +52,8 @@ def without_nproc(argv: list[str]) -> list[str]:
 def torchrun_command(nproc: int, train_args: list[str], max_restarts: int = 0) -> list[str]:
     """The torchrun command line of a one-machine run of `kiln train *train_args` on `nproc` processes."""
     restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *restarts,
+    # torchrun itself, ending a failed job without burying the error a rank printed (kiln.dist.launch.torchrun)
+    return [sys.executable, "-m", "kiln.dist.launch.torchrun", "--standalone", f"--nproc_per_node={nproc}", *restarts,
             "-m", "kiln.cli", "train", *train_args]
 
 
