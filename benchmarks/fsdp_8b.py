@@ -149,7 +149,9 @@ def kiln_command(args, run_dir: Path, checkpoint_every: int) -> list[str]:
             "train.grad_accum=1", f"train.max_steps={args.steps}",
             f"train.device={args.device}", f"train.precision={'bf16' if cuda else 'fp32'}",
             f"train.compile={str(cuda and not args.no_compile).lower()}", f"train.activation_checkpointing={args.ac}",
-            "train.eval_every=0", "train.sample_tokens=0", "train.warmup_steps=2", "logging.every=1",
+            # the evaluations at the start and the end (never skipped) take one batch: device time for the steps
+            "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0", "train.warmup_steps=2",
+            "logging.every=1", "logging.plots=false",
             "logging.console=false", f"checkpoint.every={checkpoint_every}", "checkpoint.async_save=true",
             "checkpoint.save_final=false", f"checkpoint.at_end={str(args.final_save == 'on').lower()}",
             "checkpoint.keep_last=2", "dist.strategy=fsdp", "dist.sharding=full",
