@@ -137,12 +137,12 @@ def test_a_launch_file_that_cannot_be_written_is_a_config_error(tmp_path):
 def test_nproc_becomes_a_torchrun_command():
     assert without_nproc(["cfg.yaml", "--nproc", "4", "train.lr=1", "--nproc=2"]) == ["cfg.yaml", "train.lr=1"]
     cmd = torchrun_command(4, ["cfg.yaml"])
-    assert cmd[1:] == ["-m", "kiln.dist.launch.torchrun", "--standalone", "--nproc_per_node=4", "-m", "kiln.cli", "train",
-                       "cfg.yaml"]
+    assert cmd[1:] == ["-m", "kiln.dist.launch.torchrun", "--standalone", "--nproc_per_node=4", "-m", "kiln.cli",
+                       "train", "cfg.yaml"]
     assert without_nproc(["cfg.yaml", "--max-restarts", "3", "--nproc=2", "--max-restarts=1"]) == ["cfg.yaml"]
     cmd = torchrun_command(2, ["cfg.yaml"], max_restarts=3)
-    assert cmd[1:] == ["-m", "kiln.dist.launch.torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=3", "-m",
-                       "kiln.cli", "train", "cfg.yaml"]
+    assert cmd[1:] == ["-m", "kiln.dist.launch.torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=3",
+                       "-m", "kiln.cli", "train", "cfg.yaml"]
 
 
 def test_max_restarts_passes_through_to_torchrun_and_sigterm_is_forwarded(monkeypatch):
