@@ -15,15 +15,21 @@
     random token ids; a TrainerCallback times every step (device synchronised), warm-up excluded.
 
 tokens/s per GPU and MFU are medians over the steps after --warmup (both MFUs use Kiln's 6N + 12LdT FLOPs
-per token and the card's peak), peak memory is torch.cuda.max_memory_allocated. --kill-resume then starts
-another Kiln job, SIGKILLs all its processes once its first checkpoint is complete, starts it again and
-checks it resumed from that checkpoint and its loss goes on from there. The table is printed and appended,
-dated and with the card's name, to benchmarks/results/fsdp_8b.md.
+per token and the card's peak), peak memory is torch.cuda.max_memory_allocated from the first training step
+on. --kill-resume then starts another Kiln job, SIGKILLs all its processes once its first checkpoint is
+complete, starts it again and checks it resumed from that checkpoint and its loss goes on from there. The
+table is printed and appended, dated and with the card's name, to benchmarks/results/fsdp_8b.md. Each job's
+phases are printed with their seconds (start-up and data, model build and init, first step with compile,
+the steps, the end), so it shows where the time goes.
 
-Disk: an 8B checkpoint (fp32 weights + AdamW moments) is about 90 GB, and the final one is written before
-the one mid-run is deleted: give --run-root a file system with ~200 GB free. Time on 4 GPUs: each job
-initialises 8B parameters on the CPU (a minute or two) and compiles; --skip-hf or leaving out
---kill-resume keeps one call shorter.
+Disk: an 8B checkpoint (fp32 weights + AdamW moments, 12 bytes a parameter) is about 96 GB. One is written
+mid-run; the checkpoint at the end of training (--final-save) is written before the mid-run one is deleted,
+so it needs room for two. --final-save auto (the default) writes it only where --run-root has room for two
+and says which it chose; the run stops before starting a job if there is no room for even one. The mid-run
+checkpoint is the one --kill-resume restarts from, so one checkpoint on disk is enough for everything.
+Time: each Kiln job initialises its shards on the GPUs (seconds) and compiles; the HF Trainer's model is
+built on the GPU of each rank, then sharded by accelerate. --skip-hf or leaving out --kill-resume keeps one
+call shorter.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import signal
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 
 RESULTS = Path(__file__).parent / "results" / "fsdp_8b.md"
@@ -53,12 +60,22 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 
 a = json.loads(sys.argv[1])
 cuda = a["device"] == "cuda"
+t_start = time.time()
 cfg = LlamaConfig(vocab_size=a["vocab"], hidden_size=a["d"], intermediate_size=a["ffn"], num_hidden_layers=a["layers"],
                   num_attention_heads=a["heads"], num_key_value_heads=a["kv"], max_position_embeddings=a["seq"],
                   rope_theta=a["theta"], tie_word_embeddings=a["tie"], attention_bias=False, mlp_bias=False)
 cfg._attn_implementation = "sdpa"
 torch.manual_seed(0)
-model = LlamaForCausalLM(cfg)  # random init, fp32 master weights (bf16 compute through autocast/FSDP)
+# random init, fp32 master weights (bf16 compute through FSDP's mixed precision). Built and initialised on this
+# rank's GPU (seconds; on the CPU an 8B model takes minutes): every rank draws the same weights (same seed, same
+# kind of GPU), and accelerate's fully_shard keeps this rank's shard of each and frees the rest.
+device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+if cuda:
+    torch.cuda.set_device(device)
+with device:
+    model = LlamaForCausalLM(cfg)
+if cuda: torch.cuda.synchronize()
+t_model = time.time()
 
 class Tokens(torch.utils.data.Dataset):
     def __len__(self):
@@ -69,13 +86,18 @@ class Tokens(torch.utils.data.Dataset):
 
 class Clock(TrainerCallback):
     def __init__(self):
-        self.times, self.t0 = [], None
+        self.times, self.t0, self.first_begin, self.first_end, self.last_end = [], None, None, None, None
     def on_step_begin(self, args, state, control, **kw):
         if cuda: torch.cuda.synchronize()
+        if self.first_begin is None:  # the model is sharded (accelerate.prepare) by now: training memory from here
+            self.first_begin = time.time()
+            if cuda: torch.cuda.reset_peak_memory_stats()
         self.t0 = time.perf_counter()
     def on_step_end(self, args, state, control, **kw):
         if cuda: torch.cuda.synchronize()
         self.times.append(time.perf_counter() - self.t0)
+        self.last_end = time.time()
+        self.first_end = self.first_end or self.last_end
 
 fsdp_config = {"version": 2, "activation_checkpointing": a["ac"] != "none", "reshard_after_forward": True,
                "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
@@ -84,7 +106,6 @@ args = TrainingArguments(output_dir=a["out"], per_device_train_batch_size=1, max
                          logging_steps=1, save_strategy="no", report_to=[], dataloader_num_workers=0,
                          use_cpu=not cuda, ddp_backend=None if cuda else "gloo", seed=0)
 clock = Clock()
-if cuda: torch.cuda.reset_peak_memory_stats()
 trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[clock])
 trainer.train()
 if int(os.environ.get("RANK", "0")) == 0:
@@ -92,8 +113,13 @@ if int(os.environ.get("RANK", "0")) == 0:
     step = statistics.median(late)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     loss = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    phases = {"start-up (imports)": t_start - a["t0"], "model build + init": t_model - t_start,
+              "Trainer + accelerate FSDP2 wrap": clock.first_begin - t_model,
+              "first step": clock.first_end - clock.first_begin, "other steps": clock.last_end - clock.first_end,
+              "end": time.time() - clock.last_end}
     print("HF_RESULT " + json.dumps({"step_s": step, "tokens_per_s_per_gpu": a["seq"] / step, "peak_gib": peak,
-                                     "first_loss": loss[0] if loss else None, "last_loss": loss[-1] if loss else None}),
+                                     "first_loss": loss[0] if loss else None, "last_loss": loss[-1] if loss else None,
+                                     "phases": phases}),
           flush=True)
 '''
 
@@ -123,9 +149,12 @@ def kiln_command(args, run_dir: Path, checkpoint_every: int) -> list[str]:
             "train.grad_accum=1", f"train.max_steps={args.steps}",
             f"train.device={args.device}", f"train.precision={'bf16' if cuda else 'fp32'}",
             f"train.compile={str(cuda and not args.no_compile).lower()}", f"train.activation_checkpointing={args.ac}",
-            "train.eval_every=0", "train.sample_tokens=0", "train.warmup_steps=2", "logging.every=1",
+            # the evaluations at the start and the end (never skipped) take one batch: device time for the steps
+            "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0", "train.warmup_steps=2",
+            "logging.every=1", "logging.plots=false",
             "logging.console=false", f"checkpoint.every={checkpoint_every}", "checkpoint.async_save=true",
-            "checkpoint.save_final=false", "checkpoint.keep_last=2", "dist.strategy=fsdp", "dist.sharding=full",
+            "checkpoint.save_final=false", f"checkpoint.at_end={str(args.final_save == 'on').lower()}",
+            "checkpoint.keep_last=2", "dist.strategy=fsdp", "dist.sharding=full",
             f"data.vocab_size={vocab}", f"data.cache_dir={args.cache_dir}",
             f"train.run_dir={run_dir}", *args.set, "--nproc", str(args.nproc)]
 
@@ -137,16 +166,64 @@ def train_records(run_dir: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("event") == "train"]
 
 
+class Job:
+    """A command started now, its output lines stamped with the time they came (time.time()) and kept in `log`."""
+
+    def __init__(self, cmd: list[str], log: Path):
+        self.t0, self.lines, self.log = time.time(), [], log
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # lines come as printed: their times mark the phases
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        with open(self.log, "w") as f:
+            for line in self.proc.stdout:
+                self.lines.append((time.time(), line.rstrip("\n")))
+                f.write(line)
+                f.flush()
+
+    def wait(self) -> int:
+        code = self.proc.wait()
+        self._reader.join()
+        self.t_end = time.time()
+        return code
+
+    def first(self, prefix: str) -> float | None:
+        """When the first line starting with `prefix` came."""
+        return next((t for t, line in self.lines if line.lstrip().startswith(prefix)), None)
+
+    def text(self, tail: int = 6000) -> str:
+        return "\n".join(line for _, line in self.lines)[-tail:]
+
+
+def kiln_phases(job: Job, recs: dict[int, dict]) -> dict[str, float]:
+    """Seconds of each phase of a Kiln job, from the times its console lines and metrics records came."""
+    model, built, loaded = job.first("model:"), job.first("global batch:"), job.first("resumed from")
+    steps = sorted(recs)
+    first, last = (recs[steps[0]]["time"], recs[steps[-1]]["time"]) if steps else (None, None)
+    marks = [("start-up, data", job.t0, model), ("model build + init", model, built),
+             ("checkpoint load", built, loaded),
+             (f"first step {steps[0] if steps else '-'} (compile, first evaluation)", loaded or built, first),
+             (f"steps {steps[0] + 1 if steps else '-'}-{steps[-1] if steps else '-'}", first, last),
+             ("end (checkpoint wait, exit)", last, job.t_end)]
+    return {name: round(b - a, 2) for name, a, b in marks if a is not None and b is not None}
+
+
+def print_phases(name: str, phases: dict[str, float]) -> None:
+    print(f"{name} phases: " + "; ".join(f"{k} {v:.1f} s" for k, v in phases.items()), flush=True)
+
+
 def run_kiln(args, root: Path) -> dict:
     run_dir = root / "kiln"
     at = args.checkpoint_at or max(args.warmup + 1, args.steps // 2)
-    t0 = time.perf_counter()
-    done = subprocess.run(kiln_command(args, run_dir, at), capture_output=True, text=True)
+    job = Job(kiln_command(args, run_dir, at), root / "kiln.log")
+    code = job.wait()
     recs = {r["step"]: r for r in train_records(run_dir)}
-    failed = f"kiln train failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-    if done.returncode != 0 and max(recs, default=0) < args.steps:
+    failed = f"kiln train failed ({code}):\n{job.text()}"
+    if code != 0 and max(recs, default=0) < args.steps:
         raise SystemExit(failed)
-    if done.returncode != 0:  # every step was measured; what failed after them (the final save) is reported
+    if code != 0:  # every step was measured; what failed after them (the final save) is reported
         print(failed, flush=True)
     tokens = args.seq  # per GPU per step: batch 1
     step_s = {s: tokens / r["tokens_per_s_per_device"] for s, r in recs.items()}
@@ -156,12 +233,15 @@ def run_kiln(args, root: Path) -> dict:
            "mfu": statistics.median(recs[s].get("mfu") or 0.0 for s in late) or None,
            "peak_gib": max((r.get("peak_mem_gib") or 0.0 for r in recs.values()), default=0.0) or None,
            "first_loss": recs[min(recs)]["loss"], "last_loss": recs[max(recs)]["loss"],
-           "wall_s": time.perf_counter() - t0, "exit_code": done.returncode}
+           "wall_s": job.t_end - job.t0, "exit_code": code, "phases": kiln_phases(job, recs)}
     ck = run_dir / "checkpoints" / f"step_{at:08d}" / "meta.json"
     if at < args.steps and at + 1 in step_s and ck.is_file():
         meta = json.loads(ck.read_text())
+        # the save is called after step `at` is timed: what it blocked is in the time of step at + 1
         out.update(checkpoint_step=at, blocked_s=max(0.0, step_s[at + 1] - median_step),
                    checkpoint_write_s=meta.get("write_seconds"), checkpoint_gib=meta.get("bytes", 0) / 2**30)
+    elif at < args.steps:
+        out["checkpoint_missing"] = str(ck)
     return out
 
 
@@ -186,37 +266,42 @@ def kill_resume(args, root: Path) -> dict:
     run_dir = root / "kiln-kill"
     at = args.checkpoint_at or max(2, args.steps // 2)
     cmd = kiln_command(args, run_dir, at)
-    log = open(root / "kill-first.log", "w")
-    job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    first = Job(cmd, root / "kill-first.log")
     meta = run_dir / "checkpoints" / f"step_{at:08d}" / "meta.json"
     while not meta.is_file():
-        if job.poll() is not None:
-            raise SystemExit(f"the job ended before its checkpoint (code {job.returncode}); see {log.name}")
+        if first.proc.poll() is not None:
+            first.wait()
+            raise SystemExit(f"the job ended before its checkpoint (code {first.proc.returncode}):\n{first.text()}")
         time.sleep(0.05)
     killed_at = max(train_records(run_dir), key=lambda r: r["step"])["step"]
-    for pid in [*reversed(descendants(job.pid)), job.pid]:
+    for pid in [*reversed(descendants(first.proc.pid)), first.proc.pid]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    job.wait()
+    first.wait()
+    on_disk = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir())
     before = {r["step"]: r["loss"] for r in train_records(run_dir)}
-    t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"the resumed job failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    after = {r["step"]: r["loss"] for r in train_records(run_dir)}
-    resumed = f"(step {at}," in done.stdout and "resumed from" in done.stdout
-    return {"checkpoint_step": at, "killed_after_step": killed_at, "resumed_from_it": resumed,
-            "restart_to_end_s": time.perf_counter() - t0, "loss_at_checkpoint": before.get(at),
-            "loss_after_resume": after.get(at + 1), "steps_logged": sorted(after) == list(range(1, args.steps + 1))}
+    job = Job(cmd, root / "kill-resumed.log")
+    if job.wait() != 0:
+        raise SystemExit(f"the resumed job failed ({job.proc.returncode}):\n{job.text()}")
+    recs = {r["step"]: r for r in train_records(run_dir)}
+    after = {s: r["loss"] for s, r in recs.items()}
+    out = "\n".join(line for _, line in job.lines)
+    resumed = f"(step {at}," in out and "resumed from" in out
+    return {"checkpoint_step": at, "killed_after_step": killed_at, "checkpoints_on_disk_at_kill": on_disk,
+            "resumed_from_it": resumed, "restart_to_end_s": job.t_end - job.t0,
+            "loss_at_checkpoint": before.get(at), "loss_after_resume": after.get(at + 1),
+            "steps_logged": sorted(after) == list(range(1, args.steps + 1)),
+            "phases": kiln_phases(job, {s: r for s, r in recs.items() if s > at})}
 
 
 def run_hf(args, root: Path) -> dict:
     m = model_config(args.size, args.seq)
     spec = {"vocab": m.vocab_size or 128256, "d": m.d_model, "ffn": m.mlp_hidden, "layers": m.n_layers,
             "heads": m.n_heads, "kv": m.kv_heads, "seq": args.seq, "theta": m.rope_theta, "tie": m.tie_embeddings,
-            "steps": args.steps, "warmup": args.warmup, "ac": args.ac, "device": args.device, "out": str(root / "hf")}
+            "steps": args.steps, "warmup": args.warmup, "ac": args.ac, "device": args.device, "out": str(root / "hf"),
+            "t0": time.time()}
     if args.size == "tiny":
         spec["vocab"] = 512
     script = root / "hf_worker.py"
@@ -257,6 +342,32 @@ def table(kiln: dict, hf: dict) -> list[str]:
     return rows
 
 
+def plan_disk(args) -> str:
+    """'on' or 'off' for the checkpoint at the end of training, from --final-save and the free disk of --run-root
+    against the checkpoint's size (12 bytes a parameter); stops here if one checkpoint does not fit."""
+    from kiln.model.registry import param_count
+    from kiln.plan.memory import checkpoint_bytes
+
+    m = model_config(args.size, args.seq)
+    size = checkpoint_bytes(param_count(m, m.vocab_size or 512))
+    root = Path(args.run_root or tempfile.gettempdir())
+    root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(root).free
+    gb = 1e9
+    if free < 1.05 * size:
+        raise SystemExit(f"{root} has {free / gb:.0f} GB free and one {args.size} checkpoint takes {size / gb:.0f} GB: "
+                         "give --run-root a larger file system")
+    choice = args.final_save
+    if choice == "auto":
+        choice = "on" if free >= 2.1 * size else "off"
+    print(f"disk: {free / gb:.0f} GB free under {root}; one checkpoint is {size / gb:.1f} GB: the mid-run one "
+          f"{'and the one at the end of training (two on disk while it is written)' if choice == 'on' else 'only'}"
+          f" (--final-save {args.final_save})"
+          + (" -- too little room for two: the final checkpoint may fill the disk" if choice == "on"
+             and free < 2.1 * size else ""), flush=True)
+    return choice
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="8b", help="model.size (8b; tiny for a CPU smoke test)")
@@ -269,9 +380,12 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="Kiln without torch.compile")
     ap.add_argument("--checkpoint-at", type=int, default=0, help="step of the async checkpoint (0: half way)")
     ap.add_argument("--kill-resume", action="store_true", help="also SIGKILL a Kiln job after its checkpoint, resume")
+    ap.add_argument("--final-save", default="auto", choices=["auto", "on", "off"],
+                    help="write Kiln's checkpoint at the end of training (a second one on disk beside the mid-run "
+                         "one while it is written); auto: only where --run-root has room for two")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--run-root", default=None, help="where the run directories go (8B: ~200 GB free for 2 "
-                    "checkpoints of weights and AdamW state); default: the system's temporary directory")
+    ap.add_argument("--run-root", default=None, help="where the run directories go (8B: ~100 GB free for the "
+                    "mid-run checkpoint, ~200 GB with --final-save); default: the system's temporary directory")
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "kiln-bench-cache"))
     ap.add_argument("--set", action="append", default=[], help="extra Kiln KEY=VALUE override (repeatable)")
     ap.add_argument("--json", default=None)
@@ -282,18 +396,25 @@ def main() -> None:
     card = torch.cuda.get_device_name() if args.device == "cuda" and torch.cuda.is_available() else "cpu"
     info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "card": card, "nproc": args.nproc,
             "size": args.size, "seq": args.seq, "ac": args.ac, "steps": args.steps, "torch": torch.__version__}
+    if args.checkpoint_at and 2 * args.checkpoint_at < args.steps:  # checkpoint.every: its multiples are saved too
+        ap.error(f"--checkpoint-at {args.checkpoint_at}: give at least half of --steps, for one mid-run checkpoint")
+    args.final_save = plan_disk(args)
     with tempfile.TemporaryDirectory(dir=args.run_root) as tmp:
         root = Path(tmp)
         kiln = run_kiln(args, root)
         print("kiln", json.dumps(kiln), flush=True)
+        print_phases("kiln", kiln["phases"])
         shutil.rmtree(root / "kiln")  # its checkpoints (about 2 x 90 GB at 8B) make room for the next job's
         hf = {"skipped": "skipped (--skip-hf)"} if args.skip_hf else run_hf(args, root)
         if "error" in hf and args.device == "cpu":  # accelerate's FSDP may refuse the CPU: the smoke test goes on
             hf = {"skipped": "skipped on CPU", "error_tail": hf["error"][-300:]}
         print("hf", json.dumps(hf), flush=True)
+        if "phases" in hf:
+            print_phases("HF Trainer", hf["phases"])
         killed = kill_resume(args, root) if args.kill_resume else None
         if killed:
             print("kill-resume", json.dumps(killed), flush=True)
+            print_phases("kiln after SIGKILL", killed["phases"])
     lines = [f"\n## {info['date']}: {args.size}, {args.nproc} x {card}, seq {args.seq}, batch 1/GPU, AC {args.ac}, "
              f"{args.steps} steps (median after {args.warmup})", "", *table(kiln, hf)]
     if "blocked_s" in kiln:
@@ -305,6 +426,9 @@ def main() -> None:
                      f"resumed from it: {killed['resumed_from_it']}; loss {fmt(killed['loss_at_checkpoint'], '.3f')} "
                      f"at the checkpoint -> {fmt(killed['loss_after_resume'], '.3f')} the step after; every step "
                      f"logged: {killed['steps_logged']}; restart to end {killed['restart_to_end_s']:.0f} s.")
+    phases = [("Kiln", kiln.get("phases")), ("HF Trainer", hf.get("phases")),
+              ("Kiln after SIGKILL", killed and killed.get("phases"))]
+    lines += [f"\n{name} phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in ph.items()) for name, ph in phases if ph]
     if "error" in hf:
         lines.append(f"\nHF Trainer failed: `{hf['error'][-300:]!r}`")
     text = "\n".join(lines)

@@ -64,8 +64,6 @@ def train(
     A run stopped by SIGTERM or Ctrl-C writes a checkpoint first; Ctrl-C twice aborts at once.
     """
     from kiln.config import derive, describe_fields, load_config
-    from kiln.state.preempt import Interrupted
-    from kiln.train.run import run
 
     if help_config:
         print(describe_fields())
@@ -80,16 +78,28 @@ def train(
         config = None
     if resume not in ("auto", "never", "force"):
         raise ConfigError(f"--resume {resume!r}: use auto, never or force")
-    if config is not None and Path(config).expanduser().is_dir():  # a run directory: resume it
-        run_dir = Path(config).expanduser()
-        if not (run_dir / "config.yaml").is_file():
-            raise ConfigError(f"{run_dir} is a directory without config.yaml, so not a run directory; give a "
-                              "config file, or the directory of an earlier `kiln train`")
-        cfg = load_config(run_dir / "config.yaml", overrides)
-        if not any(o.strip().startswith("train.run_dir=") for o in overrides):
-            cfg = derive(cfg, {"train.run_dir": str(run_dir)})
-    else:
-        cfg = load_config(config, overrides)
+    try:
+        if config is not None and Path(config).expanduser().is_dir():  # a run directory: resume it
+            run_dir = Path(config).expanduser()
+            if not (run_dir / "config.yaml").is_file():
+                raise ConfigError(f"{run_dir} is a directory without config.yaml, so not a run directory; give a "
+                                  "config file, or the directory of an earlier `kiln train`")
+            cfg = load_config(run_dir / "config.yaml", overrides)
+            if not any(o.strip().startswith("train.run_dir=") for o in overrides):
+                cfg = derive(cfg, {"train.run_dir": str(run_dir)})
+        else:
+            cfg = load_config(config, overrides)
+    except KilnError:
+        if _rank() is not None and int(os.environ.get("LOCAL_RANK", "0") or 0) > 0:
+            # kiln.dist: every process of a node reads the same config and fails alike: its first one says so
+            from kiln.dist.launch.torchrun import wait_for_first_rank
+
+            wait_for_first_rank()
+            raise typer.Exit(2) from None
+        raise
+    from kiln.state.preempt import Interrupted
+    from kiln.train.run import run
+
     try:
         run(cfg, console, resume=resume)
     except Interrupted as e:  # SIGINT/SIGTERM outside the training loop: what happened and what to do
@@ -432,15 +442,26 @@ def launch_slurm(
     console.print(f"wrote {script_path} and {config_path}; submit with: sbatch {script_path}", highlight=False)
 
 
+def _rank() -> int | None:
+    """This process's rank in a job of several (torchrun's RANK), None in a one-process run."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return None
+    return int(os.environ.get("RANK", "0") or 0)
+
+
 def main() -> None:
     try:
         app()
     except KilnError as e:
         if _state["debug"]:
             raise
-        rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else None
+        rank = _rank()
         where = f"error (rank {rank}): " if rank is not None else "error: "  # kiln.dist: which process failed
         err_console.print(Text.assemble((where, "bold red"), str(e)), highlight=False)
+        if rank is not None:  # torchrun's summary of the failed job names this error (kiln.dist.launch.torchrun)
+            from kiln.dist.launch.torchrun import record_error
+
+            record_error(where + str(e))
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("interrupted")

@@ -468,6 +468,15 @@ class CheckpointConfig(Section):
     keep_best: bool = True
     """Keep the local checkpoint with the lowest validation loss even when keep_last would delete it (a
     checkpoint records the loss when an evaluation falls on its step: align train.eval_every with every)."""
+    at_end: bool = True
+    """Write a checkpoint when training ends; false: the newest periodic checkpoint stays the last, and running the
+    command again repeats the steps after it (for a disk that holds one checkpoint of a large model only)."""
+
+    def problems(self) -> list[Problem]:
+        if not self.at_end and self.save_final:
+            return [(("at_end", "save_final"), "checkpoint.at_end=false leaves no checkpoint to finish an interrupted "
+                     "final model save from: set checkpoint.save_final=false too, or keep checkpoint.at_end")]
+        return []
 
 
 class RecoveryConfig(Section):

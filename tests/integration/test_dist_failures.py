@@ -73,3 +73,20 @@ def test_the_watchdog_names_a_hung_rank_and_shows_its_stacks(tmp_path, args):
     assert "in on_step_end" in out  # the stack of the hung thread, where it hangs
     assert "Connection closed by peer" not in out  # rank 0 gives no secondary error
     assert seconds < 200  # long before the 600 s collective timeout
+
+
+@pytest.mark.slow
+def test_a_config_error_under_kiln_train_nproc_is_printed_once_and_ends_the_output(tmp_path):
+    """Each process reads the bad config; rank 0 alone prints the error, and the job's last line points to it
+    instead of torchrun's traceback. The exit code is kiln train's for a bad config, 2."""
+    cmd = [sys.executable, "-m", "kiln.cli", "train", "quickstart", "train.lr=abc", f"train.run_dir={tmp_path}/run",
+           "--nproc", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "400"})
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out[-3000:]
+    assert out.count("train.lr: Input should be a valid number") == 1, out[-3000:]
+    assert "error (rank 0)" in out and "error (rank 1)" not in out
+    assert "Traceback" not in out and "To enable traceback" not in out
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == "kiln: the job stopped: rank 0 failed (exit code 2); its error is above"

@@ -105,7 +105,8 @@ def worker(root: int, rank: int) -> int | None:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if f"RANK={rank}".encode() in env and b"kiln.cli" in cmdline and b"torch.distributed.run" not in cmdline:
+        launcher = b"torch.distributed.run" in cmdline or b"kiln.dist.launch.torchrun" in cmdline
+        if f"RANK={rank}".encode() in env and b"kiln.cli" in cmdline and not launcher:
             return pid
     return None
 

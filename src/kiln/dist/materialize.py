@@ -4,12 +4,24 @@
 
 FSDP: the model is built on the meta device (shapes only, no memory), checkpointed, compiled and
 sharded there, then `to_empty` gives each process its shard on its device, uninitialised. Each
-parameter is then initialised full-size on the CPU, one at a time, in the order and from the random
-stream of a one-process run (`Transformer.init_order`, after torch.manual_seed(train.seed)), and the
-process keeps its rows: the weights equal a one-process run's bit for bit, and the host never holds
-more than one full parameter (the embedding table, the largest). With `weights_from` (model.init_from
-on a fresh start) no random init happens: each process reads its rows of each tensor straight from
-the safetensors files.
+parameter is then drawn full-size, one at a time, and the process keeps its rows; every process draws
+the same full tensor, so the weights do not depend on the world size, and no process holds more than
+its shards plus one full parameter (the embedding table, the largest: 2 GB in fp32 for Llama-3-8B).
+Where it is drawn depends on the device the run trains on:
+
+- CPU: from the global generator after torch.manual_seed(train.seed), in the order of a one-process run
+  (`Transformer.init_order`): the weights equal a one-process run's bit for bit.
+- CUDA: on the GPU, each parameter from its own `torch.Generator(device)` seeded from (train.seed, its
+  place in `init_order`) (`param_seed`). The host drawing an 8B model (minutes per rank, with the ranks
+  sharing the node's cores, at every start and restart) becomes a GPU drawing it (about a second). The
+  seed per parameter makes each parameter a function of the seed, its place and its shape alone: not of
+  the world size, the sharding or the parameters drawn before it. The values differ from the CPU ones
+  (the CPU and CUDA generators are different algorithms), and a CUDA draw's layout follows torch's
+  launch grid, which can differ between GPU models: the same config starts from the same weights on
+  any number of GPUs of one model, not on a CPU. One process and DDP (below) keep the CPU draw.
+
+With `weights_from` (model.init_from on a fresh start) no random init happens: each process reads its
+rows of each tensor straight from the safetensors files.
 
 One process and DDP hold the whole model anyway: it is built on the CPU as before; with `weights_from`
 it is built on the meta device and materialised empty, so the random init it would overwrite is skipped.
@@ -19,6 +31,8 @@ Rope tables are buffers, not parameters: `to_empty` leaves them garbage and `ini
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,7 +57,8 @@ def build_model(cfg: RunConfig, m: Mesh, n_params: int, log: Callable[[str], Non
     `adapt` (LoRA) changes the plain, loaded model before it is parallelized and returns the parameter count
     the strategy weighs; the model is then built whole on the CPU under every strategy (its base is frozen,
     in bf16 by default, and FSDP shards it from there).
-    Call after torch.manual_seed(train.seed): the random init draws from the global CPU generator."""
+    Call after torch.manual_seed(train.seed): on the CPU the random init draws from the global generator
+    (on CUDA, FSDP draws on the GPU from generators seeded with train.seed: see the module doc)."""
     if adapt is not None:
         model = _plain(cfg, weights_from, init)
         return parallelize(model, cfg, m, adapt(model), log)
@@ -57,7 +72,7 @@ def build_model(cfg: RunConfig, m: Mesh, n_params: int, log: Callable[[str], Non
     if weights_from is not None:
         load_shards(model, weights_from, cfg.model.allow_pickle, cfg.model.tie_embeddings)
     elif init:
-        init_shards(model)
+        init_shards(model, m.device, cfg.train.seed)
     return model
 
 
@@ -102,7 +117,18 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def init_shards(model: nn.Module) -> None:
+def init_shards(model: nn.Module, device: torch.device | str = "cpu", seed: int | None = None) -> None:
+    """Initialise `model`'s (sharded) parameters as the module doc says: on the CPU from the global generator,
+    in one-process order; on any other device (CUDA) on that device, one generator per parameter from `seed`."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        init_from_global_stream(model)
+    else:
+        init_seeded(model, device, torch.initial_seed() if seed is None else seed)
+
+
+@torch.no_grad()
+def init_from_global_stream(model: nn.Module) -> None:
     """The one-process init, parameter by parameter: each drawn full-size on the CPU from the global
     generator (every process draws the same numbers), this process's rows copied to its shard."""
     for param, init in model.init_order():
@@ -110,6 +136,32 @@ def init_shards(model: nn.Module) -> None:
         init(full)
         _local(param).copy_(full[local_slices(param)])
         del full
+
+
+def param_seed(seed: int, index: int) -> int:
+    """The seed of the parameter at `index` of `init_order` in a run seeded with `seed` (63 bits, well mixed)."""
+    digest = hashlib.blake2b(f"kiln-init:{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@torch.no_grad()
+def init_seeded(model: nn.Module, device: torch.device | str, seed: int) -> None:
+    """Each parameter of `init_order` drawn full-size on `device` from a generator seeded with `param_seed`,
+    this process's rows copied to its shard (wherever it lives: the device, or the CPU under cpu_offload),
+    the rest freed before the next: the device holds one full parameter at a time. Equal on any world size."""
+    device = torch.device(device)
+    gen = torch.Generator(device)
+    for index, (param, init) in enumerate(model.init_order()):
+        full = torch.empty(param.shape, dtype=param.dtype, device=device)
+        if "generator" in inspect.signature(init).parameters:  # the random ones; ones_ / zeros_ draw nothing
+            gen.manual_seed(param_seed(seed, index))
+            init(full, generator=gen)
+        else:
+            init(full)
+        _local(param).copy_(full[local_slices(param)])
+        del full
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the cached full-size blocks go back: training's memory is what is left
 
 
 def _hf_name(name: str) -> str:

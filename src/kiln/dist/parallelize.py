@@ -9,8 +9,9 @@ the plain model under every strategy (DCP's get_state_dict strips wrappers), so 
 moves between strategies and world sizes.
 
 `kiln.dist.materialize.build_model` builds the model for it: under FSDP on the meta device, sharded
-here, then each process's shard materialised and initialised (the weights of a one-process run); one
-process and DDP get a model on the CPU, moved to the device here.
+here, then each process's shard materialised and initialised (drawn full-size one parameter at a time on
+the run's device: the same weights on any world size); one process and DDP get a model on the CPU, moved
+to the device here.
 """
 
 from __future__ import annotations

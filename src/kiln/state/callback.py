@@ -31,5 +31,6 @@ class CheckpointEvery(Callback):
             self.ckpt.save(trainer)
 
     def on_train_end(self, trainer, metrics: dict[str, Any]) -> None:
-        self.ckpt.save(trainer, "final")
-        self.ckpt.wait()
+        if self.ckpt.ccfg.at_end:
+            self.ckpt.save(trainer, "final")
+        self.ckpt.wait()  # a periodic save still being written finishes before the run ends

@@ -71,6 +71,55 @@ def test_slurm_script_starts_torchrun_on_every_node_with_the_first_as_rendezvous
     assert cfg.train.run_dir == str(tmp_path / "shared" / "run") and cfg.model.d_model == 768
 
 
+TORCHRUN_ENV = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def test_the_k8s_job_gives_torchrun_the_environment_of_kiln_train_nproc_and_time_to_checkpoint(tmp_path):
+    out = tmp_path / "job.yaml"
+    res = runner.invoke(app, ["launch", "k8s", "gpu-1b", "--nodes", "2", "--gpus-per-node", "4", "--image", "kiln:1",
+                              "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    _, job = list(yaml.safe_load_all(out.read_text()))
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    assert {k: env.get(k) for k in TORCHRUN_ENV} == TORCHRUN_ENV
+    assert "NCCL_NVLS_ENABLE" not in env
+    # Kubernetes waits this long between SIGTERM and SIGKILL: longer than torchrun waits for its workers
+    assert pod["terminationGracePeriodSeconds"] > int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_the_slurm_script_gives_torchrun_the_environment_of_kiln_train_nproc(tmp_path):
+    """The script itself, run by bash with stand-ins for scontrol and srun: what srun starts torchrun with."""
+    import os
+
+    out = tmp_path / "train.sbatch"
+    res = runner.invoke(app, ["launch", "slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "2", "--time",
+                              "2:00:00", "--run-dir", str(tmp_path / "run"), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    text = out.read_text()
+    term = next(line for line in text.splitlines() if line.startswith("#SBATCH --signal="))
+    assert term.startswith("#SBATCH --signal=TERM@") and int(term.rsplit("@", 1)[1]) > 120  # SIGTERM before the end
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node-a\necho node-b\n")
+    (bin_dir / "srun").write_text(f"#!/bin/sh\nenv > {tmp_path / 'srun.env'}\necho \"$@\" > {tmp_path / 'srun.args'}\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and k != "NCCL_NVLS_ENABLE"}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", SLURM_JOB_NODELIST="node-[a-b]", SLURM_JOB_NUM_NODES="2",
+               SLURM_JOB_ID="42")
+    done = subprocess.run(["bash", str(out)], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    seen = dict(line.split("=", 1) for line in (tmp_path / "srun.env").read_text().splitlines() if "=" in line)
+    assert {k: seen.get(k) for k in TORCHRUN_ENV} == TORCHRUN_ENV
+    assert "NCCL_NVLS_ENABLE" not in seen
+    assert "--rdzv_endpoint=node-a:29500" in (tmp_path / "srun.args").read_text().split()
+    env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = "300"  # the user's own value wins, as under kiln train --nproc
+    subprocess.run(["bash", str(out)], capture_output=True, text=True, env=env, timeout=60, check=True)
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300" in (tmp_path / "srun.env").read_text().splitlines()
+
+
 def test_launch_refuses_a_bad_shape():
     res = runner.invoke(app, ["launch", "slurm", "quickstart", "--nodes", "0"])
     assert res.exit_code != 0 and "at least 1" in str(res.exception)
@@ -88,12 +137,12 @@ def test_a_launch_file_that_cannot_be_written_is_a_config_error(tmp_path):
 def test_nproc_becomes_a_torchrun_command():
     assert without_nproc(["cfg.yaml", "--nproc", "4", "train.lr=1", "--nproc=2"]) == ["cfg.yaml", "train.lr=1"]
     cmd = torchrun_command(4, ["cfg.yaml"])
-    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", "kiln.cli", "train",
-                       "cfg.yaml"]
+    assert cmd[1:] == ["-m", "kiln.dist.launch.torchrun", "--standalone", "--nproc_per_node=4", "-m", "kiln.cli",
+                       "train", "cfg.yaml"]
     assert without_nproc(["cfg.yaml", "--max-restarts", "3", "--nproc=2", "--max-restarts=1"]) == ["cfg.yaml"]
     cmd = torchrun_command(2, ["cfg.yaml"], max_restarts=3)
-    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=3", "-m",
-                       "kiln.cli", "train", "cfg.yaml"]
+    assert cmd[1:] == ["-m", "kiln.dist.launch.torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=3",
+                       "-m", "kiln.cli", "train", "cfg.yaml"]
 
 
 def test_max_restarts_passes_through_to_torchrun_and_sigterm_is_forwarded(monkeypatch):
@@ -120,6 +169,7 @@ def test_max_restarts_passes_through_to_torchrun_and_sigterm_is_forwarded(monkey
             return 128 + self.got
 
     monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setattr(subprocess, "Popen", Torchrun)
@@ -128,6 +178,7 @@ def test_max_restarts_passes_through_to_torchrun_and_sigterm_is_forwarded(monkey
     assert code == 128 + signal.SIGTERM
     assert "--max-restarts=3" in started["cmd"] and started["cmd"][-2:] == ["train", "cfg.yaml"]
     assert started["env"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(local.SHUTDOWN_TIMEOUT_S)
+    assert started["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert signal.getsignal(signal.SIGTERM) is before  # restored
     with pytest.raises(ConfigError, match="0 or more"):
         local.relaunch(2, ["train"], max_restarts=-1)

@@ -1,6 +1,8 @@
 """kiln.dist.materialize: an FSDP model built on the meta device and initialised shard by shard holds the
 weights of a one-process run's seeded init (or of model.init_from, read slice by slice), without any
-process holding the whole model; one process and DDP skip the random init that init_from overwrites."""
+process holding the whole model; one process and DDP skip the random init that init_from overwrites.
+The per-parameter seeded draw of CUDA runs is checked here on the CPU generator, under a fake process
+group of 2 and 3 ranks in this process (tests/gpu/test_init_gpu.py draws it on a GPU)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ import pytest
 import torch
 
 from kiln.config import RunConfig
-from kiln.dist.materialize import build_model
+from kiln.dist.materialize import build_model, init_seeded, local_slices, materialize, param_seed
 from kiln.dist.mesh import Mesh
+from kiln.dist.parallelize import parallelize
 from kiln.model.hf import to_hf_config_dict, to_hf_state_dict
 from kiln.model.llama import Transformer
 from kiln.model.registry import param_count
@@ -127,3 +130,95 @@ def test_a_resume_builds_without_a_random_init_but_with_rope_tables_and_ties():
     assert model.lm_head.weight is model.embed_tokens.weight
     torch.testing.assert_close(model.rope_cos, reference.rope_cos)
     torch.testing.assert_close(model.rope_sin, reference.rope_sin)
+
+
+def fake_rank_shards(cfg: dict, world: int, rank: int, draw) -> dict[str, tuple[tuple[slice, ...], torch.Tensor]]:
+    """Rank `rank` of `world`: the FSDP model sharded on the meta device, materialised on the CPU and
+    initialised by `draw(model)`; its (slices, local shard) per parameter name. A fake process group (no peers,
+    no collectives) stands in for the others: the init itself needs none."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    rc = RunConfig.model_validate(cfg)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        # a name of its own: torch caches meshes by shape and names, and would hand back the last rank's
+        grid = init_device_mesh("cpu", (world,), mesh_dim_names=(f"dp_of_rank_{rank}",))
+        m = Mesh(rank, rank, world, world, torch.device("cpu"), "fake", grid)
+        with torch.device("meta"):
+            model = Transformer(rc.model)
+        model = parallelize(model, rc, m, param_count(rc.model), lambda s: None, strategy="fsdp")
+        materialize(model, m)
+        draw(model)
+        return {n: (local_slices(p), p.to_local().detach().clone()) for n, p in model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+
+
+def put_together(world: int, cfg: dict, draw, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full parameters (shaped as in `like`) assembled from the shards of every rank of `world`."""
+    full = {name: torch.full_like(like[name], float("nan")) for name in like}
+    for rank in range(world):
+        for name, (rows, local) in fake_rank_shards(cfg, world, rank, draw).items():
+            full[name][rows] = local
+    return full
+
+
+def seeded_one_process(cfg: dict, seed: int) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(RunConfig.model_validate(cfg).model)
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    init_seeded(model, "cpu", seed)
+    return model
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_seeded_init_is_the_same_on_any_world_size(world):
+    """The CUDA path's draw, here from CPU generators: each rank draws every parameter full-size from the
+    generator of its own seed (param_seed(train.seed, place)) and keeps its rows, so the shards of 2 or 3
+    ranks (3: uneven, padded) put together are the one-process tensors bit for bit."""
+    cfg = config(tie_embeddings=False, n_layers=2)
+    expected = {n: p.detach() for n, p in seeded_one_process(cfg, 7).named_parameters()}
+    got = put_together(world, cfg, lambda m: init_seeded(m, "cpu", 7), expected)
+    assert sorted(got) == sorted(expected)
+    for name, want in expected.items():
+        assert torch.equal(got[name], want), name
+
+
+def test_each_parameter_of_the_seeded_init_depends_on_its_seed_place_and_shape_only():
+    """The seed per parameter: a parameter's values do not depend on how many were drawn before it (a
+    deeper model keeps the first block's weights, the residual projections scaled by its 1/sqrt(2 * n_layers)),
+    nor on the other generators; another seed changes them."""
+    two, three = seeded_one_process(config(n_layers=2), 7), seeded_one_process(config(n_layers=3), 7)
+    deeper = dict(three.layers[0].named_parameters())
+    for name, p in two.layers[0].named_parameters():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            torch.testing.assert_close(p * (3 / 2) ** -0.5, deeper[name])
+        else:
+            assert torch.equal(p, deeper[name]), name
+    g = torch.Generator().manual_seed(param_seed(7, 0))
+    assert torch.equal(two.embed_tokens.weight, torch.empty_like(two.embed_tokens.weight).normal_(0, two.cfg.init_std,
+                                                                                                    generator=g))
+    assert not torch.equal(two.layers[0].self_attn.q_proj.weight, two.layers[0].self_attn.k_proj.weight[:256])
+    other = seeded_one_process(config(n_layers=2), 8)
+    assert not torch.equal(two.embed_tokens.weight, other.embed_tokens.weight)
+    assert len({param_seed(7, i) for i in range(100)} | {param_seed(8, i) for i in range(100)}) == 200
+
+
+def test_the_global_stream_init_is_the_same_on_any_world_size_too():
+    """The CPU path (build_model on a CPU run) under the fake group: the one-process weights, in 3 shards."""
+    from kiln.dist.materialize import init_shards
+
+    cfg = config(tie_embeddings=False, n_layers=2)
+    _, _, reference = one_process(cfg)
+    expected = {n: p.detach() for n, p in reference.named_parameters()}
+
+    def draw(model):
+        torch.manual_seed(7)
+        init_shards(model, "cpu")
+
+    got = put_together(3, cfg, draw, expected)
+    for name, want in expected.items():
+        assert torch.equal(got[name], want), name

@@ -5,18 +5,21 @@ of the `nodes` worker pods runs torchrun with `gpus_per_node` processes; the ela
 operator set torchrun's rendezvous (c10d) and lets a failed pod restart the job, which resumes from
 the newest checkpoint in the run directory. The run directory and the data cache live on a shared
 volume (a ReadWriteMany PersistentVolumeClaim) mounted in every pod; /dev/shm is a memory volume
-sized for NCCL and the loader's pinned batches (a container's default is 64 MB).
+sized for NCCL and the loader's pinned batches (a container's default is 64 MB). torchrun gets the
+environment `kiln train --nproc` gives it (`TORCHRUN_ENV`), and a pod being stopped (preemption, a
+drained node) has the time to pass SIGTERM to the workers and let them write their checkpoint before
+Kubernetes kills it (terminationGracePeriodSeconds; Kubernetes' default is 30 s).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import yaml
 
 from kiln.dist.launch.common import check_shape, job_name, resolved_config
+from kiln.dist.launch.local import SHUTDOWN_TIMEOUT_S, TORCHRUN_ENV
 
 SHARED, CONFIG_DIR = "/shared", "/etc/kiln"
+GRACE_S = SHUTDOWN_TIMEOUT_S + 30  # the pod's time from SIGTERM to SIGKILL: torchrun's shutdown timeout and a margin
 
 
 def manifest(config: str | None, overrides: list[str], nodes: int, gpus_per_node: int, image: str, *,
@@ -38,7 +41,8 @@ def manifest(config: str | None, overrides: list[str], nodes: int, gpus_per_node
         "imagePullPolicy": "IfNotPresent",
         "command": ["torchrun"],  # nnodes, nproc_per_node and the rendezvous come from the operator (PET_*)
         "args": ["-m", "kiln.cli", "train", f"{CONFIG_DIR}/config.yaml"],
-        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"},
+                *({"name": k, "value": v} for k, v in TORCHRUN_ENV.items())],
         "resources": {"limits": resources, "requests": dict(resources)},
         "volumeMounts": [
             {"name": "shared", "mountPath": SHARED},
@@ -48,6 +52,7 @@ def manifest(config: str | None, overrides: list[str], nodes: int, gpus_per_node
     }
     pod = {
         "spec": {
+            "terminationGracePeriodSeconds": GRACE_S,
             "containers": [container],
             "volumes": [
                 {"name": "shared", "persistentVolumeClaim": {"claimName": claim}},

@@ -17,6 +17,15 @@ import sys
 from kiln.errors import ConfigError
 
 SHUTDOWN_TIMEOUT_S = 120  # seconds torchrun gives its workers between SIGTERM and SIGKILL
+# What torchrun needs in its environment for kiln, wherever it is started (here, and in the Kubernetes and
+# Slurm launch files); each is a default that the environment may override:
+TORCHRUN_ENV = {
+    # time for the preemption checkpoint: torchrun passes SIGTERM to the workers, then kills them after this
+    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT_S),
+    # a restarted job needs a fresh key-value store: in the one torchrun shares across restarts, the new
+    # processes read the dead ones' addresses and gloo's first connection fails (torch 2.13)
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+}
 LAUNCH_OPTIONS = ("--nproc", "--max-restarts")  # options of `kiln train` that torchrun's command drops
 
 
@@ -43,7 +52,8 @@ def without_nproc(argv: list[str]) -> list[str]:
 def torchrun_command(nproc: int, train_args: list[str], max_restarts: int = 0) -> list[str]:
     """The torchrun command line of a one-machine run of `kiln train *train_args` on `nproc` processes."""
     restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *restarts,
+    # torchrun itself, ending a failed job without burying the error a rank printed (kiln.dist.launch.torchrun)
+    return [sys.executable, "-m", "kiln.dist.launch.torchrun", "--standalone", f"--nproc_per_node={nproc}", *restarts,
             "-m", "kiln.cli", "train", *train_args]
 
 
@@ -60,10 +70,8 @@ def relaunch(nproc: int, argv: list[str] | None = None, max_restarts: int = 0) -
     args = without_nproc(argv[argv.index("train") + 1:] if "train" in argv else argv)
     env = {**os.environ}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
-    # a restarted job needs a fresh key-value store: in the one torchrun shares across restarts, the new
-    # processes read the dead ones' addresses and gloo's first connection fails (torch 2.13)
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    for name, value in TORCHRUN_ENV.items():
+        env.setdefault(name, value)
     proc = subprocess.Popen(torchrun_command(nproc, args, max_restarts), env=env)
     # a scheduler's SIGTERM comes to this process alone: torchrun passes it on to the workers
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))

@@ -3,7 +3,9 @@
 One Slurm task per node runs torchrun with `gpus_per_node` processes; the c10d rendezvous endpoint is
 the job's first node, so no port needs to be known beforehand on the others. `--max-restarts` lets
 torchrun restart the workers after a failure; they resume from the newest checkpoint in the run
-directory, which (with the data cache) must be on storage every node sees.
+directory, which (with the data cache) must be on storage every node sees. torchrun gets the
+environment `kiln train --nproc` gives it (`TORCHRUN_ENV`, exported unless already set), and Slurm sends
+SIGTERM to it SIGNAL_S seconds before the time limit, so the workers write a checkpoint and stop in time.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import shlex
 from pathlib import Path
 
 from kiln.dist.launch.common import check_shape, job_name, resolved_config
+from kiln.dist.launch.local import SHUTDOWN_TIMEOUT_S, TORCHRUN_ENV
 
 PORT = 29500
+SIGNAL_S = SHUTDOWN_TIMEOUT_S + 30  # SIGTERM this long before the time limit: torchrun's shutdown timeout and a margin
 
 
 def script(config: str | None, overrides: list[str], nodes: int, gpus_per_node: int, config_path: str | Path, *,
@@ -28,7 +32,7 @@ def script(config: str | None, overrides: list[str], nodes: int, gpus_per_node: 
     cfg = resolved_config(config, overrides, run_dir, cache_dir)
     cfg_file = shlex.quote(str(Path(config_path).absolute()))
     directives = [f"--job-name={job}", f"--nodes={nodes}", "--ntasks-per-node=1", f"--gpus-per-node={gpus_per_node}",
-                  "--exclusive", f"--output={run_dir}/slurm-%j.out"]
+                  "--exclusive", f"--output={run_dir}/slurm-%j.out", f"--signal=TERM@{SIGNAL_S}"]
     if cpus_per_node:
         directives.append(f"--cpus-per-task={cpus_per_node}")
     if time_limit:
@@ -42,6 +46,7 @@ def script(config: str | None, overrides: list[str], nodes: int, gpus_per_node: 
              f"mkdir -p {shlex.quote(run_dir)}",
              'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
              "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
+             *(f"export {k}=${{{k}:-{v}}}" for k, v in TORCHRUN_ENV.items()),
              "srun --kill-on-bad-exit=1 python -m torch.distributed.run \\",
              '  --nnodes="$SLURM_JOB_NUM_NODES" \\',
              f"  --nproc_per_node={gpus_per_node} \\",

@@ -1,0 +1,71 @@
+"""torchrun as `kiln train --nproc N` runs it, and what a kiln process tells torchrun when it fails.
+
+    python -m kiln.dist.launch.torchrun --standalone --nproc_per_node=2 -m kiln.cli train CONFIG
+
+is torchrun (`torch.distributed.run`, same arguments, same process) except at the end of a failed job:
+torchrun prints its own traceback and a summary in which every rank's error reads "To enable traceback
+see ...", well below the error the failing rank printed. Here a failure whose rank already printed its
+error (a `KilnError`: it wrote `record_error`'s file) ends with one line naming that rank; any other
+failure (a bug's traceback, a signal) with torchrun's summary, without torchrun's traceback. The exit
+code is the failing rank's (2 for a config error, as `kiln train` in one process), else 1.
+
+`record_error` writes the message to the error file torchrun gives each worker (TORCHELASTIC_ERROR_FILE),
+so under a plain `torchrun` too the summary's root cause shows the message instead of the link.
+
+A config error is the same in every process: only the first process of each node prints it. The others
+(`wait_for_first_rank`) wait to be stopped by torchrun, which stops them when that first process exits
+with its error: leaving first, they would have torchrun stop it, perhaps before it printed anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+SHOWN = "kiln_shown"  # key of the error file: the rank printed this error itself
+QUIET_WAIT_S = 60.0  # how long a quiet process waits for torchrun to stop it (the first process failed alike)
+
+
+def wait_for_first_rank(seconds: float = QUIET_WAIT_S) -> None:
+    """Wait (SIGTERM's default action ends it) while the node's first process prints the error all share."""
+    time.sleep(seconds)
+
+
+def record_error(message: str) -> None:
+    """Tell torchrun (if it started this process) why it fails: its summary shows `message`."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time()), SHOWN: True}, f)
+    except OSError:
+        pass  # the summary then says less; the error itself is printed already
+
+
+def summary(error) -> tuple[str, int]:
+    """What to print at the end of a failed job (`error`: torchrun's ChildFailedError), and the exit code."""
+    rank, failure = error.get_first_failure()
+    code = failure.exitcode if failure.exitcode > 0 else 1
+    if failure.error_file_data.get(SHOWN):
+        return f"kiln: the job stopped: rank {rank} failed (exit code {failure.exitcode}); its error is above", code
+    return error.format_msg(), code
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(sys.argv[1:] if argv is None else argv))
+    except ChildFailedError as e:
+        text, code = summary(e)
+        print(text, file=sys.stderr, flush=True)
+        return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""kiln.dist.launch.torchrun and the CLI under torchrun: a config error is printed by the first process of a
+node alone (the others wait, quiet, for torchrun to stop them), recorded in torchrun's error file, and the
+end of a failed job names the rank whose error is above instead of torchrun's traceback and summary."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from kiln import cli
+from kiln.dist.launch import torchrun
+from kiln.dist.launch.local import torchrun_command
+
+
+def torchrun_env(monkeypatch, tmp_path, rank: int) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"error-{rank}.json"))
+
+
+def kiln_main(monkeypatch, *argv: str) -> int:
+    monkeypatch.setattr(sys, "argv", ["kiln", *argv])
+    with pytest.raises(SystemExit) as done:
+        cli.main()
+    return done.value.code
+
+
+def test_a_config_error_is_printed_by_rank_0_and_recorded_for_torchrun(monkeypatch, tmp_path, capsys):
+    torchrun_env(monkeypatch, tmp_path, 0)
+    assert kiln_main(monkeypatch, "train", "quickstart", "train.lr=abc") == 2
+    err = capsys.readouterr().err
+    assert err.count("train.lr") == 1 and "error (rank 0)" in err
+    recorded = json.loads((tmp_path / "error-0.json").read_text())
+    assert "train.lr" in recorded["message"] and recorded[torchrun.SHOWN] is True
+
+
+def test_the_other_ranks_wait_for_torchrun_quietly_and_exit_2(monkeypatch, tmp_path, capsys):
+    waited = []
+    monkeypatch.setattr(torchrun, "wait_for_first_rank", lambda: waited.append(True))
+    torchrun_env(monkeypatch, tmp_path, 1)
+    assert kiln_main(monkeypatch, "train", "quickstart", "train.lr=abc") == 2
+    out = capsys.readouterr()
+    assert out.err == "" and out.out == "" and waited == [True]
+    assert not (tmp_path / "error-1.json").exists()
+
+
+def failure(tmp_path, local_rank: int, exitcode: int, message: str | None) -> ProcessFailure:
+    path = tmp_path / f"error-{local_rank}.json"
+    if message is not None:
+        path.write_text(json.dumps({"message": message, "timestamp": 1000 + local_rank, torchrun.SHOWN: True}))
+    return ProcessFailure(local_rank=local_rank, pid=100 + local_rank, exitcode=exitcode, error_file=str(path))
+
+
+def test_a_job_whose_rank_printed_its_error_ends_with_one_line_naming_it(tmp_path):
+    shown = ChildFailedError("kiln.cli", {0: failure(tmp_path, 0, 2, "error (rank 0): bad config"),
+                                          1: failure(tmp_path, 1, -15, None)})
+    text, code = torchrun.summary(shown)
+    assert text == "kiln: the job stopped: rank 0 failed (exit code 2); its error is above" and code == 2
+    assert "bad config" not in text  # printed once, by the rank
+
+
+def test_any_other_failure_ends_with_torchruns_summary(tmp_path):
+    crashed = ChildFailedError("kiln.cli", {1: failure(tmp_path, 1, 1, None)})
+    text, code = torchrun.summary(crashed)
+    assert "Root Cause" in text and "rank      : 1" in text and code == 1
+
+
+def test_kiln_train_nproc_runs_torchrun_through_this_module():
+    assert torchrun_command(2, ["cfg.yaml"])[1:4] == ["-m", "kiln.dist.launch.torchrun", "--standalone"]
