@@ -43,7 +43,10 @@ class Trainer:
         self.tokens_per_step = self.rows * tcfg.seq_len * self.mesh.world
         self.oom = OomRetry(cfg.recovery.oom_retries)
         self.skips = SkipList()  # samples of bad steps, passed over (kiln.train.rollback)
-        self.check_step = None  # set by kiln.train.rollback.Rollback: undoes a bad step, True if it did
+        # set by kiln.train.rollback.Rollback: check_step notes a step, and at a check point checks the steps noted
+        # so far, undoing a bad one (True if it did); verify_pending checks them now (before a save, at the end)
+        self.check_step = None
+        self.verify_pending = None
         self.step_start: dict = {}  # the loader's position before this step's rows, and their global samples
         self.step_samples = (0, 0)
         self.lr_scale, self._base_lrs = 1.0, list(self.scheduler.base_lrs)
@@ -144,7 +147,7 @@ class Trainer:
         self.events.emit("on_train_start", self)
         self.meter.start(self.step)
         losses: list[torch.Tensor] = []
-        while self.step < tcfg.max_steps and self.stop_reason is None:
+        while self.step < tcfg.max_steps and self.stop_reason is None or self._undone_at_end(losses):
             self.consistent = False  # until the counters match the weights again (emergency checkpoints)
             loss, gnorm = self.train_step()
             if self.check_step is not None and self.check_step(self, loss, gnorm):
@@ -163,6 +166,14 @@ class Trainer:
         final = self.last_eval if stopped_here else self.evaluate()  # an early stop has just evaluated
         self.events.emit("on_train_end", self, final)
         return final
+
+    def _undone_at_end(self, losses: list[torch.Tensor]) -> bool:
+        """Before training ends: check the steps not yet checked (kiln.train.rollback); True if one was bad and
+        undone, so training goes on from the snapshot."""
+        if self.verify_pending is None or not self.verify_pending(self):
+            return False
+        losses.clear()
+        return True
 
     def _step_metrics(self, losses: torch.Tensor, gnorm: torch.Tensor) -> dict[str, Any]:
         loss = losses.float().mean()
