@@ -147,7 +147,7 @@ class Trainer:
         self.events.emit("on_train_start", self)
         self.meter.start(self.step)
         losses: list[torch.Tensor] = []
-        while self.step < tcfg.max_steps and self.stop_reason is None or self._undone_at_end(losses):
+        while self.step < tcfg.max_steps and self.stop_reason is None:
             self.consistent = False  # until the counters match the weights again (emergency checkpoints)
             loss, gnorm = self.train_step()
             if self.check_step is not None and self.check_step(self, loss, gnorm):
@@ -162,18 +162,12 @@ class Trainer:
                 metrics = self._step_metrics(torch.stack(losses), gnorm)  # the one host sync
                 losses.clear()
             self.events.emit("on_step_end", self, metrics)
+        if self.verify_pending is not None:  # a stop: its step is checked first (a bad one: stop at the snapshot)
+            self.verify_pending(self)
         stopped_here = self.stop_reason is not None and (self.last_eval or {}).get("step") == self.step
         final = self.last_eval if stopped_here else self.evaluate()  # an early stop has just evaluated
         self.events.emit("on_train_end", self, final)
         return final
-
-    def _undone_at_end(self, losses: list[torch.Tensor]) -> bool:
-        """Before training ends: check the steps not yet checked (kiln.train.rollback); True if one was bad and
-        undone, so training goes on from the snapshot."""
-        if self.verify_pending is None or not self.verify_pending(self):
-            return False
-        losses.clear()
-        return True
 
     def _step_metrics(self, losses: torch.Tensor, gnorm: torch.Tensor) -> dict[str, Any]:
         loss = losses.float().mean()
