@@ -176,8 +176,8 @@ class Rollback(Callback):
         is undone (the steps noted after it, trained on its weights, are dropped). True if one was undone."""
         if not self.pending:
             return False
-        pending, self.pending = self.pending, []
-        read = host_read(torch.stack([v for *_, v in pending]), trainer.mesh)
+        read = host_read(torch.stack([v for *_, v in self.pending]), trainer.mesh)
+        pending, self.pending = self.pending, []  # after the read: a failed one leaves them unchecked (nothing saved)
         for (step, first, end, _), (loss_v, gnorm_v) in zip(pending, read):
             reason = self.verdict(loss_v, gnorm_v)
             if reason is not None:

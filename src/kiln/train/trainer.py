@@ -159,7 +159,7 @@ class Trainer:
             losses.append(loss)
             metrics = None
             if self.step % every == 0 or self.step == tcfg.max_steps:
-                metrics = self._step_metrics(torch.stack(losses), gnorm)  # the one host sync
+                metrics = self._step_metrics(torch.stack(losses), gnorm)  # a host sync (and the rollback's check)
                 losses.clear()
             self.events.emit("on_step_end", self, metrics)
         if self.verify_pending is not None:  # a stop: its step is checked first (a bad one: stop at the snapshot)

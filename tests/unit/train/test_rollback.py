@@ -293,3 +293,24 @@ def test_a_stop_at_an_unchecked_step_checks_it_first_and_stops_at_the_snapshot_w
     clean.train()
     a, b = weights(t), weights(clean)  # the state the run ends with is that of its last good step
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_when_the_check_cannot_read_the_device_no_checkpoint_of_unchecked_steps_is_written(tmp_path, monkeypatch):
+    from kiln.state.callback import CheckpointEvery
+    from kiln.train import rollback
+
+    def broken(values, mesh):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    # a signal after step 3 asks for a checkpoint; the check before it fails, and so does the emergency one's
+    d, said = tmp_path / "broken", []
+    guard = SignalGuard(said.append)
+    ck = Checkpointer(d, config(d, steps=16), {}, lambda m: None)
+    t, _ = run(tmp_path, "broken", log_every=5, snapshot_every=8, extra=[Trip(3, "signal", guard),
+                                                                         CheckpointEvery(ck, guard)])
+    monkeypatch.setattr(rollback, "host_read", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        train_guarded(t, ck, guard, d, said.append)
+    assert t.step == 3 and len(t.events.callbacks[0].pending) == 3  # still unchecked
+    assert any("no emergency checkpoint: the steps since the last check" in m for m in said)
+    assert not (d / "checkpoints").exists() or not any((d / "checkpoints").iterdir())
