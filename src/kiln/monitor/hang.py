@@ -173,13 +173,18 @@ def rescue_for(trainer, checkpointer, log: Callable[[str], None]) -> Callable[[]
     and discarded if the loop moved meanwhile (the copy would mix two steps)."""
 
     def rescue() -> str:
-        from kiln.state.preempt import emergency_checkpoint
+        from kiln.state.preempt import emergency_checkpoint, verify_first
 
         step, consistent = trainer.step, trainer.consistent
         if not consistent:
             return (f"no emergency checkpoint: the hang is inside step {step + 1}, whose state is half-updated; "
                     "the last complete checkpoint is kept")
         said: list[str] = []
+        # one process (several save no emergency checkpoint): steps not yet checked for bad values are checked
+        # here, before the step is read, as a bad one rolls the state back to the snapshot that is then saved
+        if not checkpointer.distributed and not verify_first(trainer, said.append):
+            return "; ".join(said)
+        step, consistent = trainer.step, trainer.consistent
         path = emergency_checkpoint(trainer, checkpointer, TimeoutError("hang"), said.append)
         if path is not None and (trainer.step != step or not trainer.consistent):
             import shutil

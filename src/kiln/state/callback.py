@@ -24,8 +24,8 @@ class CheckpointEvery(Callback):
             self.ckpt.take_snapshot(trainer)
         signame = self.guard.should_stop(step) if self.guard else None
         if signame:
-            path = self.ckpt.save(trainer, "preempt", blocking=True)
-            raise Preempted(signame, step, path)
+            path = self.ckpt.save(trainer, "preempt", blocking=True)  # a rollback there saves the snapshot's step
+            raise Preempted(signame, trainer.step, path)
         last = step >= trainer.cfg.train.max_steps or getattr(trainer, "stop_reason", None)  # the final save follows
         if c.every and step % c.every == 0 and not last:
             self.ckpt.save(trainer)

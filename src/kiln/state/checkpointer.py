@@ -97,6 +97,21 @@ def default_policies(run_dir: Path, cfg: RunConfig, log: Callable[[str], None]) 
     return policies
 
 
+def _skipped_in(path: Path) -> list:
+    """The skip list (kiln.train.rollback) of the checkpoint at `path` ([] if it has none or is unreadable)."""
+    try:
+        return json.loads((path / "state.json").read_text())["trainer"].get("skipped", [])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _verify_pending(state) -> bool:
+    """Check a trainer's steps not yet checked for bad values (`Trainer.verify_pending`, set by
+    kiln.train.rollback); True if a bad one rolled the state back. Parts dicts have none."""
+    verify = getattr(state, "verify_pending", None)
+    return bool(verify is not None and verify(state))
+
+
 class Checkpointer:
     def __init__(self, run_dir: str | Path, cfg: RunConfig, fingerprints: dict[str, Any],
                  log: Callable[[str], None] = print, policies: list[CheckpointPolicy] | None = None):
@@ -169,10 +184,14 @@ class Checkpointer:
         """Checkpoint `state` (a Trainer, or a dict of parts) at its step. Returns where it will be complete.
 
         Nothing is saved before the first step: a fresh start is that state, and capturing the
-        optimizer's state before it exists would create it (and change the run).
+        optimizer's state before it exists would create it (and change the run). A trainer's steps not yet
+        checked for bad values (kiln.train.rollback) are checked first: a bad one rolls the state back to its
+        snapshot, and that state, with the bad step's samples on its skip list, is what is saved. A checkpoint
+        of the same step is kept, unless its skip list differs (a rollback to its step since): it is replaced.
         """
         t0 = time.perf_counter()
         self.wait()  # one save at a time; raises an earlier background failure
+        _verify_pending(state)
         parts = as_parts(state)
         step = int(parts["trainer"].state_dict()["step"])
         waited = time.perf_counter() - t0
@@ -183,7 +202,8 @@ class Checkpointer:
         if step == 0:
             return None
         target = self.dir / step_dir_name(step)
-        if self.last_saved_step == step and target.is_dir():
+        replace = target.is_dir() and _skipped_in(target) != parts["trainer"].state_dict().get("skipped", [])
+        if self.last_saved_step == step and target.is_dir() and not replace:
             return target
         blocking = (not self.ccfg.async_save) if blocking is None else blocking
         tensors = {k: parts[k].state_dict() for k in TENSOR_KEYS}
@@ -200,7 +220,7 @@ class Checkpointer:
         self.last_saved_step = step
         t0 = time.perf_counter()
         if not self.ccfg.async_save:  # sync-only runs write straight from the live tensors: no CPU copy
-            self._finish(tensors, writer, tmp, target, small, rng, t0)
+            self._finish(tensors, writer, tmp, target, small, rng, t0, replace)
             return target
         if self._stager_ready is not None:
             ready, self._stager_ready = self._stager_ready, None
@@ -216,7 +236,8 @@ class Checkpointer:
         # The staged copy is written by dcp.save in this checkpointer's own thread, not by dcp.async_save:
         # measured at 1B (H100 and H200, same call), async_save held the loop 0.02 s longer (0.28 against
         # 0.26 s) for the planning it does before returning; the files and their guarantees are the same.
-        self._pending = (step, self._pool.submit(self._finish, self.staged, writer, tmp, target, small, rng, t0))
+        self._pending = (step, self._pool.submit(self._finish, self.staged, writer, tmp, target, small, rng, t0,
+                                                     replace))
         if blocking:
             self.wait()
         return target
@@ -280,9 +301,9 @@ class Checkpointer:
         raise e
 
     def _finish(self, tensors: dict[str, Any], writer, tmp: Path, final: Path,
-                small: dict[str, Any], rng: dict[str, Any], t0: float) -> Path:
+                small: dict[str, Any], rng: dict[str, Any], t0: float, replace: bool = False) -> Path:
         """Every rank: the DCP files (written here from `tensors`), then the JSON parts;
-        rank 0 then completes the checkpoint."""
+        rank 0 then completes the checkpoint (`replace`: one of the same step already there)."""
         step = small["trainer"]["step"]
         try:
             dcp.save(tensors, storage_writer=writer, process_group=self.group, no_dist=not self.distributed)
@@ -309,14 +330,14 @@ class Checkpointer:
             if error is not None:
                 raise error
             if self.rank == 0:
-                self._complete(tmp, final, small, time.perf_counter() - t0, report["digests"])
+                self._complete(tmp, final, small, time.perf_counter() - t0, report["digests"], replace)
             self._barrier()
         except BaseException as e:
             self._failed(e, step, tmp)
         return final
 
     def _complete(self, tmp: Path, final: Path, small: dict[str, Any], seconds: float,
-                  digests: dict[str, dict[str, Any]]) -> None:
+                  digests: dict[str, dict[str, Any]], replace: bool = False) -> None:
         """Rank 0, after every rank wrote: hash the rest, write meta.json + digest, rename, run the policies."""
         t0 = time.perf_counter()
         files = hash_tree(tmp, threads=max(4, self.ccfg.write_threads), known=digests)
@@ -335,10 +356,17 @@ class Checkpointer:
             "bytes": sum(f["bytes"] for f in files.values()), "files": files,
         }
         write_meta(tmp, meta, fsync=self.ccfg.fsync)
-        if final.exists():  # the same step saved before (e.g. resumed then stopped at once): keep that one
+        if final.exists() and not replace:  # the same step saved before (e.g. resumed then stopped at once): keep it
             shutil.rmtree(tmp, ignore_errors=True)
             return
-        os.rename(tmp, final)
+        if final.exists():  # a rollback to this step: the new state has the bad step's samples on its skip list
+            old = final.with_name(f"{TMP_PREFIX}replaced-{final.name}")  # tidied by a resume if a kill comes now
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
         fsync_dir(self.dir)
         for policy in self.policies:
             try:
@@ -389,7 +417,9 @@ class Checkpointer:
         return self.snapshots.snapshot
 
     def take_snapshot(self, state) -> Snapshot:
-        """Copy the whole state into CPU memory (buffers reused between snapshots)."""
+        """Copy the whole state into CPU memory (buffers reused between snapshots); a trainer's steps not yet
+        checked for bad values are checked first (kiln.train.rollback), so a snapshot only holds checked state."""
+        _verify_pending(state)
         return self.snapshots.take(state)
 
     def restore_snapshot(self, state) -> int:

@@ -110,6 +110,25 @@ class SignalGuard(_Handler):
         return (self.requested or "SIGTERM") if stop else None
 
 
+def verify_first(trainer, log: Callable[[str], None]) -> bool:
+    """Before an emergency checkpoint: check the trainer's steps not yet checked for bad values
+    (kiln.train.rollback), so what is saved is checked; a bad one rolls the state back to its snapshot, which is
+    then saved. False (save nothing) when they cannot be read, as after a device error."""
+    verify = getattr(trainer, "verify_pending", None)
+    if verify is None:
+        return True
+    try:
+        verify(trainer)
+    except Exception as e:  # noqa: BLE001 - the original error matters more; report this one beside it
+        if getattr(e, "emergency", False):  # too many rollbacks: the last good state is restored, save it
+            log(str(e))
+            return True
+        log(f"no emergency checkpoint: the steps since the last check for bad values could not be checked ({e}); "
+            "resume from the last complete checkpoint")
+        return False
+    return True
+
+
 def emergency_checkpoint(trainer, checkpointer, error: BaseException, log: Callable[[str], None]) -> Path | None:
     """After an unexpected error: checkpoint if the trainer is between steps, else say why not."""
     if checkpointer.distributed:
@@ -119,6 +138,8 @@ def emergency_checkpoint(trainer, checkpointer, error: BaseException, log: Calla
     if not getattr(trainer, "consistent", False):
         log(f"no emergency checkpoint: the error ({type(error).__name__}) came in the middle of step "
             f"{trainer.step + 1}, so the state is half-updated; resume from the last complete checkpoint")
+        return None
+    if not verify_first(trainer, log):
         return None
     try:
         path = checkpointer.save(trainer, "emergency", blocking=True)

@@ -1,15 +1,31 @@
 """Rollback of bad steps: a non-finite loss or gradient norm, or a loss spike, is undone and its samples skipped.
 
-After every step, before it counts (before its snapshot, checkpoint or log line), `Rollback.check`
-reads the step's loss (the mean over ranks) and gradient norm: one host read per step. A step is bad
-when either is not finite, or when its loss is more than `recovery.spike_zscore` standard deviations
-above the mean of the last `recovery.spike_window` good steps. A bad step is undone: the newest
-in-memory snapshot (`kiln.state.snapshot`: weights, optimizer moments, schedule, loader position,
-counters, random generators) is restored, the step's global samples go on the trainer's `SkipList`
-(saved with its counters, so a resumed run passes over them too), the learning rate is optionally
-lowered (`recovery.lr_factor`), and training goes on from the snapshot's step. The steps between the
-snapshot and the bad one are trained again on the same samples; the bad step's samples are read and
-passed over; so the weights come out as those of a run whose data never held them.
+A step is bad when its loss (the mean over ranks) or its gradient norm is not finite, or when its loss is
+more than `recovery.spike_zscore` standard deviations above the mean of the last `recovery.spike_window`
+good steps. Reading those values back costs a host sync, which would make the CPU wait for the device to
+finish every step instead of queueing the next one; so `Rollback.check` only notes each step's loss and
+gradient norm (on the device, with its step and global samples) in `pending`, and the noted steps are
+checked, in order and with one read (and one all-reduce over several processes), where the state is
+consumed or shown: the check points. They are the steps that log (`logging.every`, where the trainer reads
+the loss anyway), take a memory snapshot (so a snapshot only ever holds checked state), save a checkpoint
+(`checkpoint.every`), evaluate (`train.eval_every`), the last step, and a step after which a stop was asked
+for. Anything else that saves or snapshots the state checks it first through `trainer.verify_pending`
+(`Checkpointer.save`, `Checkpointer.take_snapshot`, `kiln.state.preempt.emergency_checkpoint`, the
+preemption save of a signal, the end of `Trainer.train`), so a checkpoint of an unchecked, possibly NaN
+state cannot be written. The check points are decided by step counters and by the stop flags that are
+already the same on every rank (`SignalGuard.should_stop` is a collective), so every rank checks the same
+steps and reaches the same verdict. Because every snapshot step is a check point, a bad step is found at the
+latest at the next check point, which is at most `logging.every` steps and never past the next snapshot:
+the work thrown away on a rollback is bounded by the snapshot cadence, as when every step was checked.
+
+A bad step k is undone: the good steps noted before it join the spike window, the newest in-memory
+snapshot (`kiln.state.snapshot`: weights, optimizer moments, schedule, loader position, counters, random
+generators; it is at or before the first noted step) is restored, step k's global samples go on the
+trainer's `SkipList` (saved with its counters, so a resumed run passes over them too), the learning rate is
+optionally lowered (`recovery.lr_factor`), and training goes on from the snapshot's step. The steps noted
+after k were trained on its weights and are dropped. The steps between the snapshot and k are trained again
+on the same samples, k's samples are read and passed over, and the steps after it are trained again on
+theirs; so the weights come out as those of a run whose data never held them.
 
 Snapshots are taken at the start (so a bad first step can be undone) and every
 `checkpoint.snapshot_every` steps, or every `recovery.snapshot_every` when that is 0. A snapshot of a
@@ -101,18 +117,27 @@ class _FreshOptimizer:
         self.optimizer.state.clear()
 
 
+def host_read(values: torch.Tensor, mesh) -> list:
+    """The mean over ranks of `values`, read back to the host: the one sync (and collective) of a check."""
+    return reduce_mean(values, mesh).tolist()  # kiln.dist: the same verdict on every rank
+
+
 class Rollback(Callback):
-    """Checks every step and undoes bad ones (see the module doc). `snapshots` may be a checkpointer's, whose
-    own cadence (`snapshot_every` > 0) then takes the snapshots after the first."""
+    """Notes every step and checks the noted ones at the check points, undoing a bad one (see the module doc).
+    `snapshots` may be a checkpointer's, whose own cadence (`snapshot_every` > 0) then takes the snapshots
+    after the first."""
 
     def __init__(self, rcfg: RecoveryConfig, snapshots: MemorySnapshots, snapshot_every: int = 0):
         self.rcfg, self.snapshots = rcfg, snapshots
         self.own_every = 0 if snapshot_every else rcfg.snapshot_every
         self.window: deque[tuple[int, float]] = deque(maxlen=rcfg.spike_window)  # (step, loss) of good steps
         self.bad: list[tuple[int, int, int]] = []  # (step, first sample, end) of each rollback
+        # the steps not yet checked: (step, first sample, end, [loss, grad norm] on the device)
+        self.pending: list[tuple[int, int, int, torch.Tensor]] = []
 
     def on_train_start(self, trainer) -> None:
-        trainer.check_step = self.check
+        trainer.check_step, trainer.verify_pending = self.check, self.verify
+        self.pending.clear()
         snap = self.snapshots.snapshot
         if snap is None or snap.step != trainer.step:
             self.take(trainer)
@@ -122,10 +147,44 @@ class Rollback(Callback):
             self.take(trainer)
 
     def take(self, trainer) -> None:
+        self.verify(trainer)  # a check point already: nothing is pending, unless a caller took one elsewhere
         parts = trainer_parts(trainer)
         if not trainer.optimizer.state:
             parts["optim"] = _FreshOptimizer(trainer.optimizer)
         self.snapshots.take(parts)
+
+    def due(self, trainer, step: int) -> bool:
+        """Whether `step` is a check point: its state is logged, snapshotted, saved or evaluated, or it is the
+        last. The same answer on every rank (step counters, and a stop_reason every rank sets together)."""
+        cfg = trainer.cfg
+        if step >= cfg.train.max_steps or trainer.stop_reason is not None:
+            return True
+        cadences = (cfg.logging.every, self.own_every, cfg.checkpoint.snapshot_every, cfg.checkpoint.every,
+                    cfg.train.eval_every)
+        return any(n and step % n == 0 for n in cadences)
+
+    def check(self, trainer, loss: torch.Tensor, gnorm: torch.Tensor) -> bool:
+        """After `train_step`, before the step counts: note it (no host sync); at a check point, check the noted
+        steps. True when one was bad and the state is back at the snapshot."""
+        values = torch.stack([loss.detach().float(), gnorm.detach().float().to(loss.device)])
+        step = trainer.step + 1
+        self.pending.append((step, *trainer.step_samples, values))
+        return self.due(trainer, step) and self.verify(trainer)
+
+    def verify(self, trainer) -> bool:
+        """Check the noted steps in order with one host read: good ones join the spike window; the first bad one
+        is undone (the steps noted after it, trained on its weights, are dropped). True if one was undone."""
+        if not self.pending:
+            return False
+        read = host_read(torch.stack([v for *_, v in self.pending]), trainer.mesh)
+        pending, self.pending = self.pending, []  # after the read: a failed one leaves them unchecked (nothing saved)
+        for (step, first, end, _), (loss_v, gnorm_v) in zip(pending, read):
+            reason = self.verdict(loss_v, gnorm_v)
+            if reason is not None:
+                self.undo(trainer, reason, step, first, end)
+                return True
+            self.window.append((step, loss_v))
+        return False
 
     def verdict(self, loss: float, gnorm: float) -> str | None:
         """Why a step with this loss and gradient norm is bad, or None if it is good."""
@@ -144,19 +203,8 @@ class Rollback(Callback):
                        f"of the last {n} steps (recovery.spike_zscore={z})"
         return None
 
-    def check(self, trainer, loss: torch.Tensor, gnorm: torch.Tensor) -> bool:
-        """After `train_step`, before the step counts: undo it if it is bad. True when it was undone."""
-        values = torch.stack([loss.detach().float(), gnorm.detach().float().to(loss.device)])
-        loss_v, gnorm_v = reduce_mean(values, trainer.mesh).tolist()  # kiln.dist: the same verdict on every rank
-        reason = self.verdict(loss_v, gnorm_v)
-        if reason is None:
-            self.window.append((trainer.step + 1, loss_v))
-            return False
-        self.undo(trainer, reason)
-        return True
-
-    def undo(self, trainer, reason: str) -> None:
-        step, (first, end) = trainer.step + 1, trainer.step_samples
+    def undo(self, trainer, reason: str, step: int, first: int, end: int) -> None:
+        """Restore the newest snapshot and pass over the samples [first, end) of bad step `step` from now on."""
         recent = [b for b in self.bad if b[0] > step - self.rcfg.rollback_window]
         stop = len(recent) >= self.rcfg.max_rollbacks
         skipped, scale = list(trainer.skips.ranges), trainer.lr_scale

@@ -43,7 +43,10 @@ class Trainer:
         self.tokens_per_step = self.rows * tcfg.seq_len * self.mesh.world
         self.oom = OomRetry(cfg.recovery.oom_retries)
         self.skips = SkipList()  # samples of bad steps, passed over (kiln.train.rollback)
-        self.check_step = None  # set by kiln.train.rollback.Rollback: undoes a bad step, True if it did
+        # set by kiln.train.rollback.Rollback: check_step notes a step, and at a check point checks the steps noted
+        # so far, undoing a bad one (True if it did); verify_pending checks them now (before a save, at the end)
+        self.check_step = None
+        self.verify_pending = None
         self.step_start: dict = {}  # the loader's position before this step's rows, and their global samples
         self.step_samples = (0, 0)
         self.lr_scale, self._base_lrs = 1.0, list(self.scheduler.base_lrs)
@@ -156,9 +159,11 @@ class Trainer:
             losses.append(loss)
             metrics = None
             if self.step % every == 0 or self.step == tcfg.max_steps:
-                metrics = self._step_metrics(torch.stack(losses), gnorm)  # the one host sync
+                metrics = self._step_metrics(torch.stack(losses), gnorm)  # a host sync (and the rollback's check)
                 losses.clear()
             self.events.emit("on_step_end", self, metrics)
+        if self.verify_pending is not None:  # a stop: its step is checked first (a bad one: stop at the snapshot)
+            self.verify_pending(self)
         stopped_here = self.stop_reason is not None and (self.last_eval or {}).get("step") == self.step
         final = self.last_eval if stopped_here else self.evaluate()  # an early stop has just evaluated
         self.events.emit("on_train_end", self, final)

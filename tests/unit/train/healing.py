@@ -52,12 +52,13 @@ class Notices(Callback):
             self.losses[metrics["step"]] = metrics["loss"]
 
 
-def config(run_dir, steps: int = 12, recovery: dict | None = None, **train) -> RunConfig:
+def config(run_dir, steps: int = 12, recovery: dict | None = None, log_every: int = 1, checkpoint: dict | None = None,
+           **train) -> RunConfig:
     return RunConfig.model_validate({
         "model": {"size": "tiny", "vocab_size": VOCAB},
         "train": {"seq_len": T, "batch_size": 4, "max_steps": steps, "warmup_steps": 2, "device": "cpu",
                   "precision": "fp32", "lr": 3e-3, "eval_every": 0, "run_dir": str(run_dir), **train},
-        "logging": {"every": 1}, "checkpoint": {"async_save": False, "write_threads": 2},
+        "logging": {"every": log_every}, "checkpoint": {"async_save": False, "write_threads": 2, **(checkpoint or {})},
         "recovery": recovery or {},
     })
 

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from kiln.errors import TrainingError
+from kiln.events import Callback
 from kiln.monitor.sinks import JsonlSink
 from kiln.state.checkpointer import Checkpointer
 from kiln.state.preempt import SignalGuard, train_guarded
 from kiln.state.snapshot import MemorySnapshots
+from kiln.state.verify import read_meta
 from kiln.train.rollback import Rollback
 
 from .healing import BAD_TOKEN, Notices, Samples, config, records, trainer, weights
@@ -39,11 +41,12 @@ class Numerics:
         return torch.where(self.bad, out * self.scale, out)
 
 
-def run(tmp_path, name, poison=(), scale=None, skip=None, rollback=True, steps=16, **recovery):
+def run(tmp_path, name, poison=(), scale=None, skip=None, rollback=True, steps=16, log_every=1, checkpoint=None,
+        extra=(), **recovery):
     rcfg = {"snapshot_every": 4, "spike_window": 5, "spike_zscore": 6.0, **recovery}
-    cfg = config(tmp_path / name, steps=steps, recovery=rcfg)
+    cfg = config(tmp_path / name, steps=steps, recovery=rcfg, log_every=log_every, checkpoint=checkpoint)
     log = Notices()
-    callbacks = [log, JsonlSink(tmp_path / name / "metrics.jsonl")]
+    callbacks = [log, JsonlSink(tmp_path / name / "metrics.jsonl"), *extra]
     if rollback:
         callbacks.insert(0, Rollback(cfg.recovery, MemorySnapshots(lambda m: None)))
     t = trainer(cfg, Samples(4, poison), callbacks)
@@ -149,3 +152,165 @@ def test_host_room_counts_moments_of_trainable_weights_only_and_refuses_what_doe
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Mem)
     assert host_room(model, copies=1, local_world=1) == (True, per, 10 * per)
     assert host_room(model, copies=2, local_world=4) == (False, 8 * per, 10 * per)
+
+
+# ---------------------------------------------------------------- checks only at check points
+
+
+class Pending(Callback):
+    """Records, after each step, how many steps the rollback has noted but not checked."""
+
+    def __init__(self):
+        self.rollback, self.after = None, {}
+
+    def on_train_start(self, trainer):
+        self.rollback = next(c for c in trainer.events.callbacks if isinstance(c, Rollback))
+
+    def on_step_end(self, trainer, metrics):
+        self.after.setdefault(trainer.step, len(self.rollback.pending))
+
+
+def test_a_nan_at_a_step_that_does_not_log_is_found_at_the_next_check_and_rolled_back_the_same(tmp_path):
+    # logging every 5 steps, snapshots every 8: the check points are steps 5, 8, 10, 15 and 16
+    lazy, log = run(tmp_path, "lazy", poison=[9], log_every=5, snapshot_every=8)  # sample 9: step 3 (8..11)
+    lazy.train()
+    assert lazy.step == 16
+    [(_, info)] = [n for n in log.notices if n[0] == "rollback"]
+    assert info["bad_step"] == 3 and info["to_step"] == 0 and info["skipped"] == [8, 12]
+    assert lazy.skips.state_dict() == [[8, 12, 3]]
+    recs = records(tmp_path / "lazy" / "metrics.jsonl")
+    assert [r["step"] for r in recs if r["event"] == "train"] == [5, 10, 15, 16]
+    # the same as checking every step, and as a run whose data never held samples 8..11
+    eager, elog = run(tmp_path, "eager", poison=[9], snapshot_every=8)
+    eager.train()
+    [(_, einfo)] = [n for n in elog.notices if n[0] == "rollback"]
+    assert (einfo["bad_step"], einfo["to_step"], einfo["skipped"]) == (3, 0, [8, 12])
+    clean, _ = run(tmp_path, "clean", poison=[9], skip=(8, 12, 3), rollback=False, log_every=5)
+    clean.train()
+    a, b, c = weights(lazy), weights(eager), weights(clean)
+    assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
+    assert lazy.train_loader.sample == clean.train_loader.sample == 17 * 4
+
+
+def test_no_device_value_is_read_by_kiln_between_check_points(tmp_path, monkeypatch):
+    import sys
+    from pathlib import Path
+
+    import kiln
+    from kiln.train import rollback
+
+    src = str(Path(kiln.__file__).parent)
+    reads: list[str] = []  # host reads of tensors by kiln's code (torch's own, as Adam's step counter, aside)
+    for name in ("item", "tolist", "__float__", "__bool__", "__int__"):
+        real = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _real=real, _name=name, **k):
+            if sys._getframe(1).f_code.co_filename.startswith(src):
+                reads.append(_name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    checked: list[int] = []  # the number of steps each check reads
+    real_read = rollback.host_read
+    monkeypatch.setattr(rollback, "host_read", lambda v, mesh: checked.append(len(v)) or real_read(v, mesh))
+
+    class Reads(Callback):
+        def __init__(self):
+            self.at = {}
+
+        def on_step_end(self, trainer, metrics):
+            self.at[trainer.step] = len(reads)
+            reads.clear()
+
+    pending, counted = Pending(), Reads()
+    t, _ = run(tmp_path, "quiet", log_every=5, snapshot_every=8, extra=[pending, counted])
+    reads.clear()
+    t.train()
+    checks = {5, 8, 10, 15, 16}
+    assert {s for s, n in counted.at.items() if n} == {5, 8, 10, 15, 16}  # reads only at the check points
+    assert all(counted.at[s] == 0 for s in range(1, 17) if s not in checks)
+    assert checked == [5, 3, 2, 5, 1]  # each check reads the steps noted since the last, in one transfer
+    assert pending.after == {1: 1, 2: 2, 3: 3, 4: 4, 5: 0, 6: 1, 7: 2, 8: 0, 9: 1, 10: 0, 11: 1, 12: 2, 13: 3,
+                             14: 4, 15: 0, 16: 0}
+
+
+class Trip(Callback):
+    """At `step` (the first time only): ask for a stop by signal, or fail as a bug would."""
+
+    def __init__(self, step: int, how: str, guard: SignalGuard | None = None):
+        self.step, self.how, self.guard, self.done = step, how, guard, False
+
+    def on_step_end(self, trainer, metrics):
+        if trainer.step != self.step or self.done:
+            return
+        self.done = True
+        if self.how == "signal":
+            self.guard.requested = "SIGTERM"
+        elif self.how == "stop":
+            trainer.stop_reason = "asked to stop"
+        else:
+            raise RuntimeError("a bug in a callback")
+
+
+@pytest.mark.parametrize("how", ["signal", "error"])
+def test_a_checkpoint_asked_for_at_an_unchecked_step_checks_first_and_saves_the_rolled_back_state(tmp_path, how):
+    from kiln.state.callback import CheckpointEvery
+
+    # checkpoints and snapshots every 2 steps, logs every 5: step 3 (samples 8..11) goes bad, and at its end a
+    # signal (or an error) asks for a checkpoint before any check has read it
+    d = tmp_path / how
+    said: list[str] = []
+    guard = SignalGuard(said.append)
+    cfg = config(d, steps=16, checkpoint={"every": 2, "snapshot_every": 2})
+    ck = Checkpointer(d, cfg, {}, lambda m: None)
+    trip = Trip(3, how, guard)
+    t, _ = run(tmp_path, how, poison=[9], log_every=5, checkpoint={"every": 2, "snapshot_every": 2},
+               extra=[trip, CheckpointEvery(ck, guard)])
+    t.events.callbacks[0] = Rollback(t.cfg.recovery, ck.snapshots, 2)  # the checkpointer's snapshots, as run.py
+    if how == "signal":
+        assert train_guarded(t, ck, guard, d, said.append) is None
+    else:
+        with pytest.raises(RuntimeError, match="a bug"):
+            train_guarded(t, ck, guard, d, said.append)
+    saved = sorted(p.name for p in (d / "checkpoints").iterdir())
+    assert saved == ["step_00000002"]  # nothing of step 3: it was bad; step 2's checkpoint now holds the skip
+    meta = read_meta(d / "checkpoints" / "step_00000002")
+    assert meta["reason"] == ("preempt" if how == "signal" else "emergency")
+    resumed = trainer(t.cfg, Samples(4))
+    Checkpointer(d, t.cfg, {}, lambda m: None).load(resumed, d / "checkpoints" / "step_00000002")
+    assert resumed.step == 2 and resumed.skips.state_dict() == [[8, 12, 3]]
+    resumed._step_batch()
+    assert resumed.step_samples == (12, 16)  # step 3 passes over the bad samples
+
+
+def test_a_stop_at_an_unchecked_step_checks_it_first_and_stops_at_the_snapshot_when_it_was_bad(tmp_path):
+    t, log = run(tmp_path, "stop", poison=[9], log_every=5, snapshot_every=2, steps=8, extra=[Trip(3, "stop")])
+    t.train()
+    [(_, info)] = [n for n in log.notices if n[0] == "rollback"]
+    assert info["bad_step"] == 3 and info["to_step"] == 2
+    assert t.step == 2 and t.stop_reason == "asked to stop" and t.skips.state_dict() == [[8, 12, 3]]
+    clean, _ = run(tmp_path, "clean", steps=2, rollback=False)
+    clean.train()
+    a, b = weights(t), weights(clean)  # the state the run ends with is that of its last good step
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_when_the_check_cannot_read_the_device_no_checkpoint_of_unchecked_steps_is_written(tmp_path, monkeypatch):
+    from kiln.state.callback import CheckpointEvery
+    from kiln.train import rollback
+
+    def broken(values, mesh):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    # a signal after step 3 asks for a checkpoint; the check before it fails, and so does the emergency one's
+    d, said = tmp_path / "broken", []
+    guard = SignalGuard(said.append)
+    ck = Checkpointer(d, config(d, steps=16), {}, lambda m: None)
+    t, _ = run(tmp_path, "broken", log_every=5, snapshot_every=8, extra=[Trip(3, "signal", guard),
+                                                                         CheckpointEvery(ck, guard)])
+    monkeypatch.setattr(rollback, "host_read", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        train_guarded(t, ck, guard, d, said.append)
+    assert t.step == 3 and len(t.events.callbacks[0].pending) == 3  # still unchecked
+    assert any("no emergency checkpoint: the steps since the last check" in m for m in said)
+    assert not (d / "checkpoints").exists() or not any((d / "checkpoints").iterdir())
