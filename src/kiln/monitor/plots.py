@@ -163,13 +163,20 @@ def write_plots(run_dirs: list[str | Path], out: str | Path, names: list[str] | 
 
 
 class PlotAtEnd(Callback):
-    """A callback (rank 0) that writes <run_dir>/plots.png (and .html, .json) when training ends. A missing
-    matplotlib, or any failure to draw, is one line on the console: plots never fail a run."""
+    """A callback (rank 0) that writes <run_dir>/plots.png (and .html, .json) when training ends, or when a
+    signal stops the run (after its checkpoint). A missing matplotlib, or any failure to draw, is one line on
+    the console: plots never fail a run."""
 
     def __init__(self, run_dir: Path, log=print):
         self.run_dir, self.log = Path(run_dir), log
+        self.drawn = False
+
+    def on_run_end(self, trainer, status: str) -> None:
+        if status == "stopped" and not self.drawn:  # a failed run ends as soon as it can: no plots
+            self.on_train_end(trainer, {})
 
     def on_train_end(self, trainer, metrics) -> None:
+        self.drawn = True
         try:
             out = write_plots([self.run_dir], self.run_dir / "plots.png")
         except ConfigError:

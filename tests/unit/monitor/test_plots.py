@@ -88,3 +88,12 @@ def test_without_matplotlib_a_config_error_names_the_extra(tmp_path, monkeypatch
     PlotAtEnd(run, notes.append).on_train_end(None, {})
     assert notes == ["plots.png skipped: matplotlib is not installed (pip install 'kiln[plot]')"]
     assert not (run / "plots.png").exists()
+
+
+def test_a_run_stopped_by_a_signal_draws_its_plots_and_a_failed_one_none(tmp_path):
+    stopped, failed = fake_run(tmp_path / "stopped"), fake_run(tmp_path / "failed")
+    notes = []
+    PlotAtEnd(stopped, notes.append).on_run_end(None, "stopped")
+    PlotAtEnd(failed, notes.append).on_run_end(None, "failed")
+    assert notes == [f"plots: {stopped / 'plots.png'}"]
+    assert read_png(stopped / "plots.png").ndim == 3 and not (failed / "plots.png").exists()
