@@ -16,6 +16,8 @@ from __future__ import annotations
 import base64
 import html
 import json
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +89,14 @@ def panels_of(runs: list[RunMetrics]) -> list[tuple[str, list[tuple[str, str, st
     return [p for p in PANELS if any(r.series(ev, key, "step")[0] for r in runs for ev, key, _ in p[1])]
 
 
+@contextmanager
+def _quiet_glyphs():
+    """A run named in a script the font lacks (CJK, emoji) is drawn with boxes, without a warning per glyph."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Glyph .* missing from", UserWarning)
+        yield
+
+
 def draw(runs: list[RunMetrics]):
     """A matplotlib figure (rows: metrics; columns: against steps, against tokens) and its panel list."""
     plt = _pyplot()
@@ -116,7 +126,8 @@ def draw(runs: list[RunMetrics]):
             if ax.get_legend_handles_labels()[0] and (len(runs) > 1 or len(keys) > 1):
                 ax.legend(fontsize=8)
             listed.append({"metric": title, "x": x, "keys": [k for _, k, _ in keys]})
-    fig.tight_layout()
+    with _quiet_glyphs():
+        fig.tight_layout()
     return fig, listed
 
 
@@ -145,7 +156,8 @@ def write_plots(run_dirs: list[str | Path], out: str | Path, names: list[str] | 
         png = png.with_name(png.name + ".png")
     png.parent.mkdir(parents=True, exist_ok=True)
     tmp = png.with_name(png.name + ".tmp")
-    fig.savefig(tmp, dpi=90, format="png")
+    with _quiet_glyphs():
+        fig.savefig(tmp, dpi=90, format="png")
     _pyplot().close(fig)
     tmp.replace(png)
     data = base64.b64encode(png.read_bytes()).decode()
