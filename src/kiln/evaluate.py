@@ -91,8 +91,13 @@ def load_target(target: str | Path) -> Target:
     if (p / "config.json").is_file() and not (p / "meta.json").is_file():
         from kiln.model.hf_import import import_hf
 
+        try:
+            tok = Tokenizer.load(p)
+        except DataError as e:  # its message speaks of data.tokenizer, which kiln eval does not read
+            raise StateError(f"{str(e).split('; ')[0]}: kiln eval needs the model's own tokenizer; save it beside "
+                             "the model (tokenizer.save_pretrained(DIR))") from None
         cfg, state = import_hf(p)
-        return Target(_transformer(cfg, state), Tokenizer.load(p), "hf", p, None,
+        return Target(_transformer(cfg, state), tok, "hf", p, None,
                       default_out=p.with_name(p.name + ".eval.json"))
     ckpt = checkpoint_of(p)
     from kiln.state.export import read_checkpoint_model

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from typer.testing import CliRunner
 
 from kiln.cli import app
 from kiln.config import load_config
+from kiln.errors import StateError
 from kiln.evaluate import evaluate
 from kiln.monitor.runs import list_runs
 from kiln.state.rundir import checkpoints
@@ -149,6 +151,13 @@ def test_kiln_eval_of_a_hugging_face_directory(stopped, tmp_path):
     with torch.no_grad():
         ref = torch.nn.functional.cross_entropy(model(x).logits[0].float(), y[0])
     assert mine["tokens"] == T and mine["loss"] == pytest.approx(float(ref), rel=1e-4)
+    bare = tmp_path / "no-tokenizer"  # weights and config only: the error says what kiln eval needs
+    bare.mkdir()
+    for f in [hf / "config.json", *hf.glob("*.safetensors*")]:
+        shutil.copy(f, bare / f.name)
+    with pytest.raises(StateError, match="kiln eval needs the model's own tokenizer") as e:
+        evaluate(bare, [str(data)], device="cpu")
+    assert "data.tokenizer" not in str(e.value)  # a setting kiln eval does not read
 
 
 def test_bits_per_byte_of_two_tokenizers_count_the_same_text(stopped, tmp_path):

@@ -16,6 +16,8 @@ from __future__ import annotations
 import base64
 import html
 import json
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +89,14 @@ def panels_of(runs: list[RunMetrics]) -> list[tuple[str, list[tuple[str, str, st
     return [p for p in PANELS if any(r.series(ev, key, "step")[0] for r in runs for ev, key, _ in p[1])]
 
 
+@contextmanager
+def _quiet_glyphs():
+    """A run named in a script the font lacks (CJK, emoji) is drawn with boxes, without a warning per glyph."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Glyph .* missing from", UserWarning)
+        yield
+
+
 def draw(runs: list[RunMetrics]):
     """A matplotlib figure (rows: metrics; columns: against steps, against tokens) and its panel list."""
     plt = _pyplot()
@@ -116,7 +126,8 @@ def draw(runs: list[RunMetrics]):
             if ax.get_legend_handles_labels()[0] and (len(runs) > 1 or len(keys) > 1):
                 ax.legend(fontsize=8)
             listed.append({"metric": title, "x": x, "keys": [k for _, k, _ in keys]})
-    fig.tight_layout()
+    with _quiet_glyphs():
+        fig.tight_layout()
     return fig, listed
 
 
@@ -145,7 +156,8 @@ def write_plots(run_dirs: list[str | Path], out: str | Path, names: list[str] | 
         png = png.with_name(png.name + ".png")
     png.parent.mkdir(parents=True, exist_ok=True)
     tmp = png.with_name(png.name + ".tmp")
-    fig.savefig(tmp, dpi=90, format="png")
+    with _quiet_glyphs():
+        fig.savefig(tmp, dpi=90, format="png")
     _pyplot().close(fig)
     tmp.replace(png)
     data = base64.b64encode(png.read_bytes()).decode()
@@ -163,13 +175,20 @@ def write_plots(run_dirs: list[str | Path], out: str | Path, names: list[str] | 
 
 
 class PlotAtEnd(Callback):
-    """A callback (rank 0) that writes <run_dir>/plots.png (and .html, .json) when training ends. A missing
-    matplotlib, or any failure to draw, is one line on the console: plots never fail a run."""
+    """A callback (rank 0) that writes <run_dir>/plots.png (and .html, .json) when training ends, or when a
+    signal stops the run (after its checkpoint). A missing matplotlib, or any failure to draw, is one line on
+    the console: plots never fail a run."""
 
     def __init__(self, run_dir: Path, log=print):
         self.run_dir, self.log = Path(run_dir), log
+        self.drawn = False
+
+    def on_run_end(self, trainer, status: str) -> None:
+        if status == "stopped" and not self.drawn:  # a failed run ends as soon as it can: no plots
+            self.on_train_end(trainer, {})
 
     def on_train_end(self, trainer, metrics) -> None:
+        self.drawn = True
         try:
             out = write_plots([self.run_dir], self.run_dir / "plots.png")
         except ConfigError:

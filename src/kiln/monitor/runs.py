@@ -54,6 +54,10 @@ def _held(run_dir: Path) -> bool:
         return False
 
 
+def _number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
 def _metrics(run_dir: Path) -> tuple[dict | None, float | None, float | None]:
     """(last train record, best val_loss, seconds from the first record to the last) of metrics.jsonl."""
     last, best, first_t, last_t = None, None, None, None
@@ -69,13 +73,14 @@ def _metrics(run_dir: Path) -> tuple[dict | None, float | None, float | None]:
         if not isinstance(rec, dict):
             continue
         t = rec.get("time")
-        if isinstance(t, (int, float)):
+        if _number(t):
             first_t = t if first_t is None else min(first_t, t)
             last_t = t if last_t is None else max(last_t, t)
-        if rec.get("event") == "train" and (last is None or rec.get("step", 0) >= last.get("step", 0)):
+        if rec.get("event") == "train" and isinstance(rec.get("step"), int) and _number(rec.get("tokens", 0)) \
+                and (last is None or rec["step"] >= last["step"]):  # a damaged record (a hand edit) is passed over
             last = rec
         val = rec.get("val_loss") if rec.get("event") == "eval" else None
-        if isinstance(val, (int, float)) and (best is None or val < best):
+        if _number(val) and (best is None or val < best):
             best = val
     return last, best, (last_t - first_t) if first_t is not None else None
 

@@ -56,8 +56,8 @@ def test_one_run_gets_a_panel_per_metric_against_steps_and_tokens(tmp_path):
     assert page.startswith("<!doctype html>") and "data:image/png;base64," in page and ">a<" in page
 
 
-def test_several_runs_share_the_panels_and_gpu_metrics_add_panels(tmp_path):
-    runs = [fake_run(tmp_path / "cpu"), fake_run(tmp_path / "gpu", gpu=True, tokens_per_step=512)]
+def test_several_runs_share_the_panels_and_gpu_metrics_add_panels(tmp_path, recwarn):
+    runs = [fake_run(tmp_path / "cpu"), fake_run(tmp_path / "gpu 运行 🔥", gpu=True, tokens_per_step=512)]
     fig, panels = draw([read_metrics(r) for r in runs])
     assert len(fig.axes) == len(panels) == 14  # MFU and peak memory join
     loss_vs_tokens = fig.axes[1]
@@ -65,7 +65,8 @@ def test_several_runs_share_the_panels_and_gpu_metrics_add_panels(tmp_path):
     assert max(loss_vs_tokens.get_lines()[2].get_xdata()) == 20 * 512  # the tokens axis is each run's own
     paths = write_plots(runs, tmp_path / "out" / "compare")
     assert paths["png"].name == "compare.png" and read_png(paths["png"]).shape[0] > 1000
-    assert json.loads(paths["json"].read_text())["runs"] == ["cpu", "gpu"]
+    assert json.loads(paths["json"].read_text())["runs"] == ["cpu", "gpu 运行 🔥"]
+    assert not [w for w in recwarn if "Glyph" in str(w.message)]  # a name the font cannot draw is no warning
 
 
 def test_the_last_record_of_a_step_wins_and_eval_tokens_come_from_train_records(tmp_path):
@@ -88,3 +89,12 @@ def test_without_matplotlib_a_config_error_names_the_extra(tmp_path, monkeypatch
     PlotAtEnd(run, notes.append).on_train_end(None, {})
     assert notes == ["plots.png skipped: matplotlib is not installed (pip install 'kiln[plot]')"]
     assert not (run / "plots.png").exists()
+
+
+def test_a_run_stopped_by_a_signal_draws_its_plots_and_a_failed_one_none(tmp_path):
+    stopped, failed = fake_run(tmp_path / "stopped"), fake_run(tmp_path / "failed")
+    notes = []
+    PlotAtEnd(stopped, notes.append).on_run_end(None, "stopped")
+    PlotAtEnd(failed, notes.append).on_run_end(None, "failed")
+    assert notes == [f"plots: {stopped / 'plots.png'}"]
+    assert read_png(stopped / "plots.png").ndim == 3 and not (failed / "plots.png").exists()

@@ -65,6 +65,20 @@ def test_each_status_from_the_files(tmp_path):
     assert runs["f-crashed-at-start"].steps is None and runs["f-crashed-at-start"].last_checkpoint is None
 
 
+def test_damaged_metrics_records_are_passed_over(tmp_path):
+    """A cut line, a record that is not an object and records with values of the wrong type (a hand edit, a
+    damaged disk) do not stop `kiln runs`: the good records of the run are summarised."""
+    good = [{"event": "train", "time": 10.0, "step": 5, "tokens": 320, "loss": 3.0},
+            {"event": "eval", "time": 20.0, "step": 5, "val_loss": 2.5}]
+    run = make_run(tmp_path, "damaged", ckpt={"step": 5, "reason": "periodic"}, metrics=good)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('[1, 2]\n{"event": "train", "step": null, "loss": 1}\n{"event": "train", "step": 9, "tokens": "x"}\n'
+                '{"event": "eval", "step": 9, "val_loss": "nan", "time": "late"}\n{"event": "eval", "step": 9, '
+                '"val_loss": true}\n{"event": "train", "st')
+    [r] = list_runs(tmp_path)
+    assert (r.steps, r.tokens, r.best_val_loss, r.wall_s) == (5, 320, 2.5, 10.0)
+
+
 def test_a_held_lock_is_running_and_a_killed_holder_is_not(tmp_path):
     run = make_run(tmp_path, "live", ckpt={"step": 10, "reason": "periodic"})
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

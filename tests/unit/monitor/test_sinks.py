@@ -1,15 +1,19 @@
 """metrics.jsonl holds each step once, also after a resume replays steps; the sinks `logging:` enables."""
 
+import io
 import json
 import re
 import sys
 from types import SimpleNamespace
 
 import pytest
+from rich.console import Console
 
-from kiln.config import load_config
+from kiln.config import MonitorConfig, load_config
 from kiln.errors import ConfigError
-from kiln.monitor.sinks import JsonlSink, enabled_sinks
+from kiln.events import Events
+from kiln.monitor.resources import ResourceMonitor
+from kiln.monitor.sinks import ConsoleSink, JsonlSink, enabled_sinks
 
 
 def records(path):
@@ -74,3 +78,22 @@ def test_no_sink_is_built_or_imported_unless_enabled(tmp_path, monkeypatch):
     for module in ("tensorboard", "wandb", "mlflow", "prometheus_client"):
         monkeypatch.setitem(sys.modules, module, None)
     assert enabled_sinks(load_config(None, []), tmp_path, print) == []
+
+
+def test_the_console_says_each_notice_once():
+    """A resource warning is printed by the monitor as it happens; the console sink does not print it again
+    (it prints the other notices' messages, as a rollback's)."""
+    out = io.StringIO()
+    console = Console(file=out, width=300)
+    monitor = ResourceMonitor(MonitorConfig(), SimpleNamespace(sample=dict), checkpoint_bytes=0,
+                              log=console.print, thread=False)
+    trainer = SimpleNamespace(step=0, cfg=load_config(None, []))
+    trainer.events = Events([monitor, ConsoleSink(console)])
+    trainer.events.emit("on_train_start", trainer)
+    trainer.step = 1
+    trainer.events.emit("on_step_end", trainer, {"step": 1, "loss": 2.0, "lr": 1e-3, "tokens_per_s": 9.0,
+                                                 "data_wait": 0.5})
+    trainer.events.emit("on_notice", trainer, "rollback", {"message": "step 1 went bad: rolled back to step 0"})
+    trainer.events.emit("on_train_end", trainer, {})
+    text = out.getvalue()
+    assert text.count("waited for data 50% of the time") == 1 and text.count("rolled back to step 0") == 1

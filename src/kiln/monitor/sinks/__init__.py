@@ -49,7 +49,8 @@ class ConsoleSink(Sink):
                            + (f"  val_bpb {metrics['val_bpb']:.4f}" if "val_bpb" in metrics else ""))
 
     def on_notice(self, trainer, kind: str, info: dict[str, Any]) -> None:
-        if info.get("message"):
+        # the resource monitor prints its warnings itself, when they happen (from any thread, console or not)
+        if info.get("message") and kind != "warning":
             self.console.print(f"[bold yellow]{kind}[/] {info['message']}", highlight=False)
 
     def on_train_end(self, trainer, metrics: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kiln.errors import ResourceError
 from kiln.monitor.sinks.base import MetricSink, finite, require, run_files
 
 ID_FILE = "mlflow_run_id.txt"
@@ -55,9 +56,19 @@ class MlflowSink(MetricSink):
         return self.cfg.logging.mlflow_tracking_uri or f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}"
 
     def open(self, trainer) -> None:
+        uri = self.tracking_uri()
+        try:
+            self._open(uri)
+        except Exception as e:  # a store that cannot be written or reached: say which one and where it is set
+            where = "logging.mlflow_tracking_uri" if self.cfg.logging.mlflow_tracking_uri else "the default store"
+            raise ResourceError(f"MLflow tracking URI {uri} ({where}) cannot be used ({type(e).__name__}: {e}); "
+                                "check it (a server, a database, a writable directory) or turn logging.mlflow "
+                                "off") from e
+
+    def _open(self, uri: str) -> None:
         from mlflow.entities import Param, RunTag
 
-        lcfg, uri = self.cfg.logging, self.tracking_uri()
+        lcfg = self.cfg.logging
         self.client = self.mlflow.tracking.MlflowClient(uri)
         exp = self.client.get_experiment_by_name(lcfg.mlflow_experiment)
         if exp is not None:

@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from kiln.errors import ResourceError
 from kiln.monitor.sinks.base import MetricSink, require
 
 
@@ -56,7 +57,13 @@ class PrometheusSink(MetricSink):
         lcfg = self.cfg.logging
         registry = self.client.CollectorRegistry(auto_describe=False)
         registry.register(self.latest)
-        self.server, _ = self.client.start_http_server(lcfg.prometheus_port, lcfg.prometheus_addr, registry)
+        try:
+            self.server, _ = self.client.start_http_server(lcfg.prometheus_port, lcfg.prometheus_addr, registry)
+        except OSError as e:  # a port in use (another run or exporter on this machine), an address not here
+            raise ResourceError(
+                f"cannot serve Prometheus metrics on {lcfg.prometheus_addr}:{lcfg.prometheus_port} "
+                f"({e.strerror or e}): set logging.prometheus_port to a free port (0: any free one, logged) or "
+                "logging.prometheus_addr to an address of this machine") from None
         self.port = self.server.server_port
         self.log(f"Prometheus metrics at http://{lcfg.prometheus_addr}:{self.port}/metrics")
 

@@ -2,6 +2,12 @@
 
 The W&B run id is kept in <run_dir>/wandb_id.txt, so a resumed Kiln run continues the same W&B run.
 Offline mode (logging.wandb_mode=offline) writes under <run_dir>/wandb/, for `wandb sync` later.
+
+W&B refuses a `log(step=...)` below the last step it has, which a resumed run (its checkpoint older than
+its last logged step) and a rollback (kiln.train.rollback) both send: the steps they train again would be
+lost. So W&B keeps its own step (`_step`, one more per row) and the optimizer step goes in each row as the
+metric `step`, declared the x axis of every train/ and eval/ metric: the replayed steps are kept, beside
+the first tries. (Rewinding the W&B run, `resume_from`, needs the W&B server's beta feature and a network.)
 """
 
 from __future__ import annotations
@@ -15,11 +21,12 @@ from pathlib import Path
 from kiln.monitor.sinks.base import MetricSink, require, run_files
 
 ID_FILE = "wandb_id.txt"
+STEP = "step"  # the x axis of the charts: the optimizer step, which a resume or rollback may take back
 
 
 class WandbSink(MetricSink):
-    """Logs with the `wandb` package (extra: wandb). Metrics are 'train/<metric>' and 'eval/<metric>' at
-    the optimizer step; a resumed run's replayed steps, below what W&B already has, are dropped by W&B."""
+    """Logs with the `wandb` package (extra: wandb). Metrics are 'train/<metric>' and 'eval/<metric>',
+    charted against the metric 'step' (the optimizer step), so the steps a resume or rollback replays stay."""
 
     name = "wandb"
 
@@ -45,10 +52,13 @@ class WandbSink(MetricSink):
             project=lcfg.wandb_project, entity=lcfg.wandb_entity, name=lcfg.wandb_name or self.run_dir.name,
             id=self.run_id(), resume="allow", dir=str(self.run_dir), mode=lcfg.wandb_mode, tags=tags or None,
             config=self.cfg.model_dump(mode="json"), allow_val_change=True)  # a resume may change max_steps
+        self.run.define_metric(STEP)
+        for kind in ("train", "eval"):
+            self.run.define_metric(f"{kind}/*", step_metric=STEP)
         self.log(f"W&B run {self.run.id} ({lcfg.wandb_mode})" + (f": {self.run.url}" if self.run.url else ""))
 
     def write(self, step: int, values: dict[str, float], kind: str) -> None:
-        self.run.log({f"{kind}/{k}": v for k, v in values.items()}, step=step)
+        self.run.log({STEP: step, **{f"{kind}/{k}": v for k, v in values.items()}})  # W&B's _step: one more
 
     def sample(self, step: int, text: str) -> None:
         self.run.summary["sample"] = text

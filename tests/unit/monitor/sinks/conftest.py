@@ -13,11 +13,12 @@ from kiln.events import Events
 
 @pytest.fixture
 def drive():
-    """drive(sink, cfg, steps, start=0): the events of a short run, as the trainer and run.py emit them."""
+    """drive(sink, cfg, steps, start=0): the events of a short run, as the trainer and run.py emit them; with
+    status=None the run is left open (trainer.events emits more)."""
 
-    def run(sink, cfg, steps: range, start: int = 0, status: str = "finished", sample: str | None = None):
-        trainer = SimpleNamespace(step=start, cfg=cfg, device=torch.device("cpu"))
+    def run(sink, cfg, steps: range, start: int = 0, status: str | None = "finished", sample: str | None = None):
         events = Events([sink], log=print)
+        trainer = SimpleNamespace(step=start, cfg=cfg, device=torch.device("cpu"), events=events)
         events.emit("on_eval_end", trainer, {"step": start, "val_loss": 5.0, "val_ppl": 148.4})
         events.emit("on_train_start", trainer)
         for s in steps:
@@ -29,7 +30,8 @@ def drive():
             events.emit("on_train_end", trainer, {})
         if sample is not None:
             events.emit("on_sample", trainer, sample)
-        events.emit("on_run_end", trainer, status)
+        if status is not None:
+            events.emit("on_run_end", trainer, status)
         assert not sink.disabled, "the sink failed: see the log above"
         return trainer
 

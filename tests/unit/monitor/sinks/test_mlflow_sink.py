@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from kiln.events import Events
 from kiln.monitor.sinks.mlflow_sink import ID_FILE, MlflowSink, flatten
 
 pytest.importorskip("mlflow")
@@ -57,6 +59,19 @@ def test_a_stopped_run_is_killed_and_its_resume_continues_the_same_mlflow_run(tm
     assert [r.info.run_id for r in runs] == [run_id] and runs[0].info.status == "FINISHED"
     assert [m.step for m in c.get_metric_history(run_id, "train/loss")] == [1, 2, 3, 3, 4, 5]
     assert runs[0].data.params["train.max_steps"] == "300"  # MLflow params never change: the first run's
+
+
+def test_a_store_that_cannot_be_written_is_named_and_the_sink_disabled(tmp_path, config):
+    (tmp_path / "a-file").write_text("not a directory")
+    uri = f"sqlite:///{tmp_path / 'a-file' / 'mlflow.db'}"
+    cfg = config("logging.mlflow=true", f"logging.mlflow_tracking_uri={uri}")
+    sink, logged = MlflowSink(cfg, tmp_path / "run", log=print), []
+    events = Events([sink], log=logged.append)
+    trainer = SimpleNamespace(step=0, cfg=cfg)
+    events.emit("on_train_start", trainer)
+    events.emit("on_step_end", trainer, {"step": 1, "loss": 1.0})
+    assert sink.disabled and len(logged) == 1  # once, and training goes on
+    assert f"MLflow tracking URI {uri} (logging.mlflow_tracking_uri) cannot be used" in logged[0]
 
 
 def test_flatten_gives_dotted_keys():

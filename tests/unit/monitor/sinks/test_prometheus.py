@@ -59,3 +59,5 @@ def test_a_port_in_use_disables_the_sink_and_training_goes_on(tmp_path, config):
         events.emit("on_train_start", trainer)
         events.emit("on_step_end", trainer, {"step": 1, "loss": 1.0})
     assert sink.disabled and len(logged) == 1 and "prometheus sink failed in on_train_start" in logged[0]
+    port = cfg.logging.prometheus_port  # the message says which port, why, and what to set instead
+    assert f"127.0.0.1:{port} (Address already in use)" in logged[0] and "logging.prometheus_port" in logged[0]

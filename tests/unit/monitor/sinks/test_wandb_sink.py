@@ -41,12 +41,13 @@ def records(path: Path) -> list:
 
 
 def offline_run(run_dir: Path, n: int = 0):
-    """(run id, history rows as dicts, config as dict, summary, saved file names) of the n-th offline run."""
+    """(run id, history rows as dicts, config as dict, summary, saved file names, {metric or glob: its x
+    axis}) of the n-th offline run."""
     import wandb
 
     wandb.teardown()  # W&B's service process writes the log after finish() returns: stopping it waits for that
     [log] = sorted(run_dir.glob("wandb/offline-run-*"))[n].glob("run-*.wandb")
-    history, config, summary, files, run_id = [], {}, {}, set(), None
+    history, config, summary, files, run_id, axes = [], {}, {}, set(), None, {}
     for rec in records(log):
         kind = rec.WhichOneof("record_type")
         if kind == "run":
@@ -62,29 +63,49 @@ def offline_run(run_dir: Path, n: int = 0):
                             for u in rec.summary.update})
         elif kind == "files":
             files |= {f.path for f in rec.files.files}
-    return run_id, history, config, summary, files
+        elif kind == "metric":
+            axes[rec.metric.name or rec.metric.glob_name] = rec.metric.step_metric
+    return run_id, history, config, summary, files, axes
 
 
 def test_offline_run_has_the_config_metrics_sample_and_files(tmp_path, drive, config):
     cfg = config("logging.wandb=true", "logging.wandb_mode=offline", "train.lr=0.004", "logging.tags={team: nlp}")
     (tmp_path / "config.yaml").write_text(cfg.to_yaml())
     drive(WandbSink(cfg, tmp_path, log=print), cfg, range(1, 4), sample="def hello():")
-    run_id, history, conf, summary, files = offline_run(tmp_path)
+    run_id, history, conf, summary, files, axes = offline_run(tmp_path)
     assert run_id == (tmp_path / ID_FILE).read_text().strip()
     assert conf["train"]["lr"] == 0.004 and conf["logging"]["wandb_mode"] == "offline"
-    losses = [(row["_step"], row["train/loss"]) for row in history if "train/loss" in row]
+    losses = [(row["step"], row["train/loss"]) for row in history if "train/loss" in row]
     assert losses == [(s, pytest.approx(10.0 / s)) for s in (1, 2, 3)]
-    assert [(row["_step"], row["eval/val_loss"]) for row in history if "eval/val_loss" in row] == [(0, 5.0), (3, 4.0)]
+    assert [(row["step"], row["eval/val_loss"]) for row in history if "eval/val_loss" in row] == [(0, 5.0), (3, 4.0)]
+    assert axes["train/*"] == axes["eval/*"] == "step"  # the optimizer step is the charts' x axis
     assert summary["sample"] == "def hello():"
     assert {"config.yaml", ID_FILE} <= files  # the run directory's files, uploaded at the end
     [kept] = tmp_path.glob("wandb/offline-run-*/files/config.yaml")  # as they were then, for `wandb sync`
     assert kept.read_text() == cfg.to_yaml() and not kept.is_symlink()
 
 
-def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, drive, config):
+def test_a_resumed_run_continues_the_same_wandb_run_and_keeps_replayed_steps(tmp_path, drive, config):
+    """A rollback (within a process) and a resume from a checkpoint older than the last logged step both
+    train steps again; W&B refuses a step below its last one, so those rows must not be logged at step=."""
     cfg = config("logging.wandb=true", "logging.wandb_mode=offline")
-    drive(WandbSink(cfg, tmp_path, log=print), cfg, range(1, 3), status="stopped")
-    drive(WandbSink(cfg, tmp_path, log=print), cfg, range(3, 5), start=2)
+    sink = WandbSink(cfg, tmp_path, log=print)
+    trainer = drive(sink, cfg, range(1, 5), status=None)  # steps 1-4 logged, then a bad step rolls back to 2
+    trainer.step = 2
+    trainer.events.emit("on_notice", trainer, "rollback", {"message": "rolled back to step 2"})
+    for s in (3, 4):
+        trainer.step = s
+        trainer.events.emit("on_step_end", trainer, {"step": s, "loss": 1.0 / s})
+    trainer.events.emit("on_run_end", trainer, "stopped")
+    drive(WandbSink(cfg, tmp_path, log=print), cfg, range(3, 6), start=2)  # resumed from the checkpoint at 2
     first, second = offline_run(tmp_path, 0), offline_run(tmp_path, 1)
     assert first[0] == second[0] == (tmp_path / ID_FILE).read_text().strip()
-    assert [row["_step"] for row in second[1] if "train/loss" in row] == [3, 4]
+    def steps(rows):  # the optimizer step of each train row (before W&B's own step was freed from it, _step)
+        return [row.get("step", row["_step"]) for row in rows if "train/loss" in row]
+
+    assert steps(first[1]) == [1, 2, 3, 4, 3, 4]
+    assert [row["train/loss"] for row in first[1] if "train/loss" in row][-2:] == [pytest.approx(1 / 3), 0.25]
+    assert steps(second[1]) == [3, 4, 5]
+    for run in (first, second):
+        w_steps = [row["_step"] for row in run[1]]
+        assert w_steps == sorted(set(w_steps))  # W&B's own step only grows
