@@ -56,7 +56,7 @@ def render(plan: Plan, console: Console) -> None:
                   f"{t.seq_len}", highlight=False)
     console.print(f"run: {_layout(plan)}, {precision}, compile {'on' if t.compile else 'off'}, activation "
                   f"checkpointing {t.activation_checkpointing}; micro-batch {plan.batch} x accumulation "
-                  f"{t.grad_accum} x {plan.gpus} = {plan.tokens_per_step:,} tokens a step", highlight=False)
+                  f"{plan.accumulation} x {plan.gpus} = {plan.tokens_per_step:,} tokens a step", highlight=False)
 
     table = Table(title=f"memory per device at micro-batch {plan.batch}", title_justify="left")
     table.add_column("what")
