@@ -114,8 +114,10 @@ def layout_for(cfg: RunConfig, gpus: int, n_params: int, memory: int, strategy: 
     return Layout("fsdp", shard, d.sharding, offload)
 
 
-def capacity_of(gpu: Gpu) -> int:
-    return int(gpu.memory * CPU_SHARE) if gpu.key == "cpu" else gpu.memory
+def capacity_of(gpu: Gpu, gpus: int = 1) -> int:
+    """Bytes one process may use: a GPU's memory, or on the CPU its share of the RAM that all `gpus`
+    processes of the machine divide between them."""
+    return int(gpu.memory * CPU_SHARE) // max(1, gpus) if gpu.key == "cpu" else gpu.memory
 
 
 def needs(mem: Memory, gpu: Gpu) -> int:
@@ -151,7 +153,7 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
     fpt = flops_per_token(m, t.seq_len)
     bf16 = t.precision == "bf16" or (t.precision == "auto" and gpu.key != "cpu")
     compiled = t.compile
-    cap = capacity_of(gpu)
+    cap = capacity_of(gpu, gpus)
     lora = Lora(cfg.lora.rank, tuple(cfg.lora.targets), 2 if cfg.lora.base_dtype == "bf16" else 4) \
         if cfg.lora.rank else None
     trained = lora_params(m, lora) if lora else n
@@ -244,6 +246,10 @@ def _advise(plan: Plan, fit) -> None:
         if needs(mem, gpu) <= plan.capacity:
             plan.warnings.append("LoRA fits: lora.rank=16 lora.targets=[all] train.activation_checkpointing=full "
                                  "train.batch_size=1 (continued pretraining of a frozen bf16 base)")
+    if not plan.max_batch and not fitting and gpu.key == "cpu":  # more processes share the same RAM
+        plan.warnings.append("more processes on this machine share its memory: what fits is a smaller model, "
+                             "shorter sequences or fewer processes")
+        return
     if not plan.max_batch and not fitting:
         for more in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
             if more <= plan.gpus:

@@ -150,3 +150,14 @@ def test_a_global_batch_the_run_would_refuse_is_a_config_error_of_the_plan(args,
     r = kiln("plan", "train.device=cpu", *args)
     assert r.returncode == 2 and message in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
     assert "Traceback" not in r.stderr
+
+
+def test_processes_on_the_cpu_share_its_memory_and_more_of_them_are_not_advised():
+    from kiln.plan.gpus import cpu_gpu
+
+    cpu = cpu_gpu(24 * 2**30)
+    one, four = (make_plan(load_config(None, ["train.device=cpu"]), n, cpu) for n in (1, 4))
+    assert four.capacity == one.capacity // 4 and four.max_batch < one.max_batch
+    big = make_plan(load_config(None, ["model.size=8b", "train.device=cpu"]), 1, cpu)
+    assert not big.fits and any("share its memory" in w for w in big.warnings)
+    assert not any("--nproc" in w for w in big.warnings)
