@@ -1,12 +1,14 @@
-"""Whole-job failures under torchrun (gloo, CPU), each against a run that was never interrupted:
+"""Whole-job failures under torchrun (gloo, CPU), against a run that was never interrupted. One 2-process run
+goes through three interruptions in turn (each torchrun start costs seconds, so they share the run):
 
-- the whole job killed with SIGKILL once a checkpoint exists, then `kiln train RUN_DIR --nproc 2`: the
-  same losses and final weights;
-- one worker killed with SIGKILL under `--max-restarts 1`: torchrun restarts the job, which resumes from
-  the newest checkpoint by itself and finishes with the same losses and weights;
-- SIGTERM to the `kiln train --nproc 2` process alone (as a scheduler sends it): every worker stops at the
-  same step with one complete checkpoint, and the resume finishes with the same losses and weights;
-- a 4-process job killed after its first checkpoint resumes on 2 processes at the same global sample.
+- the whole job killed with SIGKILL once a checkpoint exists, then `kiln train RUN_DIR --nproc 2` resumes it;
+- SIGTERM to that `kiln train --nproc 2` process alone (as a scheduler sends it): every worker stops at the
+  same step with one complete checkpoint;
+- resumed under `--max-restarts 1`, one worker killed with SIGKILL: torchrun restarts the job, which resumes
+  from the newest checkpoint by itself and finishes with the same losses and final weights as the reference.
+
+Apart from it, a 4-process job killed after its first checkpoint resumes on 2 processes at the same global
+sample.
 
 No fixed sleeps: the tests poll the run directory (and /proc for the workers) until what they wait for
 is there."""
@@ -28,7 +30,7 @@ from kiln.state.rundir import checkpoints
 
 from .conftest import stdlib_corpus
 
-STEPS, EVERY = 20, 5
+STEPS, EVERY = 40, 5  # steps take ~50 ms, starts seconds: room for 3 interruptions, each after a new checkpoint
 ENV = {**os.environ, "COLUMNS": "400", "OMP_NUM_THREADS": "1"}
 
 
@@ -54,26 +56,27 @@ def finish(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     return done
 
 
-def start(tmp_path: Path, *args: str, nproc: int = 2, max_restarts: int = 0) -> subprocess.Popen:
-    """`kiln train --nproc` in the background, output to files."""
-    out, err = open(tmp_path / "stdout.txt", "w"), open(tmp_path / "stderr.txt", "w")
+def start(logs: Path, *args: str, nproc: int = 2, max_restarts: int = 0) -> subprocess.Popen:
+    """`kiln train --nproc` in the background, output to files in the new folder `logs`."""
+    logs.mkdir()
+    out, err = open(logs / "stdout.txt", "w"), open(logs / "stderr.txt", "w")
     return subprocess.Popen(command(*args, nproc=nproc, max_restarts=max_restarts), stdout=out, stderr=err, env=ENV)
 
 
-def output(tmp_path: Path) -> str:
-    return (tmp_path / "stdout.txt").read_text() + (tmp_path / "stderr.txt").read_text()
+def output(logs: Path) -> str:
+    return (logs / "stdout.txt").read_text() + (logs / "stderr.txt").read_text()
 
 
-def wait_until(what, proc: subprocess.Popen, tmp_path: Path, timeout: float = 240):
+def wait_until(what, proc: subprocess.Popen, logs: Path, timeout: float = 240):
     """Poll `what()` until it gives something true; fail if the job ends first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = what()
         if got:
             return got
-        assert proc.poll() is None, f"the job ended (code {proc.returncode}) first:\n{output(tmp_path)[-3000:]}"
+        assert proc.poll() is None, f"the job ended (code {proc.returncode}) first:\n{output(logs)[-3000:]}"
         time.sleep(0.02)
-    raise AssertionError(f"timed out waiting:\n{output(tmp_path)[-3000:]}")
+    raise AssertionError(f"timed out waiting:\n{output(logs)[-3000:]}")
 
 
 def steps_saved(run_dir: Path) -> list[int]:
@@ -149,42 +152,29 @@ def killed_early(run_dir: Path) -> None:
     assert not (run_dir / "model").exists() and max(steps_saved(run_dir)) < STEPS
 
 
+def newer_checkpoint(run_dir: Path, than: int):
+    """A test for wait_until: the newest saved step once it is past `than`."""
+    return lambda: max(steps_saved(run_dir), default=0) > than and max(steps_saved(run_dir))
+
+
 @pytest.mark.slow
-def test_sigkill_of_the_whole_job_then_resume_is_exact(base, reference, tmp_path):
+def test_sigkill_sigterm_and_a_killed_worker_in_turn_then_the_run_ends_as_if_never_stopped(base, reference, tmp_path):
     run_dir = tmp_path / "run"
-    job = start(tmp_path, *base, "train.batch_size=2", f"train.run_dir={run_dir}")
-    wait_until(lambda: steps_saved(run_dir), job, tmp_path)
+
+    # 1. SIGKILL of the whole job once a checkpoint exists; `kiln train RUN_DIR` resumes it
+    job = start(tmp_path / "1", *base, "train.batch_size=2", f"train.run_dir={run_dir}")
+    wait_until(lambda: steps_saved(run_dir), job, tmp_path / "1")
     kill_job(job)  # kiln, torchrun and its workers: all at once
     killed_early(run_dir)
-    out = finish(str(run_dir))
-    assert "resumed from" in out.stdout
-    assert losses(run_dir) == losses(reference)
-    same_weights(run_dir, reference)
+    killed_at = max(steps_saved(run_dir))
 
-
-@pytest.mark.slow
-def test_a_killed_worker_restarts_the_job_which_resumes_by_itself(base, reference, tmp_path):
-    run_dir = tmp_path / "run"
-    job = start(tmp_path, *base, "train.batch_size=2", f"train.run_dir={run_dir}", max_restarts=1)
-    wait_until(lambda: steps_saved(run_dir), job, tmp_path)
-    victim = wait_until(lambda: worker(job.pid, 1), job, tmp_path)
-    os.kill(victim, signal.SIGKILL)
-    assert job.wait(timeout=300) == 0, output(tmp_path)[-4000:]
-    out = output(tmp_path)
-    assert "(exitcode: -9)" in out and out.count("kiln run directory:") == 2  # torchrun started the job again
-    assert out.count("resumed from") == 1  # which resumed from a checkpoint by itself
-    assert losses(run_dir) == losses(reference)
-    same_weights(run_dir, reference)
-
-
-@pytest.mark.slow
-def test_sigterm_to_the_launcher_writes_one_checkpoint_and_the_resume_is_exact(base, reference, tmp_path):
-    run_dir = tmp_path / "run"
-    job = start(tmp_path, *base, "train.batch_size=2", f"train.run_dir={run_dir}")
-    wait_until(lambda: steps_saved(run_dir), job, tmp_path)
+    # 2. SIGTERM to the launcher of the resumed job, once it saved a checkpoint of its own
+    job = start(tmp_path / "2", str(run_dir))
+    wait_until(newer_checkpoint(run_dir, killed_at), job, tmp_path / "2")
     job.send_signal(signal.SIGTERM)  # the launcher alone: torchrun and the workers hear it from it
     job.wait(timeout=120)
-    out = output(tmp_path)
+    out = output(tmp_path / "2")
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{killed_at:08d}'}" in out
     killed_early(run_dir)
     metas = [json.loads((p / "meta.json").read_text()) for p in checkpoints(run_dir)]
     preempt = [m for m in metas if m["reason"] == "preempt"]
@@ -192,7 +182,19 @@ def test_sigterm_to_the_launcher_writes_one_checkpoint_and_the_resume_is_exact(b
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp-")]  # nothing half-written
     assert f"stopped by SIGTERM after step {preempt[0]['step']}" in out
     assert "forcefully exiting via SIGKILL" not in out  # every worker finished within torchrun's grace
-    finish(str(run_dir))
+    stopped_at = preempt[0]["step"]
+
+    # 3. resumed under --max-restarts 1; a worker killed after a new checkpoint: torchrun restarts the job,
+    # which resumes from the newest checkpoint by itself and finishes
+    job = start(tmp_path / "3", str(run_dir), max_restarts=1)
+    newest = wait_until(newer_checkpoint(run_dir, stopped_at), job, tmp_path / "3")
+    victim = wait_until(lambda: worker(job.pid, 1), job, tmp_path / "3")
+    os.kill(victim, signal.SIGKILL)
+    assert job.wait(timeout=300) == 0, output(tmp_path / "3")[-4000:]
+    out = output(tmp_path / "3")
+    assert "(exitcode: -9)" in out and out.count("kiln run directory:") == 2  # torchrun started the job again
+    resumed = [int(line.split("(step ")[1].split(",")[0]) for line in out.splitlines() if "resumed from" in line]
+    assert resumed[0] == stopped_at and len(resumed) == 2 and resumed[1] >= newest  # by itself, from the newest
     assert losses(run_dir) == losses(reference)
     same_weights(run_dir, reference)
 
@@ -200,8 +202,8 @@ def test_sigterm_to_the_launcher_writes_one_checkpoint_and_the_resume_is_exact(b
 @pytest.mark.slow
 def test_a_four_process_job_resumes_on_two_at_the_same_global_sample(base, reference, tmp_path):
     run_dir = tmp_path / "run"
-    job = start(tmp_path, *base, "train.batch_size=1", f"train.run_dir={run_dir}", nproc=4)  # 4 x 1 sequences
-    wait_until(lambda: steps_saved(run_dir), job, tmp_path)
+    job = start(tmp_path / "logs", *base, "train.batch_size=1", f"train.run_dir={run_dir}", nproc=4)  # 4 x 1
+    wait_until(lambda: steps_saved(run_dir), job, tmp_path / "logs")
     kill_job(job)
     killed_early(run_dir)
     saved = max(steps_saved(run_dir))

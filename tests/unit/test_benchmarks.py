@@ -1,8 +1,15 @@
 """Every script in benchmarks/ starts both ways a user runs it: `python benchmarks/X.py` and
-`python -m benchmarks.X` (from the repository root), here with --help, which needs no GPU."""
+`python -m benchmarks.X` (from the repository root), here with --help, which needs no GPU.
+
+One fresh interpreter imports torch (the bulk of every start) once, then forks a child per start; each
+child sets sys.argv and sys.path[0] as the interpreter would (the script's folder, or the current
+folder for -m) and runs the script as __main__ the way `python` does (runpy). A script named like a
+module imported before the fork would shadow it in a real script start without the fork showing it, so
+the test fails on such a name first."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,21 +20,67 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
 
+# argv: JSON list of [how, ...]; prints one JSON object {how: [exit code, output]}
+SERVER = r'''
+import json, os, runpy, sys, tempfile
+import torch, torch._dynamo  # noqa: F401  (imported once, before the forks: most of each start)
+
+starts = json.loads(sys.argv[1])
+loaded = {name.split(".")[0] for name in sys.modules}
+shadowed = sorted({os.path.basename(h[0]).removesuffix(".py") for h in starts if h[0] != "-m"} & loaded)
+if shadowed:
+    print(json.dumps({"shadowed": shadowed}))
+    sys.exit(0)
+cwd, children = os.getcwd(), {}
+for how in starts:
+    out = tempfile.TemporaryFile()
+    pid = os.fork()
+    if pid == 0:  # the child: one start, as `python ARGS --help` makes it
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        code = 0
+        try:
+            if how[0] == "-m":
+                sys.argv = [how[1], "--help"]  # runpy puts the module's file there, as -m does
+                sys.path[0] = cwd
+                runpy.run_module(how[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = [how[0], "--help"]
+                sys.path[0] = os.path.dirname(os.path.realpath(how[0]))
+                runpy.run_path(how[0], run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            if not isinstance(e.code, int | None):
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    children[pid] = (" ".join(how), out)
+done = {}
+for pid, (how, out) in children.items():
+    _, status = os.waitpid(pid, 0)
+    out.seek(0)
+    done[how] = [os.waitstatus_to_exitcode(status), out.read().decode(errors="replace")]
+print(json.dumps(done))
+'''
+
 
 @pytest.mark.slow
 def test_every_benchmark_prints_help_as_a_script_and_as_a_module():
     assert "loader" in SCRIPTS and "tokenize_speed" in SCRIPTS and "tokenize" not in SCRIPTS
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "CUDA_VISIBLE_DEVICES": ""}
-    runs = {}
-    for name in SCRIPTS:  # all at once: each start imports torch
-        for how in (["benchmarks/" + name + ".py"], ["-m", "benchmarks." + name]):
-            runs[" ".join(how)] = subprocess.Popen([sys.executable, *how, "--help"], cwd=ROOT, env=env,
-                                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    failed = {}
-    for how, proc in runs.items():
-        out, _ = proc.communicate(timeout=300)
-        if proc.returncode != 0 or "usage:" not in out:
-            failed[how] = out[-2000:]
+    starts = [how for name in SCRIPTS for how in (["benchmarks/" + name + ".py"], ["-m", "benchmarks." + name])]
+    done = subprocess.run([sys.executable, "-c", SERVER, json.dumps(starts)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    assert "shadowed" not in results, f"benchmarks/ scripts named like modules torch imports: {results}"
+    assert sorted(results) == sorted(" ".join(how) for how in starts)
+    failed = {how: out[-2000:] for how, (code, out) in results.items() if code != 0 or "usage:" not in out}
     assert not failed, failed
 
 

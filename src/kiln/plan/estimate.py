@@ -45,7 +45,7 @@ class Plan:
     flops_per_token: float
     layout: Layout
     bf16: bool
-    batch: int  # the micro-batch planned: train.batch_size
+    batch: int  # the micro-batch planned: train.batch_size, or with 'auto' the one the run would pick
     memory: Memory  # per device, at that micro-batch
     capacity: int  # bytes a device may hold (peak incl. allocator and context must stay under)
     fits: bool
@@ -59,6 +59,7 @@ class Plan:
     host_per_process: int  # CPU memory per process: offloaded state, pinned checkpoint copy, snapshots
     host_parts: list[str] = field(default_factory=list)
     lora: Lora | None = None
+    accumulation: int = 1  # micro-batches per optimizer step
     options: list[Option] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -113,13 +114,22 @@ def layout_for(cfg: RunConfig, gpus: int, n_params: int, memory: int, strategy: 
     return Layout("fsdp", shard, d.sharding, offload)
 
 
-def capacity_of(gpu: Gpu) -> int:
-    return int(gpu.memory * CPU_SHARE) if gpu.key == "cpu" else gpu.memory
+def capacity_of(gpu: Gpu, gpus: int = 1) -> int:
+    """Bytes one process may use: a GPU's memory, or on the CPU its share of the RAM that all `gpus`
+    processes of the machine divide between them."""
+    return int(gpu.memory * CPU_SHARE) // max(1, gpus) if gpu.key == "cpu" else gpu.memory
 
 
 def needs(mem: Memory, gpu: Gpu) -> int:
     """Bytes of the device a step with this peak takes: the peak plus allocator slack and the context."""
     return mem.peak if gpu.key == "cpu" else int(mem.peak * (1 + FRAGMENTATION)) + CONTEXT
+
+
+def even_cut(rows: int, fit: int) -> int:
+    """The micro-batch `train.batch_size: auto` takes (kiln.train.autobatch.even_cut, without torch): the
+    largest of at most `fit` rows that cuts `rows` into the fewest, most even pieces."""
+    fit = max(1, min(fit, rows))
+    return -(-rows // -(-rows // fit))
 
 
 def largest_batch(fits_at) -> int:
@@ -143,7 +153,7 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
     fpt = flops_per_token(m, t.seq_len)
     bf16 = t.precision == "bf16" or (t.precision == "auto" and gpu.key != "cpu")
     compiled = t.compile
-    cap = capacity_of(gpu)
+    cap = capacity_of(gpu, gpus)
     lora = Lora(cfg.lora.rank, tuple(cfg.lora.targets), 2 if cfg.lora.base_dtype == "bf16" else 4) \
         if cfg.lora.rank else None
     trained = lora_params(m, lora) if lora else n
@@ -168,14 +178,18 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
         return est, est.mfu * gpu.peak_flops * gpus / fpt * (1.5 if lora else 1.0)
 
     max_batch = largest_batch(fit(t.activation_checkpointing, layout))
-    batch = t.batch_size
-    if not isinstance(batch, int):  # 'auto': the largest micro-batch that fits, as the search would find it
-        notes.append(f"train.batch_size={batch}: planned at the largest micro-batch that fits, {max_batch}")
-        batch = max(1, max_batch)
+    rows = t.step_rows(max(1, gpus))  # per rank and step; ConfigError where the ranks cannot share the batch
+    if t.batch_size == "auto":  # the largest micro-batch that fits, cut as the run cuts the step's rows
+        batch = even_cut(rows, max_batch)
+        notes.append(f"train.batch_size=auto: planned at micro-batch {batch} x {-(-rows // batch)} accumulated "
+                     f"({rows} sequences per process and step; " +
+                     (f"up to {max_batch} would fit)" if max_batch else "not even 1 fits)"))
+    else:
+        batch = t.loader_rows(max(1, gpus))  # ConfigError where the micro-batch does not divide the step's rows
     memory = mem(batch, t.activation_checkpointing, layout)
     fits = needs(memory, gpu) <= cap
     mfu, tps = speed(t.activation_checkpointing, layout)
-    tokens_per_step = batch * t.seq_len * t.grad_accum * max(1, gpus)
+    tokens_per_step = rows * t.seq_len * max(1, gpus)
     seconds = t.max_steps * tokens_per_step / tps if tps else None
     ckpt = checkpoint_bytes(trained)  # with LoRA the adapters only: the base is referenced by its hash
     shard = max(1, layout.shard)
@@ -185,7 +199,7 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
     host = sum(parts.values())
     plan = Plan(cfg, m, gpu, gpus, n, fpt, layout, bf16, batch, memory, cap, fits, max_batch, mfu, tps, tokens_per_step,
                 seconds, ckpt, (cfg.checkpoint.keep_last + 1) * ckpt + 4 * trained, int(host),
-                host_parts=[k for k, v in parts.items() if v], lora=lora, notes=notes)
+                host_parts=[k for k, v in parts.items() if v], lora=lora, accumulation=-(-rows // batch), notes=notes)
 
     layouts = [layout] if gpus <= 1 else [layout_for(cfg, gpus, n, gpu.memory, s, o) for s, o in
                                           (("ddp", False), ("fsdp", False), ("fsdp", True))]
@@ -208,19 +222,22 @@ def _advise(plan: Plan, fit) -> None:
         plan.notes.append("dist.cpu_offload applies to several processes under FSDP; one process keeps all on "
                           "the device")
     if plan.fits:
-        if plan.max_batch > plan.batch * 2:
+        if plan.max_batch > plan.batch * 2 and t.batch_size != "auto":
             plan.notes.append(f"micro-batch {plan.max_batch} would fit (train.batch_size={plan.batch})")
         return
     need = needs(plan.memory, gpu)
-    plan.warnings.append(f"does not fit: a step at train.batch_size={plan.batch} needs about {need / GIB:.1f} GiB "
+    at = f"micro-batch {plan.batch} (train.batch_size=auto)" if t.batch_size == "auto" else \
+        f"train.batch_size={plan.batch}"
+    plan.warnings.append(f"does not fit: a step at {at} needs about {need / GIB:.1f} GiB "
                          f"per device, {where} has {plan.capacity / GIB:.1f} GiB")
     fitting = [o for o in plan.options if o.max_batch > 0]
     if plan.max_batch:
-        g = plan.batch * t.grad_accum
+        g = plan.batch * plan.accumulation
         b = plan.max_batch
         while g % b:
             b -= 1
-        plan.warnings.append(f"fits with train.batch_size={b} train.grad_accum={g // b} (the same global batch)")
+        accum = "" if t.global_batch_tokens else f" train.grad_accum={g // b}"  # else it follows from the batch
+        plan.warnings.append(f"fits with train.batch_size={b}{accum} (the same global batch)")
     elif fitting:
         best = max(fitting, key=lambda o: (o.tokens_per_s or 0, o.max_batch))
         plan.warnings.append(f"fits with {best.strategy}, activation_checkpointing={best.ac}, micro-batch up to "
@@ -231,6 +248,10 @@ def _advise(plan: Plan, fit) -> None:
         if needs(mem, gpu) <= plan.capacity:
             plan.warnings.append("LoRA fits: lora.rank=16 lora.targets=[all] train.activation_checkpointing=full "
                                  "train.batch_size=1 (continued pretraining of a frozen bf16 base)")
+    if not plan.max_batch and not fitting and gpu.key == "cpu":  # more processes share the same RAM
+        plan.warnings.append("more processes on this machine share its memory: what fits is a smaller model, "
+                             "shorter sequences or fewer processes")
+        return
     if not plan.max_batch and not fitting:
         for more in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
             if more <= plan.gpus:

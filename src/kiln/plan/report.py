@@ -56,7 +56,7 @@ def render(plan: Plan, console: Console) -> None:
                   f"{t.seq_len}", highlight=False)
     console.print(f"run: {_layout(plan)}, {precision}, compile {'on' if t.compile else 'off'}, activation "
                   f"checkpointing {t.activation_checkpointing}; micro-batch {plan.batch} x accumulation "
-                  f"{t.grad_accum} x {plan.gpus} = {plan.tokens_per_step:,} tokens a step", highlight=False)
+                  f"{plan.accumulation} x {plan.gpus} = {plan.tokens_per_step:,} tokens a step", highlight=False)
 
     table = Table(title=f"memory per device at micro-batch {plan.batch}", title_justify="left")
     table.add_column("what")
@@ -76,7 +76,8 @@ def render(plan: Plan, console: Console) -> None:
     table.add_row(f"peak (end of the {mem.phase} pass)", gib(mem.peak), style="bold")
     table.add_row(f"+{FRAGMENTATION:.0%} allocator, +{CONTEXT / GIB:.0f} GiB context" if plan.gpu.key != "cpu"
                   else "needed", gib(needs(mem, plan.gpu)))
-    table.add_row("available" + (" (80% of RAM)" if plan.gpu.key == "cpu" else ""), gib(plan.capacity))
+    share = "" if plan.gpus <= 1 else f" / {plan.gpus} processes"
+    table.add_row("available" + (f" (80% of RAM{share})" if plan.gpu.key == "cpu" else ""), gib(plan.capacity))
     console.print(table)
     fit = "[green]fits[/]" if plan.fits else "[red]does not fit[/]"
     console.print(f"{fit}; largest micro-batch that fits: {plan.max_batch or 'none'}")

@@ -2,7 +2,9 @@
 
 argv: OUT_DIR CONFIG_JSON [HF_DIR]. Builds the model with kiln.dist.materialize.build_model after the
 one-process seed, gathers every parameter's full tensor, and rank 0 saves them (and the peak RSS growth
-of the build on each rank) under OUT_DIR."""
+of the build on each rank) to OUT_DIR/built.pt. With HF_DIR, the same job then builds the model again
+from those weights (model.init_from) into OUT_DIR/built_init_from.pt (its memory is not measured: the
+first build's is, in a fresh process)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,13 @@ def main() -> None:
     mesh = init_mesh("cpu", cfg.dist)
     small = cfg.model_copy(update={"model": cfg.model.model_copy(update={"n_layers": 1, "vocab_size": 64})})
     build_model(small, mesh, param_count(small.model), lambda s: None)  # warm up: imports and op caches
+    build(out / "built.pt", cfg, mesh)
+    if weights:
+        build(out / "built_init_from.pt", cfg, mesh, weights)
+    mesh.close(clean=True)
+
+
+def build(path: Path, cfg: RunConfig, mesh, weights: str | None = None) -> None:
     torch.manual_seed(cfg.train.seed)
     before = rss_bytes()  # now; the build's peak is measured from here
     model = build_model(cfg, mesh, param_count(cfg.model), lambda s: None, weights_from=weights)
@@ -45,8 +54,7 @@ def main() -> None:
         torch.save({"state": full, "rng_after": after, "rss_growth": growth,
                     "tied": model.lm_head.weight is model.embed_tokens.weight,
                     "rope": (model.rope_cos.clone(), model.rope_sin.clone()),
-                    "kinds": sorted({type(p).__name__ for p in model.parameters()})}, out / "built.pt")
-    mesh.close(clean=True)
+                    "kinds": sorted({type(p).__name__ for p in model.parameters()})}, path)
 
 
 if __name__ == "__main__":

@@ -40,12 +40,29 @@ def one_process(cfg: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor, Trans
 
 
 def torchrun_build(tmp_path: Path, cfg: dict, *extra: str) -> dict:
+    """The build of `cfg` by 2 processes; with an HF directory in `extra`, the same job's second build from it
+    under the key "init_from"."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(HERE / "build_worker.py"), str(tmp_path), json.dumps(cfg), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(tmp_path / "built.pt", weights_only=False)
+    got = torch.load(tmp_path / "built.pt", weights_only=False)
+    if extra:
+        got["init_from"] = torch.load(tmp_path / "built_init_from.pt", weights_only=False)
+    return got
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory) -> tuple[dict, Transformer]:
+    """One 2-process job: the seeded build of the untied model (measured), then a build from an HF directory
+    of other weights (seed 123); and the model those weights came from."""
+    cfg = config(tie_embeddings=False)
+    _, _, source = one_process({**cfg, "train": {**cfg["train"], "seed": 123}})
+    root = tmp_path_factory.mktemp("untied")
+    hf = write_hf_dir(root / "hf", source)
+    (root / "out").mkdir()
+    return torchrun_build(root / "out", cfg, str(hf)), source
 
 
 def write_hf_dir(path: Path, model: Transformer) -> Path:
@@ -60,10 +77,10 @@ def write_hf_dir(path: Path, model: Transformer) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tie", [True, False])
-def test_fsdp_meta_build_equals_the_one_process_init_and_stays_bounded(tmp_path, tie):
+def test_fsdp_meta_build_equals_the_one_process_init_and_stays_bounded(tmp_path, tie, request):
     cfg = config(tie_embeddings=tie)
     expected, rng_after, model = one_process(cfg)
-    got = torchrun_build(tmp_path, cfg)
+    got = torchrun_build(tmp_path, cfg) if tie else request.getfixturevalue("untied")[0]
     assert got["kinds"] == ["DTensor"] and got["tied"] is tie  # DTensor parameters; ties kept
     assert sorted(got["state"]) == sorted(expected)
     for k, v in expected.items():
@@ -80,12 +97,10 @@ def test_fsdp_meta_build_equals_the_one_process_init_and_stays_bounded(tmp_path,
 
 
 @pytest.mark.slow
-def test_fsdp_init_from_reads_each_shard_from_the_safetensors(tmp_path):
-    cfg = config(tie_embeddings=False)
-    _, _, source = one_process({**cfg, "train": {**cfg["train"], "seed": 123}})
-    hf = write_hf_dir(tmp_path / "hf", source)
-    (tmp_path / "out").mkdir()
-    got = torchrun_build(tmp_path / "out", cfg, str(hf))
+def test_fsdp_init_from_reads_each_shard_from_the_safetensors(untied):
+    got, source = untied
+    got = got["init_from"]
+    assert got["kinds"] == ["DTensor"]
     for k, v in source.state_dict().items():
         assert torch.equal(got["state"][k], v), k
 

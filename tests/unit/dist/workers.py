@@ -14,7 +14,7 @@ from kiln.model.registry import param_count
 from kiln.train.events import Callback
 from kiln.train.trainer import Trainer
 
-VOCAB, T, STEPS = 256, 16, 20
+VOCAB, T, STEPS = 256, 16, 10
 
 
 class GlobalBatches:

@@ -119,3 +119,61 @@ def test_lora_plans_an_8b_model_on_one_rtx4090():
     assert plan.fits and plan.memory.weights == 2 * plan.n_params + 4 * trained  # frozen bf16 base
     assert plan.memory.grads == 4 * trained and plan.memory.optimizer == 8 * trained
     assert plan.checkpoint < 1e9  # the adapters only
+
+
+def test_auto_batch_is_planned_at_the_micro_batch_the_run_would_take():
+    from kiln.plan.estimate import even_cut
+    from kiln.plan.gpus import cpu_gpu
+    from kiln.train.autobatch import even_cut as run_cut
+
+    cpu = cpu_gpu(24 * 2**30)
+    # 4096 tokens of 256: 16 sequences a step, far fewer than fit in the CPU's memory
+    plan = make_plan(load_config(None, ["train.batch_size=auto", "train.global_batch_tokens=4096"]), 1, cpu)
+    assert plan.max_batch > 16 and plan.batch == 16 and plan.accumulation == 1
+    assert plan.tokens_per_step == 4096
+    assert plan.memory == make_plan(load_config(None, ["train.batch_size=16"]), 1, cpu).memory
+    assert not any("would fit (train.batch_size" in n for n in plan.notes)
+    two = make_plan(load_config(None, ["train.batch_size=auto", "train.global_batch_tokens=4096"]), 2, cpu)
+    assert (two.batch, two.accumulation, two.tokens_per_step) == (8, 1, 4096)
+    assert all(even_cut(rows, fit) == run_cut(rows, fit) for rows in range(1, 40) for fit in range(0, 45))
+
+
+def test_global_batch_tokens_sets_the_tokens_of_a_step_and_the_accumulation():
+    cfg = load_config(None, ["train.batch_size=4", "train.global_batch_tokens=8192"])  # 32 sequences of 256
+    plan = make_plan(cfg, 2, GPUS["h100"])
+    assert (plan.batch, plan.accumulation, plan.tokens_per_step) == (4, 4, 8192)
+    assert plan.seconds == pytest.approx(cfg.train.max_steps * 8192 / plan.tokens_per_s)
+
+
+def test_an_auto_batch_that_fits_nowhere_is_planned_at_one_and_warned():
+    cfg = load_config(None, ["model.size=8b", "train.batch_size=auto", "train.global_batch_tokens=65536"])
+    plan = make_plan(cfg, 1, GPUS["rtx4090"])
+    assert not plan.fits and plan.max_batch == 0 and (plan.batch, plan.accumulation) == (1, 256)
+    assert any("not even 1 fits" in n for n in plan.notes)
+    assert any("micro-batch 1 (train.batch_size=auto)" in w for w in plan.warnings)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train.batch_size=auto", "train.global_batch_tokens=4096", "--gpus", "3"],
+     "16 sequences, which 3 data-parallel ranks cannot share evenly; make it a multiple of 768"),
+    (["train.batch_size=5", "train.global_batch_tokens=4096"], "not a multiple of train.batch_size=5"),
+    (["train.batch_size=auto", "train.global_batch_tokens=1000"], "is not a multiple of train.seq_len=256"),
+    (["train.batch_size=auto"], "train.batch_size=auto needs train.global_batch_tokens"),
+    (["train.seq_len=4096"], "longer than model.max_seq_len"),
+    (["--gpus", "0"], "--gpus"),
+])
+def test_a_global_batch_the_run_would_refuse_is_a_config_error_of_the_plan(args, message):
+    r = kiln("plan", "train.device=cpu", *args)
+    assert r.returncode == 2 and message in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+def test_processes_on_the_cpu_share_its_memory_and_more_of_them_are_not_advised():
+    from kiln.plan.gpus import cpu_gpu
+
+    cpu = cpu_gpu(24 * 2**30)
+    one, four = (make_plan(load_config(None, ["train.device=cpu"]), n, cpu) for n in (1, 4))
+    assert four.capacity == one.capacity // 4 and four.max_batch < one.max_batch
+    big = make_plan(load_config(None, ["model.size=8b", "train.device=cpu"]), 1, cpu)
+    assert not big.fits and any("share its memory" in w for w in big.warnings)
+    assert not any("--nproc" in w for w in big.warnings)

@@ -54,25 +54,27 @@ assert stop == "SIGTERM", (rank, stop)
 if rank == 0:
     json.dump({"path": str(path), "expected": expected}, open(out, "w"))
 ck.close()
-dist.destroy_process_group()
 '''
 
 
-def launch_two(script: str, tmp_path: Path, run_dir: Path) -> dict:
-    """Run `script` in 2 gloo processes under torchrun; returns the JSON that rank 0 wrote."""
-    out, worker = tmp_path / "out.json", tmp_path / "worker.py"
-    worker.write_text(script)
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """WORKER then FSDP_WORKER in 2 gloo processes under one torchrun; for each, its run directory and the
+    JSON that rank 0 wrote."""
+    root = tmp_path_factory.mktemp("two")
+    worker = root / "worker.py"
+    worker.write_text(WORKER + FSDP_WORKER)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
-           str(HERE), str(run_dir), str(out)]
+           str(HERE), str(root / "run"), str(root / "out.json"), str(root / "fsdp_run"), str(root / "fsdp_out.json")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(out.read_text())
+    return {name: (root / f"{prefix}run", json.loads((root / f"{prefix}out.json").read_text()))
+            for name, prefix in (("plain", ""), ("fsdp", "fsdp_"))}
 
 
-@pytest.mark.slow  # torchrun, two processes, twice
-def test_two_ranks_save_once_and_resume_in_two_or_one(tmp_path):
-    run_dir = tmp_path / "run"
-    result = launch_two(WORKER, tmp_path, run_dir)
+@pytest.mark.slow  # torchrun, two processes
+def test_two_ranks_save_once_and_resume_in_two_or_one(two_processes):
+    run_dir, result = two_processes["plain"]
     path = Path(result["path"])
     assert {"rank0.json", "rank1.json"} <= {p.name for p in path.iterdir()}
     assert json.loads((path / "meta.json").read_text())["world_size"] == 2
@@ -82,18 +84,14 @@ def test_two_ranks_save_once_and_resume_in_two_or_one(tmp_path):
     assert one.step == 2 and run_steps(one, 3) == result["expected"]
 
 
+# run after WORKER in the same processes (one torchrun start for both), in a run directory of its own
 FSDP_WORKER = r'''
-import json, sys
-import torch, torch.distributed as dist
+import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-sys.path.insert(0, sys.argv[1])
-from conftest import make_trainer, run_steps
-from kiln.state.checkpointer import Checkpointer
 from kiln.train.optim import build_optimizer, build_scheduler
 
-run_dir, out = sys.argv[2], sys.argv[3]
-dist.init_process_group("gloo")
+run_dir, out = sys.argv[4], sys.argv[5]
 mesh = init_device_mesh("cpu", (2,))
 t = make_trainer(run_dir, async_save=True)
 for layer in t.model.layers:
@@ -114,9 +112,8 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow  # torchrun, two processes
-def test_fsdp2_sharded_checkpoint_reshards_to_one_process(tmp_path):
-    run_dir = tmp_path / "run"
-    result = launch_two(FSDP_WORKER, tmp_path, run_dir)
+def test_fsdp2_sharded_checkpoint_reshards_to_one_process(two_processes):
+    run_dir, result = two_processes["fsdp"]
     one = make_trainer(run_dir)  # plain tensors in one process, loaded from DTensor shards of two
     Checkpointer(run_dir, one.cfg, {"dataset": "d"}, print).load(one, Path(result["path"]))
     assert run_steps(one, 3) == result["expected"]
