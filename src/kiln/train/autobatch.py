@@ -98,11 +98,18 @@ def row_activation_bytes(cfg: RunConfig) -> int:
     return int(1.5 * width * t.seq_len * (per_token * blocks + keep + 2 * m.d_model))
 
 
-def cpu_budget(cfg: RunConfig, n_params: int, local_world: int = 1) -> int:
-    """The micro-batch a memory budget allows on the CPU (at least 1)."""
+def cpu_budget(cfg: RunConfig, n_params: int, local_world: int = 1, log: Callable[[str], None] = print) -> int:
+    """The micro-batch a memory budget allows on the CPU (at least 1; a warning when not even 1 fits)."""
     free = available_memory() / max(1, local_world) * (1 - cfg.recovery.auto_batch_margin)
     state = 16 * n_params  # fp32 weights, gradients and two AdamW moments
-    return max(1, int((free - state) // row_activation_bytes(cfg)))
+    row = row_activation_bytes(cfg)
+    if free < state + row:
+        log(f"warning: auto batch: this process has about {free / 1e9:.1f} GB of memory to use (available memory"
+            f"{f' shared by {local_world} processes' if local_world > 1 else ''}, less recovery.auto_batch_margin="
+            f"{cfg.recovery.auto_batch_margin}), less than the weights, gradients and AdamW state ({state / 1e9:.1f}"
+            f" GB) and one sequence's activations ({row / 1e9:.2f} GB) need: trying a micro-batch of 1, which may "
+            "run out of memory; free memory, use fewer processes, a smaller model or a shorter train.seq_len")
+    return max(1, int((free - state) // row))
 
 
 class _Try:
@@ -201,7 +208,7 @@ def choose_micro_batch(cfg: RunConfig, model: nn.Module, mesh: Mesh, n_params: i
                                 f"{cfg.recovery.auto_batch_margin} to spare; set train.activation_checkpointing, a "
                                 "shorter train.seq_len, more devices (dist.strategy=fsdp) or a smaller margin")
     else:
-        fit, how = cpu_budget(cfg, n_params, mesh.local_world), "memory budget"
+        fit, how = cpu_budget(cfg, n_params, mesh.local_world, log), "memory budget"
     if mesh.distributed:  # every rank must cut its rows alike (FSDP's collectives run per micro-batch)
         t = torch.tensor([fit], device=mesh.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)

@@ -37,6 +37,11 @@ def test_cpu_budget_divides_what_is_left_by_a_sequence_activations(tmp_path, mon
     monkeypatch.setattr(autobatch, "available_memory", lambda: free)
     assert cpu_budget(cfg, n) == 3
     assert cpu_budget(cfg, n, local_world=2) == 1  # two processes share the host
+    logs: list[str] = []
+    assert cpu_budget(cfg, n, log=logs.append) == 3 and not logs
+    monkeypatch.setattr(autobatch, "available_memory", lambda: 16 * n)  # the state alone takes it all
+    assert cpu_budget(cfg, n, log=logs.append) == 1
+    assert len(logs) == 1 and "less than the weights, gradients and AdamW state" in logs[0]
     checkpointed = auto_config(tmp_path, "train.activation_checkpointing=full")
     assert row_activation_bytes(checkpointed) < per_row  # one block recomputed at a time (tiny has two)
 
