@@ -68,10 +68,6 @@ def train(
     if help_config:
         print(describe_fields())
         return
-    if nproc != 1 or max_restarts:  # kiln.dist: torchrun runs this same command in nproc processes
-        from kiln.dist.launch.local import relaunch
-
-        raise typer.Exit(relaunch(nproc, max_restarts=max_restarts))
     overrides = list(overrides or [])
     if config is not None and "=" in config:  # only overrides were given
         overrides.insert(0, config)
@@ -97,6 +93,11 @@ def train(
             wait_for_first_rank()
             raise typer.Exit(2) from None
         raise
+    if nproc != 1 or max_restarts:  # kiln.dist: torchrun runs this same command in nproc processes
+        from kiln.dist.launch.local import relaunch
+
+        # the config was checked here first: an error in it is shown once, not by every process of every restart
+        raise typer.Exit(relaunch(nproc, max_restarts=max_restarts))
     from kiln.state.preempt import Interrupted
     from kiln.train.run import run
 
