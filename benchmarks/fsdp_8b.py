@@ -51,6 +51,8 @@ import tempfile
 import threading
 import time
 
+import psutil
+
 RESULTS = Path(__file__).parent / "results" / "fsdp_8b.md"
 
 HF_WORKER = r'''
@@ -246,19 +248,11 @@ def run_kiln(args, root: Path) -> dict:
 
 
 def descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            pid, ppid = int(stat.parent.name), int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(pid)
-    todo, found = [root], []
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    """Every process below `root`, parents before children (torchrun starts its workers in sessions of their own)."""
+    try:
+        return [p.pid for p in psutil.Process(root).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def kill_resume(args, root: Path) -> dict:

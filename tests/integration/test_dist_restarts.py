@@ -23,12 +23,13 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
 from kiln.state.rundir import checkpoints
 
-from .conftest import stdlib_corpus
+from .conftest import stdlib_corpus, tiny_cpu_run
 
 STEPS, EVERY = 40, 5  # steps take ~50 ms, starts seconds: room for 3 interruptions, each after a new checkpoint
 ENV = {**os.environ, "COLUMNS": "400", "OMP_NUM_THREADS": "1"}
@@ -38,11 +39,7 @@ ENV = {**os.environ, "COLUMNS": "400", "OMP_NUM_THREADS": "1"}
 def base(tmp_path_factory) -> list[str]:
     cache, corpus = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("corpus")
     stdlib_corpus(corpus, 240)
-    return ["model.size=tiny", "train.seq_len=32", f"train.max_steps={STEPS}", "train.warmup_steps=2",
-            "train.eval_every=0", "train.eval_batches=2", "train.sample_tokens=0", "train.device=cpu",
-            "train.precision=fp32", f"checkpoint.every={EVERY}", "checkpoint.keep_last=100", "logging.every=1",
-            "logging.console=false", f"data.sources=[{corpus}]", "data.val_fraction=0.1", "data.vocab_size=512",
-            f"data.cache_dir={cache}", "dist.strategy=fsdp"]
+    return [*tiny_cpu_run(cache, corpus, STEPS, EVERY), "checkpoint.keep_last=100", "dist.strategy=fsdp"]
 
 
 def command(*args: str, nproc: int = 2, max_restarts: int = 0) -> list[str]:
@@ -84,20 +81,11 @@ def steps_saved(run_dir: Path) -> list[int]:
 
 
 def descendants(root: int) -> list[int]:
-    """Every process below `root` (torchrun starts its workers in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            pid, ppid = int(stat.parent.name), int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(pid)
-    todo, found = [root], []
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    """Every process below `root`, parents before children (torchrun starts its workers in sessions of their own)."""
+    try:
+        return [p.pid for p in psutil.Process(root).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def worker(root: int, rank: int) -> int | None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import stdlib_corpus
+from .conftest import stdlib_corpus, tiny_cpu_run
 
 STEPS, EVERY = 12, 6
 ENV = {**os.environ, "COLUMNS": "400", "OMP_NUM_THREADS": "1"}
@@ -25,10 +25,7 @@ ENV = {**os.environ, "COLUMNS": "400", "OMP_NUM_THREADS": "1"}
 def base(tmp_path_factory) -> list[str]:
     cache, corpus = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("corpus")
     stdlib_corpus(corpus, 240)
-    return ["model.size=tiny", "train.seq_len=32", f"train.max_steps={STEPS}", "train.warmup_steps=2",
-            "train.eval_every=0", "train.eval_batches=2", "train.sample_tokens=0", "train.device=cpu",
-            "train.precision=fp32", f"checkpoint.every={EVERY}", "logging.every=1", "logging.console=false",
-            f"data.sources=[{corpus}]", "data.val_fraction=0.1", "data.vocab_size=512", f"data.cache_dir={cache}"]
+    return tiny_cpu_run(cache, corpus, STEPS, EVERY)
 
 
 def kiln_train(*args: str, nproc: int = 1) -> subprocess.CompletedProcess:

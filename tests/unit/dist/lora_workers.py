@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from workers import GlobalBatches, Losses, config  # noqa: E402
+from workers import GlobalBatches, Losses, config, run_cases  # noqa: E402
 
 from kiln.config import LoraConfig  # noqa: E402
 from kiln.dist.mesh import Mesh  # noqa: E402
@@ -42,17 +41,7 @@ def lora_run(case: dict, mesh: Mesh) -> dict:
 
 
 def main() -> None:
-    from kiln.config import RunConfig
-    from kiln.dist.mesh import init_mesh
-
-    out, cases = sys.argv[1], json.loads(sys.argv[2])
-    mesh = init_mesh("cpu", RunConfig().dist)
-    results = {name: lora_run(case, mesh) for name, case in cases.items()}
-    if mesh.rank == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
-    mesh.close(clean=True)
-
+    run_cases(lora_run)
 
 if __name__ == "__main__":
     main()

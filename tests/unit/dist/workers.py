@@ -74,20 +74,23 @@ def train_losses(cfg: RunConfig, mesh: Mesh) -> tuple[list[float], dict, str]:
     return record.losses, record.metrics, type(trainer.model).__name__
 
 
-def main() -> None:
+def run_cases(run) -> None:
+    """The torchrun entry of a worker script: `run(case, mesh)` for each case of argv[2] (JSON), the results
+    written by rank 0 to argv[1] (JSON, by case name)."""
     from kiln.dist.mesh import init_mesh
 
     out, cases = sys.argv[1], json.loads(sys.argv[2])
     mesh = init_mesh("cpu", RunConfig().dist)
-    results = {}
-    for name, case in cases.items():
-        cfg = config(case["batch_size"], case["grad_accum"], **case.get("dist", {}))
-        results[name] = train_losses(cfg, mesh)
+    results = {name: run(case, mesh) for name, case in cases.items()}
     if mesh.rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
     mesh.close(clean=True)
 
+
+def main() -> None:
+    run_cases(lambda case, mesh: train_losses(config(case["batch_size"], case["grad_accum"], **case.get("dist", {})),
+                                              mesh))
 
 if __name__ == "__main__":
     main()
