@@ -3,8 +3,11 @@
     python benchmarks/scaling.py --config gpu-124m --runs 1:ddp,2:ddp,2:fsdp --steps 120 --json out.json
     python benchmarks/scaling.py --runs "1:auto,2:solo,2:ddp,2:ddp:recovery.rollback=false"   # where scaling goes
 
-A run is NPROC:STRATEGY[:KEY=VALUE;KEY=VALUE] (overrides of that run alone); STRATEGY `solo` starts NPROC
-independent one-GPU jobs at once and adds their rates (the machine's own limit, without communication).
+A run is NPROC:STRATEGY[:KEY=VALUE;KEY=VALUE] (overrides of that run alone; an upper-case KEY, such as
+NCCL_MAX_NCHANNELS, is set in that run's environment instead); STRATEGY `solo` starts NPROC independent
+one-GPU jobs at once and adds their rates (the machine's own limit, without communication).
+`--profile S` records steps S to S+2 of every run (rank 0) and prints where their GPU time went
+(benchmarks/trace_summary.py), each run beside the first.
 
 Each run is a real `kiln train` (torchrun started by `--nproc N` when N > 1) on the preset's data, with
 `train.batch_size` per GPU kept, so the global batch grows with N (weak scaling, as data-parallel
@@ -24,6 +27,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import tempfile
@@ -41,6 +45,8 @@ def run(config: str, nproc: int, strategy: str, steps: int, extra: list[str], ro
     """One job; strategy `solo` starts `nproc` independent one-GPU jobs at once (one per GPU, no communication)
     and adds their rates: what the machine gives N processes when they do not talk to each other."""
     solo = strategy == "solo"
+    env_own = dict(e.split("=", 1) for e in extra if re.match(r"[A-Z_][A-Z0-9_]*=", e))
+    extra = [e for e in extra if e.split("=", 1)[0] not in env_own]
     dirs = [root / f"{tag}-{k}" for k in range(nproc if solo else 1)]
     cmds = []
     for run_dir in dirs:
@@ -49,7 +55,8 @@ def run(config: str, nproc: int, strategy: str, steps: int, extra: list[str], ro
                "checkpoint.every=100000", "checkpoint.save_final=false",
                f"dist.strategy={'auto' if solo else strategy}", *extra]
         cmds.append(cmd + (["--nproc", str(nproc)] if nproc > 1 and not solo else []))
-    env = [dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(k)} if solo else {})) for k in range(len(cmds))]
+    env = [dict(os.environ, **env_own, **({"CUDA_VISIBLE_DEVICES": str(k)} if solo else {}))
+           for k in range(len(cmds))]
     t0 = time.perf_counter()
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
              for c, e in zip(cmds, env)]
@@ -60,7 +67,8 @@ def run(config: str, nproc: int, strategy: str, steps: int, extra: list[str], ro
             raise SystemExit(f"{' '.join(c)} failed ({p.returncode}):\n{err[-4000:]}")
     runs = [logged(d, steps) for d in dirs]
     tps = sum(statistics.median(r["tokens_per_s"] for r in late) for _, late in runs)
-    return {"nproc": nproc, "strategy": strategy, "extra": extra, "tokens_per_s": tps,
+    return {"nproc": nproc, "strategy": strategy, "extra": [f"{k}={v}" for k, v in env_own.items()] + extra,
+            "tokens_per_s": tps, "run_dir": str(dirs[0]),
             "mfu": statistics.median(r.get("mfu", 0.0) or 0.0 for r in runs[0][1]), "last_loss": runs[0][0][-1]["loss"],
             "wall_s": round(wall, 1), "command": " ".join(cmds[0][2:])}
 
@@ -72,12 +80,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--set", action="append", default=[], help="extra KEY=VALUE override (repeatable)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", type=int, default=0, help="record steps S..S+2 of each run and summarize them")
     args = ap.parse_args()
     import torch
 
     info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "gpus": torch.cuda.device_count(), "config": args.config, "steps": args.steps}
+    if args.profile:
+        args.set += [f"profile.start={args.profile}", "profile.steps=3"]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for k, spec in enumerate(args.runs.split(",")):
@@ -85,16 +96,34 @@ def main() -> None:
             extra = args.set + (own[0].split(";") if own else [])
             results.append(run(args.config, int(n), strategy, args.steps, extra, Path(tmp), f"{k}-{n}-{strategy}"))
             print(json.dumps(results[-1]), flush=True)
+        if args.profile:
+            profiles(results)
     base = next((r["tokens_per_s"] for r in results if r["nproc"] == 1), None)
     print(json.dumps(info))
     print(f"{'run':<12} {'tokens/s':>12} {'MFU':>6} {'speed-up':>9} {'scaling':>8} {'loss':>7}  overrides")
     for r in results:
         up = r["tokens_per_s"] / base if base else float("nan")
         r["speedup"], r["scaling"] = up, up / r["nproc"]
+        own = " ".join(e for e in r["extra"] if e not in args.set)
         print(f"{r['nproc']} x {r['strategy']:<8} {r['tokens_per_s']:>12,.0f} {100 * r['mfu']:>5.1f}% {up:>8.2f}x "
-              f"{100 * r['scaling']:>7.1f}% {r['last_loss']:>7.3f}  {' '.join(r['extra'][len(args.set):])}")
+              f"{100 * r['scaling']:>7.1f}% {r['last_loss']:>7.3f}  {own}")
     if args.json:
         Path(args.json).write_text(json.dumps({**info, "results": results}, indent=1))
+
+
+def profiles(results: list[dict]) -> None:
+    """Summaries of each run's trace (rank 0), beside the first run's (benchmarks/trace_summary.py)."""
+    here = Path(__file__).parent
+    traces = [next(iter(sorted(Path(r["run_dir"]).glob("profile/*.trace.json"))), None) for r in results]
+    for r, t in zip(results, traces):
+        if t is None or traces[0] is None:
+            print(f"no trace for {r['nproc']} x {r['strategy']} {' '.join(r['extra'])}")
+            continue
+        print(f"\n### {r['nproc']} x {r['strategy']} {' '.join(r['extra'])} (beside the first run)")
+        out = subprocess.run([sys.executable, str(here / "trace_summary.py"), str(traces[0]), str(t)],
+                             capture_output=True, text=True)
+        print(out.stdout + out.stderr[-2000:], flush=True)
+        r["profile"] = out.stdout
 
 
 if __name__ == "__main__":

@@ -612,6 +612,9 @@ class DistConfig(Section):
     reduce_fp32: bool = True
     """With bf16 precision under fsdp: reduce gradients in fp32 (exact sums); false reduces in bf16
     (half the traffic). Parameters are gathered in bf16 for compute; the master weights stay fp32."""
+    bucket_mb: float = Field(25.0, gt=0)
+    """With ddp: gradients are all-reduced in buckets of about this many MB, each as soon as the backward pass
+    has made all of its gradients (smaller: the first starts sooner; larger: fewer, faster collectives)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Collective backend: 'auto' is nccl on GPUs and gloo on CPUs."""
     timeout_s: int = 600

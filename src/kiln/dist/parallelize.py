@@ -101,7 +101,8 @@ def parallelize(model: nn.Module, cfg: RunConfig, m: Mesh, n_params: int | None 
         with warnings.catch_warnings():  # broadcast_buffers is deprecated in name only: it is still the way
             warnings.simplefilter("ignore", FutureWarning)  # to skip syncing buffers
             # rope tables are rebuilt identically on every rank: no buffer broadcast in each forward
-            return DDP(model, device_ids=ids, broadcast_buffers=False, gradient_as_bucket_view=True)
+            return DDP(model, device_ids=ids, broadcast_buffers=False, gradient_as_bucket_view=True,
+                       bucket_cap_mb=d.bucket_mb)
     return _shard(model, cfg, m)
 
 
