@@ -235,6 +235,7 @@ def run_kiln(args, root: Path) -> dict:
            "mfu": statistics.median(recs[s].get("mfu") or 0.0 for s in late) or None,
            "peak_gib": max((r.get("peak_mem_gib") or 0.0 for r in recs.values()), default=0.0) or None,
            "first_loss": recs[min(recs)]["loss"], "last_loss": recs[max(recs)]["loss"],
+           "losses": {s: r["loss"] for s, r in sorted(recs.items())},
            "wall_s": job.t_end - job.t0, "exit_code": code, "phases": kiln_phases(job, recs)}
     ck = run_dir / "checkpoints" / f"step_{at:08d}" / "meta.json"
     if at < args.steps and at + 1 in step_s and ck.is_file():
@@ -255,10 +256,11 @@ def descendants(root: int) -> list[int]:
         return []
 
 
-def kill_resume(args, root: Path) -> dict:
-    """Start a Kiln job, SIGKILL every process of it once its first checkpoint is complete, start it again."""
+def kill_resume(args, root: Path, reference: dict) -> dict:
+    """Start a Kiln job, SIGKILL every process of it once its first checkpoint is complete, start it again;
+    its losses after the checkpoint beside those of the job that ran through (`reference`, step -> loss)."""
     run_dir = root / "kiln-kill"
-    at = args.checkpoint_at or max(2, args.steps // 2)
+    at = args.checkpoint_at or max(args.warmup + 1, args.steps // 2)  # the step run_kiln saved at
     cmd = kiln_command(args, run_dir, at)
     first = Job(cmd, root / "kill-first.log")
     meta = run_dir / "checkpoints" / f"step_{at:08d}" / "meta.json"
@@ -283,7 +285,11 @@ def kill_resume(args, root: Path) -> dict:
     after = {s: r["loss"] for s, r in recs.items()}
     out = "\n".join(line for _, line in job.lines)
     resumed = f"(step {at}," in out and "resumed from" in out
-    return {"checkpoint_step": at, "killed_after_step": killed_at, "checkpoints_on_disk_at_kill": on_disk,
+    ref = {int(k): v for k, v in reference.items()}
+    compared = [s for s in after if s > at and s in ref]
+    return {"steps_compared": len(compared),
+            "max_loss_diff_vs_uninterrupted": max((abs(after[s] - ref[s]) for s in compared), default=None),
+            "checkpoint_step": at, "killed_after_step": killed_at, "checkpoints_on_disk_at_kill": on_disk,
             "resumed_from_it": resumed, "restart_to_end_s": job.t_end - job.t0,
             "loss_at_checkpoint": before.get(at), "loss_after_resume": after.get(at + 1),
             "steps_logged": sorted(after) == list(range(1, args.steps + 1)),
@@ -405,7 +411,7 @@ def main() -> None:
         print("hf", json.dumps(hf), flush=True)
         if "phases" in hf:
             print_phases("HF Trainer", hf["phases"])
-        killed = kill_resume(args, root) if args.kill_resume else None
+        killed = kill_resume(args, root, kiln["losses"]) if args.kill_resume else None
         if killed:
             print("kill-resume", json.dumps(killed), flush=True)
             print_phases("kiln after SIGKILL", killed["phases"])
@@ -419,7 +425,9 @@ def main() -> None:
         lines.append(f"\nSIGKILL after step {killed['killed_after_step']} (checkpoint at {killed['checkpoint_step']}): "
                      f"resumed from it: {killed['resumed_from_it']}; loss {fmt(killed['loss_at_checkpoint'], '.3f')} "
                      f"at the checkpoint -> {fmt(killed['loss_after_resume'], '.3f')} the step after; every step "
-                     f"logged: {killed['steps_logged']}; restart to end {killed['restart_to_end_s']:.0f} s.")
+                     f"logged: {killed['steps_logged']}; restart to end {killed['restart_to_end_s']:.0f} s; largest "
+                     f"loss difference from the job that was not killed over the {killed['steps_compared']} steps "
+                     f"after the checkpoint: {fmt(killed['max_loss_diff_vs_uninterrupted'], '.2e')}.")
     phases = [("Kiln", kiln.get("phases")), ("HF Trainer", hf.get("phases")),
               ("Kiln after SIGKILL", killed and killed.get("phases"))]
     lines += [f"\n{name} phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in ph.items()) for name, ph in phases if ph]
