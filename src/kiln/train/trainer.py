@@ -222,10 +222,10 @@ class Trainer:
 
 
 class StepRead:
-    """The host read of a logging step `step`, with one all-reduce over several processes: the mean over ranks of
-    the loss since the last log (`losses`) and of this rank's throughput, and this rank's gradient norm. A check of
-    the step (kiln.train.rollback) reads its values along: `read(values)` returns their means over ranks, from the
-    same all-reduce, and leaves the step's metrics in `metrics`."""
+    """The host read of logging step `step`: after the sync the throughput clock needs (this rank's gradient norm),
+    one read of the mean over ranks (one all-reduce) of the loss since the last log (`losses`) and of this rank's
+    throughput. A check of the step (kiln.train.rollback) reads its values along: `read(values)` returns their
+    means over ranks, from the same all-reduce, and leaves the step's metrics in `metrics`."""
 
     def __init__(self, trainer: Trainer, losses: list[torch.Tensor], gnorm: torch.Tensor, step: int):
         self.trainer, self.losses, self.gnorm, self.step = trainer, losses, gnorm, step
