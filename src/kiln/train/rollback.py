@@ -6,12 +6,13 @@ good steps. Reading those values back costs a host sync, which would make the CP
 finish every step instead of queueing the next one; so `Rollback.check` only notes each step's loss and
 gradient norm (on the device, with its step and global samples) in `pending`, and the noted steps are
 checked, in order and with one read (and one all-reduce over several processes), where the state is
-consumed or shown: the check points. They are the steps that log (`logging.every`, where the trainer reads
-the loss anyway), take a memory snapshot (so a snapshot only ever holds checked state), save a checkpoint
-(`checkpoint.every`), evaluate (`train.eval_every`), the last step, and a step after which a stop was asked
-for. Anything else that saves or snapshots the state checks it first through `trainer.verify_pending`
-(`Checkpointer.save`, `Checkpointer.take_snapshot`, `kiln.state.preempt.emergency_checkpoint`, the
-preemption save of a signal, the end of `Trainer.train`), so a checkpoint of an unchecked, possibly NaN
+consumed or shown: the check points. They are the steps that log (`logging.every`, where the check shares the
+trainer's read of the loss and throughput, `kiln.train.trainer.StepRead`, and its one all-reduce), take a
+memory snapshot (so a snapshot only ever holds checked state), save a checkpoint (`checkpoint.every`),
+evaluate (`train.eval_every`), the last step, and a step after which a stop was asked for. Anything else
+that saves or snapshots the state checks it first through `trainer.verify_pending` (`Checkpointer.save`,
+`Checkpointer.take_snapshot`, `kiln.state.preempt.emergency_checkpoint`, the preemption save of a signal,
+the end of `Trainer.train`), so a checkpoint of an unchecked, possibly NaN
 state cannot be written. The check points are decided by step counters and by the stop flags that are
 already the same on every rank (`SignalGuard.should_stop` is a collective), so every rank checks the same
 steps and reaches the same verdict. Because every snapshot step is a check point, a bad step is found at the
@@ -42,6 +43,7 @@ from __future__ import annotations
 import math
 import os
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -163,22 +165,25 @@ class Rollback(Callback):
                     cfg.train.eval_every)
         return any(n and step % n == 0 for n in cadences)
 
-    def check(self, trainer, loss: torch.Tensor, gnorm: torch.Tensor) -> bool:
+    def check(self, trainer, loss: torch.Tensor, gnorm: torch.Tensor, read: Callable | None = None) -> bool:
         """After `train_step`, before the step counts: note it (no host sync); at a check point, check the noted
-        steps. True when one was bad and the state is back at the snapshot."""
+        steps. `read`: a logging step's host read (`kiln.train.trainer.StepRead`), which the check shares.
+        True when one was bad and the state is back at the snapshot."""
         values = torch.stack([loss.detach().float(), gnorm.detach().float().to(loss.device)])
         step = trainer.step + 1
         self.pending.append((step, *trainer.step_samples, values))
-        return self.due(trainer, step) and self.verify(trainer)
+        return self.due(trainer, step) and self.verify(trainer, read)
 
-    def verify(self, trainer) -> bool:
+    def verify(self, trainer, read: Callable | None = None) -> bool:
         """Check the noted steps in order with one host read: good ones join the spike window; the first bad one
-        is undone (the steps noted after it, trained on its weights, are dropped). True if one was undone."""
+        is undone (the steps noted after it, trained on its weights, are dropped). True if one was undone.
+        `read(values)` gives the means over ranks of values on the device (default: `host_read`)."""
         if not self.pending:
             return False
-        read = host_read(torch.stack([v for *_, v in self.pending]), trainer.mesh)
+        values = torch.cat([v for *_, v in self.pending])  # (2 x steps,): [loss, grad norm] of each, in order
+        got = read(values) if read is not None else host_read(values, trainer.mesh)
         pending, self.pending = self.pending, []  # after the read: a failed one leaves them unchecked (nothing saved)
-        for (step, first, end, _), (loss_v, gnorm_v) in zip(pending, read):
+        for (step, first, end, _), loss_v, gnorm_v in zip(pending, got[0::2], got[1::2]):
             reason = self.verdict(loss_v, gnorm_v)
             if reason is not None:
                 self.undo(trainer, reason, step, first, end)

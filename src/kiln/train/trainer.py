@@ -11,7 +11,7 @@ from torch import nn
 
 from kiln.config import RunConfig
 from kiln.dist.mesh import Mesh, current_mesh
-from kiln.dist.parallelize import clip_grad_norm, grad_sync, optimizer_device, reduce_mean
+from kiln.dist.parallelize import clip_grad_norm, grad_sync, optimizer_device
 from kiln.dist.watch import beat
 from kiln.errors import TrainingError
 from kiln.events import Callback, Events
@@ -19,7 +19,7 @@ from kiln.model.loss import IGNORE_INDEX
 from kiln.monitor.meters import Throughput
 from kiln.train.oom import OomRetry
 from kiln.train.optim import build_optimizer, build_scheduler
-from kiln.train.rollback import SkipList, set_lr_scale
+from kiln.train.rollback import SkipList, host_read, set_lr_scale
 
 
 class Trainer:
@@ -44,7 +44,8 @@ class Trainer:
         self.oom = OomRetry(cfg.recovery.oom_retries)
         self.skips = SkipList()  # samples of bad steps, passed over (kiln.train.rollback)
         # set by kiln.train.rollback.Rollback: check_step notes a step, and at a check point checks the steps noted
-        # so far, undoing a bad one (True if it did); verify_pending checks them now (before a save, at the end)
+        # so far (at a logging step, in its StepRead), undoing a bad one (True if it did); verify_pending checks
+        # them now (before a save, at the end)
         self.check_step = None
         self.verify_pending = None
         self.step_start: dict = {}  # the loader's position before this step's rows, and their global samples
@@ -150,16 +151,19 @@ class Trainer:
         while self.step < tcfg.max_steps and self.stop_reason is None:
             self.consistent = False  # until the counters match the weights again (emergency checkpoints)
             loss, gnorm = self.train_step()
-            if self.check_step is not None and self.check_step(self, loss, gnorm):
+            losses.append(loss)
+            step = self.step + 1
+            logs = step % every == 0 or step == tcfg.max_steps
+            read = StepRead(self, losses, gnorm, step) if logs else None  # the one host read of a logging step
+            if self.check_step is not None and self.check_step(self, loss, gnorm, read):
                 losses.clear()  # a bad step, undone (kiln.train.rollback): back at the snapshot's step
                 continue
-            self.step += 1
+            self.step = step
             self.tokens_seen += self.tokens_per_step
             self.consistent = True
-            losses.append(loss)
             metrics = None
-            if self.step % every == 0 or self.step == tcfg.max_steps:
-                metrics = self._step_metrics(torch.stack(losses), gnorm)  # a host sync (and the rollback's check)
+            if read is not None:
+                metrics = self._step_metrics(read)  # read by the rollback's check, or now
                 losses.clear()
             self.events.emit("on_step_end", self, metrics)
         if self.verify_pending is not None:  # a stop: its step is checked first (a bad one: stop at the snapshot)
@@ -169,22 +173,18 @@ class Trainer:
         self.events.emit("on_train_end", self, final)
         return final
 
-    def _step_metrics(self, losses: torch.Tensor, gnorm: torch.Tensor) -> dict[str, Any]:
-        loss = losses.float().mean()
-        loss.item()  # the host sync the meter's clock needs
-        # kiln.dist: this rank's throughput, then the mean over ranks of it and of the loss (one collective)
-        local = self.meter.read(self.step, self.tokens_per_step // self.mesh.world)
-        keys = sorted(local)
-        values = torch.stack([loss, *(torch.tensor(float(local[k]), device=loss.device) for k in keys)])
-        mean = reduce_mean(values, self.mesh).cpu().tolist()
-        loss, rates = mean[0], dict(zip(keys, mean[1:]))
+    def _step_metrics(self, read: StepRead) -> dict[str, Any]:
+        if read.metrics is None:  # no check read the step along (rollback off)
+            read()
+        rates = dict(read.metrics)
+        loss, gnorm = rates.pop("loss"), rates.pop("grad_norm")
         if not math.isfinite(loss):
             raise TrainingError(f"loss became {loss} at step {self.step}. Lower train.lr, raise "
                                 "train.warmup_steps or check the data.")
         rates["tokens_per_s_per_device"] = rates["tokens_per_s"]
         rates["tokens_per_s"] *= self.mesh.world  # the whole job
         return {"step": self.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
-                "grad_norm": float(gnorm), "tokens": self.tokens_seen, **rates}
+                "grad_norm": gnorm, "tokens": self.tokens_seen, **rates}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
@@ -219,3 +219,27 @@ class Trainer:
             self.last_eval["val_bpb"] = nats / (math.log(2) * nbytes)
         self.events.emit("on_eval_end", self, self.last_eval)
         return self.last_eval
+
+
+class StepRead:
+    """The host read of logging step `step`: after the sync the throughput clock needs (this rank's gradient norm),
+    one read of the mean over ranks (one all-reduce) of the loss since the last log (`losses`) and of this rank's
+    throughput. A check of the step (kiln.train.rollback) reads its values along: `read(values)` returns their
+    means over ranks, from the same all-reduce, and leaves the step's metrics in `metrics`."""
+
+    def __init__(self, trainer: Trainer, losses: list[torch.Tensor], gnorm: torch.Tensor, step: int):
+        self.trainer, self.losses, self.gnorm, self.step = trainer, losses, gnorm, step
+        self.metrics: dict[str, float] | None = None  # loss, grad_norm and the meter's rates, once read
+
+    def __call__(self, values: torch.Tensor | None = None) -> list[float]:
+        t = self.trainer
+        loss = torch.stack(self.losses).float().mean()
+        values = loss.new_zeros(0) if values is None else values  # (n,) float32, on the device
+        gnorm = self.gnorm.detach().float().to(loss.device).item()  # the host sync the meter's clock needs
+        local = t.meter.read(self.step, t.tokens_per_step // t.mesh.world)
+        keys = sorted(local)
+        rates = torch.tensor([float(local[k]) for k in keys], device=loss.device)
+        mean = host_read(torch.cat([values, loss[None], rates]), t.mesh)  # kiln.dist: the one all-reduce
+        n = len(values)
+        self.metrics = {"loss": mean[n], "grad_norm": gnorm, **dict(zip(keys, mean[n + 1:]))}
+        return mean[:n]

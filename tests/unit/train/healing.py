@@ -4,6 +4,7 @@ the faults the healing code meets: a device that runs out of memory mid-run, and
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 
@@ -17,19 +18,21 @@ BAD_TOKEN = VOCAB - 1  # a corrupted record: one token repeated (good rows never
 
 
 class Samples:
-    """Batches of `rows` rows; row k is drawn from a generator seeded by k, unless k is in `poison`."""
+    """Batches of `rows` rows; row k is drawn from a generator seeded by k, unless k is in `poison`. Rank `rank`
+    of `world` takes the rank-th `rows` of each global batch of rows x world samples, as PackedLoader does."""
 
-    def __init__(self, rows: int, poison=()):
-        self.B, self.sample, self.poison = rows, 0, set(poison)
+    def __init__(self, rows: int, poison=(), rank: int = 0, world: int = 1):
+        self.B, self.sample, self.poison, self.rank, self.world = rows, 0, set(poison), rank, world
 
     def __iter__(self):
         return self
 
     def __next__(self):
+        lo = self.sample + self.rank * self.B
         rows = [torch.full((T + 1,), BAD_TOKEN) if k in self.poison else
                 torch.randint(0, BAD_TOKEN, (T + 1,), generator=torch.Generator().manual_seed(k))
-                for k in range(self.sample, self.sample + self.B)]
-        self.sample += self.B
+                for k in range(lo, lo + self.B)]
+        self.sample += self.B * self.world
         x = torch.stack(rows)
         return x[:, :-1], x[:, 1:], None
 
@@ -38,6 +41,27 @@ class Samples:
 
     def load_state_dict(self, state: dict) -> None:
         self.sample = int(state["sample"])
+
+
+class Numerics:
+    """Forward hooks: the rows of a corrupted record blow up, to NaN in the embedding (`scale` None) or to
+    `scale` times the final hidden state, whose logits then give a loss spike, as an overflow on bad data does."""
+
+    def __init__(self, model, scale: float | None = None):
+        self.scale, self.bad = scale, None
+        model.embed_tokens.register_forward_hook(self.embedded)
+        model.norm.register_forward_hook(self.normed)
+
+    def embedded(self, module, args, out):
+        self.bad = (args[0] == BAD_TOKEN).all(dim=1)[:, None, None]  # (B, 1, 1)
+        if self.scale is not None or not self.bad.any():
+            return out
+        return torch.where(self.bad, torch.full_like(out[:1], math.nan), out)
+
+    def normed(self, module, args, out):
+        if self.scale is None or not self.bad.any():
+            return out
+        return torch.where(self.bad, out * self.scale, out)
 
 
 class Notices(Callback):
