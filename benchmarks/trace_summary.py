@@ -5,7 +5,8 @@
 For each trace, per recorded step (milliseconds): the GPU span of the step, the time any kernel ran
 (busy) and none did (idle), the kernel time of each kind (matmul, attention, NCCL, ...), and how much of the
 NCCL time ran beside compute kernels (overlapped) or alone (exposed). With two traces (one GPU, then
-several), it also lists the kernels whose time per step changed most: where the second run loses time.
+several), it also lists the kernels, and the host operators (self time on the CPU threads), whose time per
+step changed most: where the second run loses time, on the GPU or on the host that feeds it.
 """
 
 from __future__ import annotations
@@ -64,6 +65,28 @@ def intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> flo
     return total
 
 
+def host_self_times(events: list[dict]) -> dict[str, float]:
+    """Self time (microseconds) of each host operator name: its span less the spans of the operators nested
+    in it on the same thread."""
+    out: dict[str, float] = defaultdict(float)
+    by_thread: dict[tuple, list[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "python_function", "cuda_runtime", "cuda_driver"):
+            by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    for evs in by_thread.values():
+        stack: list[list] = []  # [end, name, self time]
+        for e in sorted(evs, key=lambda e: (e["ts"], -e["dur"])):
+            while stack and stack[-1][0] <= e["ts"]:
+                end, name, own = stack.pop()
+                out[name] += own
+            if stack:
+                stack[-1][2] -= e["dur"]
+            stack.append([e["ts"] + e["dur"], e["name"][:90], e["dur"]])
+        for _, name, own in stack:
+            out[name] += own
+    return out
+
+
 def summarize(path: str) -> dict:
     events = json.loads(Path(path).read_text())["traceEvents"]
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
@@ -101,6 +124,7 @@ def summarize(path: str) -> dict:
         "kinds_ms": {k: v * ms for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
         "streams_ms": {str(k): v * ms for k, v in sorted(streams.items(), key=lambda kv: -kv[1])},
         "kernels_ms": {k: v * ms for k, v in per_kernel.items()},
+        "host_ms": {k: v * ms for k, v in host_self_times(events).items()},
     }
 
 
@@ -117,12 +141,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def deltas(a: dict, b: dict, top: int = 12) -> str:
-    names = set(a["kernels_ms"]) | set(b["kernels_ms"])
-    diff = sorted(names, key=lambda k: -abs(b["kernels_ms"].get(k, 0.0) - a["kernels_ms"].get(k, 0.0)))[:top]
-    lines = ["| kernel | first (ms/step) | second | change |", "| --- | ---: | ---: | ---: |"]
+def deltas(a: dict, b: dict, key: str = "kernels_ms", top: int = 12) -> str:
+    names = set(a[key]) | set(b[key])
+    diff = sorted(names, key=lambda k: -abs(b[key].get(k, 0.0) - a[key].get(k, 0.0)))[:top]
+    what = "kernel" if key == "kernels_ms" else "host operator (self time)"
+    lines = [f"| {what} | first (ms/step) | second | change |", "| --- | ---: | ---: | ---: |"]
     for k in diff:
-        x, y = a["kernels_ms"].get(k, 0.0), b["kernels_ms"].get(k, 0.0)
+        x, y = a[key].get(k, 0.0), b[key].get(k, 0.0)
         lines.append(f"| `{k[:70]}` | {x:.3f} | {y:.3f} | {y - x:+.3f} |")
     return "\n".join(lines)
 
@@ -137,8 +162,10 @@ def main() -> None:
     if len(rows) >= 2:
         print()
         print(deltas(rows[0], rows[1]))
+        print()
+        print(deltas(rows[0], rows[1], "host_ms"))
     if args.json:
-        slim = [{k: v for k, v in r.items() if k != "kernels_ms"} for r in rows]
+        slim = [{k: v for k, v in r.items() if k not in ("kernels_ms", "host_ms")} for r in rows]
         Path(args.json).write_text(json.dumps(slim, indent=1) + "\n")
 
 

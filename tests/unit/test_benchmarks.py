@@ -104,3 +104,38 @@ def test_fsdp_8b_writes_the_final_checkpoint_only_where_the_disk_holds_two(monke
     assert plan(128, "on") == "on" and "may fill the disk" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="larger file system"):
         plan(64)
+
+
+def test_trace_summary_splits_a_step_into_compute_nccl_idle_and_host_self_time(monkeypatch, tmp_path):
+    """Two steps of a made-up trace (microseconds): a matmul 0-40 and an all-reduce 30-60 on another stream
+    (10 beside compute, 20 alone), a kernel 80-100, then the same again 100 later; the host op aten::mm
+    (20) holds a launch (5) of its own."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    ts = importlib.import_module("benchmarks.trace_summary")
+    events = []
+    for t0 in (0, 100):
+        events += [
+            {"ph": "X", "cat": "gpu_user_annotation", "name": f"ProfilerStep#{t0}", "ts": t0, "dur": 100},
+            {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": t0, "dur": 40, "args": {"stream": 7}},
+            {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce", "ts": t0 + 30, "dur": 30,
+             "args": {"stream": 20}},
+            {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add", "ts": t0 + 80, "dur": 20,
+             "args": {"stream": 7}},
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": t0, "dur": 20, "pid": 1, "tid": 1},
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t0 + 5, "dur": 5, "pid": 1,
+             "tid": 1},
+        ]
+    path = tmp_path / "steps.pt.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    s = ts.summarize(str(path))
+    ms = 1e-3
+    assert s["steps"] == 2
+    assert s["span_ms"] == pytest.approx(100 * ms)  # 200 us over two steps
+    assert s["busy_ms"] == pytest.approx(80 * ms) and s["idle_ms"] == pytest.approx(20 * ms)
+    assert s["nccl_ms"] == pytest.approx(30 * ms)
+    assert s["nccl_overlapped_ms"] == pytest.approx(10 * ms) and s["nccl_exposed_ms"] == pytest.approx(20 * ms)
+    assert s["kinds_ms"]["matmul"] == pytest.approx(40 * ms) and s["kinds_ms"]["triton"] == pytest.approx(20 * ms)
+    assert s["host_ms"]["aten::mm"] == pytest.approx(15 * ms)  # 20 less the launch nested in it
+    assert s["host_ms"]["cudaLaunchKernel"] == pytest.approx(5 * ms)
