@@ -7,6 +7,9 @@ Status of a run:
   (SIGTERM/SIGINT: reason "preempt"); `kiln train RUN` resumes a signalled one;
 - finished: its final model is saved, or its final checkpoint reached train.max_steps;
 - crashed: anything else (killed, failed, or interrupted before its first checkpoint).
+
+Wall time: the time the run's processes ran, from metrics.jsonl: each process's span from its `start` record
+to its last record (its `end`), added up; the days between a stop and its resume do not count.
 """
 
 from __future__ import annotations
@@ -59,8 +62,10 @@ def _number(x: Any) -> bool:
 
 
 def _metrics(run_dir: Path) -> tuple[dict | None, float | None, float | None]:
-    """(last train record, best val_loss, seconds from the first record to the last) of metrics.jsonl."""
-    last, best, first_t, last_t = None, None, None, None
+    """(last train record, best val_loss, wall time) of metrics.jsonl. The wall time is the sum of the spans its
+    processes ran: each from its `start` record to its last record (its `end`), so the pauses between a stop and
+    its resume are left out; records before the first `start` (a file written before them) are one span."""
+    last, best, spans, span = None, None, [], None
     try:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     except OSError:
@@ -74,15 +79,19 @@ def _metrics(run_dir: Path) -> tuple[dict | None, float | None, float | None]:
             continue
         t = rec.get("time")
         if _number(t):
-            first_t = t if first_t is None else min(first_t, t)
-            last_t = t if last_t is None else max(last_t, t)
+            if rec.get("event") == "start" or span is None:
+                span = [t, t]
+                spans.append(span)
+            span[1] = max(span[1], t)
+            if rec.get("event") == "end":
+                span = None
         if rec.get("event") == "train" and isinstance(rec.get("step"), int) and _number(rec.get("tokens", 0)) \
                 and (last is None or rec["step"] >= last["step"]):  # a damaged record (a hand edit) is passed over
             last = rec
         val = rec.get("val_loss") if rec.get("event") == "eval" else None
         if _number(val) and (best is None or val < best):
             best = val
-    return last, best, (last_t - first_t) if first_t is not None else None
+    return last, best, sum(b - a for a, b in spans) if spans else None
 
 
 def _model_saved(path: Path) -> bool:

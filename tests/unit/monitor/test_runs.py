@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 from typer.testing import CliRunner
 
 from kiln.cli import app
+from kiln.monitor import sinks
 from kiln.monitor.runs import list_runs
+from kiln.monitor.sinks import JsonlSink
 from kiln.state.verify import FORMAT
 
 HOLD = r'''
@@ -77,6 +80,53 @@ def test_damaged_metrics_records_are_passed_over(tmp_path):
                 '"val_loss": true}\n{"event": "train", "st')
     [r] = list_runs(tmp_path)
     assert (r.steps, r.tokens, r.best_val_loss, r.wall_s) == (5, 320, 2.5, 10.0)
+
+
+class Clock:
+    """A fake time.time for the JSONL sink: each process of the run is a stretch of it, set by the test."""
+
+    def __init__(self, now: float):
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+def process(path, clock, start_step, steps, status):
+    """One process of a run writing metrics.jsonl: made at clock.now, 10 s per logged step, then `status`
+    (None: killed, no end)."""
+    sink, t = JsonlSink(path), SimpleNamespace(step=start_step)
+    clock.now += 5
+    sink.on_eval_end(t, {"step": start_step, "val_loss": 3.0})
+    sink.on_train_start(t)
+    for s in steps:
+        clock.now += 10
+        t.step = s
+        sink.on_step_end(t, {"step": s, "tokens": 64 * s, "loss": 3.0 - s / 100})
+    if status is not None:
+        clock.now += 5
+        sink.on_run_end(t, status)
+
+
+def test_wall_time_is_the_time_the_run_ran_without_the_pauses_between_stops_and_resumes(tmp_path, monkeypatch):
+    """A run stopped on Friday and resumed on Monday ran for minutes, not days; a killed process counts up to
+    its last record, even though its replayed steps' records are dropped by the resume."""
+    clock = Clock(1_000_000.0)
+    monkeypatch.setattr(sinks, "time", clock)
+    run = make_run(tmp_path, "weekend", ckpt={"step": 30, "reason": "final"}, max_steps=30)
+    path = run / "metrics.jsonl"
+    process(path, clock, 0, range(1, 11), "stopped")  # 5 + 100 + 5 = 110 s, stopped by a signal at step 10
+    clock.now += 3 * 86400  # the weekend
+    process(path, clock, 10, range(11, 21), None)  # 105 s, killed at step 20; its checkpoint is at step 15
+    clock.now += 3600
+    process(path, clock, 15, range(16, 31), "finished")  # 5 + 150 + 5 = 160 s
+    [r] = list_runs(tmp_path)
+    assert r.wall_s == 110 + 105 + 160 and r.steps == 30
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in recs if r["event"] == "train"] == list(range(1, 31))  # each step once
+    assert [(r["event"], r["step"], r.get("status")) for r in recs if r["event"] in ("start", "end")] == [
+        ("start", 0, None), ("end", 10, "stopped"), ("start", 10, None), ("end", 20, "killed"), ("start", 15, None),
+        ("end", 30, "finished")]
 
 
 def test_a_held_lock_is_running_and_a_killed_holder_is_not(tmp_path):

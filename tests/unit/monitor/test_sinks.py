@@ -47,6 +47,9 @@ def test_resume_drops_replayed_records_and_a_cut_line(tmp_path):
     evals = [(r["step"], r["val_loss"]) for r in got if r["event"] == "eval"]
     assert train == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 25.0), (6, 26.0)]
     assert evals == [(0, 9.0), (4, 5.5)]
+    # the first process died without its `end`: the resume wrote it, at the last step that process logged
+    assert [(r["event"], r["step"], r.get("status")) for r in got if r["event"] in ("start", "end")] == [
+        ("start", 0, None), ("end", 8, "killed"), ("start", 4, None)]
 
 
 def test_fresh_run_keeps_everything(tmp_path):
@@ -57,7 +60,8 @@ def test_fresh_run_keeps_everything(tmp_path):
     t.step = 1
     sink.on_step_end(t, {"step": 1, "loss": 2.0})
     sink.on_step_end(t, None)  # not a logging step
-    assert [r["event"] for r in records(tmp_path / "m.jsonl")] == ["eval", "train"]
+    sink.on_run_end(t, "finished")
+    assert [r["event"] for r in records(tmp_path / "m.jsonl")] == ["start", "eval", "train", "end"]
 
 
 @pytest.mark.parametrize("setting, module, extra", [

@@ -62,7 +62,13 @@ class ConsoleSink(Sink):
 
 
 class JsonlSink(Sink):
-    """Appends one JSON object per logged event to `path` (metrics.jsonl in the run directory).
+    """Appends one JSON object per event to `path` (metrics.jsonl in the run directory), each with its
+    `event` and `time` (Unix seconds): `train` (a logging step's metrics), `eval`, the notices (`rollback`,
+    `warning`, ...), and around each process's share of the run a `start` (its `time`: when this sink was
+    made, as the process set the run up; `step`: where it started) and an `end` (its `status`: finished,
+    stopped or failed). A process that died without its `end` (killed, out of memory, power lost) gets one
+    from the next start, with `status` killed and the time and step of the last record it wrote. `kiln runs`
+    adds up the spans from each start to its end: the run's wall time without the pauses between them.
 
     A resumed run replays the steps after its checkpoint: the first write of a process drops the
     records those steps left behind (and a line cut short by a kill), so each step appears once.
@@ -72,25 +78,38 @@ class JsonlSink(Sink):
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        self.started = time.time()
         self.file = None
+        self.began = False  # this process has written its `start` record
 
     def _drop_replayed(self, step: int, kind: str | None) -> None:
         if not self.path.is_file():
             return
-        keep = []
+        keep, last, began = [], None, False  # last: the latest (time, step) of the process before this one
         for line in self.path.read_text().splitlines():
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            s = rec.get("step", -1)
-            if s < step or (s == step and rec.get("event") != kind):  # an eval at `step` is written again
-                keep.append(line)
+            event, s, t = rec.get("event"), rec.get("step", -1), rec.get("time")
+            began |= event == "start"
+            if event in ("start", "end"):
+                last = (t, s) if event == "start" else None
+            elif isinstance(t, int | float) and last is not None and (last[0] is None or t >= last[0]):
+                last = (t, s)
+            if event in ("start", "end") or s < step or (s == step and event != kind):  # an eval at `step`
+                keep.append(line)  # is written again
+        if began and last is not None:  # the process before ended without its `end` record
+            keep.append(json.dumps({"event": "end", "time": last[0], "step": last[1], "status": "killed"}))
         atomic_write(self.path, "".join(f"{line}\n" for line in keep))
 
     def _open(self, trainer, kind: str | None) -> None:
-        if self.file is None:  # first event of this process: trainer.step is where it (re)started
+        if not self.began:  # first event of this process: trainer.step is where it (re)started
             self._drop_replayed(trainer.step, kind)
+            self.file = open(self.path, "a")
+            self.began = True
+            self.file.write(json.dumps({"event": "start", "time": self.started, "step": trainer.step}) + "\n")
+        elif self.file is None:
             self.file = open(self.path, "a")
 
     def on_train_start(self, trainer) -> None:
@@ -123,7 +142,10 @@ class JsonlSink(Sink):
             self.file = None
 
     def on_run_end(self, trainer, status: str) -> None:
+        if self.began:  # this process wrote to the run: its share of the run ends here
+            self._write(trainer, "end", {"step": getattr(trainer, "step", None), "status": status})
         self.on_train_end(trainer, {})
+
 
 def _kept(line: str, step: int) -> bool:
     """Whether a metrics.jsonl record stays after a rollback to `step`: notices and records up to it do."""

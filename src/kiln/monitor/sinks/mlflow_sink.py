@@ -5,6 +5,13 @@ Any tracking URI works (a server, Databricks, a database). The default is local:
 <run_dir>/mlflow.db with artifacts in <run_dir>/mlartifacts (`mlflow ui --backend-store-uri
 sqlite:///<run_dir>/mlflow.db` shows it). The MLflow run id is kept in <run_dir>/mlflow_run_id.txt, so
 a resumed Kiln run continues the same MLflow run.
+
+A resume (from a checkpoint older than the last logged step) and a rollback (kiln.train.rollback) train
+steps again. MLflow keeps every value logged at a step and cannot delete one, so logging them again under
+their own names would draw each chart back and forth over those steps. A step at or below the highest one
+this MLflow run already has for its kind (train or eval) is logged under the prefix `replay/` instead
+(`replay/train/loss`): `train/loss` keeps one value per step, the first, and the values of the steps trained
+again are kept beside it, as the W&B sink keeps them.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from kiln.monitor.sinks.base import MetricSink, finite, require, run_files
 
 ID_FILE = "mlflow_run_id.txt"
 STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
+REPLAY = "replay"  # the prefix of the metrics of a step logged again (replay/train/loss)
 
 
 def metric_key(key: str) -> str:
@@ -51,6 +59,7 @@ class MlflowSink(MetricSink):
         self.cfg, self.run_dir, self.log = cfg, Path(run_dir), log
         self.client = self.run_id = None
         self.pending: list = []  # asynchronous logging operations not yet waited for
+        self.highest: dict[str, int] = {}  # the highest step of each kind (train, eval) this MLflow run has
 
     def tracking_uri(self) -> str:
         return self.cfg.logging.mlflow_tracking_uri or f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}"
@@ -84,6 +93,7 @@ class MlflowSink(MetricSink):
         else:
             self.client.update_run(run.info.run_id, status="RUNNING")
         self.run_id = run.info.run_id
+        self.highest = self._highest(run)
         known = run.data.params  # params cannot change in MLflow: a resume adds only the new ones
         params = [Param(k, v) for k, v in flatten(self.cfg.model_dump(mode="json")).items() if k not in known]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
@@ -102,11 +112,26 @@ class MlflowSink(MetricSink):
             return None
         return run if run.info.experiment_id == exp_id else None
 
+    def _highest(self, run) -> dict[str, int]:
+        """The highest step of each kind (train, eval) among the run's metrics: MLflow's latest value of a
+        metric is the one at its highest step."""
+        latest = getattr(run.data, "_metric_objs", None)  # what get_run read: each metric's latest value
+        if latest is None:  # another MLflow's RunData: the metrics' histories
+            latest = [m for key in run.data.metrics for m in self.client.get_metric_history(run.info.run_id, key)]
+        out: dict[str, int] = {}
+        for m in latest:
+            kind = m.key.split("/", 1)[0]
+            if kind in ("train", "eval"):
+                out[kind] = max(out.get(kind, -1), m.step)
+        return out
+
     def write(self, step: int, values: dict[str, float], kind: str) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(metric_key(f"{kind}/{k}"), v, now, step) for k, v in finite(values).items()]
+        prefix = kind if step > self.highest.get(kind, -1) else f"{REPLAY}/{kind}"  # a step trained again
+        self.highest[kind] = max(self.highest.get(kind, -1), step)
+        metrics = [Metric(metric_key(f"{prefix}/{k}"), v, now, step) for k, v in finite(values).items()]
         self.pending.append(self.client.log_batch(self.run_id, metrics=metrics, synchronous=False))
         self._reap()
 

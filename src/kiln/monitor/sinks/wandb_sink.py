@@ -8,10 +8,17 @@ its last logged step) and a rollback (kiln.train.rollback) both send: the steps 
 lost. So W&B keeps its own step (`_step`, one more per row) and the optimizer step goes in each row as the
 metric `step`, declared the x axis of every train/ and eval/ metric: the replayed steps are kept, beside
 the first tries. (Rewinding the W&B run, `resume_from`, needs the W&B server's beta feature and a network.)
+
+Online, W&B gets INIT_TIMEOUT_S seconds to start the run (WANDB_INIT_TIMEOUT sets another), not its own 90 s
+of retries: on a machine without a network, or with no API key, the sink says why and logs offline instead,
+into the same run id (`wandb sync` uploads it later), and training goes on. W&B's own console lines are
+quieted (the sink prints the run's URL): the account lookups it makes for them wait 5 s each without a
+network. WANDB_MODE=offline in the environment logs offline whatever logging.wandb_mode says.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import shutil
 import string
@@ -22,6 +29,7 @@ from kiln.monitor.sinks.base import MetricSink, require, run_files
 
 ID_FILE = "wandb_id.txt"
 STEP = "step"  # the x axis of the charts: the optimizer step, which a resume or rollback may take back
+INIT_TIMEOUT_S = 20.0  # how long an online run may take to start before the sink logs offline instead
 
 
 class WandbSink(MetricSink):
@@ -47,15 +55,44 @@ class WandbSink(MetricSink):
 
     def open(self, trainer) -> None:
         lcfg = self.cfg.logging
-        tags = [f"{k}:{v}" for k, v in lcfg.tags.items()]
-        self.run = self.wandb.init(
-            project=lcfg.wandb_project, entity=lcfg.wandb_entity, name=lcfg.wandb_name or self.run_dir.name,
-            id=self.run_id(), resume="allow", dir=str(self.run_dir), mode=lcfg.wandb_mode, tags=tags or None,
-            config=self.cfg.model_dump(mode="json"), allow_val_change=True)  # a resume may change max_steps
+        mode = "offline" if os.environ.get("WANDB_MODE") in ("offline", "dryrun") else lcfg.wandb_mode
+        if mode == "online":
+            try:
+                self.run = self._init("online")
+            except Exception as e:  # no network, no API key, a server that does not answer in time
+                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                self.log(f"W&B could not start the online run ({type(e).__name__}: {why}); logging offline to "
+                         f"{self.run_dir / 'wandb'} instead: upload it later with `wandb sync "
+                         f"{self.run_dir / 'wandb'}/offline-run-*`. An online run gets {self._timeout():g} s to start "
+                         "(WANDB_INIT_TIMEOUT); logging.wandb_mode=offline goes offline at once")
+                mode = "offline"
+                self.wandb.teardown()  # W&B's service holds the failed run's id: a new service starts offline
+        if mode == "offline":
+            self.run = self._init("offline")
         self.run.define_metric(STEP)
         for kind in ("train", "eval"):
             self.run.define_metric(f"{kind}/*", step_metric=STEP)
-        self.log(f"W&B run {self.run.id} ({lcfg.wandb_mode})" + (f": {self.run.url}" if self.run.url else ""))
+        self.log(f"W&B run {self.run.id} ({mode})" + (f": {self.run.url}" if self.run.url else ""))
+
+    @staticmethod
+    def _timeout() -> float:
+        """Seconds an online run may take to start: WANDB_INIT_TIMEOUT (W&B's own variable) if set, else ours."""
+        try:
+            return float(os.environ.get("WANDB_INIT_TIMEOUT") or INIT_TIMEOUT_S)
+        except ValueError:
+            return INIT_TIMEOUT_S
+
+    def _init(self, mode: str):
+        lcfg = self.cfg.logging
+        tags = [f"{k}:{v}" for k, v in lcfg.tags.items()]
+        settings = {"quiet": True}  # quiet: no account lookups for the "logged in as" line (5 s each offline)
+        if mode == "online":
+            settings["init_timeout"] = self._timeout()
+        return self.wandb.init(
+            project=lcfg.wandb_project, entity=lcfg.wandb_entity, name=lcfg.wandb_name or self.run_dir.name,
+            id=self.run_id(), resume="allow", dir=str(self.run_dir), mode=mode, tags=tags or None,
+            config=self.cfg.model_dump(mode="json"), allow_val_change=True,  # a resume may change max_steps
+            settings=self.wandb.Settings(**settings))
 
     def write(self, step: int, values: dict[str, float], kind: str) -> None:
         self.run.log({STEP: step, **{f"{kind}/{k}": v for k, v in values.items()}})  # W&B's _step: one more

@@ -57,8 +57,41 @@ def test_a_stopped_run_is_killed_and_its_resume_continues_the_same_mlflow_run(tm
     drive(MlflowSink(again, tmp_path, log=print), again, range(3, 6), start=2)
     runs = c.search_runs([c.get_experiment_by_name("kiln").experiment_id])
     assert [r.info.run_id for r in runs] == [run_id] and runs[0].info.status == "FINISHED"
-    assert [m.step for m in c.get_metric_history(run_id, "train/loss")] == [1, 2, 3, 3, 4, 5]
+    # step 3, logged before the stop, is trained again: its new value goes under replay/, each chart has a step once
+    assert [m.step for m in c.get_metric_history(run_id, "train/loss")] == [1, 2, 3, 4, 5]
+    replayed = c.get_metric_history(run_id, "replay/train/loss")
+    assert [(m.step, m.value) for m in replayed] == [(3, pytest.approx(10 / 3))]
+    assert [m.step for m in c.get_metric_history(run_id, "eval/val_loss")] == [0, 2, 5]
     assert runs[0].data.params["train.max_steps"] == "300"  # MLflow params never change: the first run's
+
+
+def test_steps_a_rollback_trains_again_are_logged_once_under_their_names_and_again_under_replay(tmp_path, drive,
+                                                                                                 config):
+    """MLflow keeps every value logged at a step: the steps after a rollback, logged again as they were, would
+    draw train/loss back over them. Their second values go to replay/train/..., and a resume after it too."""
+    cfg = config("logging.mlflow=true")
+    trainer = drive(MlflowSink(cfg, tmp_path, log=print), cfg, range(1, 6), status=None)  # steps 1-5 logged
+    trainer.step = 2  # a bad step 5 rolls back to step 2: steps 3-5 are trained again, on other batches
+    trainer.events.emit("on_notice", trainer, "rollback", {"message": "rolled back to step 2"})
+    for s in (3, 4, 5, 6):
+        trainer.step = s
+        trainer.events.emit("on_step_end", trainer, {"step": s, "loss": 1.0 / s})
+    trainer.events.emit("on_run_end", trainer, "stopped")
+    resumed = MlflowSink(cfg, tmp_path, log=print)
+    drive(resumed, cfg, range(6, 8), start=5)  # resumed from a checkpoint at 5
+
+    c = client(tmp_path)
+    run_id = (tmp_path / ID_FILE).read_text().strip()
+    first = [(m.step, m.value) for m in c.get_metric_history(run_id, "train/loss")]
+    assert first == [(s, pytest.approx(10.0 / s)) for s in range(1, 6)] + [(6, 1 / 6), (7, pytest.approx(10 / 7))]
+    again = [(m.step, m.value) for m in c.get_metric_history(run_id, "replay/train/loss")]
+    assert again == [(3, 1 / 3), (4, 0.25), (5, 0.2), (6, pytest.approx(10 / 6))]
+    assert [m.step for m in c.get_metric_history(run_id, "eval/val_loss")] == [0, 5, 7]  # no eval step is replayed
+    assert c.get_metric_history(run_id, "replay/eval/val_loss") == []
+    # the highest steps, from what get_run read or (another MLflow's RunData) from the metrics' histories
+    run = c.get_run(run_id)
+    assert resumed._highest(run) == resumed._highest(SimpleNamespace(info=run.info, data=SimpleNamespace(
+        metrics=run.data.metrics))) == {"train": 7, "eval": 7}
 
 
 def test_a_store_that_cannot_be_written_is_named_and_the_sink_disabled(tmp_path, config):

@@ -4,11 +4,13 @@ run-<id>.wandb log, decoded with W&B's own protobuf schema, and the files it kee
 from __future__ import annotations
 
 import json
+import socket
 import struct
 from pathlib import Path
 
 import pytest
 
+from kiln.monitor.sinks import wandb_sink
 from kiln.monitor.sinks.wandb_sink import ID_FILE, WandbSink
 
 pytest.importorskip("wandb")
@@ -109,3 +111,56 @@ def test_a_resumed_run_continues_the_same_wandb_run_and_keeps_replayed_steps(tmp
     for run in (first, second):
         w_steps = [row["_step"] for row in run[1]]
         assert w_steps == sorted(set(w_steps))  # W&B's own step only grows
+
+
+@pytest.fixture
+def no_server(monkeypatch):
+    """W&B's server as a machine without a network to it has: an address that takes connections and never
+    answers (a dropped route), with an API key, so that W&B tries it; its own lookups get nowhere either.
+    Yields the listening socket (its backlog holds the connections W&B made)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.setblocking(False)
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+        monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+        monkeypatch.delenv("WANDB_INIT_TIMEOUT", raising=False)
+        monkeypatch.delenv("WANDB_MODE", raising=False)
+        yield server
+
+
+@pytest.mark.parametrize("case", ["unreachable, our timeout", "unreachable, WANDB_INIT_TIMEOUT", "no API key"])
+def test_online_without_a_network_or_a_key_says_so_and_logs_offline_at_once(tmp_path, drive, config, no_server,
+                                                                           monkeypatch, case):
+    """Online, W&B retries for 90 s (and looks the account up, 5 s twice) before it gives up; the sink gives it
+    INIT_TIMEOUT_S (20 s) or the user's WANDB_INIT_TIMEOUT, then logs the same run offline, says why and how to
+    upload it, and training goes on."""
+    if case == "unreachable, our timeout":
+        monkeypatch.setattr(wandb_sink, "INIT_TIMEOUT_S", 1.0)
+    else:
+        monkeypatch.setenv("WANDB_INIT_TIMEOUT", "1")
+    if case == "no API key":
+        monkeypatch.delenv("WANDB_API_KEY")
+    cfg = config("logging.wandb=true", "logging.wandb_mode=online")
+    logged = []
+    drive(WandbSink(cfg, tmp_path, log=logged.append), cfg, range(1, 4))
+    run_id, history, *_ = offline_run(tmp_path)
+    assert run_id == (tmp_path / ID_FILE).read_text().strip()
+    assert [row["step"] for row in history if "train/loss" in row] == [1, 2, 3]
+    said, started = logged
+    assert said.startswith("W&B could not start the online run (") and f"wandb sync {tmp_path / 'wandb'}" in said
+    assert ("No API key" in said) if case == "no API key" else ("CommError" in said and "127.0.0.1" in said)
+    assert "An online run gets 1 s to start (WANDB_INIT_TIMEOUT)" in said
+    assert started == f"W&B run {run_id} (offline)"
+
+
+def test_wandb_mode_offline_in_the_environment_logs_offline_without_trying_the_server(tmp_path, drive, config,
+                                                                                      no_server, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "1")  # were the server tried, the test would not wait long for it
+    cfg = config("logging.wandb=true", "logging.wandb_mode=online")
+    logged = []
+    drive(WandbSink(cfg, tmp_path, log=logged.append), cfg, range(1, 3))
+    run_id, history, *_ = offline_run(tmp_path)
+    assert logged == [f"W&B run {run_id} (offline)"]
+    assert [row["step"] for row in history if "train/loss" in row] == [1, 2]
+    with pytest.raises(BlockingIOError):
+        no_server.accept()  # nothing connected to the server
