@@ -9,6 +9,13 @@ error (a `KilnError`: it wrote `record_error`'s file) ends with one line naming 
 failure (a bug's traceback, a signal) with torchrun's summary, without torchrun's traceback. The exit
 code is the failing rank's (2 for a config error, as `kiln train` in one process), else 1.
 
+A signal (SIGTERM from a scheduler, Ctrl-C) makes torchrun pass it to every worker, wait for them to write
+their checkpoint and exit, then raise its SignalException: here that ends the job with one line and exit code
+128 + the signal's number, instead of torchrun's traceback. The same signal delivered twice at once (to the
+whole process group, and again by `kiln train --nproc`, which forwards it) is taken once (`stop_once`):
+torchrun would break off its wait for the workers and send each the signal again, which a kiln worker takes
+as "abort now, without a checkpoint". A second signal later still aborts, as a second Ctrl-C should.
+
 `record_error` writes the message to the error file torchrun gives each worker (TORCHELASTIC_ERROR_FILE),
 so under a plain `torchrun` too the summary's root cause shows the message instead of the link.
 
@@ -25,6 +32,7 @@ import sys
 import time
 
 SHOWN = "kiln_shown"  # key of the error file: the rank printed this error itself
+DUPLICATE_S = 1.0  # a signal this soon after the same one is the same event delivered twice
 QUIET_WAIT_S = 60.0  # how long a quiet process waits for torchrun to stop it (the first process failed alike)
 
 
@@ -54,16 +62,39 @@ def summary(error) -> tuple[str, int]:
     return error.format_msg(), code
 
 
+def stop_once(handler, clock=time.monotonic):
+    """torchrun's signal handler (`handler`), less the copies of its first signal: that one raises
+    SignalException, which makes torchrun pass it to the workers and wait for them; the same signal again
+    within DUPLICATE_S (one event delivered twice: to the process group and by the launcher that forwards
+    it) is ignored. A later one is a second request: torchrun passes it on, and the workers abort."""
+    first: list[tuple[int, float]] = []
+
+    def handle(signum: int, frame) -> None:
+        if first and first[0][0] == signum and clock() - first[0][1] < DUPLICATE_S:
+            return
+        if not first:
+            first.append((signum, clock()))
+        handler(signum, frame)
+
+    return handle
+
+
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    # torchrun installs this module attribute as its handler when it starts the workers
+    api._terminate_process_handler = stop_once(api._terminate_process_handler)
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except ChildFailedError as e:
         text, code = summary(e)
         print(text, file=sys.stderr, flush=True)
         return code
+    except api.SignalException as e:  # the workers had the signal and the time to stop; torchrun waited for them
+        print(f"kiln: the job stopped on {e.sigval.name}", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
     return 0
 
 
