@@ -97,7 +97,7 @@ def train(
         from kiln.dist.launch.local import relaunch
 
         # the config was checked here first: an error in it is shown once, not by every process of every restart
-        raise typer.Exit(relaunch(nproc, max_restarts=max_restarts))
+        raise typer.Exit(relaunch(nproc, max_restarts=max_restarts, cfg=cfg))
     from kiln.state.preempt import Interrupted
     from kiln.train.run import run
 

@@ -190,3 +190,83 @@ def test_nproc_must_be_positive(argv, monkeypatch):
 
     with pytest.raises(ConfigError, match="1 or more"):
         relaunch(0, ["train", *argv])
+
+
+def _no_launch(monkeypatch):
+    """relaunch must fail before it starts torchrun: a Popen that fails the test."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def started(*args, **kwargs):
+        raise AssertionError("torchrun was started")
+
+    monkeypatch.setattr(subprocess, "Popen", started)
+
+
+def test_kiln_train_nproc_checks_the_job_shape_before_starting_any_process(monkeypatch):
+    """Hybrid replicas that do not divide --nproc and nccl on the CPU used to fail in every process, after
+    starting and building the model (the replicas one with gloo's C++ stack frames between the errors)."""
+    from kiln.config import load_config
+    from kiln.dist.launch import local
+
+    _no_launch(monkeypatch)
+    hybrid = load_config(None, ["train.device=cpu", "dist.strategy=fsdp", "dist.sharding=hybrid", "dist.replicas=3"])
+    with pytest.raises(ConfigError, match="dist.replicas=3 does not divide the 2 processes of --nproc 2"):
+        local.relaunch(2, ["train"], cfg=hybrid)
+    nccl = load_config(None, ["train.device=cpu", "dist.backend=nccl"])
+    with pytest.raises(ConfigError, match="dist.backend=nccl needs CUDA GPUs.*gloo"):
+        local.relaunch(2, ["train"], cfg=nccl)
+
+
+def test_more_cpu_processes_than_memory_holds_is_an_error_and_more_than_cores_a_warning(monkeypatch):
+    """--nproc 64 on a 2-core CPU machine used to start 64 processes that never got to train."""
+    import psutil
+
+    from kiln.config import load_config
+    from kiln.dist.launch import local
+    from kiln.errors import ResourceError
+
+    _no_launch(monkeypatch)
+    cfg = load_config(None, ["train.device=cpu"])
+    monkeypatch.setattr(local.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Mem", (), {"available": 8 << 30})())
+    with pytest.raises(ResourceError, match=r"--nproc 64: 64 CPU training processes need at least 32 GiB.*8\.0 GiB"):
+        local.relaunch(64, ["train"], cfg=cfg)
+    said = []
+    local.check_world(cfg, 4, said.append)  # 2 GiB: fits; 4 processes on 2 cores: said
+    assert len(said) == 1 and "--nproc 4 on 2 CPU cores" in said[0]
+    said.clear()
+    local.check_world(cfg, 2, said.append)
+    assert said == []
+
+
+def test_a_gpu_run_with_more_processes_than_gpus_fails_before_starting(monkeypatch):
+    import torch
+
+    from kiln.config import load_config
+    from kiln.dist.launch import local
+    from kiln.errors import ResourceError
+
+    _no_launch(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ResourceError, match="--nproc 4: this machine has 2 GPU"):
+        local.relaunch(4, ["train"], cfg=load_config(None, ["train.device=auto"]))
+
+
+def test_a_world_size_that_is_not_a_number_is_a_config_error(monkeypatch):
+    from kiln.dist.launch import local
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    with pytest.raises(ConfigError, match="WORLD_SIZE='abc' is not an integer"):
+        local.relaunch(2, ["train"])
+
+
+def test_dist_replicas_without_hybrid_sharding_is_a_config_problem():
+    """It used to pass validation and fail in every process after the model was built."""
+    from kiln.config import load_config
+
+    with pytest.raises(ConfigError, match="dist.replicas=2 applies to dist.sharding=hybrid only"):
+        load_config(None, ["dist.strategy=fsdp", "dist.replicas=2"])
+    assert load_config(None, ["dist.sharding=hybrid", "dist.replicas=2"]).dist.replicas == 2
