@@ -106,3 +106,15 @@ def test_torchrun_takes_a_signal_delivered_twice_at_once_as_one_and_a_later_one_
     now[0] += torchrun.DUPLICATE_S
     with pytest.raises(SignalException):  # a second request, later: passed on (the workers abort)
         handle(signal.SIGTERM, None)
+
+
+def test_the_rank_that_printed_its_error_is_named_with_its_exit_code_though_torchrun_stopped_it(tmp_path, monkeypatch):
+    """Rank 1 printed a config error; rank 0 exited first (stopping for it, code 1) and torchrun then stopped
+    rank 1 with SIGTERM: the job used to end 'rank 1 failed (exit code -15)' with code 1 instead of 2."""
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error-1.json"))
+    torchrun.record_error("error (rank 1): bad replicas")  # as kiln.cli does, exit code 2
+    stopping = failure(tmp_path, 0, 1, None)
+    killed = ProcessFailure(local_rank=1, pid=101, exitcode=-15, error_file=str(tmp_path / "error-1.json"))
+    killed.timestamp = stopping.timestamp + 1  # rank 0's exit came first
+    text, code = torchrun.summary(ChildFailedError("kiln.cli", {0: stopping, 1: killed}))
+    assert text == "kiln: the job stopped: rank 1 failed (exit code 2); its error is above" and code == 2

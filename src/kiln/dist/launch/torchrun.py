@@ -32,6 +32,7 @@ import sys
 import time
 
 SHOWN = "kiln_shown"  # key of the error file: the rank printed this error itself
+EXIT_CODE = "kiln_exit_code"  # key of the error file: the exit code of the process that printed it
 DUPLICATE_S = 1.0  # a signal this soon after the same one is the same event delivered twice
 QUIET_WAIT_S = 60.0  # how long a quiet process waits for torchrun to stop it (the first process failed alike)
 
@@ -41,25 +42,32 @@ def wait_for_first_rank(seconds: float = QUIET_WAIT_S) -> None:
     time.sleep(seconds)
 
 
-def record_error(message: str) -> None:
-    """Tell torchrun (if it started this process) why it fails: its summary shows `message`."""
+def record_error(message: str, exit_code: int = 2) -> None:
+    """Tell torchrun (if it started this process) why it fails: its summary shows `message`, and the job
+    ends with `exit_code` (this process's, which torchrun may not see: a peer's exit can have it stopped)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     try:
         with open(path, "w") as f:
-            json.dump({"message": message, "timestamp": int(time.time()), SHOWN: True}, f)
+            json.dump({"message": message, "timestamp": int(time.time()), SHOWN: True, EXIT_CODE: exit_code}, f)
     except OSError:
         pass  # the summary then says less; the error itself is printed already
 
 
 def summary(error) -> tuple[str, int]:
-    """What to print at the end of a failed job (`error`: torchrun's ChildFailedError), and the exit code."""
+    """What to print at the end of a failed job (`error`: torchrun's ChildFailedError), and the exit code.
+
+    The rank that printed its error is the cause, though another may have exited first (one stopping for
+    it, after which torchrun stopped the rest, the failed rank among them, perhaps before it exited)."""
+    shown = [(f.timestamp, r) for r, f in error.failures.items() if f.error_file_data.get(SHOWN)]
+    if shown:
+        rank = min(shown)[1]
+        failure = error.failures[rank]
+        code = failure.error_file_data.get(EXIT_CODE) or (failure.exitcode if failure.exitcode > 0 else 1)
+        return f"kiln: the job stopped: rank {rank} failed (exit code {code}); its error is above", code
     rank, failure = error.get_first_failure()
-    code = failure.exitcode if failure.exitcode > 0 else 1
-    if failure.error_file_data.get(SHOWN):
-        return f"kiln: the job stopped: rank {rank} failed (exit code {failure.exitcode}); its error is above", code
-    return error.format_msg(), code
+    return error.format_msg(), failure.exitcode if failure.exitcode > 0 else 1
 
 
 def stop_once(handler, clock=time.monotonic):
