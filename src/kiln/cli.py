@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -409,7 +410,7 @@ def launch_k8s(
 
     path = Path(out or f"{job_name(config, name)}.yaml")
     write_files({path: text})
-    console.print(f"wrote {path}; submit with: kubectl apply -f {path}", highlight=False)
+    console.print(f"wrote {path}; submit with: kubectl apply -f {shlex.quote(str(path))}", highlight=False)
 
 
 @launch_app.command("slurm")
@@ -440,7 +441,9 @@ def launch_slurm(
     text, cfg_yaml = slurm.script(config, list(overrides or []), nodes, gpus_per_node, config_path, name=name,
                                   run_dir=run_dir, time_limit=time_limit, partition=partition)
     write_files({config_path: cfg_yaml, script_path: text})
-    console.print(f"wrote {script_path} and {config_path}; submit with: sbatch {script_path}", highlight=False)
+    note = slurm.make_log_dir(slurm.run_directory(run_dir, job_name(config, name)))
+    console.print(f"wrote {script_path} and {config_path}; submit with: sbatch {shlex.quote(str(script_path))}"
+                  + (f"\n{note}" if note else ""), highlight=False)
 
 
 def _rank() -> int | None:

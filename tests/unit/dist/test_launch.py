@@ -270,3 +270,62 @@ def test_dist_replicas_without_hybrid_sharding_is_a_config_problem():
     with pytest.raises(ConfigError, match="dist.replicas=2 applies to dist.sharding=hybrid only"):
         load_config(None, ["dist.strategy=fsdp", "dist.replicas=2"])
     assert load_config(None, ["dist.sharding=hybrid", "dist.replicas=2"]).dist.replicas == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--image", ""], "--image '': give the container image"),
+    (["--image", "my image"], "no spaces"),
+    (["--image", "kiln:1", "--shm-gib", "0"], "--shm-gib 0: the /dev/shm size must be at least 1 GiB"),
+    (["--image", "kiln:1", "--shm-gib", "-3"], "--shm-gib -3"),
+])
+def test_k8s_refuses_an_image_or_shm_size_the_cluster_would_reject(tmp_path, args, message):
+    """An empty image and '--shm-gib -3' used to be written as is (sizeLimit: -3Gi); 0 quietly became 8."""
+    out = tmp_path / "job.yaml"
+    res = runner.invoke(app, ["launch", "k8s", "gpu-124m", *args, "--out", str(out)])
+    assert res.exit_code != 0 and isinstance(res.exception, ConfigError) and message in str(res.exception)
+    assert not out.exists()
+
+
+def test_launch_files_with_spaces_in_their_paths_parse_and_the_commands_printed_can_be_pasted(tmp_path):
+    """The Slurm output directive split at the space, the run directory (where Slurm opens the job's output
+    before the script runs) did not exist, and `sbatch my dir/job.sbatch` was printed unquoted."""
+    import shlex
+
+    cfg = tmp_path / "my config.yaml"
+    cfg.write_text("model:\n  size: tiny\n")
+    run_dir = tmp_path / "shared runs" / "r 1"
+    out = tmp_path / "out dir" / "my job.sbatch"
+    res = runner.invoke(app, ["launch", "slurm", str(cfg), "--gpus-per-node", "2", "--run-dir", str(run_dir),
+                              "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert f"sbatch {shlex.quote(str(out))}" in res.output
+    assert run_dir.is_dir()
+    text = out.read_text()
+    if shutil.which("bash"):
+        assert subprocess.run(["bash", "-n", str(out)], capture_output=True).returncode == 0
+    (output,) = [line for line in text.splitlines() if line.startswith("#SBATCH --output")]
+    assert shlex.split(output) == ["#SBATCH", f"--output={run_dir}/slurm-%j.out"]  # one argument, as sbatch reads it
+    assert shlex.split(text.splitlines()[-1])[-1] == str(out.with_name("my job.config.yaml"))
+    k8s_out = tmp_path / "out dir" / "my job.yaml"
+    res = runner.invoke(app, ["launch", "k8s", str(cfg), "--image", "kiln:1", "--out", str(k8s_out)])
+    assert res.exit_code == 0 and f"kubectl apply -f {shlex.quote(str(k8s_out))}" in res.output
+    assert [d["kind"] for d in yaml.safe_load_all(k8s_out.read_text())] == ["ConfigMap", "PyTorchJob"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--time", "a b"], "--time 'a b' is not a Slurm time limit"),
+    (["--time", "1 day"], "not a Slurm time limit"),
+    (["--partition", "gpu; rm -rf ~"], "is not a partition name"),
+])
+def test_slurm_refuses_a_time_limit_or_partition_sbatch_would_reject(tmp_path, args, message):
+    out = tmp_path / "job.sbatch"
+    res = runner.invoke(app, ["launch", "slurm", "gpu-124m", *args, "--out", str(out)])
+    assert res.exit_code != 0 and isinstance(res.exception, ConfigError) and message in str(res.exception)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("limit", ["90", "30:00", "12:00:00", "2-00", "1-12:00", "1-00:00:00", "UNLIMITED"])
+def test_slurm_accepts_its_time_formats(limit):
+    from kiln.dist.launch.slurm import check_options
+
+    check_options(limit, "gpu,debug")
