@@ -32,6 +32,7 @@ import torch.distributed as dist
 POLL_S = 0.5
 ACK_WAIT_S = 4 * POLL_S + 1.0  # how long a failing rank waits for the others to see its failure
 EXIT_CODE = 1
+STOPPED = ("Interrupted:", "KeyboardInterrupt:")  # a rank's "failure" that is a SIGTERM/SIGINT (kiln.state.preempt)
 
 _active: Watch | None = None
 
@@ -88,8 +89,10 @@ class Watch:
         """Say (once) that this rank stops because another failed, and tell the failed rank it was seen."""
         if not self._said:
             self._said = True
-            print(f"rank {self.rank}: stopping, because {failed.split(':', 1)[0]} failed (its error is above)",
-                  file=sys.stderr, flush=True)
+            who, _, rest = failed.partition(": ")
+            if not rest.startswith(STOPPED):  # a rank stopped by a signal failed nothing: its message says so
+                print(f"rank {self.rank}: stopping, because {who} failed (its error is above)", file=sys.stderr,
+                      flush=True)
             self._acknowledge()
 
     def _acknowledge(self, clock: Callable[[], float] = time.monotonic,

@@ -101,3 +101,20 @@ def test_rank_0_which_serves_the_store_exits_only_once_the_failed_rank_is_done_w
     lone = Watch(0, 2, 0.0, store=dist.HashStore())
     lone._acknowledge(clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))  # no failed rank
     assert ACK_WAIT_S <= now[0] < ACK_WAIT_S + 0.1
+
+
+def test_a_rank_stopped_by_a_signal_is_not_reported_as_failed(capsys):
+    """SIGTERM during start-up: every rank got it, yet the others said 'stopping, because rank 1 failed (its
+    error is above)' above rank 1's 'stopped before training; nothing changed'."""
+    from kiln.state.preempt import Interrupted
+
+    store = dist.HashStore()
+    w0, stopped0, codes0 = _watch(0, store)
+    w1, _, _ = _watch(1, store)
+    w0.start()
+    try:
+        w1.record_failure(Interrupted(15, "SIGTERM during start-up: stopped before training"))
+        assert stopped0.wait(10) and codes0 == [1]
+    finally:
+        w0.stop()
+    assert "failed" not in capsys.readouterr().err
