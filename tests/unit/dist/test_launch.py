@@ -329,3 +329,20 @@ def test_slurm_accepts_its_time_formats(limit):
     from kiln.dist.launch.slurm import check_options
 
     check_options(limit, "gpu,debug")
+
+
+def test_one_named_gpu_for_several_processes_or_no_gpu_at_all_fails_before_starting(monkeypatch):
+    """train.device=cuda:1 put every process on GPU 1; train.device=cuda on a CPU machine said 'start at most 0'."""
+    import torch
+
+    from kiln.config import load_config
+    from kiln.dist.launch import local
+    from kiln.errors import ResourceError
+
+    _no_launch(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ResourceError, match="train.device=cuda, but no CUDA GPU is visible here"):
+        local.relaunch(2, ["train"], cfg=load_config(None, ["train.device=cuda"]))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(ConfigError, match="train.device=cuda:1 names one GPU for all 2 processes"):
+        local.relaunch(2, ["train"], cfg=load_config(None, ["train.device=cuda:1"]))

@@ -52,14 +52,18 @@ def check_world(cfg, nproc: int, log=print) -> None:
     if d.sharding == "hybrid" and d.strategy != "ddp" and d.replicas is not None and nproc % d.replicas:
         raise ConfigError(f"dist.replicas={d.replicas} does not divide the {nproc} processes of --nproc {nproc}; "
                           f"choose a divisor of {nproc}, or leave dist.replicas unset (one replica per node)")
-    if cuda and name in ("auto", "cuda"):
+    if cuda:
+        if name not in ("auto", "cuda") and nproc > 1:
+            raise ConfigError(f"train.device={name} names one GPU for all {nproc} processes; each process needs its "
+                              "own: use train.device=cuda (process i drives GPU i), and CUDA_VISIBLE_DEVICES to "
+                              "choose which GPUs")
         gpus = torch.cuda.device_count()
+        if gpus == 0:
+            raise ResourceError(f"train.device={name}, but no CUDA GPU is visible here; use train.device=cpu")
         if nproc > gpus:
             raise ResourceError(f"--nproc {nproc}: this machine has {gpus} GPU(s) visible, one per process; start at "
                                 f"most {gpus} (or train on the CPU with train.device=cpu)")
         return
-    if cuda:
-        return  # one GPU named for every process: mesh.rank_device says what it can
     import psutil
 
     cores, free = os.cpu_count() or 1, psutil.virtual_memory().available
