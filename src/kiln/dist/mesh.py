@@ -57,6 +57,17 @@ class Mesh:
                               f"divisor of {self.world} (one replica per node is {self.nodes})")
         return init_device_mesh(self.device.type, (r, self.world // r), mesh_dim_names=("replicate", "shard"))
 
+    def describe(self, strategy: str, cfg: DistConfig) -> str:
+        """How the model is spread over this run's processes (`strategy`: parallelize.strategy_of's answer)."""
+        if strategy != "fsdp":
+            return strategy
+        if cfg.sharding == "hybrid":
+            r = cfg.replicas or self.nodes
+            text = f"fsdp hybrid, {r} replica(s) x {self.world // r} shards"
+        else:
+            text = f"fsdp {cfg.sharding} ({'ZeRO-3' if cfg.sharding == 'full' else 'ZeRO-2'})"
+        return text + (", cpu_offload" if cfg.cpu_offload else "")
+
     def close(self, clean: bool = False) -> None:
         """Leave the process group (if this object joined it). `clean` (every rank got here without an
         error): wait for all ranks first, so none tears down its group while a peer still uses it."""

@@ -70,3 +70,17 @@ def test_a_master_port_in_use_is_a_resource_error_naming_it(env):
         env(WORLD_SIZE=2, RANK=0, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         with pytest.raises(ResourceError, match=f"127.0.0.1:{port}: the port is in use.*--master_port"):
             init_mesh("cpu", DistConfig(timeout_s=5))
+
+
+@pytest.mark.parametrize("strategy, dist_cfg, expected", [
+    ("ddp", DistConfig(), "ddp"),
+    ("fsdp", DistConfig(), "fsdp full (ZeRO-3)"),
+    ("fsdp", DistConfig(sharding="grad_op", cpu_offload=True), "fsdp grad_op (ZeRO-2), cpu_offload"),
+    ("fsdp", DistConfig(sharding="hybrid"), "fsdp hybrid, 2 replica(s) x 4 shards"),
+    ("fsdp", DistConfig(sharding="hybrid", replicas=4), "fsdp hybrid, 4 replica(s) x 2 shards"),
+])
+def test_the_start_of_a_run_says_how_the_model_is_spread(strategy, dist_cfg, expected):
+    """An explicit dist.strategy used to be logged nowhere (only auto's choice was), nor the hybrid mesh."""
+    from kiln.dist.mesh import Mesh
+
+    assert Mesh(world=8, local_world=4).describe(strategy, dist_cfg) == expected
