@@ -71,19 +71,31 @@ class Watch:
         self._thread.join(timeout=5)
 
     def record_failure(self, error: BaseException, clock: Callable[[], float] = time.monotonic,
-                       sleep: Callable[[float], None] = time.sleep) -> None:
+                       sleep: Callable[[float], None] = time.sleep) -> bool:
         """Tell the other ranks this one failed (the first failure recorded wins) and, if it was first, wait
-        (at most ACK_WAIT_S) until each has seen it; then this rank uses the store no more (`released`)."""
+        (at most ACK_WAIT_S) until each has seen it; then this rank uses the store no more (`released`).
+        False when another rank's failure came first (the same error on every rank: that rank shows it, and
+        this one stops like the rest, through `stopping`)."""
         self._stop.set()  # this rank is leaving: its watcher polls no more
         message = f"rank {self.rank}: {type(error).__name__}: {error}"
         try:
             if self.store.compare_set(self.prefix + "failed", "", message).decode() != message:
-                self._acknowledge(clock, sleep)  # another rank failed before: this one stops like the rest
-                return
+                return False
             self._wait_for("seen", self.world - 1, clock, sleep)
             self.store.add(self.prefix + "released", 1)
         except Exception:  # the store is gone (the agent stopped): nothing to tell
             pass
+        return True
+
+    def report(self, error: BaseException) -> bool:
+        """This rank raises `error`: True if it is the run's failure (recorded; the caller shows it), False
+        if another rank's failure came first, of which this is a consequence or a copy (the same config
+        error on every rank): then this rank has said it stops, and exits without showing `error`."""
+        other = self.failure()
+        if (other is not None and not other.startswith(f"rank {self.rank}:")) or not self.record_failure(error):
+            self.stopping(self.failure() or "")
+            return False
+        return True
 
     def stopping(self, failed: str) -> None:
         """Say (once) that this rank stops because another failed, and tell the failed rank it was seen."""

@@ -94,12 +94,8 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
         mesh.close(clean=True)  # every rank finished: leave the group together
         return out
     except BaseException as e:
-        if watch is not None:  # kiln.dist: one rank's error stops all, shown once by that rank
-            other = watch.failure()
-            if other is not None and not other.startswith(f"rank {mesh.rank}:"):
-                watch.stopping(other)  # a consequence of that failure, which its rank reports
-                raise SystemExit(EXIT_CODE) from None
-            watch.record_failure(e)
+        if watch is not None and not watch.report(e):  # kiln.dist: one rank's error stops all, shown once
+            raise SystemExit(EXIT_CODE) from None  # by the rank whose failure came first
         raise
     finally:
         if watch is not None:

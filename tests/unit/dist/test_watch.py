@@ -79,8 +79,8 @@ def test_the_failing_rank_waits_for_the_others_a_bounded_time():
     assert ACK_WAIT_S <= now[0] < ACK_WAIT_S + 0.1
     w1, _, _ = _watch(1, store)
     now[0] = 0.0
-    w1.record_failure(RuntimeError("a consequence"), clock=lambda: now[0], sleep=sleep)  # not first: no wait
-    assert now[0] == 0.0 and w1.failure() == "rank 0: RuntimeError: bad replicas"
+    assert not w1.record_failure(RuntimeError("bad replicas"), clock=lambda: now[0], sleep=sleep)  # not first
+    assert now[0] == 0.0 and w1.failure() == "rank 0: RuntimeError: bad replicas"  # no wait
 
 
 def test_rank_0_which_serves_the_store_exits_only_once_the_failed_rank_is_done_with_it():
@@ -118,3 +118,23 @@ def test_a_rank_stopped_by_a_signal_is_not_reported_as_failed(capsys):
     finally:
         w0.stop()
     assert "failed" not in capsys.readouterr().err
+
+
+def test_the_same_error_on_two_ranks_at_once_is_shown_by_the_rank_that_recorded_it_first(capsys):
+    """A config error found after start-up (lora.rank without model.init_from) fails every rank at the same
+    moment: both passed the 'did another fail?' look, and both printed it."""
+    store = dist.HashStore()
+    w0, _, _ = _watch(0, store)
+    w1, _, _ = _watch(1, store)
+    error = ValueError("lora.rank is set but model.init_from is not")
+    assert w0.failure() is None and w1.failure() is None  # both look before either records
+    done = []
+    t = threading.Thread(target=lambda: done.append(w0.report(error)))
+    t.start()  # rank 0 records first and waits for rank 1 to see it
+    while w1.failure() is None:
+        t.join(0.01)
+    assert w1.record_failure(error) is False  # rank 1 recorded second: its copy is not the run's failure
+    assert w1.report(error) is False
+    t.join(10)
+    assert done == [True]
+    assert "rank 1: stopping, because rank 0 failed" in capsys.readouterr().err
