@@ -87,7 +87,7 @@ def train(
         else:
             cfg = load_config(config, overrides)
     except KilnError:
-        if _rank() is not None and int(os.environ.get("LOCAL_RANK", "0") or 0) > 0:
+        if _rank() is not None and _env_number("LOCAL_RANK", 0) > 0:
             # kiln.dist: every process of a node reads the same config and fails alike: its first one says so
             from kiln.dist.launch.torchrun import wait_for_first_rank
 
@@ -446,11 +446,20 @@ def launch_slurm(
                   + (f"\n{note}" if note else ""), highlight=False)
 
 
+def _env_number(name: str, default: int) -> int:
+    """An integer environment variable of torchrun's; one that is not a number reads as `default` here (where
+    an error is being shown: kiln.dist.mesh says what is wrong with it when the run starts)."""
+    try:
+        return int(os.environ.get(name) or default)
+    except ValueError:
+        return default
+
+
 def _rank() -> int | None:
     """This process's rank in a job of several (torchrun's RANK), None in a one-process run."""
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+    if _env_number("WORLD_SIZE", 1) <= 1:
         return None
-    return int(os.environ.get("RANK", "0") or 0)
+    return _env_number("RANK", 0)
 
 
 def main() -> None:
