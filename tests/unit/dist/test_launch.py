@@ -64,7 +64,7 @@ def test_slurm_script_starts_torchrun_on_every_node_with_the_first_as_rendezvous
     assert command[:4] == ["srun", "--kill-on-bad-exit=1", "python", "-m"]
     assert "--nproc_per_node=8" in command and "--rdzv_backend=c10d" in command
     assert '--rdzv_endpoint="$head_node:29500"' in command and '--nnodes="$SLURM_JOB_NUM_NODES"' in command
-    assert "scontrol show hostnames" in text and "head -n 1" in text
+    assert "scontrol show hostnames" in text and "sed -n 1p" in text
     config_path = tmp_path / "train.config.yaml"
     assert command[-3:] == ["kiln.cli", "train", str(config_path)]
     cfg = RunConfig.model_validate(yaml.safe_load(config_path.read_text()))
@@ -346,3 +346,27 @@ def test_one_named_gpu_for_several_processes_or_no_gpu_at_all_fails_before_start
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     with pytest.raises(ConfigError, match="train.device=cuda:1 names one GPU for all 2 processes"):
         local.relaunch(2, ["train"], cfg=load_config(None, ["train.device=cuda:1"]))
+
+
+def test_the_slurm_script_reads_the_first_node_of_a_long_node_list_without_failing(tmp_path):
+    """`scontrol show hostnames | head -n 1` under `set -o pipefail`: head leaves after one line, scontrol dies of
+    SIGPIPE writing the rest, and the script ended with 141 before starting anything (seen with a 2-node list)."""
+    import os
+
+    out = tmp_path / "train.sbatch"
+    res = runner.invoke(app, ["launch", "slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "2",
+                              "--run-dir", str(tmp_path / "run"), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    many = "\n".join(f"node-{i:05d}" for i in range(20000))  # more than a pipe holds
+    (bin_dir / "nodes.txt").write_text(many + "\n")
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\nwhile read -r n; do echo $n; done < {bin_dir / 'nodes.txt'}\n")
+    (bin_dir / "srun").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'srun.args'}\n")
+    for tool in ("scontrol", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[0-19999]",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "42"}
+    done = subprocess.run(["bash", str(out)], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "--rdzv_endpoint=node-00000:29500" in (tmp_path / "srun.args").read_text().split()

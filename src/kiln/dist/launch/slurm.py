@@ -81,7 +81,8 @@ def script(config: str | None, overrides: list[str], nodes: int, gpus_per_node: 
              f"# {cache_dir} must be on storage every node sees. Submit: sbatch THIS_FILE",
              "set -euo pipefail",
              f"mkdir -p {shlex.quote(run_dir)}",
-             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+             # sed reads to the end: with `head -n 1`, scontrol could die of SIGPIPE and, under pipefail, end the job
+             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
              "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
              *(f"export {k}=${{{k}:-{v}}}" for k, v in TORCHRUN_ENV.items()),
              "srun --kill-on-bad-exit=1 python -m torch.distributed.run \\",
