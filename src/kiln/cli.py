@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def train(
         else:
             cfg = load_config(config, overrides)
     except KilnError:
-        if _rank() is not None and int(os.environ.get("LOCAL_RANK", "0") or 0) > 0:
+        if _rank() is not None and _env_number("LOCAL_RANK", 0) > 0:
             # kiln.dist: every process of a node reads the same config and fails alike: its first one says so
             from kiln.dist.launch.torchrun import wait_for_first_rank
 
@@ -97,7 +98,7 @@ def train(
         from kiln.dist.launch.local import relaunch
 
         # the config was checked here first: an error in it is shown once, not by every process of every restart
-        raise typer.Exit(relaunch(nproc, max_restarts=max_restarts))
+        raise typer.Exit(relaunch(nproc, max_restarts=max_restarts, cfg=cfg))
     from kiln.state.preempt import Interrupted
     from kiln.train.run import run
 
@@ -409,7 +410,7 @@ def launch_k8s(
 
     path = Path(out or f"{job_name(config, name)}.yaml")
     write_files({path: text})
-    console.print(f"wrote {path}; submit with: kubectl apply -f {path}", highlight=False)
+    console.print(f"wrote {path}; submit with: kubectl apply -f {shlex.quote(str(path))}", highlight=False)
 
 
 @launch_app.command("slurm")
@@ -440,14 +441,25 @@ def launch_slurm(
     text, cfg_yaml = slurm.script(config, list(overrides or []), nodes, gpus_per_node, config_path, name=name,
                                   run_dir=run_dir, time_limit=time_limit, partition=partition)
     write_files({config_path: cfg_yaml, script_path: text})
-    console.print(f"wrote {script_path} and {config_path}; submit with: sbatch {script_path}", highlight=False)
+    note = slurm.make_log_dir(slurm.run_directory(run_dir, job_name(config, name)))
+    console.print(f"wrote {script_path} and {config_path}; submit with: sbatch {shlex.quote(str(script_path))}"
+                  + (f"\n{note}" if note else ""), highlight=False)
+
+
+def _env_number(name: str, default: int) -> int:
+    """An integer environment variable of torchrun's; one that is not a number reads as `default` here (where
+    an error is being shown: kiln.dist.mesh says what is wrong with it when the run starts)."""
+    try:
+        return int(os.environ.get(name) or default)
+    except ValueError:
+        return default
 
 
 def _rank() -> int | None:
     """This process's rank in a job of several (torchrun's RANK), None in a one-process run."""
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+    if _env_number("WORLD_SIZE", 1) <= 1:
         return None
-    return int(os.environ.get("RANK", "0") or 0)
+    return _env_number("RANK", 0)
 
 
 def main() -> None:

@@ -633,6 +633,12 @@ class DistConfig(Section):
             raise ValueError("dist.cpu_offload needs dist.strategy=fsdp (or auto); DDP keeps the model on the GPU")
         return self
 
+    def problems(self) -> list[Problem]:
+        if self.replicas is not None and self.sharding != "hybrid":
+            return [(("replicas",), f"dist.replicas={self.replicas} applies to dist.sharding=hybrid only (it is "
+                                    f"{self.sharding}); remove dist.replicas or set dist.sharding=hybrid")]
+        return []
+
 
 
 # --------------------------------------------------------------------------- LoRA (kiln.model.lora)

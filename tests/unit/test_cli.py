@@ -119,3 +119,19 @@ def test_generate_greedy_with_threads(model_dir):
 def test_generate_help_says_zero_is_greedy():
     r = kiln("generate", "--help")
     assert r.returncode == 0 and "greedy" in r.stdout and "--threads" in r.stdout
+
+
+@pytest.mark.parametrize("env", [{"WORLD_SIZE": "abc"}, {"WORLD_SIZE": "2", "RANK": "x", "LOCAL_RANK": "y"}])
+def test_an_error_is_shown_as_one_message_whatever_torchruns_variables_hold(monkeypatch, capsys, env):
+    """WORLD_SIZE=abc turned the error message of `kiln train` (and of --nproc) into a ValueError traceback."""
+    from kiln import cli
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(sys, "argv", ["kiln", "train", "train.lr=abc"])
+    monkeypatch.setattr("kiln.dist.launch.torchrun.wait_for_first_rank", lambda: None)
+    with pytest.raises(SystemExit) as done:
+        cli.main()
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "train.lr" in err

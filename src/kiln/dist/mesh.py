@@ -57,6 +57,17 @@ class Mesh:
                               f"divisor of {self.world} (one replica per node is {self.nodes})")
         return init_device_mesh(self.device.type, (r, self.world // r), mesh_dim_names=("replicate", "shard"))
 
+    def describe(self, strategy: str, cfg: DistConfig) -> str:
+        """How the model is spread over this run's processes (`strategy`: parallelize.strategy_of's answer)."""
+        if strategy != "fsdp":
+            return strategy
+        if cfg.sharding == "hybrid":
+            r = cfg.replicas or self.nodes
+            text = f"fsdp hybrid, {r} replica(s) x {self.world // r} shards"
+        else:
+            text = f"fsdp {cfg.sharding} ({'ZeRO-3' if cfg.sharding == 'full' else 'ZeRO-2'})"
+        return text + (", cpu_offload" if cfg.cpu_offload else "")
+
     def close(self, clean: bool = False) -> None:
         """Leave the process group (if this object joined it). `clean` (every rank got here without an
         error): wait for all ranks first, so none tears down its group while a peer still uses it."""
@@ -76,6 +87,34 @@ def _env_int(name: str, default: int) -> int:
     except ValueError:
         raise ConfigError(f"environment variable {name}={raw!r} is not an integer; it is set by torchrun, "
                           "leave it to torchrun") from None
+
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what joining a process group needs
+
+
+def process_env() -> tuple[int, int, int, int]:
+    """(world, rank, local_rank, local_world) from torchrun's environment, checked: a process started with part
+    of it (RANK left over in a shell, WORLD_SIZE without the rest) is a ConfigError, not a run that trains
+    alone believing it is not rank 0 (and so writes no run files), nor torch's traceback."""
+    world = _env_int("WORLD_SIZE", 1)
+    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", world)
+    fix = ("start the processes with torchrun or `kiln train --nproc N` (they set them all), or unset them for a "
+           "one-process run")
+    if world > 1:
+        missing = [v for v in LAUNCH_VARS if not os.environ.get(v)]
+        if missing:
+            raise ConfigError(f"WORLD_SIZE={world} is set in the environment but {', '.join(missing)} "
+                              f"{'is' if len(missing) == 1 else 'are'} not; {fix}")
+    elif world < 1:
+        raise ConfigError(f"environment variable WORLD_SIZE={world}: it must be 1 or more; {fix}")
+    elif rank:
+        raise ConfigError(f"environment variable RANK={rank} is set but WORLD_SIZE is "
+                          f"{'not' if not os.environ.get('WORLD_SIZE') else world}: a one-process run is rank 0; "
+                          f"{fix}")
+    if not 0 <= rank < world:
+        raise ConfigError(f"environment variable RANK={rank} is outside 0..{world - 1} (WORLD_SIZE={world}); {fix}")
+    return world, rank, local_rank, local_world
 
 
 def rank_device(name: str, local_rank: int) -> torch.device:
@@ -100,9 +139,7 @@ def rank_device(name: str, local_rank: int) -> torch.device:
 
 def init_mesh(device_name: str, cfg: DistConfig, log: Callable[[str], None] = print) -> Mesh:
     """Join the process group torchrun describes (if any) and pick this process's device."""
-    world = _env_int("WORLD_SIZE", 1)
-    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
-    local_world = _env_int("LOCAL_WORLD_SIZE", world)
+    world, rank, local_rank, local_world = process_env()
     device = rank_device(device_name, local_rank if world > 1 else 0)
     if world <= 1:
         n = torch.cuda.device_count() if device.type == "cuda" else 0
@@ -113,14 +150,31 @@ def init_mesh(device_name: str, cfg: DistConfig, log: Callable[[str], None] = pr
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError(f"dist.backend=nccl needs CUDA GPUs, and this run trains on {device} (train.device="
+                          f"{device_name}); use dist.backend=gloo (or auto) on the CPU")
     owns = not dist.is_initialized()
     if owns:
-        kwargs = {"device_id": device} if backend == "nccl" else {}
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout_s), **kwargs)
+        join_group(backend, device, cfg.timeout_s)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     return Mesh(rank, local_rank, world, local_world, device, backend, mesh, owns)
+
+
+def join_group(backend: str, device: torch.device, timeout_s: int) -> None:
+    """init_process_group (env://); rank 0 serves the key-value store at MASTER_ADDR:MASTER_PORT, and a port
+    another program holds is a ResourceError saying which."""
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    except dist.DistNetworkError as e:
+        if "EADDRINUSE" not in str(e):
+            raise
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise ResourceError(f"MASTER_PORT: rank 0 cannot serve the run's key-value store at {where}: the port is in "
+                            "use (another job, or one still shutting down). Choose a free port (torchrun "
+                            "--master_port / MASTER_PORT), or let `kiln train --nproc N` pick one") from None
 
 
 def current_mesh(device: torch.device) -> Mesh:

@@ -5,6 +5,11 @@ A background thread in each process polls the run's key-value store (torchrun's 
 - A rank that raises records `rank R: error` there before it exits (first writer wins). The other
   ranks see it within a poll and exit quietly, instead of each printing a secondary error from a
   broken collective or waiting for the collective timeout: the error is shown once, by its rank.
+  Each says it has seen it (a counter in the store), and the failing rank waits for that (at most
+  ACK_WAIT_S) before it exits; rank 0, which serves the store, waits in turn until the failing rank
+  is done with the store. A process leaving early would take the store from a rank still using it
+  (torch prints C++ stack frames for each call) or let a rank's broken collective find no failure
+  recorded and report itself as the cause.
 - With `dist.watchdog_s`, the training loop counts its progress (`beat()`, a local counter) and
   publishes it about once a second. A rank whose own count has not moved for watchdog_s looks at
   every rank's count: the ranks with the lowest count are stuck (the others wait for them in a
@@ -25,7 +30,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 POLL_S = 0.5
+ACK_WAIT_S = 4 * POLL_S + 1.0  # how long a failing rank waits for the others to see its failure
 EXIT_CODE = 1
+STOPPED = ("Interrupted:", "KeyboardInterrupt:")  # a rank's "failure" that is a SIGTERM/SIGINT (kiln.state.preempt)
 
 _active: Watch | None = None
 
@@ -63,20 +70,58 @@ class Watch:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    def record_failure(self, error: BaseException) -> None:
-        """Tell the other ranks this one failed (the first failure recorded wins)."""
+    def record_failure(self, error: BaseException, clock: Callable[[], float] = time.monotonic,
+                       sleep: Callable[[float], None] = time.sleep) -> bool:
+        """Tell the other ranks this one failed (the first failure recorded wins) and, if it was first, wait
+        (at most ACK_WAIT_S) until each has seen it; then this rank uses the store no more (`released`).
+        False when another rank's failure came first (the same error on every rank: that rank shows it, and
+        this one stops like the rest, through `stopping`)."""
+        self._stop.set()  # this rank is leaving: its watcher polls no more
         message = f"rank {self.rank}: {type(error).__name__}: {error}"
         try:
-            self.store.compare_set(self.prefix + "failed", "", message)
+            if self.store.compare_set(self.prefix + "failed", "", message).decode() != message:
+                return False
+            self._wait_for("seen", self.world - 1, clock, sleep)
+            self.store.add(self.prefix + "released", 1)
         except Exception:  # the store is gone (the agent stopped): nothing to tell
             pass
+        return True
+
+    def report(self, error: BaseException) -> bool:
+        """This rank raises `error`: True if it is the run's failure (recorded; the caller shows it), False
+        if another rank's failure came first, of which this is a consequence or a copy (the same config
+        error on every rank): then this rank has said it stops, and exits without showing `error`."""
+        other = self.failure()
+        if (other is not None and not other.startswith(f"rank {self.rank}:")) or not self.record_failure(error):
+            self.stopping(self.failure() or "")
+            return False
+        return True
 
     def stopping(self, failed: str) -> None:
-        """Say (once) that this rank stops because another failed."""
+        """Say (once) that this rank stops because another failed, and tell the failed rank it was seen."""
         if not self._said:
             self._said = True
-            print(f"rank {self.rank}: stopping, because {failed.split(':', 1)[0]} failed (its error is above)",
-                  file=sys.stderr, flush=True)
+            who, _, rest = failed.partition(": ")
+            if not rest.startswith(STOPPED):  # a rank stopped by a signal failed nothing: its message says so
+                print(f"rank {self.rank}: stopping, because {who} failed (its error is above)", file=sys.stderr,
+                      flush=True)
+            self._acknowledge()
+
+    def _acknowledge(self, clock: Callable[[], float] = time.monotonic,
+                     sleep: Callable[[float], None] = time.sleep) -> None:
+        """Count this rank as having seen the failure. Rank 0 serves the store (torchrun's environment from
+        kiln): it then waits for the failed rank to be done with the store before this process may exit."""
+        try:
+            self.store.add(self.prefix + "seen", 1)
+            if self.rank == 0:
+                self._wait_for("released", 1, clock, sleep)
+        except Exception:
+            pass
+
+    def _wait_for(self, key: str, count: int, clock: Callable[[], float], sleep: Callable[[float], None]) -> None:
+        end = clock() + ACK_WAIT_S
+        while self.store.add(self.prefix + key, 0) < count and clock() < end:
+            sleep(0.05)
 
     def failure(self) -> str | None:
         key = self.prefix + "failed"

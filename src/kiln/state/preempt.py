@@ -66,6 +66,7 @@ class SignalGuard(_Handler):
 
     COLLECTIVE_EVERY = 10  # most steps between two checks across processes
     CHECK_SECONDS = 1.0  # and fewer where steps are slow: about one check a second (torchrun's grace is 30 s)
+    DUPLICATE_S = 1.0  # with several processes, the same signal again this soon is the same one delivered twice
 
     def __init__(self, log: Callable[[str], None] = print, group=None):
         self.requested: str | None = None
@@ -75,10 +76,13 @@ class SignalGuard(_Handler):
 
     def on_signal(self, signum: int, name: str) -> None:
         if self.requested is None:
-            self.requested = name
-            print(f"\n{name} received: finishing this step and writing a checkpoint (send it again to abort now)",
-                  file=sys.stderr, flush=True)
+            self.requested, self._first_at = name, time.monotonic()
+            if self.group is None or dist.get_rank() == 0:  # every rank got it (torchrun passes it on): said once
+                print(f"\n{name} received: finishing this step and writing a checkpoint (send it again to abort "
+                      "now)", file=sys.stderr, flush=True)
             return
+        if self.group is not None and name == self.requested and time.monotonic() - self._first_at < self.DUPLICATE_S:
+            return  # the same signal twice at once: from the scheduler to every process, and passed on by torchrun
         print(f"\nsecond {name}: aborting without a checkpoint; the last complete checkpoint is kept",
               file=sys.stderr, flush=True)
         self.__exit__()

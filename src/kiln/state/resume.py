@@ -90,7 +90,8 @@ def check_compatible(meta: dict[str, Any], cfg: RunConfig, prints: dict[str, Any
     if saved_world != world and saved_batch is not None and saved_batch * saved_world == cfg.train.batch_size * world:
         diffs = [d for d in diffs if not d.startswith("train.batch_size:")]
         log(f"elastic resume: {saved_world} -> {world} process(es), train.batch_size {saved_batch} -> "
-            f"{cfg.train.batch_size} keeps the global batch of {saved_batch * saved_world}")
+            f"{cfg.train.batch_size} keeps the global batch of {saved_batch * saved_world * cfg.train.grad_accum} "
+            "sequences")
     saved = meta.get("fingerprints", {})
     for key, what in (("dataset", "prepared dataset"), ("tokenizer", "tokenizer")):
         if saved.get(key) != prints.get(key):

@@ -15,7 +15,7 @@ from kiln.data.build import build_data, data_position
 from kiln.data.prepare.token_bytes import token_byte_lengths
 from kiln.dist.materialize import build_model
 from kiln.dist.mesh import Mesh, init_mesh
-from kiln.dist.parallelize import full_model, parallelize
+from kiln.dist.parallelize import full_model, parallelize, strategy_of
 from kiln.dist.watch import EXIT_CODE, Watch
 from kiln.errors import ConfigError, DataError
 from kiln.events import RunEnd
@@ -94,12 +94,8 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
         mesh.close(clean=True)  # every rank finished: leave the group together
         return out
     except BaseException as e:
-        if watch is not None:  # kiln.dist: one rank's error stops all, shown once by that rank
-            other = watch.failure()
-            if other is not None and not other.startswith(f"rank {mesh.rank}:"):
-                watch.stopping(other)  # a consequence of that failure, which its rank reports
-                raise SystemExit(EXIT_CODE) from None
-            watch.record_failure(e)
+        if watch is not None and not watch.report(e):  # kiln.dist: one rank's error stops all, shown once
+            raise SystemExit(EXIT_CODE) from None  # by the rank whose failure came first
         raise
     finally:
         if watch is not None:
@@ -213,8 +209,9 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         console.print(f"train.batch_size=auto: micro-batch {micro} ({auto['how']}; {auto['fit']} fit)")
     rows = tcfg.step_rows(mesh.world)
     g = rows * mesh.world
+    how = f"; {mesh.describe(strategy_of(model), cfg.dist)}" if mesh.distributed else ""  # kiln.dist
     console.print(f"global batch: {g} sequences ({g * tcfg.seq_len:,} tokens) per step = {micro} per "
-                  f"micro-batch x {-(-rows // micro)} accumulated x {mesh.world} data-parallel rank(s)")
+                  f"micro-batch x {-(-rows // micro)} accumulated x {mesh.world} data-parallel rank(s){how}")
 
     checkpointer = Checkpointer(run_dir, cfg, prints, console.print)
     guard = SignalGuard(console.print, checkpointer.control_group) if cfg.checkpoint.on_signal else None

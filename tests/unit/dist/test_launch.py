@@ -64,7 +64,7 @@ def test_slurm_script_starts_torchrun_on_every_node_with_the_first_as_rendezvous
     assert command[:4] == ["srun", "--kill-on-bad-exit=1", "python", "-m"]
     assert "--nproc_per_node=8" in command and "--rdzv_backend=c10d" in command
     assert '--rdzv_endpoint="$head_node:29500"' in command and '--nnodes="$SLURM_JOB_NUM_NODES"' in command
-    assert "scontrol show hostnames" in text and "head -n 1" in text
+    assert "scontrol show hostnames" in text and "sed -n 1p" in text
     config_path = tmp_path / "train.config.yaml"
     assert command[-3:] == ["kiln.cli", "train", str(config_path)]
     cfg = RunConfig.model_validate(yaml.safe_load(config_path.read_text()))
@@ -190,3 +190,183 @@ def test_nproc_must_be_positive(argv, monkeypatch):
 
     with pytest.raises(ConfigError, match="1 or more"):
         relaunch(0, ["train", *argv])
+
+
+def _no_launch(monkeypatch):
+    """relaunch must fail before it starts torchrun: a Popen that fails the test."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def started(*args, **kwargs):
+        raise AssertionError("torchrun was started")
+
+    monkeypatch.setattr(subprocess, "Popen", started)
+
+
+def test_kiln_train_nproc_checks_the_job_shape_before_starting_any_process(monkeypatch):
+    """Hybrid replicas that do not divide --nproc and nccl on the CPU used to fail in every process, after
+    starting and building the model (the replicas one with gloo's C++ stack frames between the errors)."""
+    from kiln.config import load_config
+    from kiln.dist.launch import local
+
+    _no_launch(monkeypatch)
+    hybrid = load_config(None, ["train.device=cpu", "dist.strategy=fsdp", "dist.sharding=hybrid", "dist.replicas=3"])
+    with pytest.raises(ConfigError, match="dist.replicas=3 does not divide the 2 processes of --nproc 2"):
+        local.relaunch(2, ["train"], cfg=hybrid)
+    nccl = load_config(None, ["train.device=cpu", "dist.backend=nccl"])
+    with pytest.raises(ConfigError, match="dist.backend=nccl needs CUDA GPUs.*gloo"):
+        local.relaunch(2, ["train"], cfg=nccl)
+
+
+def test_more_cpu_processes_than_memory_holds_is_an_error_and_more_than_cores_a_warning(monkeypatch):
+    """--nproc 64 on a 2-core CPU machine used to start 64 processes that never got to train."""
+    import psutil
+
+    from kiln.config import load_config
+    from kiln.dist.launch import local
+    from kiln.errors import ResourceError
+
+    _no_launch(monkeypatch)
+    cfg = load_config(None, ["train.device=cpu"])
+    monkeypatch.setattr(local.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Mem", (), {"available": 8 << 30})())
+    with pytest.raises(ResourceError, match=r"--nproc 64: 64 CPU training processes need at least 32 GiB.*8\.0 GiB"):
+        local.relaunch(64, ["train"], cfg=cfg)
+    said = []
+    local.check_world(cfg, 4, said.append)  # 2 GiB: fits; 4 processes on 2 cores: said
+    assert len(said) == 1 and "--nproc 4 on 2 CPU cores" in said[0]
+    said.clear()
+    local.check_world(cfg, 2, said.append)
+    assert said == []
+
+
+def test_a_gpu_run_with_more_processes_than_gpus_fails_before_starting(monkeypatch):
+    import torch
+
+    from kiln.config import load_config
+    from kiln.dist.launch import local
+    from kiln.errors import ResourceError
+
+    _no_launch(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ResourceError, match="--nproc 4: this machine has 2 GPU"):
+        local.relaunch(4, ["train"], cfg=load_config(None, ["train.device=auto"]))
+
+
+def test_a_world_size_that_is_not_a_number_is_a_config_error(monkeypatch):
+    from kiln.dist.launch import local
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    with pytest.raises(ConfigError, match="WORLD_SIZE='abc' is not an integer"):
+        local.relaunch(2, ["train"])
+
+
+def test_dist_replicas_without_hybrid_sharding_is_a_config_problem():
+    """It used to pass validation and fail in every process after the model was built."""
+    from kiln.config import load_config
+
+    with pytest.raises(ConfigError, match="dist.replicas=2 applies to dist.sharding=hybrid only"):
+        load_config(None, ["dist.strategy=fsdp", "dist.replicas=2"])
+    assert load_config(None, ["dist.sharding=hybrid", "dist.replicas=2"]).dist.replicas == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--image", ""], "--image '': give the container image"),
+    (["--image", "my image"], "no spaces"),
+    (["--image", "kiln:1", "--shm-gib", "0"], "--shm-gib 0: the /dev/shm size must be at least 1 GiB"),
+    (["--image", "kiln:1", "--shm-gib", "-3"], "--shm-gib -3"),
+])
+def test_k8s_refuses_an_image_or_shm_size_the_cluster_would_reject(tmp_path, args, message):
+    """An empty image and '--shm-gib -3' used to be written as is (sizeLimit: -3Gi); 0 quietly became 8."""
+    out = tmp_path / "job.yaml"
+    res = runner.invoke(app, ["launch", "k8s", "gpu-124m", *args, "--out", str(out)])
+    assert res.exit_code != 0 and isinstance(res.exception, ConfigError) and message in str(res.exception)
+    assert not out.exists()
+
+
+def test_launch_files_with_spaces_in_their_paths_parse_and_the_commands_printed_can_be_pasted(tmp_path):
+    """The Slurm output directive split at the space, the run directory (where Slurm opens the job's output
+    before the script runs) did not exist, and `sbatch my dir/job.sbatch` was printed unquoted."""
+    import shlex
+
+    cfg = tmp_path / "my config.yaml"
+    cfg.write_text("model:\n  size: tiny\n")
+    run_dir = tmp_path / "shared runs" / "r 1"
+    out = tmp_path / "out dir" / "my job.sbatch"
+    res = runner.invoke(app, ["launch", "slurm", str(cfg), "--gpus-per-node", "2", "--run-dir", str(run_dir),
+                              "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert f"sbatch {shlex.quote(str(out))}" in res.output
+    assert run_dir.is_dir()
+    text = out.read_text()
+    if shutil.which("bash"):
+        assert subprocess.run(["bash", "-n", str(out)], capture_output=True).returncode == 0
+    (output,) = [line for line in text.splitlines() if line.startswith("#SBATCH --output")]
+    assert shlex.split(output) == ["#SBATCH", f"--output={run_dir}/slurm-%j.out"]  # one argument, as sbatch reads it
+    assert shlex.split(text.splitlines()[-1])[-1] == str(out.with_name("my job.config.yaml"))
+    k8s_out = tmp_path / "out dir" / "my job.yaml"
+    res = runner.invoke(app, ["launch", "k8s", str(cfg), "--image", "kiln:1", "--out", str(k8s_out)])
+    assert res.exit_code == 0 and f"kubectl apply -f {shlex.quote(str(k8s_out))}" in res.output
+    assert [d["kind"] for d in yaml.safe_load_all(k8s_out.read_text())] == ["ConfigMap", "PyTorchJob"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--time", "a b"], "--time 'a b' is not a Slurm time limit"),
+    (["--time", "1 day"], "not a Slurm time limit"),
+    (["--partition", "gpu; rm -rf ~"], "is not a partition name"),
+])
+def test_slurm_refuses_a_time_limit_or_partition_sbatch_would_reject(tmp_path, args, message):
+    out = tmp_path / "job.sbatch"
+    res = runner.invoke(app, ["launch", "slurm", "gpu-124m", *args, "--out", str(out)])
+    assert res.exit_code != 0 and isinstance(res.exception, ConfigError) and message in str(res.exception)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("limit", ["90", "30:00", "12:00:00", "2-00", "1-12:00", "1-00:00:00", "UNLIMITED"])
+def test_slurm_accepts_its_time_formats(limit):
+    from kiln.dist.launch.slurm import check_options
+
+    check_options(limit, "gpu,debug")
+
+
+def test_one_named_gpu_for_several_processes_or_no_gpu_at_all_fails_before_starting(monkeypatch):
+    """train.device=cuda:1 put every process on GPU 1; train.device=cuda on a CPU machine said 'start at most 0'."""
+    import torch
+
+    from kiln.config import load_config
+    from kiln.dist.launch import local
+    from kiln.errors import ResourceError
+
+    _no_launch(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ResourceError, match="train.device=cuda, but no CUDA GPU is visible here"):
+        local.relaunch(2, ["train"], cfg=load_config(None, ["train.device=cuda"]))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(ConfigError, match="train.device=cuda:1 names one GPU for all 2 processes"):
+        local.relaunch(2, ["train"], cfg=load_config(None, ["train.device=cuda:1"]))
+
+
+def test_the_slurm_script_reads_the_first_node_of_a_long_node_list_without_failing(tmp_path):
+    """`scontrol show hostnames | head -n 1` under `set -o pipefail`: head leaves after one line, scontrol dies of
+    SIGPIPE writing the rest, and the script ended with 141 before starting anything (seen with a 2-node list)."""
+    import os
+
+    out = tmp_path / "train.sbatch"
+    res = runner.invoke(app, ["launch", "slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "2",
+                              "--run-dir", str(tmp_path / "run"), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    many = "\n".join(f"node-{i:05d}" for i in range(20000))  # more than a pipe holds
+    (bin_dir / "nodes.txt").write_text(many + "\n")
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\nwhile read -r n; do echo $n; done < {bin_dir / 'nodes.txt'}\n")
+    (bin_dir / "srun").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'srun.args'}\n")
+    for tool in ("scontrol", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[0-19999]",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "42"}
+    done = subprocess.run(["bash", str(out)], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "--rdzv_endpoint=node-00000:29500" in (tmp_path / "srun.args").read_text().split()

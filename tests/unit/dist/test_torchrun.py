@@ -71,3 +71,50 @@ def test_any_other_failure_ends_with_torchruns_summary(tmp_path):
 
 def test_kiln_train_nproc_runs_torchrun_through_this_module():
     assert torchrun_command(2, ["cfg.yaml"])[1:4] == ["-m", "kiln.dist.launch.torchrun", "--standalone"]
+
+
+def test_a_signal_ends_the_job_with_one_line_and_128_plus_its_number(monkeypatch, capsys):
+    """torchrun stops its workers on SIGTERM, then raises SignalException: no traceback, exit code 143."""
+    import signal
+
+    import torch.distributed.run as torch_run
+    from torch.distributed.elastic.multiprocessing import api
+
+    def stopped(args):
+        raise api.SignalException("got signal: SIGTERM", sigval=signal.SIGTERM)
+
+    monkeypatch.setattr(torch_run, "run", stopped)
+    monkeypatch.setattr(api, "_terminate_process_handler", api._terminate_process_handler)  # main wraps it
+    assert torchrun.main(["--standalone", "--nproc_per_node=2", "-m", "kiln.cli", "train"]) == 143
+    err = capsys.readouterr().err
+    assert err == "kiln: the job stopped on SIGTERM\n"
+
+
+def test_torchrun_takes_a_signal_delivered_twice_at_once_as_one_and_a_later_one_as_a_second():
+    """The same SIGTERM to the process group and forwarded by `kiln train --nproc`: torchrun must not break off
+    its wait and signal the workers again (a kiln worker aborts its checkpoint on a second signal)."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
+
+    now = [100.0]
+    handle = torchrun.stop_once(_terminate_process_handler, clock=lambda: now[0])
+    with pytest.raises(SignalException):
+        handle(signal.SIGTERM, None)
+    now[0] += 0.01
+    handle(signal.SIGTERM, None)  # the copy: ignored
+    now[0] += torchrun.DUPLICATE_S
+    with pytest.raises(SignalException):  # a second request, later: passed on (the workers abort)
+        handle(signal.SIGTERM, None)
+
+
+def test_the_rank_that_printed_its_error_is_named_with_its_exit_code_though_torchrun_stopped_it(tmp_path, monkeypatch):
+    """Rank 1 printed a config error; rank 0 exited first (stopping for it, code 1) and torchrun then stopped
+    rank 1 with SIGTERM: the job used to end 'rank 1 failed (exit code -15)' with code 1 instead of 2."""
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error-1.json"))
+    torchrun.record_error("error (rank 1): bad replicas")  # as kiln.cli does, exit code 2
+    stopping = failure(tmp_path, 0, 1, None)
+    killed = ProcessFailure(local_rank=1, pid=101, exitcode=-15, error_file=str(tmp_path / "error-1.json"))
+    killed.timestamp = stopping.timestamp + 1  # rank 0's exit came first
+    text, code = torchrun.summary(ChildFailedError("kiln.cli", {0: stopping, 1: killed}))
+    assert text == "kiln: the job stopped: rank 1 failed (exit code 2); its error is above" and code == 2

@@ -7,7 +7,7 @@ import threading
 
 import torch.distributed as dist
 
-from kiln.dist.watch import Watch
+from kiln.dist.watch import ACK_WAIT_S, Watch
 
 
 def _watch(rank: int, store, watchdog_s: float = 0.0) -> tuple[Watch, threading.Event, list]:
@@ -49,3 +49,92 @@ def test_the_watchdog_blames_the_rank_with_the_least_progress(capsys):
     assert "kiln watchdog: rank 1 made no progress" in err and "stuck rank(s): 1" in err
     assert "kiln-watch" in err or "Thread" in err  # faulthandler's stacks of every thread
     assert w1.failure().startswith("rank 1: no progress")
+
+
+def test_the_failing_rank_leaves_only_once_the_others_have_seen_its_failure(capsys):
+    """Rank 0 serves the store: leaving at once, it took the store from rank 1 while rank 1 still polled it
+    (torch printed C++ stack frames), or let rank 1's broken collective find no failure recorded."""
+    store = dist.HashStore()
+    w0, _, _ = _watch(0, store)
+    w1, stopped1, codes1 = _watch(1, store)
+    w1.start()
+    try:
+        w0.record_failure(RuntimeError("bad replicas"))
+        assert "rank 1: stopping, because rank 0 failed" in capsys.readouterr().err  # before rank 0 went on
+        assert store.add(f"{w0.prefix}seen", 0) == 1
+        assert stopped1.wait(10) and codes1 == [1]
+    finally:
+        w1.stop()
+
+
+def test_the_failing_rank_waits_for_the_others_a_bounded_time():
+    store = dist.HashStore()
+    w0, _, _ = _watch(0, store)
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    w0.record_failure(RuntimeError("bad replicas"), clock=lambda: now[0], sleep=sleep)  # rank 1 never answers
+    assert ACK_WAIT_S <= now[0] < ACK_WAIT_S + 0.1
+    w1, _, _ = _watch(1, store)
+    now[0] = 0.0
+    assert not w1.record_failure(RuntimeError("bad replicas"), clock=lambda: now[0], sleep=sleep)  # not first
+    assert now[0] == 0.0 and w1.failure() == "rank 0: RuntimeError: bad replicas"  # no wait
+
+
+def test_rank_0_which_serves_the_store_exits_only_once_the_failed_rank_is_done_with_it():
+    """Rank 0 stopping at once for rank 1's failure took the store from rank 1, still waiting in it."""
+    store = dist.HashStore()
+    released_at_exit = []
+    w0 = Watch(0, 2, 0.0, store=store, exit_fn=lambda code: released_at_exit.append(
+        store.add(f"{w1.prefix}released", 0)))
+    w1, _, _ = _watch(1, store)
+    w0.start()
+    try:
+        w1.record_failure(RuntimeError("bad replicas"))
+        w0._thread.join(10)
+        assert released_at_exit == [1]
+    finally:
+        w0.stop()
+    now = [0.0]
+    lone = Watch(0, 2, 0.0, store=dist.HashStore())
+    lone._acknowledge(clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))  # no failed rank
+    assert ACK_WAIT_S <= now[0] < ACK_WAIT_S + 0.1
+
+
+def test_a_rank_stopped_by_a_signal_is_not_reported_as_failed(capsys):
+    """SIGTERM during start-up: every rank got it, yet the others said 'stopping, because rank 1 failed (its
+    error is above)' above rank 1's 'stopped before training; nothing changed'."""
+    from kiln.state.preempt import Interrupted
+
+    store = dist.HashStore()
+    w0, stopped0, codes0 = _watch(0, store)
+    w1, _, _ = _watch(1, store)
+    w0.start()
+    try:
+        w1.record_failure(Interrupted(15, "SIGTERM during start-up: stopped before training"))
+        assert stopped0.wait(10) and codes0 == [1]
+    finally:
+        w0.stop()
+    assert "failed" not in capsys.readouterr().err
+
+
+def test_the_same_error_on_two_ranks_at_once_is_shown_by_the_rank_that_recorded_it_first(capsys):
+    """A config error found after start-up (lora.rank without model.init_from) fails every rank at the same
+    moment: both passed the 'did another fail?' look, and both printed it."""
+    store = dist.HashStore()
+    w0, _, _ = _watch(0, store)
+    w1, _, _ = _watch(1, store)
+    error = ValueError("lora.rank is set but model.init_from is not")
+    assert w0.failure() is None and w1.failure() is None  # both look before either records
+    done = []
+    t = threading.Thread(target=lambda: done.append(w0.report(error)))
+    t.start()  # rank 0 records first and waits for rank 1 to see it
+    while w1.failure() is None:
+        t.join(0.01)
+    assert w1.record_failure(error) is False  # rank 1 recorded second: its copy is not the run's failure
+    assert w1.report(error) is False
+    t.join(10)
+    assert done == [True]
+    assert "rank 1: stopping, because rank 0 failed" in capsys.readouterr().err

@@ -46,3 +46,44 @@ def test_processes_check_for_a_signal_about_once_a_second_and_at_most_every_tent
         clock["now"] += seconds_per_step
         assert guard.should_stop(step) is None
     assert asked == checks
+
+
+def test_with_several_processes_the_same_signal_twice_at_once_is_one_stop_request(monkeypatch, capsys):
+    """Slurm signals every process of the job and torchrun passes the signal on: each worker got SIGTERM twice
+    within milliseconds and took the second as 'abort now, without the checkpoint'. Only rank 0 says it."""
+    import kiln.state.preempt as preempt
+
+    clock = {"now": 100.0}
+    aborted: list[int] = []
+    monkeypatch.setattr(preempt.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(preempt.os, "kill", lambda pid, signum: aborted.append(signum))
+    monkeypatch.setattr(preempt.dist, "get_rank", lambda group=None: 1)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with preempt.SignalGuard(group=object()) as guard:  # a run of several processes; this one is rank 1
+            guard.on_signal(signal.SIGTERM, "SIGTERM")
+            clock["now"] += 0.01
+            guard.on_signal(signal.SIGTERM, "SIGTERM")  # the copy
+            assert guard.requested == "SIGTERM" and aborted == []
+            clock["now"] += preempt.SignalGuard.DUPLICATE_S
+            guard.on_signal(signal.SIGTERM, "SIGTERM")  # a second request, later: abort
+            assert aborted == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    err = capsys.readouterr().err
+    assert "finishing this step" not in err and "second SIGTERM: aborting" in err  # rank 0 says the first
+
+
+def test_one_process_still_aborts_on_a_second_signal_at_once(monkeypatch):
+    import kiln.state.preempt as preempt
+
+    aborted: list[int] = []
+    monkeypatch.setattr(preempt.os, "kill", lambda pid, signum: aborted.append(signum))
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        with preempt.SignalGuard(log=lambda _: None) as guard:
+            guard.on_signal(signal.SIGINT, "SIGINT")
+            guard.on_signal(signal.SIGINT, "SIGINT")  # Ctrl-C twice
+            assert aborted == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -114,3 +114,15 @@ def test_a_batch_size_that_keeps_the_global_batch_on_other_ranks_is_an_elastic_r
     assert "elastic resume: 2 -> 1" in logs[0]
     with pytest.raises(StateError, match=f"train.batch_size: {b} -> {2 * b}"):
         check_compatible(meta, cfg, PRINTS, force=False, log=print, world=2)  # global batch doubled
+
+
+def test_the_elastic_resume_says_the_global_batch_with_its_accumulation(trainer_factory):
+    """2 ranks x 8 x 2 accumulated is 32 sequences a step; the note said 16, beside the run's 'global batch: 32'."""
+    t, paths = saved_checkpoints(trainer_factory, 3)
+    meta = {**read_meta(paths[-1]), "world_size": 2}
+    meta["config"]["train"].update(batch_size=8, grad_accum=2)
+    cfg = derive(t.cfg, {"train.batch_size": 16, "train.grad_accum": 2})
+    logs = []
+    check_compatible(meta, cfg, PRINTS, force=True, log=logs.append, world=1)
+    assert "train.batch_size 8 -> 16 keeps the global batch of 32 sequences" in logs[0]
+

@@ -59,11 +59,13 @@ def check_resume_shape(saved: dict, batch_size: int, world: int) -> None:
     g = b * w
     if g % world:
         divisors = [str(n) for n in range(1, g + 1) if g % n == 0]
-        raise ConfigError(f"the checkpoint's global batch is {g} ({b} per rank x {w} ranks), which {world} ranks "
+        raise ConfigError(f"the checkpoint's batch is {b} sequences per rank on {w} ranks ({g} in all, before "
+                          f"train.grad_accum), which {world} ranks "
                           f"cannot share evenly: resume on {', '.join(divisors)} ranks, or choose a new "
                           "train.batch_size with --resume force (the next batch starts at the next sample)")
-    raise ConfigError(f"the checkpoint's global batch is {g} ({b} per rank x {w} ranks); on {world} ranks keep it "
-                      f"with train.batch_size={g // world}, or keep train.batch_size={b} on {w} ranks")
+    raise ConfigError(f"the checkpoint's batch is {b} sequences per rank on {w} ranks ({g} in all, before "
+                      f"train.grad_accum); on {world} rank(s) keep it with train.batch_size={g // world}, or keep "
+                      f"train.batch_size={b} on {w} ranks")
 
 
 class RowLayout:

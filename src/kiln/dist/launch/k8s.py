@@ -17,6 +17,7 @@ import yaml
 
 from kiln.dist.launch.common import check_shape, job_name, resolved_config
 from kiln.dist.launch.local import SHUTDOWN_TIMEOUT_S, TORCHRUN_ENV
+from kiln.errors import ConfigError
 
 SHARED, CONFIG_DIR = "/shared", "/etc/kiln"
 GRACE_S = SHUTDOWN_TIMEOUT_S + 30  # the pod's time from SIGTERM to SIGKILL: torchrun's shutdown timeout and a margin
@@ -27,9 +28,17 @@ def manifest(config: str | None, overrides: list[str], nodes: int, gpus_per_node
              max_restarts: int = 3, cpus_per_node: int | None = None, memory_gib: int | None = None) -> str:
     """The YAML text of the ConfigMap and PyTorchJob."""
     check_shape(nodes, gpus_per_node)
+    if not image.strip() or any(c.isspace() for c in image):
+        raise ConfigError(f"--image {image!r}: give the container image with kiln installed, e.g. "
+                          "ghcr.io/me/kiln:1.0 (no spaces)")
+    if shm_gib is not None and shm_gib < 1:
+        raise ConfigError(f"--shm-gib {shm_gib}: the /dev/shm size must be at least 1 GiB (default: 4 per GPU, "
+                          "8 at least)")
+    if max_restarts < 0:
+        raise ConfigError(f"max_restarts={max_restarts}: give how often the job may restart, 0 or more")
     job = job_name(config, name)
     cfg = resolved_config(config, overrides, f"{SHARED}/runs/{job}", f"{SHARED}/cache")
-    shm = shm_gib or max(8, 4 * gpus_per_node)
+    shm = shm_gib if shm_gib is not None else max(8, 4 * gpus_per_node)
     resources: dict = {"nvidia.com/gpu": gpus_per_node}
     if cpus_per_node:
         resources["cpu"] = cpus_per_node

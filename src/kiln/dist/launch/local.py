@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, ResourceError
 
 SHUTDOWN_TIMEOUT_S = 120  # seconds torchrun gives its workers between SIGTERM and SIGKILL
 # What torchrun needs in its environment for kiln, wherever it is started (here, and in the Kubernetes and
@@ -26,11 +26,54 @@ TORCHRUN_ENV = {
     # processes read the dead ones' addresses and gloo's first connection fails (torch 2.13)
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
 }
+PROCESS_BYTES = 1 << 29  # host memory one CPU training process takes at the least (torch and its threads: ~0.35 GiB)
 LAUNCH_OPTIONS = ("--nproc", "--max-restarts")  # options of `kiln train` that torchrun's command drops
 
 
 def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        raise ConfigError(f"environment variable WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer; it is "
+                          "set by torchrun: unset it for `kiln train --nproc N`, which starts torchrun") from None
+    return "TORCHELASTIC_RUN_ID" in os.environ or world > 1
+
+
+def check_world(cfg, nproc: int, log=print) -> None:
+    """What `nproc` processes of `cfg` on this machine cannot do, found before torchrun starts any: one error,
+    once, instead of one from every process (or an out-of-memory machine)."""
+    import torch
+
+    d, name = cfg.dist, cfg.train.device
+    cuda = name.startswith("cuda") or (name == "auto" and torch.cuda.is_available())
+    if d.backend == "nccl" and not cuda:
+        raise ConfigError(f"dist.backend=nccl needs CUDA GPUs, and this run trains on the CPU (train.device={name}); "
+                          "use dist.backend=gloo (or auto) on the CPU")
+    if d.sharding == "hybrid" and d.strategy != "ddp" and d.replicas is not None and nproc % d.replicas:
+        raise ConfigError(f"dist.replicas={d.replicas} does not divide the {nproc} processes of --nproc {nproc}; "
+                          f"choose a divisor of {nproc}, or leave dist.replicas unset (one replica per node)")
+    if cuda:
+        if name not in ("auto", "cuda") and nproc > 1:
+            raise ConfigError(f"train.device={name} names one GPU for all {nproc} processes; each process needs its "
+                              "own: use train.device=cuda (process i drives GPU i), and CUDA_VISIBLE_DEVICES to "
+                              "choose which GPUs")
+        gpus = torch.cuda.device_count()
+        if gpus == 0:
+            raise ResourceError(f"train.device={name}, but no CUDA GPU is visible here; use train.device=cpu")
+        if nproc > gpus:
+            raise ResourceError(f"--nproc {nproc}: this machine has {gpus} GPU(s) visible, one per process; start at "
+                                f"most {gpus} (or train on the CPU with train.device=cpu)")
+        return
+    import psutil
+
+    cores, free = os.cpu_count() or 1, psutil.virtual_memory().available
+    if nproc * PROCESS_BYTES > free:
+        raise ResourceError(f"--nproc {nproc}: {nproc} CPU training processes need at least "
+                            f"{nproc * PROCESS_BYTES / 2**30:.0f} GiB of memory and {free / 2**30:.1f} GiB are free; "
+                            f"start fewer (this machine has {cores} CPU cores)")
+    if nproc > cores:
+        log(f"warning: --nproc {nproc} on {cores} CPU cores: the processes take turns on the cores, so this run is "
+            f"slower than with --nproc {cores} or fewer")
 
 
 def without_nproc(argv: list[str]) -> list[str]:
@@ -57,8 +100,9 @@ def torchrun_command(nproc: int, train_args: list[str], max_restarts: int = 0) -
             "-m", "kiln.cli", "train", *train_args]
 
 
-def relaunch(nproc: int, argv: list[str] | None = None, max_restarts: int = 0) -> int:
-    """Run this `kiln train` under torchrun with `nproc` processes; returns torchrun's exit code."""
+def relaunch(nproc: int, argv: list[str] | None = None, max_restarts: int = 0, cfg=None) -> int:
+    """Run this `kiln train` under torchrun with `nproc` processes; returns torchrun's exit code. `cfg` (the
+    run's config) is checked against `nproc` and this machine first."""
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: give the number of processes to start, 1 or more")
     if max_restarts < 0:
@@ -66,6 +110,8 @@ def relaunch(nproc: int, argv: list[str] | None = None, max_restarts: int = 0) -
     if under_torchrun():
         raise ConfigError("--nproc is for starting torchrun; this process already runs under torchrun, so drop "
                           "--nproc and --max-restarts (torchrun's --nproc_per_node says how many processes)")
+    if cfg is not None:
+        check_world(cfg, nproc)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = without_nproc(argv[argv.index("train") + 1:] if "train" in argv else argv)
     env = {**os.environ}

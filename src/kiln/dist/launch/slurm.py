@@ -10,14 +10,50 @@ SIGTERM to it SIGNAL_S seconds before the time limit, so the workers write a che
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 
 from kiln.dist.launch.common import check_shape, job_name, resolved_config
 from kiln.dist.launch.local import SHUTDOWN_TIMEOUT_S, TORCHRUN_ENV
+from kiln.errors import ConfigError
 
 PORT = 29500
 SIGNAL_S = SHUTDOWN_TIMEOUT_S + 30  # SIGTERM this long before the time limit: torchrun's shutdown timeout and a margin
+# Slurm's time formats: minutes, minutes:seconds, hours:minutes:seconds, days-hours[:minutes[:seconds]]; or no limit
+TIME_FORMAT = re.compile(r"(\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|unlimited|infinite)", re.IGNORECASE)
+
+
+def run_directory(run_dir: str | None, job: str) -> str:
+    """The job's run directory, absolute (default runs/JOB here)."""
+    return str(Path(run_dir or f"runs/{job}").expanduser().absolute())
+
+
+def make_log_dir(run_dir: str) -> str | None:
+    """Create the run directory, where Slurm opens the job's output file before the script runs (a missing
+    one fails the job without a line of output); a note to print if it cannot be made from here."""
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return (f"note: could not create the run directory {run_dir} from here ({e.strerror}); create it on the "
+                "cluster before sbatch: Slurm writes the job's output there from its first second")
+    return None
+
+
+def _directive(option: str, value: str) -> str:
+    """`#SBATCH --option=value`; sbatch splits these lines at spaces, so a value with one is double-quoted."""
+    if '"' in value or "\n" in value:
+        raise ConfigError(f"--{option} {value!r}: a Slurm directive cannot hold a double quote or a line break")
+    return f'--{option}="{value}"' if any(c.isspace() for c in value) else f"--{option}={value}"
+
+
+def check_options(time_limit: str | None, partition: str | None) -> None:
+    if time_limit is not None and not TIME_FORMAT.fullmatch(time_limit):
+        raise ConfigError(f"--time {time_limit!r} is not a Slurm time limit; use minutes, HH:MM:SS or D-HH:MM:SS "
+                          "(e.g. 1-00:00:00 for one day)")
+    if partition is not None and not re.fullmatch(r"[A-Za-z0-9_.,-]+", partition):
+        raise ConfigError(f"--partition {partition!r} is not a partition name (letters, digits, '_', '-', '.'; "
+                          "several separated by ','); `sinfo -s` lists them")
 
 
 def script(config: str | None, overrides: list[str], nodes: int, gpus_per_node: int, config_path: str | Path, *,
@@ -26,13 +62,14 @@ def script(config: str | None, overrides: list[str], nodes: int, gpus_per_node: 
            max_restarts: int = 3) -> tuple[str, str]:
     """(the sbatch script, the resolved config YAML to write at `config_path`)."""
     check_shape(nodes, gpus_per_node)
+    check_options(time_limit, partition)
     job = job_name(config, name)
-    run_dir = str(Path(run_dir or f"runs/{job}").expanduser().absolute())
+    run_dir = run_directory(run_dir, job)
     cache_dir = str(Path(cache_dir or "~/.cache/kiln").expanduser().absolute())
     cfg = resolved_config(config, overrides, run_dir, cache_dir)
     cfg_file = shlex.quote(str(Path(config_path).absolute()))
     directives = [f"--job-name={job}", f"--nodes={nodes}", "--ntasks-per-node=1", f"--gpus-per-node={gpus_per_node}",
-                  "--exclusive", f"--output={run_dir}/slurm-%j.out", f"--signal=TERM@{SIGNAL_S}"]
+                  "--exclusive", _directive("output", f"{run_dir}/slurm-%j.out"), f"--signal=TERM@{SIGNAL_S}"]
     if cpus_per_node:
         directives.append(f"--cpus-per-task={cpus_per_node}")
     if time_limit:
@@ -44,7 +81,8 @@ def script(config: str | None, overrides: list[str], nodes: int, gpus_per_node: 
              f"# {cache_dir} must be on storage every node sees. Submit: sbatch THIS_FILE",
              "set -euo pipefail",
              f"mkdir -p {shlex.quote(run_dir)}",
-             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+             # sed reads to the end: with `head -n 1`, scontrol could die of SIGPIPE and, under pipefail, end the job
+             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
              "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
              *(f"export {k}=${{{k}:-{v}}}" for k, v in TORCHRUN_ENV.items()),
              "srun --kill-on-bad-exit=1 python -m torch.distributed.run \\",

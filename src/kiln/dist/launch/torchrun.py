@@ -9,6 +9,13 @@ error (a `KilnError`: it wrote `record_error`'s file) ends with one line naming 
 failure (a bug's traceback, a signal) with torchrun's summary, without torchrun's traceback. The exit
 code is the failing rank's (2 for a config error, as `kiln train` in one process), else 1.
 
+A signal (SIGTERM from a scheduler, Ctrl-C) makes torchrun pass it to every worker, wait for them to write
+their checkpoint and exit, then raise its SignalException: here that ends the job with one line and exit code
+128 + the signal's number, instead of torchrun's traceback. The same signal delivered twice at once (to the
+whole process group, and again by `kiln train --nproc`, which forwards it) is taken once (`stop_once`):
+torchrun would break off its wait for the workers and send each the signal again, which a kiln worker takes
+as "abort now, without a checkpoint". A second signal later still aborts, as a second Ctrl-C should.
+
 `record_error` writes the message to the error file torchrun gives each worker (TORCHELASTIC_ERROR_FILE),
 so under a plain `torchrun` too the summary's root cause shows the message instead of the link.
 
@@ -25,6 +32,8 @@ import sys
 import time
 
 SHOWN = "kiln_shown"  # key of the error file: the rank printed this error itself
+EXIT_CODE = "kiln_exit_code"  # key of the error file: the exit code of the process that printed it
+DUPLICATE_S = 1.0  # a signal this soon after the same one is the same event delivered twice
 QUIET_WAIT_S = 60.0  # how long a quiet process waits for torchrun to stop it (the first process failed alike)
 
 
@@ -33,37 +42,67 @@ def wait_for_first_rank(seconds: float = QUIET_WAIT_S) -> None:
     time.sleep(seconds)
 
 
-def record_error(message: str) -> None:
-    """Tell torchrun (if it started this process) why it fails: its summary shows `message`."""
+def record_error(message: str, exit_code: int = 2) -> None:
+    """Tell torchrun (if it started this process) why it fails: its summary shows `message`, and the job
+    ends with `exit_code` (this process's, which torchrun may not see: a peer's exit can have it stopped)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     try:
         with open(path, "w") as f:
-            json.dump({"message": message, "timestamp": int(time.time()), SHOWN: True}, f)
+            json.dump({"message": message, "timestamp": int(time.time()), SHOWN: True, EXIT_CODE: exit_code}, f)
     except OSError:
         pass  # the summary then says less; the error itself is printed already
 
 
 def summary(error) -> tuple[str, int]:
-    """What to print at the end of a failed job (`error`: torchrun's ChildFailedError), and the exit code."""
+    """What to print at the end of a failed job (`error`: torchrun's ChildFailedError), and the exit code.
+
+    The rank that printed its error is the cause, though another may have exited first (one stopping for
+    it, after which torchrun stopped the rest, the failed rank among them, perhaps before it exited)."""
+    shown = [(f.timestamp, r) for r, f in error.failures.items() if f.error_file_data.get(SHOWN)]
+    if shown:
+        rank = min(shown)[1]
+        failure = error.failures[rank]
+        code = failure.error_file_data.get(EXIT_CODE) or (failure.exitcode if failure.exitcode > 0 else 1)
+        return f"kiln: the job stopped: rank {rank} failed (exit code {code}); its error is above", code
     rank, failure = error.get_first_failure()
-    code = failure.exitcode if failure.exitcode > 0 else 1
-    if failure.error_file_data.get(SHOWN):
-        return f"kiln: the job stopped: rank {rank} failed (exit code {failure.exitcode}); its error is above", code
-    return error.format_msg(), code
+    return error.format_msg(), failure.exitcode if failure.exitcode > 0 else 1
+
+
+def stop_once(handler, clock=time.monotonic):
+    """torchrun's signal handler (`handler`), less the copies of its first signal: that one raises
+    SignalException, which makes torchrun pass it to the workers and wait for them; the same signal again
+    within DUPLICATE_S (one event delivered twice: to the process group and by the launcher that forwards
+    it) is ignored. A later one is a second request: torchrun passes it on, and the workers abort."""
+    first: list[tuple[int, float]] = []
+
+    def handle(signum: int, frame) -> None:
+        if first and first[0][0] == signum and clock() - first[0][1] < DUPLICATE_S:
+            return
+        if not first:
+            first.append((signum, clock()))
+        handler(signum, frame)
+
+    return handle
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    # torchrun installs this module attribute as its handler when it starts the workers
+    api._terminate_process_handler = stop_once(api._terminate_process_handler)
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except ChildFailedError as e:
         text, code = summary(e)
         print(text, file=sys.stderr, flush=True)
         return code
+    except api.SignalException as e:  # the workers had the signal and the time to stop; torchrun waited for them
+        print(f"kiln: the job stopped on {e.sigval.name}", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
     return 0
 
 

@@ -189,8 +189,8 @@ def test_resume_on_other_ranks_with_the_same_per_rank_batch_is_refused(stream):
         next(ld)
     state = loaders[0].state_dict()
     assert (state["batch_size"], state["world"]) == (4, 2)
-    with pytest.raises(ConfigError, match=r"global batch is 8 \(4 per rank x 2 ranks\); on 1 ranks keep it with "
-                                          "train.batch_size=8"):
+    with pytest.raises(ConfigError, match=r"batch is 4 sequences per rank on 2 ranks \(8 in all, before "
+                                          r"train.grad_accum\); on 1 rank\(s\) keep it with train.batch_size=8"):
         PackedLoader(ts, T, 4, seed=3).load_state_dict(state)
     with pytest.raises(ConfigError, match="which 3 ranks cannot share evenly: resume on 1, 2, 4, 8 ranks"):
         PackedLoader(ts, T, 4, seed=3, rank=0, world=3).load_state_dict(state)

@@ -1,0 +1,86 @@
+"""kiln.dist.mesh: the environment torchrun describes, checked before a process group is joined; a backend that
+cannot drive the run's device and a MASTER_PORT another program holds are errors that say what to do."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from kiln.config import DistConfig
+from kiln.dist.mesh import init_mesh, process_env
+from kiln.errors import ConfigError, ResourceError
+
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture
+def env(monkeypatch):
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+    def set_env(**values):
+        for k, v in values.items():
+            monkeypatch.setenv(k, str(v))
+
+    return set_env
+
+
+def test_no_torchrun_environment_is_a_one_process_run(env):
+    assert process_env() == (1, 0, 0, 1)
+    env(RANK=0)  # rank 0 of one: the same
+    assert process_env() == (1, 0, 0, 1)
+
+
+def test_a_rank_left_in_the_environment_of_a_one_process_run_is_an_error(env):
+    """RANK=1 alone used to train as one process that took itself for rank 1: no config.yaml, no model/."""
+    env(RANK=1)
+    with pytest.raises(ConfigError, match=r"RANK=1 is set but WORLD_SIZE is not.*unset them"):
+        process_env()
+    env(WORLD_SIZE=1)
+    with pytest.raises(ConfigError, match="RANK=1 is set but WORLD_SIZE is 1"):
+        init_mesh("cpu", DistConfig())
+
+
+def test_world_size_without_the_rest_of_torchruns_environment_names_what_is_missing(env):
+    """WORLD_SIZE=2 alone used to end in torch's ValueError traceback from env:// rendezvous."""
+    env(WORLD_SIZE=2)
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE=2 is set .* but RANK, MASTER_ADDR, MASTER_PORT are not"):
+        init_mesh("cpu", DistConfig())
+    env(RANK=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=29500)
+    with pytest.raises(ConfigError, match=r"RANK=2 is outside 0\.\.1"):
+        process_env()
+    env(WORLD_SIZE=0, RANK=0)
+    with pytest.raises(ConfigError, match="WORLD_SIZE=0"):
+        process_env()
+
+
+def test_nccl_on_the_cpu_is_a_config_error_before_any_group_is_joined(env):
+    env(WORLD_SIZE=2, RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=1)
+    with pytest.raises(ConfigError, match="dist.backend=nccl needs CUDA GPUs.*use dist.backend=gloo"):
+        init_mesh("cpu", DistConfig(backend="nccl"))
+
+
+def test_a_master_port_in_use_is_a_resource_error_naming_it(env):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env(WORLD_SIZE=2, RANK=0, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        with pytest.raises(ResourceError, match=f"127.0.0.1:{port}: the port is in use.*--master_port"):
+            init_mesh("cpu", DistConfig(timeout_s=5))
+
+
+@pytest.mark.parametrize("strategy, dist_cfg, expected", [
+    ("ddp", DistConfig(), "ddp"),
+    ("fsdp", DistConfig(), "fsdp full (ZeRO-3)"),
+    ("fsdp", DistConfig(sharding="grad_op", cpu_offload=True), "fsdp grad_op (ZeRO-2), cpu_offload"),
+    ("fsdp", DistConfig(sharding="hybrid"), "fsdp hybrid, 2 replica(s) x 4 shards"),
+    ("fsdp", DistConfig(sharding="hybrid", replicas=4), "fsdp hybrid, 4 replica(s) x 2 shards"),
+])
+def test_the_start_of_a_run_says_how_the_model_is_spread(strategy, dist_cfg, expected):
+    """An explicit dist.strategy used to be logged nowhere (only auto's choice was), nor the hybrid mesh."""
+    from kiln.dist.mesh import Mesh
+
+    assert Mesh(world=8, local_world=4).describe(strategy, dist_cfg) == expected
