@@ -1,7 +1,7 @@
-"""`kiln train --nproc 2` end to end on CPU (gloo): FSDP2 over 2 processes logs the losses of one process
-with the same global batch, consolidates its final weights into one safetensors file equal to the one
-process's, and a run resumes on another world size (2 -> 1, 1 -> 2) at the same global sample with the
-losses of the run that kept its size."""
+"""`kiln train --nproc 2` end to end on CPU (gloo): FSDP2 over 2 processes logs the losses and validation
+losses of one process with the same global batch, consolidates its final weights into one safetensors file
+equal to the one process's, and a run resumes on another world size (2 -> 1, 1 -> 2) at the same global
+sample with the losses of the run that kept its size."""
 
 from __future__ import annotations
 
@@ -35,9 +35,10 @@ def kiln_train(*args: str, nproc: int = 1) -> subprocess.CompletedProcess:
     return done
 
 
-def losses(run_dir: Path) -> dict[int, float]:
+def losses(run_dir: Path, event: str = "train") -> dict[int, float]:
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if r["event"] == "train"}
+    key = "loss" if event == "train" else "val_loss"
+    return {r["step"]: r[key] for r in recs if r["event"] == event}
 
 
 def cut_back(run_dir: Path, to_step: int) -> None:
@@ -67,6 +68,11 @@ def test_fsdp_two_processes_train_and_save_like_one(one_and_two):
     a, b = losses(one), losses(two)
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
     assert [b[s] for s in a] == pytest.approx([a[s] for s in a], rel=1e-4)
+    # each process evaluates its rows of the same validation batches: the one process's figures (at step 0,
+    # the same weights: to rounding)
+    va, vb = losses(one, "eval"), losses(two, "eval")
+    assert sorted(va) == sorted(vb) == [0, STEPS]
+    assert vb[0] == pytest.approx(va[0], rel=1e-6) and vb[STEPS] == pytest.approx(va[STEPS], rel=1e-4)
     meta = json.loads((two / "checkpoints" / f"step_{STEPS:08d}" / "meta.json").read_text())
     assert meta["world_size"] == 2 and meta["tokens_seen"] == STEPS * 4 * 32
     m1, _ = load_model(one)

@@ -108,7 +108,7 @@ def build_data(cfg: RunConfig, device: torch.device, rank: int | None = None, wo
         train = StreamingLoader(d, tok, "train", t.seq_len, rows, rank=rank, world=world, **common)
         val = None
         if d.val_fraction > 0:
-            val = StreamingLoader(d, tok, "val", t.seq_len, rows, **{**common, "prefetch": 0})
+            val = StreamingLoader(d, tok, "val", t.seq_len, rows, rank=rank, world=world, **{**common, "prefetch": 0})
         lines = [f"data: streaming {', '.join(d.sources)} (vocab {tok.vocab_size})"]
         if train.rows.files.passed_over:  # as `kiln prepare` reports them
             from kiln.data.prepare.report import passed_over_text
@@ -129,7 +129,8 @@ def build_data(cfg: RunConfig, device: torch.device, rank: int | None = None, wo
     val = None
     if with_val:
         val = PackedLoader.from_datasets([ds for ds, _ in with_val], "val", t.seq_len, rows,
-                                         weights=[w for _, w in with_val], **{**common, "prefetch": 0})
+                                         weights=[w for _, w in with_val], rank=rank, world=world,
+                                         **{**common, "prefetch": 0})
     lines = [f"data: {ds.path} ({_split_tokens(ds, 'train'):,} train / {_split_tokens(ds, 'val'):,} val tokens"
              + (f", weight {w / sum(weights):.3f})" if len(datasets) > 1 else ")")
              for ds, w in zip(datasets, weights)]

@@ -11,7 +11,7 @@ from torch import nn
 
 from kiln.config import RunConfig
 from kiln.dist.mesh import Mesh, current_mesh
-from kiln.dist.parallelize import clip_grad_norm, grad_sync, optimizer_device
+from kiln.dist.parallelize import clip_grad_norm, grad_sync, optimizer_device, reduce_mean
 from kiln.dist.watch import beat
 from kiln.errors import TrainingError
 from kiln.events import Callback, Events
@@ -189,7 +189,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
         """Mean loss, perplexity and bits per byte (with `token_bytes`) over the same eval_batches validation
-        batches every time ({} when the data has no validation split)."""
+        batches every time ({} when the data has no validation split). Under several processes each reads its
+        rows of each batch, as in training: the same batches, and the same figures, on any number of them."""
         if self.val_loader is None:
             return {}
         with self.meter.paused():  # evaluation time is not counted in training tokens/s
@@ -211,7 +212,9 @@ class Trainer:
                         sums[1] += loss * counted.sum()
                         sums[2] += (table[ys.clamp_min(0)] * counted).sum()
             self.model.train()
-            total, nats, nbytes = sums.tolist()  # the one host sync
+            # kiln.dist: each rank read its own rows of each batch; the means over ranks give the batches' mean
+            # loss, and the ratio of nats to bytes that of their sums
+            total, nats, nbytes = reduce_mean(sums, self.mesh).tolist()  # the one host sync
         loss = total / n
         self.last_eval = {"step": self.step, "tokens": self.tokens_seen, "val_loss": loss,
                           "val_ppl": math.exp(min(loss, 50.0))}
