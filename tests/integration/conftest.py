@@ -1,9 +1,12 @@
-"""Shared by the end-to-end tests: a small corpus of Python standard library source."""
+"""Shared by the end-to-end tests: a small corpus of Python standard library source, the overrides of a tiny
+run on the CPU, and a random Llama in the Hugging Face layout to start from."""
 
 from __future__ import annotations
 
 import sysconfig
 from pathlib import Path
+
+import pytest
 
 
 def stdlib_corpus(directory: Path, documents: int, modules: int = 40) -> Path:
@@ -15,10 +18,39 @@ def stdlib_corpus(directory: Path, documents: int, modules: int = 40) -> Path:
     return directory
 
 
-def tiny_cpu_run(cache: Path, corpus: Path, steps: int, every: int) -> list[str]:
+def tiny_cpu_run(cache: Path, corpus: Path, steps: int, every: int, *extra: str, batch_size: int | None = None,
+                 vocab_size: int = 512) -> list[str]:
     """`kiln train` overrides of a short run of the tiny model on the CPU over `corpus`: a checkpoint every
-    `every` steps, every step logged to metrics.jsonl, no console."""
+    `every` steps, every step logged to metrics.jsonl, no console; `batch_size` (None: the default) and
+    `vocab_size` as given, then the overrides `extra` (a later override of a key wins)."""
     return ["model.size=tiny", "train.seq_len=32", f"train.max_steps={steps}", "train.warmup_steps=2",
             "train.eval_every=0", "train.eval_batches=2", "train.sample_tokens=0", "train.device=cpu",
             "train.precision=fp32", f"checkpoint.every={every}", "logging.every=1", "logging.console=false",
-            f"data.sources=[{corpus}]", "data.val_fraction=0.1", "data.vocab_size=512", f"data.cache_dir={cache}"]
+            f"data.sources=[{corpus}]", "data.val_fraction=0.1", f"data.vocab_size={vocab_size}",
+            f"data.cache_dir={cache}", *([f"train.batch_size={batch_size}"] if batch_size is not None else []),
+            *extra]
+
+
+@pytest.fixture(scope="session")
+def hf_llama(tmp_path_factory) -> Path:
+    """A directory with `model/`, a random 2-layer Llama saved by transformers with a BPE tokenizer.json of 512
+    tokens, and `corpus/`, seven stdlib modules; runs that share its `cache/` prepare the corpus once."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from kiln.data.prepare.tokenizer import train_bpe
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    root = tmp_path_factory.mktemp("hf")
+    texts = [(stdlib / n).read_text() for n in ("argparse.py", "textwrap.py", "difflib.py")]
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "model")
+    train_bpe(texts, 512).save(root / "model" / "tokenizer.json")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for name in ("argparse.py", "textwrap.py", "difflib.py", "csv.py", "shlex.py", "string.py", "heapq.py"):
+        (corpus / name).write_text((stdlib / name).read_text())
+    return root

@@ -25,19 +25,16 @@ from kiln.state.rundir import checkpoints
 from kiln.state.verify import read_meta
 from kiln.train.run import run
 
-from .conftest import stdlib_corpus
+from .conftest import stdlib_corpus, tiny_cpu_run
 
 pytestmark = pytest.mark.slow
 
-B, T, EVAL_BATCHES = 4, 32, 2
+B, T, EVAL_BATCHES = 4, 32, 2  # T and EVAL_BATCHES: tiny_cpu_run's train.seq_len and train.eval_batches
 
 
 def base_args(corpus: Path, cache: Path, run_dir: Path, vocab: int = 512) -> list[str]:
-    return ["model.size=tiny", f"train.seq_len={T}", f"train.batch_size={B}", "train.max_steps=30",
-            "train.warmup_steps=0", "train.eval_every=2", f"train.eval_batches={EVAL_BATCHES}", "train.sample_tokens=0",
-            "train.device=cpu", "checkpoint.every=2", "checkpoint.keep_last=1", "logging.every=1",
-            f"data.sources=[{corpus}]", "data.val_fraction=0.1", f"data.vocab_size={vocab}",
-            f"data.cache_dir={cache}", f"train.run_dir={run_dir}"]
+    return tiny_cpu_run(cache, corpus, 30, 2, "train.warmup_steps=0", "train.eval_every=2", "checkpoint.keep_last=1",
+                        "logging.console=true", f"train.run_dir={run_dir}", batch_size=B, vocab_size=vocab)
 
 
 def records(run_dir: Path, event: str) -> list[dict]:

@@ -147,8 +147,7 @@ def test_two_processes_train_the_losses_of_one(root, tmp_path, strategy):
     """FSDP2 shards each decoder block of the transformers model (found generically), with activation
     checkpointing; the losses and final weights are the one-process run's with the same global batch."""
     one, two = tmp_path / "one", tmp_path / "two"
-    args = overrides(root, "llama", one, "train.activation_checkpointing=full")
-    kiln_train(*args)
+    run(load_config(None, overrides(root, "llama", one, "train.activation_checkpointing=full")))  # in this process
     args = overrides(root, "llama", two, "train.batch_size=2", f"dist.strategy={strategy}",
                      "train.activation_checkpointing=full")
     kiln_train(*args, nproc=2)

@@ -32,24 +32,6 @@ class LastEval(Callback):
         self.batches = [next(trainer.val_loader) for _ in range(trainer.cfg.train.eval_batches)]
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("hf")
-    texts = [(STDLIB / n).read_text() for n in ("argparse.py", "textwrap.py", "difflib.py")]
-    tok = train_bpe(texts, 512)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                      tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(config).save_pretrained(root / "model")
-    tok.save(root / "model" / "tokenizer.json")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for name in ("argparse.py", "textwrap.py", "difflib.py", "csv.py", "shlex.py", "string.py", "heapq.py"):
-        (corpus / name).write_text((STDLIB / name).read_text())
-    return root
-
-
 def _overrides(root: Path, run_dir: Path, *extra: str) -> list[str]:
     return [f"model.init_from={root / 'model'}", f"data.sources=[{root / 'corpus'}]",
             f"data.cache_dir={root / 'cache'}", "data.val_fraction=0.1", "data.text_unit=paragraph",
@@ -60,9 +42,9 @@ def _overrides(root: Path, run_dir: Path, *extra: str) -> list[str]:
             "checkpoint.async_save=false", "logging.console=false", *extra]
 
 
-def test_import_train_export_loss_matches_transformers(hf_dir, tmp_path):
-    cfg = load_config(None, _overrides(hf_dir, tmp_path / "run"))
-    assert cfg.data.tokenizer == str(hf_dir / "model")  # kiln prepare / train use the model's tokenizer
+def test_import_train_export_loss_matches_transformers(hf_llama, tmp_path):
+    cfg = load_config(None, _overrides(hf_llama, tmp_path / "run"))
+    assert cfg.data.tokenizer == str(hf_llama / "model")  # kiln prepare / train use the model's tokenizer
     last = LastEval()
     run_dir = run(cfg, callbacks=[last])
     assert last.metrics["step"] == 20
@@ -77,16 +59,16 @@ def test_import_train_export_loss_matches_transformers(hf_dir, tmp_path):
                 losses.append(F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100))
         hf_loss = torch.stack(losses).mean().item()
         assert abs(hf_loss - last.metrics["val_loss"]) < 1e-4, (src, hf_loss, last.metrics["val_loss"])
-    start = transformers.AutoModelForCausalLM.from_pretrained(hf_dir / "model").eval()
+    start = transformers.AutoModelForCausalLM.from_pretrained(hf_llama / "model").eval()
     with torch.no_grad():  # and the run did train the imported weights: the start scored worse
         x, y, _ = last.batches[0]
         before = F.cross_entropy(start(input_ids=x).logits.flatten(0, 1), y.flatten()).item()
     assert before > last.metrics["val_loss"] + 0.1
 
 
-def test_data_with_another_tokenizer_is_refused(hf_dir, tmp_path):
+def test_data_with_another_tokenizer_is_refused(hf_llama, tmp_path):
     other = train_bpe([(STDLIB / "csv.py").read_text()], 400)
     other.save(tmp_path / "other.json")
-    cfg = load_config(None, _overrides(hf_dir, tmp_path / "run", f"data.tokenizer={tmp_path / 'other.json'}"))
+    cfg = load_config(None, _overrides(hf_llama, tmp_path / "run", f"data.tokenizer={tmp_path / 'other.json'}"))
     with pytest.raises(DataError, match="model.init_from=.*its token ids would mean other text"):
         run(cfg)

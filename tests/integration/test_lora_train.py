@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from kiln.config import load_config
-from kiln.data.prepare.tokenizer import train_bpe
 from kiln.errors import ConfigError, StateError
 from kiln.model.hf_import import import_hf
 from kiln.model.lora import adapter_state_dict, is_adapter_key
@@ -28,7 +26,6 @@ from kiln.train.run import run
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.slow
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
 STEPS = 8
 
 
@@ -51,23 +48,6 @@ class Keep(Callback):
         self.model = trainer.model
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("hf")
-    texts = [(STDLIB / n).read_text() for n in ("argparse.py", "textwrap.py", "difflib.py")]
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                      tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(config).save_pretrained(root / "model")
-    train_bpe(texts, 512).save(root / "model" / "tokenizer.json")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for name in ("argparse.py", "textwrap.py", "difflib.py", "csv.py", "shlex.py", "string.py", "heapq.py"):
-        (corpus / name).write_text((STDLIB / name).read_text())
-    return root
-
-
 def config(root: Path, run_dir: Path, *extra: str, base: Path | None = None):
     return load_config(None, [
         f"model.init_from={base or root / 'model'}", f"data.sources=[{root / 'corpus'}]",
@@ -81,23 +61,23 @@ def config(root: Path, run_dir: Path, *extra: str, base: Path | None = None):
 
 
 @pytest.fixture(scope="module")
-def trained(hf_dir, tmp_path_factory):
+def trained(hf_llama, tmp_path_factory):
     """One uninterrupted LoRA run of STEPS steps: (run directory, its Keep)."""
     keep = Keep()
-    run_dir = run(config(hf_dir, tmp_path_factory.mktemp("runs") / "run"), callbacks=[keep])
+    run_dir = run(config(hf_llama, tmp_path_factory.mktemp("runs") / "run"), callbacks=[keep])
     return run_dir, keep
 
 
-def test_only_adapters_train_and_checkpoints_hold_them_alone(hf_dir, trained):
+def test_only_adapters_train_and_checkpoints_hold_them_alone(hf_llama, trained):
     run_dir, keep = trained
-    _, base = import_hf(hf_dir / "model")
+    _, base = import_hf(hf_llama / "model")
     state = keep.model.state_dict()
     assert {k for k in state if not is_adapter_key(k)} == set(base)
     for key, value in base.items():  # the base weights are exactly init_from's after training
         assert torch.equal(state[key], value), key
     assert keep.val_losses[-1] < keep.val_losses[0] - 0.01  # and the adapters did learn
     assert any(v.abs().max() > 0 for k, v in state.items() if ".lora_B." in k)
-    base_bytes = (hf_dir / "model" / "model.safetensors").stat().st_size
+    base_bytes = (hf_llama / "model" / "model.safetensors").stat().st_size
     adapters = adapter_state_dict(keep.model)
     for ckpt in checkpoints(run_dir):
         saved = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
@@ -111,9 +91,9 @@ def test_only_adapters_train_and_checkpoints_hold_them_alone(hf_dir, trained):
     assert len(meta_prints["base_model"]) == 64  # the base, referenced by its sha256
 
 
-def test_resume_after_a_crash_gives_the_same_adapters(hf_dir, trained, tmp_path):
+def test_resume_after_a_crash_gives_the_same_adapters(hf_llama, trained, tmp_path):
     _, full = trained
-    cfg = config(hf_dir, tmp_path / "run")
+    cfg = config(hf_llama, tmp_path / "run")
     with pytest.raises(RuntimeError, match="injected failure"):
         run(cfg, callbacks=[Keep(crash_at=6)])
     assert [p.name for p in checkpoints(tmp_path / "run")][0] == "step_00000004"
@@ -128,29 +108,29 @@ def test_resume_after_a_crash_gives_the_same_adapters(hf_dir, trained, tmp_path)
         assert torch.equal(ours[key], theirs[key]), key
 
 
-def test_a_changed_base_is_refused_on_resume(hf_dir, tmp_path):
+def test_a_changed_base_is_refused_on_resume(hf_llama, tmp_path):
     base = tmp_path / "base"
-    shutil.copytree(hf_dir / "model", base)
-    cfg = config(hf_dir, tmp_path / "run", "train.max_steps=4", base=base)
+    shutil.copytree(hf_llama / "model", base)
+    cfg = config(hf_llama, tmp_path / "run", "train.max_steps=4", base=base)
     run(cfg)
     model = transformers.AutoModelForCausalLM.from_pretrained(base)
     with torch.no_grad():
         model.model.norm.weight.add_(1e-3)
     model.save_pretrained(base)
     with pytest.raises(StateError, match="the base changed"):
-        run(config(hf_dir, tmp_path / "run", "train.max_steps=6", base=base), resume="force")
+        run(config(hf_llama, tmp_path / "run", "train.max_steps=6", base=base), resume="force")
     with pytest.raises(StateError, match="the base changed"):  # nor does an export merge onto it
         export_from(checkpoints(tmp_path / "run")[-1], tmp_path / "out")
 
 
-def test_lora_without_init_from_is_a_config_error(hf_dir, tmp_path):
-    cfg = config(hf_dir, tmp_path / "run").model_copy(deep=True)
+def test_lora_without_init_from_is_a_config_error(hf_llama, tmp_path):
+    cfg = config(hf_llama, tmp_path / "run").model_copy(deep=True)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": None})})
     with pytest.raises(ConfigError, match="lora.rank is set but model.init_from is not"):
         run(cfg)
 
 
-def test_exports_merged_and_peft_adapters_give_kilns_logits(hf_dir, trained, tmp_path):
+def test_exports_merged_and_peft_adapters_give_kilns_logits(hf_llama, trained, tmp_path):
     run_dir, keep = trained
     model = keep.model.eval()
     x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -161,14 +141,14 @@ def test_exports_merged_and_peft_adapters_give_kilns_logits(hf_dir, trained, tmp
     for name, src in sources.items():
         merged = transformers.AutoModelForCausalLM.from_pretrained(export_from(src, tmp_path / f"m-{name}")).eval()
         adapters = export_from(src, tmp_path / f"a-{name}", adapters=True)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir / "model")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(hf_llama / "model")
         with_peft = peft.PeftModel.from_pretrained(hf, adapters).eval()
         assert sorted(with_peft.peft_config["default"].target_modules) == ["q_proj", "up_proj", "v_proj"]
         with torch.no_grad():
             torch.testing.assert_close(merged(input_ids=x).logits, ours, rtol=0, atol=1e-5, msg=name)
             torch.testing.assert_close(with_peft(input_ids=x).logits, ours, rtol=0, atol=1e-5, msg=name)
     with pytest.raises(StateError, match="no LoRA adapters"):
-        export_from(hf_dir / "model", tmp_path / "none", adapters=True)
+        export_from(hf_llama / "model", tmp_path / "none", adapters=True)
 
 
 def test_kiln_export_adapters_on_the_command_line(trained, tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import stdlib_corpus
+from .conftest import stdlib_corpus, tiny_cpu_run
 
 pytestmark = pytest.mark.slow  # each test trains in subprocesses, several times
 
@@ -60,11 +60,7 @@ run(load_config(None, args), callbacks=[Interrupt()])
 def base(tmp_path_factory) -> list[str]:
     cache, corpus = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("corpus")
     stdlib_corpus(corpus, 240)
-    return ["model.size=tiny", "train.seq_len=32", "train.batch_size=4", f"train.max_steps={2 * N}",
-            "train.warmup_steps=2", "train.eval_every=0", "train.eval_batches=2", "train.sample_tokens=0",
-            "train.device=cpu", f"checkpoint.every={N}", "checkpoint.save_final=false", "logging.every=1",
-            "logging.console=false", f"data.sources=[{corpus}]", "data.val_fraction=0.1", "data.vocab_size=512",
-            f"data.cache_dir={cache}"]
+    return tiny_cpu_run(cache, corpus, 2 * N, N, "checkpoint.save_final=false", batch_size=4)
 
 
 def train(args: list[str], action: str = "none", at: int = 0) -> subprocess.CompletedProcess:

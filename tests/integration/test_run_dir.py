@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import stdlib_corpus
+from .conftest import stdlib_corpus, tiny_cpu_run
 
 pytestmark = pytest.mark.slow
 
@@ -69,11 +69,8 @@ main()
 def base(tmp_path_factory) -> list[str]:
     cache, corpus = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("corpus")
     stdlib_corpus(corpus, 120)
-    return ["model.size=tiny", "train.seq_len=32", "train.batch_size=4", "train.max_steps=4", "train.warmup_steps=1",
-            "train.eval_every=0", "train.eval_batches=2", "train.sample_tokens=0", "train.device=cpu",
-            "checkpoint.every=2", "checkpoint.async_save=false", "logging.every=1", "logging.console=false",
-            f"data.sources=[{corpus}]", "data.val_fraction=0.1", "data.vocab_size=300", "data.workers=2",
-            f"data.cache_dir={cache}"]
+    return tiny_cpu_run(cache, corpus, 4, 2, "train.warmup_steps=1", "checkpoint.async_save=false", "data.workers=2",
+                        batch_size=4, vocab_size=300)
 
 
 def kiln(*args: str) -> subprocess.CompletedProcess:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from .conftest import stdlib_corpus
+from .conftest import stdlib_corpus, tiny_cpu_run
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +37,10 @@ def test_threads_are_applied_and_the_hint_repeats_the_prompt(tmp_path):
     run_dir = tmp_path / "my run"
     prompt = "x = "
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "400"}  # PyTorch would start with 1 thread
-    r = subprocess.run([sys.executable, "-c", CHILD, "model.size=tiny", "train.seq_len=32", "train.batch_size=4",
-                        "train.max_steps=3", "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=4",
-                        "train.device=cpu", "train.threads=2", f"train.sample_prompt={prompt}",
-                        "checkpoint.save_final=false", "checkpoint.every=0", f"data.sources=[{corpus}]",
-                        "data.val_fraction=0.1", "data.vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}",
-                        f"train.run_dir={run_dir}"], capture_output=True, text=True, timeout=600, env=env)
+    args = tiny_cpu_run(tmp_path / "cache", corpus, 3, 0, "train.eval_batches=1", "train.sample_tokens=4",
+                        "train.threads=2", f"train.sample_prompt={prompt}", "checkpoint.save_final=false",
+                        "logging.console=true", f"train.run_dir={run_dir}", batch_size=4, vocab_size=300)
+    r = subprocess.run([sys.executable, "-c", CHILD, *args], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "threads in the loop: 2" in r.stdout and "on cpu, 2 thread(s)" in r.stdout
     hint = f"kiln generate {shlex.quote(str(run_dir))} --prompt {shlex.quote(prompt)}"

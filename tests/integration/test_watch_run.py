@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import stdlib_corpus
+from .conftest import stdlib_corpus, tiny_cpu_run
 
 pytestmark = pytest.mark.slow
 for _module in ("tensorboard", "wandb", "mlflow", "sqlalchemy", "prometheus_client"):
@@ -56,12 +56,11 @@ def test_every_sink_records_a_run_that_is_stopped_and_resumed(tmp_path):
     corpus.mkdir()
     stdlib_corpus(corpus, 60)
     run_dir = tmp_path / "run"
-    args = ["model.size=tiny", "train.seq_len=32", "train.batch_size=4", "train.max_steps=8", "train.eval_every=4",
-            "train.eval_batches=1", "train.sample_tokens=6", "train.device=cpu", "checkpoint.every=2",
-            "logging.every=2", "logging.console=false", f"data.sources=[{corpus}]", "data.val_fraction=0.1",
-            "data.vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}", f"train.run_dir={run_dir}",
-            "logging.tensorboard=true", "logging.wandb=true", "logging.wandb_mode=offline", "logging.mlflow=true",
-            "logging.prometheus_port=0", "logging.prometheus_addr=127.0.0.1", "profile.start=2", "profile.steps=2"]
+    args = tiny_cpu_run(tmp_path / "cache", corpus, 8, 2, "train.eval_every=4", "train.eval_batches=1",
+                        "train.sample_tokens=6", "logging.every=2", f"train.run_dir={run_dir}",
+                        "logging.tensorboard=true", "logging.wandb=true", "logging.wandb_mode=offline",
+                        "logging.mlflow=true", "logging.prometheus_port=0", "logging.prometheus_addr=127.0.0.1",
+                        "profile.start=2", "profile.steps=2", batch_size=4, vocab_size=300)
     first = kiln_train(args, stop_at=5)  # SIGTERM in step 5: a checkpoint of step 5, then exit 0
     assert "stopped by SIGTERM after step 5" in first.stdout + first.stderr
 

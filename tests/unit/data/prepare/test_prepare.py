@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -500,14 +501,23 @@ DAMAGE = {
 }
 
 
+@pytest.fixture(scope="module")
+def prepared_cache(corpus, tmp_path_factory) -> Path:
+    """A cache directory holding the corpus prepared with `config`'s settings, to copy, not to change."""
+    root = tmp_path_factory.mktemp("prepared")
+    prepare(config(corpus, root))
+    return root / "cache"
+
+
 @pytest.mark.parametrize("damage", list(DAMAGE))
-def test_a_damaged_dataset_is_prepared_again_not_reused(corpus, tmp_path, damage):
+def test_a_damaged_dataset_is_prepared_again_not_reused(corpus, prepared_cache, tmp_path, damage):
     """A finished dataset is checked cheaply (manifest, file sizes) before reuse; a damaged one is removed
     and made again, and the loader refuses it with a message saying so."""
     from kiln.data.load.loader import PackedLoader
 
+    shutil.copytree(prepared_cache, tmp_path / "cache")  # prepared once for every kind of damage
     cfg = config(corpus, tmp_path)
-    first = prepare(cfg)
+    first = prepare(cfg)  # the finished dataset, reused
     DAMAGE[damage](first)
     with pytest.raises(DataError, match="damaged|cannot read"):
         PackedLoader.from_datasets(open_dataset(first.path, first.tokenizer.hash), "train", 64, 2)
