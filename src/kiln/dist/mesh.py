@@ -150,9 +150,7 @@ def init_mesh(device_name: str, cfg: DistConfig, log: Callable[[str], None] = pr
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-    if backend == "nccl" and device.type != "cuda":
-        raise ConfigError(f"dist.backend=nccl needs CUDA GPUs, and this run trains on {device} (train.device="
-                          f"{device_name}); use dist.backend=gloo (or auto) on the CPU")
+    check_backend(backend, device.type == "cuda", device_name)
     owns = not dist.is_initialized()
     if owns:
         join_group(backend, device, cfg.timeout_s)
@@ -160,6 +158,13 @@ def init_mesh(device_name: str, cfg: DistConfig, log: Callable[[str], None] = pr
 
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     return Mesh(rank, local_rank, world, local_world, device, backend, mesh, owns)
+
+
+def check_backend(backend: str, cuda: bool, device_name: str) -> None:
+    """A ConfigError for dist.backend=nccl on a run that does not train on CUDA GPUs."""
+    if backend == "nccl" and not cuda:
+        raise ConfigError(f"dist.backend=nccl needs CUDA GPUs, and this run trains on the CPU (train.device="
+                          f"{device_name}); use dist.backend=gloo (or auto) on the CPU")
 
 
 def join_group(backend: str, device: torch.device, timeout_s: int) -> None:

@@ -44,11 +44,11 @@ def check_world(cfg, nproc: int, log=print) -> None:
     once, instead of one from every process (or an out-of-memory machine)."""
     import torch
 
+    from kiln.dist.mesh import check_backend
+
     d, name = cfg.dist, cfg.train.device
     cuda = name.startswith("cuda") or (name == "auto" and torch.cuda.is_available())
-    if d.backend == "nccl" and not cuda:
-        raise ConfigError(f"dist.backend=nccl needs CUDA GPUs, and this run trains on the CPU (train.device={name}); "
-                          "use dist.backend=gloo (or auto) on the CPU")
+    check_backend(d.backend, cuda, name)
     if d.sharding == "hybrid" and d.strategy != "ddp" and d.replicas is not None and nproc % d.replicas:
         raise ConfigError(f"dist.replicas={d.replicas} does not divide the {nproc} processes of --nproc {nproc}; "
                           f"choose a divisor of {nproc}, or leave dist.replicas unset (one replica per node)")
