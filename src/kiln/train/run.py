@@ -26,6 +26,7 @@ from kiln.model.lora import (
     apply_lora,
     lora_flops_per_token,
     merge_lora,
+    require_base,
     trainable_count,
     trainable_summary,
     training_bytes,
@@ -104,9 +105,7 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
 
 
 def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: Mesh) -> Path:
-    if cfg.lora.rank and not cfg.model.init_from:
-        raise ConfigError("lora.rank is set but model.init_from is not: LoRA adapts a trained base model; set "
-                          "model.init_from to its Hugging Face directory, or lora.rank=0 to train every weight")
+    require_base(cfg.lora, cfg.model)
     if cfg.model.init_from:  # the architecture comes from the Hugging Face directory's config.json
         cfg = with_init_from(cfg)
     run_dir, may_resume = run_directory(cfg, resume, console.print)

@@ -216,6 +216,9 @@ def test_kiln_train_nproc_checks_the_job_shape_before_starting_any_process(monke
     nccl = load_config(None, ["train.device=cpu", "dist.backend=nccl"])
     with pytest.raises(ConfigError, match="dist.backend=nccl needs CUDA GPUs.*gloo"):
         local.relaunch(2, ["train"], cfg=nccl)
+    lora = load_config(None, ["train.device=cpu", "lora.rank=8"])  # was printed once per start under --max-restarts
+    with pytest.raises(ConfigError, match="lora.rank is set but model.init_from is not"):
+        local.relaunch(2, ["train", "--max-restarts", "2"], max_restarts=2, cfg=lora)
 
 
 def test_more_cpu_processes_than_memory_holds_is_an_error_and_more_than_cores_a_warning(monkeypatch):

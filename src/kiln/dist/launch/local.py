@@ -45,7 +45,9 @@ def check_world(cfg, nproc: int, log=print) -> None:
     import torch
 
     from kiln.dist.mesh import check_backend
+    from kiln.model.lora import require_base
 
+    require_base(cfg.lora, cfg.model)  # else said by every process, and again at every restart
     d, name = cfg.dist, cfg.train.device
     cuda = name.startswith("cuda") or (name == "auto" and torch.cuda.is_available())
     check_backend(d.backend, cuda, name)
