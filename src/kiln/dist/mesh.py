@@ -78,15 +78,17 @@ class Mesh:
             self.owns_group = False
 
 
-def _env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int, fix: str = "leave it to torchrun") -> int:
+    """An integer variable of torchrun's environment (`default` when unset); one that is not a number is a
+    ConfigError that ends with `fix`."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
         return int(raw)
     except ValueError:
-        raise ConfigError(f"environment variable {name}={raw!r} is not an integer; it is set by torchrun, "
-                          "leave it to torchrun") from None
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer; it is set by torchrun: "
+                          f"{fix}") from None
 
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what joining a process group needs
@@ -96,9 +98,9 @@ def process_env() -> tuple[int, int, int, int]:
     """(world, rank, local_rank, local_world) from torchrun's environment, checked: a process started with part
     of it (RANK left over in a shell, WORLD_SIZE without the rest) is a ConfigError, not a run that trains
     alone believing it is not rank 0 (and so writes no run files), nor torch's traceback."""
-    world = _env_int("WORLD_SIZE", 1)
-    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
-    local_world = _env_int("LOCAL_WORLD_SIZE", world)
+    world = env_int("WORLD_SIZE", 1)
+    rank, local_rank = env_int("RANK", 0), env_int("LOCAL_RANK", 0)
+    local_world = env_int("LOCAL_WORLD_SIZE", world)
     fix = ("start the processes with torchrun or `kiln train --nproc N` (they set them all), or unset them for a "
            "one-process run")
     if world > 1:
@@ -187,5 +189,5 @@ def current_mesh(device: torch.device) -> Mesh:
     if not (dist.is_available() and dist.is_initialized()):
         return Mesh(device=device)
     world = dist.get_world_size()
-    return Mesh(dist.get_rank(), _env_int("LOCAL_RANK", 0), world, _env_int("LOCAL_WORLD_SIZE", world), device,
+    return Mesh(dist.get_rank(), env_int("LOCAL_RANK", 0), world, env_int("LOCAL_WORLD_SIZE", world), device,
                 dist.get_backend())

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kiln.dist.launch.torchrun import DUPLICATE_S
+
 
 class Preempted(Exception):
     """Raised out of the loop after the preemption checkpoint is complete."""
@@ -66,7 +68,7 @@ class SignalGuard(_Handler):
 
     COLLECTIVE_EVERY = 10  # most steps between two checks across processes
     CHECK_SECONDS = 1.0  # and fewer where steps are slow: about one check a second (torchrun's grace is 30 s)
-    DUPLICATE_S = 1.0  # with several processes, the same signal again this soon is the same one delivered twice
+    DUPLICATE_S = DUPLICATE_S  # with several processes, the same signal again this soon is one delivered twice
 
     def __init__(self, log: Callable[[str], None] = print, group=None):
         self.requested: str | None = None

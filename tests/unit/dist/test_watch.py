@@ -3,7 +3,9 @@ watchdog names the rank(s) whose progress is lowest."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch.distributed as dist
 
@@ -20,17 +22,24 @@ def _watch(rank: int, store, watchdog_s: float = 0.0) -> tuple[Watch, threading.
     return Watch(rank, 2, watchdog_s, store=store, exit_fn=fake_exit), stopped, codes
 
 
+@contextlib.contextmanager
+def watching(w: Watch) -> Iterator[Watch]:
+    """`w`'s thread polling the store for the block."""
+    w.start()
+    try:
+        yield w
+    finally:
+        w.stop()
+
+
 def test_a_failure_recorded_by_one_rank_stops_the_other(capsys):
     store = dist.HashStore()
     w0, stopped0, codes0 = _watch(0, store)
     w1, _, _ = _watch(1, store)
-    w0.start()
-    try:
+    with watching(w0):
         w1.record_failure(RuntimeError("disk on fire"))
         w0.record_failure(RuntimeError("a consequence"))  # the first failure recorded wins
         assert stopped0.wait(10) and codes0 == [1]
-    finally:
-        w0.stop()
     assert w0.failure() == "rank 1: RuntimeError: disk on fire"
     assert "rank 0: stopping, because rank 1 failed" in capsys.readouterr().err
 
@@ -40,11 +49,8 @@ def test_the_watchdog_blames_the_rank_with_the_least_progress(capsys):
     w1, stopped1, codes1 = _watch(1, store, watchdog_s=0.5)
     store.set(f"{w1.prefix}beat/0", "7")  # rank 0 got further and waits for rank 1
     w1.count = 5  # rank 1 trained a little, then hung
-    w1.start()
-    try:
+    with watching(w1):
         assert stopped1.wait(10) and codes1 == [1]
-    finally:
-        w1.stop()
     err = capsys.readouterr().err
     assert "kiln watchdog: rank 1 made no progress" in err and "stuck rank(s): 1" in err
     assert "kiln-watch" in err or "Thread" in err  # faulthandler's stacks of every thread
@@ -57,14 +63,11 @@ def test_the_failing_rank_leaves_only_once_the_others_have_seen_its_failure(caps
     store = dist.HashStore()
     w0, _, _ = _watch(0, store)
     w1, stopped1, codes1 = _watch(1, store)
-    w1.start()
-    try:
+    with watching(w1):
         w0.record_failure(RuntimeError("bad replicas"))
         assert "rank 1: stopping, because rank 0 failed" in capsys.readouterr().err  # before rank 0 went on
         assert store.add(f"{w0.prefix}seen", 0) == 1
         assert stopped1.wait(10) and codes1 == [1]
-    finally:
-        w1.stop()
 
 
 def test_the_failing_rank_waits_for_the_others_a_bounded_time():
@@ -90,13 +93,10 @@ def test_rank_0_which_serves_the_store_exits_only_once_the_failed_rank_is_done_w
     w0 = Watch(0, 2, 0.0, store=store, exit_fn=lambda code: released_at_exit.append(
         store.add(f"{w1.prefix}released", 0)))
     w1, _, _ = _watch(1, store)
-    w0.start()
-    try:
+    with watching(w0):
         w1.record_failure(RuntimeError("bad replicas"))
         w0._thread.join(10)
         assert released_at_exit == [1]
-    finally:
-        w0.stop()
     now = [0.0]
     lone = Watch(0, 2, 0.0, store=dist.HashStore())
     lone._acknowledge(clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))  # no failed rank
@@ -111,12 +111,9 @@ def test_a_rank_stopped_by_a_signal_is_not_reported_as_failed(capsys):
     store = dist.HashStore()
     w0, stopped0, codes0 = _watch(0, store)
     w1, _, _ = _watch(1, store)
-    w0.start()
-    try:
+    with watching(w0):
         w1.record_failure(Interrupted(15, "SIGTERM during start-up: stopped before training"))
         assert stopped0.wait(10) and codes0 == [1]
-    finally:
-        w0.stop()
     assert "failed" not in capsys.readouterr().err
 
 

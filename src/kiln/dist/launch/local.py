@@ -31,11 +31,9 @@ LAUNCH_OPTIONS = ("--nproc", "--max-restarts")  # options of `kiln train` that t
 
 
 def under_torchrun() -> bool:
-    try:
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    except ValueError:
-        raise ConfigError(f"environment variable WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer; it is "
-                          "set by torchrun: unset it for `kiln train --nproc N`, which starts torchrun") from None
+    from kiln.dist.mesh import env_int
+
+    world = env_int("WORLD_SIZE", 1, "unset it for `kiln train --nproc N`, which starts torchrun")
     return "TORCHELASTIC_RUN_ID" in os.environ or world > 1
 
 

@@ -26,6 +26,7 @@ with its error: leaving first, they would have torchrun stop it, perhaps before 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -48,11 +49,9 @@ def record_error(message: str, exit_code: int = 2) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": message, "timestamp": int(time.time()), SHOWN: True, EXIT_CODE: exit_code}, f)
-    except OSError:
-        pass  # the summary then says less; the error itself is printed already
+    # an unwritable file only makes torchrun's summary say less: the error itself is printed already
+    with contextlib.suppress(OSError), open(path, "w") as f:
+        json.dump({"message": message, "timestamp": int(time.time()), SHOWN: True, EXIT_CODE: exit_code}, f)
 
 
 def summary(error) -> tuple[str, int]:
