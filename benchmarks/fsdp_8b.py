@@ -171,12 +171,15 @@ def train_records(run_dir: Path) -> list[dict]:
 class Job:
     """A command started now, its output lines stamped with the time they came (time.time()) and kept in `log`."""
 
+    running: set[Job] = set()  # stopped with this script (`stop_jobs`), not left holding the GPUs
+
     def __init__(self, cmd: list[str], log: Path):
         self.t0, self.lines, self.log = time.time(), [], log
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # lines come as printed: their times mark the phases
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        Job.running.add(self)
 
     def _read(self) -> None:
         with open(self.log, "w") as f:
@@ -187,6 +190,7 @@ class Job:
 
     def wait(self) -> int:
         code = self.proc.wait()
+        Job.running.discard(self)
         self._reader.join()
         self.t_end = time.time()
         return code
@@ -197,6 +201,15 @@ class Job:
 
     def text(self, tail: int = 6000) -> str:
         return "\n".join(line for _, line in self.lines)[-tail:]
+
+
+def stop_jobs(signum: int, frame) -> None:
+    """SIGTERM to this script (a time limit): pass it to the jobs (a Kiln job saves and stops), then exit."""
+    for job in list(Job.running):
+        job.proc.send_signal(signum)
+    for job in list(Job.running):
+        job.wait()
+    sys.exit(128 + signum)
 
 
 def kiln_phases(job: Job, recs: dict[int, dict]) -> dict[str, float]:
@@ -391,6 +404,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-append", action="store_true", help=f"do not append to {RESULTS}")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, stop_jobs)
     import torch
 
     card = torch.cuda.get_device_name() if args.device == "cuda" and torch.cuda.is_available() else "cpu"

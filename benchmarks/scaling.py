@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import tempfile
@@ -60,7 +61,13 @@ def run(config: str, nproc: int, strategy: str, steps: int, extra: list[str], ro
     t0 = time.perf_counter()
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
              for c, e in zip(cmds, env)]
-    outs = [p.communicate() for p in procs]
+    try:
+        outs = [p.communicate() for p in procs]
+    finally:  # stopped by a signal (stop): the jobs save and stop too, instead of holding the GPUs
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait()
     wall = time.perf_counter() - t0
     for p, c, (_, err) in zip(procs, cmds, outs):
         if p.returncode != 0:
@@ -82,6 +89,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", type=int, default=0, help="record steps S..S+2 of each run and summarize them")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # a time limit: `run` stops its job
     import torch
 
     info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,

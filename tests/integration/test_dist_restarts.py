@@ -15,6 +15,7 @@ is there."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -201,3 +202,45 @@ def test_a_four_process_job_resumes_on_two_at_the_same_global_sample(base, refer
     assert sorted(got) == list(range(1, STEPS + 1))
     assert [got[s] for s in sorted(got)] == pytest.approx([expected[s] for s in sorted(got)], rel=1e-4)
     assert saved < STEPS
+
+
+def launcher(root: int) -> int | None:
+    """The pid of the torchrun process below `root`."""
+    for pid in descendants(root):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"kiln.dist.launch.torchrun" in f.read():
+                return pid
+    return None
+
+
+def preempt_saves(run_dir: Path) -> list[dict]:
+    metas = [json.loads((p / "meta.json").read_text()) for p in checkpoints(run_dir)]
+    return [m for m in metas if m["reason"] == "preempt"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+@pytest.mark.parametrize("victim", ["kiln", "torchrun"])
+def test_workers_whose_launcher_is_killed_write_a_checkpoint_and_stop(base, tmp_path, victim):
+    """SIGKILL to `kiln train --nproc` (torchrun is told with SIGTERM) or to torchrun (its workers are): the
+    workers neither train on nor hold the run, its GPUs and its lock: they save, stop, and the run resumes."""
+    run_dir = tmp_path / "run"
+    job = start(tmp_path / "1", *base, "train.batch_size=2", f"train.run_dir={run_dir}")
+    wait_until(lambda: steps_saved(run_dir), job, tmp_path / "1")
+    workers = [wait_until(lambda r=r: worker(job.pid, r), job, tmp_path / "1") for r in (0, 1)]
+    agent = launcher(job.pid)
+    os.kill(job.pid if victim == "kiln" else agent, signal.SIGKILL)
+    job.wait(timeout=60)
+    for pid in [*workers, agent]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).wait(timeout=120)  # else psutil.TimeoutExpired: it trains on
+    out = output(tmp_path / "1")
+    killed_early(run_dir)
+    saves = preempt_saves(run_dir)
+    assert len(saves) == 1 and saves[0]["world_size"] == 2, out[-3000:]
+    assert f"stopped by SIGTERM after step {saves[0]['step']}" in out
+    if victim == "torchrun":
+        assert job.returncode == 128 + signal.SIGKILL and "torchrun was killed by SIGKILL" in out
+    done = finish(str(run_dir))  # the lock is free: the run resumes from the workers' checkpoint
+    saved = run_dir / "checkpoints" / f"step_{saves[0]['step']:08d}"
+    assert f"resumed from {saved}" in done.stdout + done.stderr

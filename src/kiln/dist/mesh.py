@@ -149,6 +149,10 @@ def init_mesh(device_name: str, cfg: DistConfig, log: Callable[[str], None] = pr
             log(f"this machine has {n} GPUs and this run uses one. Use them all with `kiln train CONFIG --nproc {n}` "
                 f"(or `torchrun --nproc_per_node {n} -m kiln.cli train CONFIG`)")
         return Mesh(device=device)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: stop (with a checkpoint) if it is killed
+        from kiln.dist.launch.torchrun import stop_with_parent
+
+        stop_with_parent()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")

@@ -5,7 +5,9 @@ end of a failed job names the rank whose error is above instead of torchrun's tr
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -85,7 +87,10 @@ def test_a_signal_ends_the_job_with_one_line_and_128_plus_its_number(monkeypatch
 
     monkeypatch.setattr(torch_run, "run", stopped)
     monkeypatch.setattr(api, "_terminate_process_handler", api._terminate_process_handler)  # main wraps it
+    monkeypatch.setattr(torchrun, "stop_with_parent", lambda: True)  # not for pytest itself
+    monkeypatch.setenv(torchrun.PARENT_PID, "1")  # main names itself to its workers: restored after the test
     assert torchrun.main(["--standalone", "--nproc_per_node=2", "-m", "kiln.cli", "train"]) == 143
+    assert os.environ[torchrun.PARENT_PID] == str(os.getpid())
     err = capsys.readouterr().err
     assert err == "kiln: the job stopped on SIGTERM\n"
 
@@ -118,3 +123,43 @@ def test_the_rank_that_printed_its_error_is_named_with_its_exit_code_though_torc
     killed.timestamp = stopping.timestamp + 1  # rank 0's exit came first
     text, code = torchrun.summary(ChildFailedError("kiln.cli", {0: stopping, 1: killed}))
     assert text == "kiln: the job stopped: rank 1 failed (exit code 2); its error is above" and code == 2
+
+
+# a process that asks for SIGTERM at its parent's death, says so, and waits
+ORPHAN = ("import sys, time; from kiln.dist.launch.torchrun import stop_with_parent; "
+          "print(stop_with_parent(), flush=True); time.sleep(60)")
+# a parent that starts it, tells its pid, and waits to be killed
+PARENT = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
+          "print(child.pid, flush=True); time.sleep(60)")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+def test_a_process_is_sent_sigterm_when_its_parent_is_killed():
+    import signal
+    import subprocess
+
+    import psutil
+
+    env = {k: v for k, v in os.environ.items() if k != torchrun.PARENT_PID}
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, ORPHAN], stdout=subprocess.PIPE, text=True, env=env)
+    child = psutil.Process(int(parent.stdout.readline()))
+    assert parent.stdout.readline() == "True\n"  # the child's own line (it writes to the same pipe): set up
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    child.wait(timeout=30)  # else it sleeps on for a minute: psutil.TimeoutExpired
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+def test_a_process_whose_parent_died_before_it_asked_is_sent_sigterm_at_once():
+    import signal
+    import subprocess
+
+    # PARENT_PID names a process that is not its parent (as when the parent died and it was re-parented)
+    env = {**os.environ, torchrun.PARENT_PID: str(os.getpid() + 10_000_000)}
+    done = subprocess.run([sys.executable, "-c", ORPHAN], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGTERM and done.stdout == ""  # before it could say anything
+    env[torchrun.PARENT_PID] = "not-a-pid"  # ignored: the signal only comes at the parent's death
+    got = subprocess.Popen([sys.executable, "-c", ORPHAN], env=env, stdout=subprocess.PIPE, text=True)
+    assert got.stdout.readline() == "True\n" and got.poll() is None
+    got.kill()
+    got.wait()

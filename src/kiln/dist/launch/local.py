@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 
+from kiln.dist.launch.torchrun import PARENT_PID
 from kiln.errors import ConfigError, ResourceError
 
 SHUTDOWN_TIMEOUT_S = 120  # seconds torchrun gives its workers between SIGTERM and SIGKILL
@@ -118,14 +119,21 @@ def relaunch(nproc: int, argv: list[str] | None = None, max_restarts: int = 0, c
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     for name, value in TORCHRUN_ENV.items():
         env.setdefault(name, value)
+    env[PARENT_PID] = str(os.getpid())  # torchrun stops its workers if this process is killed
     proc = subprocess.Popen(torchrun_command(nproc, args, max_restarts), env=env)
     # a scheduler's SIGTERM comes to this process alone: torchrun passes it on to the workers
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
     try:
         while True:
             try:
-                return proc.wait()
+                code = proc.wait()
+                break
             except KeyboardInterrupt:  # torchrun got the Ctrl-C too and stops its workers; wait for it
                 continue
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if code < 0:  # torchrun itself was killed; its workers are sent SIGTERM (kiln.dist.launch.torchrun)
+        print(f"kiln: torchrun was killed by {signal.Signals(-code).name}; its workers write a checkpoint and stop, "
+              f"then `kiln train RUN_DIR --nproc {nproc}` resumes the run", file=sys.stderr, flush=True)
+        return 128 - code
+    return code

@@ -19,6 +19,12 @@ as "abort now, without a checkpoint". A second signal later still aborts, as a s
 `record_error` writes the message to the error file torchrun gives each worker (TORCHELASTIC_ERROR_FILE),
 so under a plain `torchrun` too the summary's root cause shows the message instead of the link.
 
+A process of the job outlives its parent only by mistake: `stop_with_parent` has the kernel send it SIGTERM
+when the process that started it dies (torchrun when `kiln train --nproc` is killed with SIGKILL; the workers
+when torchrun is). Torchrun then stops its workers as on a scheduler's SIGTERM, and workers whose torchrun is
+gone write their checkpoint together and stop, instead of training on, holding their GPUs, beside the job
+that is started again in the same run directory.
+
 A config error is the same in every process: only the first process of each node prints it. The others
 (`wait_for_first_rank`) wait to be stopped by torchrun, which stops them when that first process exits
 with its error: leaving first, they would have torchrun stop it, perhaps before it printed anything.
@@ -27,15 +33,35 @@ with its error: leaving first, they would have torchrun stop it, perhaps before 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
+import signal
 import sys
 import time
 
 SHOWN = "kiln_shown"  # key of the error file: the rank printed this error itself
 EXIT_CODE = "kiln_exit_code"  # key of the error file: the exit code of the process that printed it
 DUPLICATE_S = 1.0  # a signal this soon after the same one is the same event delivered twice
+PARENT_PID = "KILN_PARENT_PID"  # environment: the pid of the process that started this one (stop_with_parent)
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
 QUIET_WAIT_S = 60.0  # how long a quiet process waits for torchrun to stop it (the first process failed alike)
+
+
+def stop_with_parent() -> bool:
+    """Have this process sent SIGTERM when its parent dies (Linux; elsewhere nothing happens). If the parent
+    named by PARENT_PID has died already, the signal comes now. Returns whether it is set."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    parent = os.environ.get(PARENT_PID, "")
+    if parent.isdigit() and os.getppid() != int(parent):  # died before prctl: no signal would come
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
 
 
 def wait_for_first_rank(seconds: float = QUIET_WAIT_S) -> None:
@@ -93,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # torchrun installs this module attribute as its handler when it starts the workers
     api._terminate_process_handler = stop_once(api._terminate_process_handler)
+    stop_with_parent()
+    os.environ[PARENT_PID] = str(os.getpid())  # the workers stop when this process dies
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except ChildFailedError as e:
