@@ -107,6 +107,18 @@ args = TrainingArguments(output_dir=a["out"], per_device_train_batch_size=1, max
                          warmup_steps=0, bf16=cuda, optim="adamw_torch_fused", fsdp=True, fsdp_config=fsdp_config,
                          logging_steps=1, save_strategy="no", report_to=[], dataloader_num_workers=0,
                          use_cpu=not cuda, ddp_backend=None if cuda else "gloo", seed=0)
+def reduce_dtype(model):
+    """The dtype FSDP2 reduces gradients in, as accelerate set it (None where it can't be read)."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        state = m._get_fsdp_state() if isinstance(m, FSDPModule) else None
+        groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+        for g in groups:  # the root may hold no parameters of its own (no group)
+            if g is not None:
+                policy = g.mp_policy
+                return str(policy.reduce_dtype or policy.param_dtype or "float32").replace("torch.", "")
+    return None
+
 clock = Clock()
 trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[clock])
 trainer.train()
@@ -121,7 +133,7 @@ if int(os.environ.get("RANK", "0")) == 0:
               "end": time.time() - clock.last_end}
     print("HF_RESULT " + json.dumps({"step_s": step, "tokens_per_s_per_gpu": a["seq"] / step, "peak_gib": peak,
                                      "first_loss": loss[0] if loss else None, "last_loss": loss[-1] if loss else None,
-                                     "phases": phases}),
+                                     "phases": phases, "reduce_dtype": reduce_dtype(trainer.model_wrapped)}),
           flush=True)
 '''
 
@@ -143,7 +155,7 @@ def peak_flops(device: str) -> float | None:
     return peak_for_name(torch.cuda.get_device_name())
 
 
-def kiln_command(args, run_dir: Path, checkpoint_every: int) -> list[str]:
+def kiln_command(args, run_dir: Path, checkpoint_every: int, variant: tuple[str, ...] = ()) -> list[str]:
     cuda = args.device == "cuda"
     vocab = 32000 if args.size != "tiny" else 512
     return [sys.executable, "-m", "kiln.cli", "train", f"model.size={args.size}",
@@ -158,7 +170,7 @@ def kiln_command(args, run_dir: Path, checkpoint_every: int) -> list[str]:
             "checkpoint.save_final=false", f"checkpoint.at_end={str(args.final_save == 'on').lower()}",
             "checkpoint.keep_last=2", "dist.strategy=fsdp", "dist.sharding=full",
             f"data.vocab_size={vocab}", f"data.cache_dir={args.cache_dir}",
-            f"train.run_dir={run_dir}", *args.set, "--nproc", str(args.nproc)]
+            f"train.run_dir={run_dir}", *args.set, *variant, "--nproc", str(args.nproc)]
 
 
 def train_records(run_dir: Path) -> list[dict]:
@@ -173,9 +185,9 @@ class Job:
 
     running: set[Job] = set()  # stopped with this script (`stop_jobs`), not left holding the GPUs
 
-    def __init__(self, cmd: list[str], log: Path):
+    def __init__(self, cmd: list[str], log: Path, env: dict[str, str] | None = None):
         self.t0, self.lines, self.log = time.time(), [], log
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # lines come as printed: their times mark the phases
+        env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}  # lines come as printed: their times: phases
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -229,10 +241,10 @@ def print_phases(name: str, phases: dict[str, float]) -> None:
     print(f"{name} phases: " + "; ".join(f"{k} {v:.1f} s" for k, v in phases.items()), flush=True)
 
 
-def run_kiln(args, root: Path) -> dict:
+def run_kiln(args, root: Path, variant: tuple[str, ...] = ()) -> dict:
     run_dir = root / "kiln"
     at = args.checkpoint_at or max(args.warmup + 1, args.steps // 2)
-    job = Job(kiln_command(args, run_dir, at), root / "kiln.log")
+    job = Job(kiln_command(args, run_dir, at, variant), root / "kiln.log")
     code = job.wait()
     recs = {r["step"]: r for r in train_records(run_dir)}
     failed = f"kiln train failed ({code}):\n{job.text()}"
@@ -321,12 +333,12 @@ def run_hf(args, root: Path) -> dict:
     script.write_text(HF_WORKER)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", str(script),
            json.dumps(spec)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("HF_RESULT ")), None)
-    if done.returncode != 0 or line is None:
-        return {"error": (done.stderr or done.stdout)[-1500:]}
+    job = Job(cmd, root / "hf.log", env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    code = job.wait()
+    line = next((x for _, x in job.lines if x.startswith("HF_RESULT ")), None)
+    if code != 0 or line is None:
+        return {"error": job.text(1500)}
     out = json.loads(line.removeprefix("HF_RESULT "))
     from kiln.model.registry import flops_per_token
 
@@ -340,18 +352,23 @@ def fmt(v, spec: str, missing: str = "-") -> str:
     return missing if v is None else format(v, spec)
 
 
-def table(kiln: dict, hf: dict) -> list[str]:
+def table(kiln: dict, hf: dict, variants: dict[str, dict] | None = None) -> list[str]:
     rows = ["| trainer | tokens/s/GPU | MFU | peak GiB | first -> last loss |", "| --- | ---: | ---: | ---: | --- |"]
-    for name, r in (("Kiln", kiln), ("HF Trainer", hf)):
+    named = [("Kiln", kiln), ("HF Trainer", hf), *((f"Kiln, `{v}`", r) for v, r in (variants or {}).items())]
+    for name, r in named:
         if "error" in r or "skipped" in r:
             rows.append(f"| {name} | {r.get('skipped') or 'failed'} | | | |")
             continue
         mfu = fmt(r.get("mfu") and 100 * r["mfu"], ".1f") + ("%" if r.get("mfu") else "")
         rows.append(f"| {name} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | {fmt(r.get('peak_gib'), '.1f')} | "
                     f"{fmt(r.get('first_loss'), '.3f')} -> {fmt(r.get('last_loss'), '.3f')} |")
-    if "tokens_per_s_per_gpu" in hf and "tokens_per_s_per_gpu" in kiln:
-        rows.append(f"\nKiln / HF Trainer: **{kiln['tokens_per_s_per_gpu'] / hf['tokens_per_s_per_gpu']:.2f}x** "
-                    "tokens/s per GPU")
+    if "tokens_per_s_per_gpu" in hf:
+        ratios = [(name, r["tokens_per_s_per_gpu"] / hf["tokens_per_s_per_gpu"]) for name, r in named
+                  if name != "HF Trainer" and "tokens_per_s_per_gpu" in r]
+        rows += [f"\n{name} / HF Trainer: **{x:.2f}x** tokens/s per GPU" for name, x in ratios]
+    if hf.get("reduce_dtype"):
+        rows.append(f"\nThe HF Trainer reduced its gradients in {hf['reduce_dtype']} (accelerate's FSDP2 mixed "
+                    "precision); Kiln in float32 unless `dist.reduce_fp32=false`")
     return rows
 
 
@@ -401,6 +418,8 @@ def main() -> None:
                     "mid-run checkpoint, ~200 GB with --final-save); default: the system's temporary directory")
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "kiln-bench-cache"))
     ap.add_argument("--set", action="append", default=[], help="extra Kiln KEY=VALUE override (repeatable)")
+    ap.add_argument("--variant", action="append", default=[], help="another Kiln job after the HF Trainer's, with "
+                    "these overrides (KEY=VALUE, ';' between several), a row of its own (repeatable)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-append", action="store_true", help=f"do not append to {RESULTS}")
     args = ap.parse_args()
@@ -425,12 +444,17 @@ def main() -> None:
         print("hf", json.dumps(hf), flush=True)
         if "phases" in hf:
             print_phases("HF Trainer", hf["phases"])
+        variants = {}
+        for v in args.variant:  # each as the first Kiln job, plus its overrides (the compile cache is warm now)
+            variants[v] = run_kiln(args, root, tuple(o.strip() for o in v.split(";") if o.strip()))
+            shutil.rmtree(root / "kiln")
+            print("kiln variant", v, json.dumps(variants[v]), flush=True)
         killed = kill_resume(args, root, kiln["losses"]) if args.kill_resume else None
         if killed:
             print("kill-resume", json.dumps(killed), flush=True)
             print_phases("kiln after SIGKILL", killed["phases"])
     lines = [f"\n## {info['date']}: {args.size}, {args.nproc} x {card}, seq {args.seq}, batch 1/GPU, AC {args.ac}, "
-             f"{args.steps} steps (median after {args.warmup})", "", *table(kiln, hf)]
+             f"{args.steps} steps (median after {args.warmup})", "", *table(kiln, hf, variants)]
     if "blocked_s" in kiln:
         lines.append(f"\nAsync checkpoint at step {kiln['checkpoint_step']} ({kiln['checkpoint_gib']:.1f} GiB): "
                      f"training blocked {kiln['blocked_s']:.2f} s; written in the background in "
@@ -454,7 +478,8 @@ def main() -> None:
         with open(RESULTS, "a") as f:
             f.write(text + "\n")
     if args.json:
-        Path(args.json).write_text(json.dumps({**info, "kiln": kiln, "hf": hf, "kill_resume": killed}, indent=1))
+        Path(args.json).write_text(json.dumps({**info, "kiln": kiln, "hf": hf, "variants": variants,
+                                               "kill_resume": killed}, indent=1))
 
 
 if __name__ == "__main__":
