@@ -29,7 +29,17 @@ class Fault(Callback):
                 raise RuntimeError("injected failure")
             threading.Event().wait()  # hang: stuck forever, as in a dead file system
 
-run(load_config(None, sys.argv[2:]), callbacks=[Fault()])
+if action == "signal_in_gather":  # SIGTERM to every rank as the final model is gathered
+    import signal
+    import kiln.train.run as train_run
+
+    gather = train_run.full_model
+    def full_model(*a):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return gather(*a)
+    train_run.full_model = full_model
+
+run(load_config(None, sys.argv[2:]), callbacks=[Fault()] if action in ("raise", "hang") else [])
 '''
 
 
@@ -103,3 +113,16 @@ def test_a_config_error_under_plain_torchrun_is_printed_by_the_first_process_alo
     assert len(printed) == 1, out[-3000:]
     assert "error (rank 1)" not in out
     assert "traceback : error (rank 0)" in out  # torchrun's summary shows the message as the root cause
+
+
+@pytest.mark.slow
+def test_a_signal_while_the_final_model_is_gathered_says_so_and_how_to_write_the_model(tmp_path, args):
+    done, _ = torchrun(tmp_path, "signal_in_gather", [*args, "checkpoint.save_final=true", "train.max_steps=4"])
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and not (tmp_path / "run" / "model").exists()
+    assert (f"SIGTERM while gathering the final model: training is complete; `kiln train {tmp_path / 'run'}` "
+            "writes model/ from its final checkpoint") in out, out[-4000:]
+    again = subprocess.run([sys.executable, "-m", "kiln.cli", "train", str(tmp_path / "run")], capture_output=True,
+                           text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})  # as it says
+    assert again.returncode == 0 and "writing it now" in again.stdout, again.stderr[-3000:]
+    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()

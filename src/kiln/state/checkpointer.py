@@ -42,7 +42,7 @@ from kiln import __version__
 from kiln.config import RunConfig
 from kiln.errors import KilnError, StateError
 from kiln.state import staging
-from kiln.state.parts import RANK_KEYS, SMALL_KEYS, TENSOR_KEYS, as_parts
+from kiln.state.parts import KEYS, RANK_KEYS, SMALL_KEYS, TENSOR_KEYS, as_parts
 from kiln.state.policy import CheckpointPolicy
 from kiln.state.resume import verified
 from kiln.state.retention import KeepBest, KeepLast, check_room
@@ -376,18 +376,19 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restore
 
-    def load(self, state, path: str | Path, check_hashes: bool = True) -> dict[str, Any]:
+    def load(self, state, path: str | Path, check_hashes: bool = True,
+             keys: tuple[str, ...] = KEYS) -> dict[str, Any]:
         """Restore `state` (a Trainer, or a dict of parts) from a complete checkpoint, its hashes checked
-        first. Returns its meta.json."""
+        first; `keys`: only these parts (the model of a finished run needs no optimizer). Returns its meta.json."""
         path, parts = Path(path), as_parts(state)
         if check_hashes:  # rank 0 re-hashes; StateError naming the damaged file and the previous good one
             self._rank0_check(lambda: verified(path))
         meta = read_meta(path)
-        tensors = {k: parts[k].state_dict() for k in TENSOR_KEYS}  # the live layout DCP reads into
+        tensors = {k: parts[k].state_dict() for k in TENSOR_KEYS if k in keys}  # the live layout DCP reads into
         try:
             dcp.load(tensors, storage_reader=ParallelFileSystemReader(path, self.ccfg.write_threads),
                      process_group=self.group, no_dist=not self.distributed)
-            for key in TENSOR_KEYS:
+            for key in tensors:
                 parts[key].load_state_dict(tensors[key])
         except (Exception, dcp.CheckpointException) as e:
             why = _errno_of(e) or _innermost(e)
@@ -399,14 +400,14 @@ class Checkpointer:
             ranked = json.loads(rank_file.read_text()) if rank_file.is_file() else None
         except (OSError, ValueError) as e:
             raise StateError(f"checkpoint {path} has an unreadable state.json or rank file: {e}") from None
-        for key in SMALL_KEYS:
+        for key in (k for k in SMALL_KEYS if k in keys):
             parts[key].load_state_dict(small[key])
-        if ranked is None:
+        rank_keys = [k for k in RANK_KEYS if k in keys]
+        if rank_keys and ranked is None:
             self.log(f"checkpoint {path} was saved by {meta['world_size']} process(es); process {self.rank} "
                      "has no saved random state and keeps its seeded one")
-        else:
-            for key in RANK_KEYS:
-                parts[key].load_state_dict(ranked[key])
+        for key in rank_keys if ranked is not None else ():
+            parts[key].load_state_dict(ranked[key])
         self.last_saved_step = int(parts["trainer"].state_dict()["step"])
         return meta
 

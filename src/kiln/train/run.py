@@ -41,6 +41,7 @@ from kiln.state.callback import CheckpointEvery
 from kiln.state.checkpointer import Checkpointer
 from kiln.state.lora_base import KEY as BASE_KEY
 from kiln.state.lora_base import base_hash, check_base
+from kiln.state.parts import KEYS
 from kiln.state.preempt import SignalGuard, StopSignals, train_guarded
 from kiln.state.resume import check_compatible, choose_checkpoint, fingerprints, run_directory
 from kiln.state.rundir import hold_run_dir, process_rank, write_config
@@ -247,7 +248,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     if val_loader is not None:  # bytes of text per token id: validation reports bits per byte
         trainer.token_bytes = torch.from_numpy(token_byte_lengths(tok, cfg.model.vocab_size)).to(device)
     if resume_from is not None:
-        meta = checkpointer.load(trainer, resume_from, check_hashes=False)  # verified when chosen
+        # verified when chosen; a finished run's model is written from its weights alone (no optimizer, no data
+        # position: the batch may be split over another number of processes now)
+        meta = checkpointer.load(trainer, resume_from, check_hashes=False,
+                                 keys=("model", "trainer") if finished else KEYS)
         console.print(f"resumed from {resume_from} (step {meta['step']}, {meta['tokens_seen']:,} tokens)")
     if process_rank()[0] == 0:
         write_config(run_dir, cfg)  # once the start or the resume has succeeded: a failed one leaves the old
@@ -281,6 +285,9 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
                       + ", ".join(f"{n} {r}" for r, n in sorted(dropped.items())), highlight=False)
 
     if mesh.distributed and (cfg.checkpoint.save_final or tcfg.sample_tokens):
+        stops.during = "while gathering the final model"
+        stops.then = (f"training is complete; `kiln train {run_dir}` writes model/ from its final checkpoint"
+                      if cfg.checkpoint.save_final else "training is complete; no sample was made")
         model = full_model(model, cfg, mesh)  # kiln.dist: every rank sends its shards; rank 0 gets the model
         if model is None:
             return run_dir
