@@ -150,9 +150,12 @@ def init_mesh(device_name: str, cfg: DistConfig, log: Callable[[str], None] = pr
                 f"(or `torchrun --nproc_per_node {n} -m kiln.cli train CONFIG`)")
         return Mesh(device=device)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: stop (with a checkpoint) if it is killed
-        from kiln.dist.launch.torchrun import stop_with_parent
+        from kiln.dist.launch.torchrun import missing_env, stop_with_parent
 
         stop_with_parent()
+        advice = missing_env()
+        if advice and rank == 0:
+            log(advice)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")

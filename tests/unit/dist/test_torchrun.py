@@ -163,3 +163,14 @@ def test_a_process_whose_parent_died_before_it_asked_is_sent_sigterm_at_once():
     assert got.stdout.readline() == "True\n" and got.poll() is None
     got.kill()
     got.wait()
+
+
+def test_a_torchrun_started_by_hand_without_kilns_environment_is_told_what_it_costs():
+    from kiln.dist.launch.local import TORCHRUN_ENV
+
+    assert torchrun.missing_env(TORCHRUN_ENV) is None  # as kiln train --nproc and kiln launch start it
+    plain = torchrun.missing_env({"TORCHELASTIC_MAX_RESTARTS": "0"})
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120" in plain and "30 s" in plain
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in plain  # no restarts: the store does not matter
+    restarts = torchrun.missing_env({"TORCHELASTIC_MAX_RESTARTS": "3", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "600"})
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in restarts and "SHUTDOWN" not in restarts

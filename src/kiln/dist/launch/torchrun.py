@@ -64,6 +64,24 @@ def stop_with_parent() -> bool:
     return True
 
 
+def missing_env(env=os.environ) -> str | None:
+    """What a torchrun started by hand lacks of kiln.dist.launch.local.TORCHRUN_ENV, and what that costs, in a
+    line for rank 0 to print (None when nothing that matters is missing)."""
+    from kiln.dist.launch.local import TORCHRUN_ENV
+
+    why = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "on SIGTERM torchrun gives the workers 30 s to write their checkpoint, "
+                                             "then kills them",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "a restart by torchrun may fail to connect (it reuses the store "
+                                                 "of the processes that died)"}
+    if env.get("TORCHELASTIC_MAX_RESTARTS", "0") in ("", "0"):
+        why.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    unset = [k for k in why if k not in env]
+    if not unset:
+        return None
+    return (f"torchrun was started without {' '.join(f'{k}={TORCHRUN_ENV[k]}' for k in unset)} in its environment: "
+            f"{'; '.join(why[k] for k in unset)}. Export it before torchrun (kiln train --nproc and kiln launch do)")
+
+
 def wait_for_first_rank(seconds: float = QUIET_WAIT_S) -> None:
     """Wait (SIGTERM's default action ends it) while the node's first process prints the error all share."""
     time.sleep(seconds)
