@@ -261,6 +261,8 @@ def run_kiln(args, root: Path, variant: tuple[str, ...] = ()) -> dict:
            "peak_gib": max((r.get("peak_mem_gib") or 0.0 for r in recs.values()), default=0.0) or None,
            "first_loss": recs[min(recs)]["loss"], "last_loss": recs[max(recs)]["loss"],
            "losses": {s: r["loss"] for s, r in sorted(recs.items())},
+           # wall seconds between consecutive steps' records: what the warm-up steps cost beside the median
+           "step_wall_s": {s: round(recs[s]["time"] - recs[s - 1]["time"], 3) for s in sorted(recs) if s - 1 in recs},
            "wall_s": job.t_end - job.t0, "exit_code": code, "phases": kiln_phases(job, recs)}
     ck = run_dir / "checkpoints" / f"step_{at:08d}" / "meta.json"
     if at < args.steps and at + 1 in step_s and ck.is_file():
