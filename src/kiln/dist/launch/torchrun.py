@@ -79,7 +79,8 @@ def missing_env(env=os.environ) -> str | None:
     if not unset:
         return None
     return (f"torchrun was started without {' '.join(f'{k}={TORCHRUN_ENV[k]}' for k in unset)} in its environment: "
-            f"{'; '.join(why[k] for k in unset)}. Export it before torchrun (kiln train --nproc and kiln launch do)")
+            f"{'; '.join(why[k] for k in unset)}. Export {'it' if len(unset) == 1 else 'them'} before torchrun "
+            "(kiln train --nproc and kiln launch do)")
 
 
 def wait_for_first_rank(seconds: float = QUIET_WAIT_S) -> None:
