@@ -99,3 +99,24 @@ def test_resume_on_another_world_size_matches(one_and_two, base, tmp_path):
         assert sorted(got) == list(range(1, STEPS + 1)), run_dir.name
         resumed = range(EVERY + 1, STEPS + 1)
         assert [got[s] for s in resumed] == pytest.approx([expected[s] for s in resumed], rel=1e-4), run_dir.name
+
+
+@pytest.mark.slow
+def test_a_global_batch_in_tokens_resumes_on_another_world_size_with_another_accumulation(one_and_two, base,
+                                                                                          tmp_path):
+    """train.global_batch_tokens keeps the global batch whatever the number of processes: a 2-process run
+    (1 row x 2 accumulated per rank) resumes on 1 (1 row x 4) from its run directory alone, with the losses
+    of the one-process run of the same global batch."""
+    one, _ = one_and_two
+    run_dir = tmp_path / "tokens"
+    out = kiln_train(*base, "train.batch_size=1", "train.global_batch_tokens=128", "dist.strategy=ddp",
+                     f"train.run_dir={run_dir}", nproc=2)
+    assert "global batch: 4 sequences (128 tokens) per step = 1 per micro-batch x 2 accumulated x 2" in out.stdout
+    cut_back(run_dir, EVERY)
+    out = kiln_train(str(run_dir))
+    assert "= 1 per micro-batch x 4 accumulated x 1 data-parallel rank(s)" in out.stdout
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{EVERY:08d}'}" in out.stdout
+    expected, got = losses(one), losses(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert [got[s] for s in range(EVERY + 1, STEPS + 1)] == pytest.approx(
+        [expected[s] for s in range(EVERY + 1, STEPS + 1)], rel=1e-4)
