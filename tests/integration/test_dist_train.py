@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.errors import StateError
+
 from .conftest import stdlib_corpus, tiny_cpu_run
 
 STEPS, EVERY = 12, 6
@@ -120,3 +122,38 @@ def test_a_global_batch_in_tokens_resumes_on_another_world_size_with_another_acc
     assert sorted(got) == list(range(1, STEPS + 1))
     assert [got[s] for s in range(EVERY + 1, STEPS + 1)] == pytest.approx(
         [expected[s] for s in range(EVERY + 1, STEPS + 1)], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_run_whose_final_model_save_was_cut_short_is_read_from_its_final_checkpoint(one_and_two, tmp_path):
+    """An FSDP run's final save interrupted before tokenizer.json (model/ written in the order weights, config,
+    tokenizer): `kiln inspect` said 'final model: RUN/model', `kiln export` shipped no tokenizer, `kiln eval`
+    and `kiln generate` said the model holds no tokenizer.json. Now inspect and generate say model/ is
+    incomplete and what writes it, and export and eval read the final checkpoint (the same weights)."""
+    from kiln.evaluate import load_target
+    from kiln.state.export import export_from
+    from kiln.state.inspect import describe
+    from kiln.state.weights import load_model
+
+    _, two = one_and_two
+    cut, stopped = tmp_path / "cut", tmp_path / "stopped"
+    shutil.copytree(two, cut)
+    (cut / "model" / "tokenizer.json").unlink()
+    assert f"final model: {cut / 'model'} is incomplete" in describe(cut)
+    done = subprocess.run([sys.executable, "-m", "kiln.cli", "generate", str(cut), "-n", "4"], capture_output=True,
+                          text=True, env=ENV)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"{cut / 'model'} is incomplete: the run's final model save did not finish. `kiln train {cut}`" in \
+        " ".join(done.stderr.split())
+    out = export_from(cut, tmp_path / "hf")
+    assert (out / "tokenizer.json").read_text() == (two / "model" / "tokenizer.json").read_text()
+    target = load_target(cut)
+    assert target.kind == "checkpoint" and target.step == STEPS
+    reference, _ = load_model(two)
+    for k, v in reference.state_dict().items():
+        assert torch.equal(target.model.state_dict()[k], v), k
+    shutil.copytree(two, stopped)
+    cut_back(stopped, EVERY)  # stopped before its end: a sharded checkpoint and no model/
+    with pytest.raises(StateError, match=f"{stopped} has no final model \\(model/\\) yet: its newest checkpoint is "
+                                         f"step_{EVERY:08d}"):
+        load_model(stopped)
