@@ -399,7 +399,7 @@ class TrainConfig(Section):
         if g is not None and g % self.seq_len:
             out.append((("global_batch_tokens", "seq_len"), f"train.global_batch_tokens={g} is not a multiple of "
                         f"train.seq_len={self.seq_len}; use {max(1, g // self.seq_len) * self.seq_len}"))
-        elif g is not None and "grad_accum" in self.model_fields_set:
+        elif g is not None and self.grad_accum != 1:  # 1, the default, is what a run's config.yaml records
             out.append((("global_batch_tokens", "grad_accum"), "give train.global_batch_tokens or train.grad_accum, "
                         "not both: the accumulation follows from the global batch and the micro-batch"))
         return out

@@ -71,13 +71,13 @@ def load_target(target: str | Path) -> Target:
     """What TARGET holds (see the module doc), loaded on the CPU."""
     from kiln.data.prepare.tokenizer import Tokenizer
     from kiln.state.rundir import checkpoint_of
-    from kiln.state.weights import load_model
+    from kiln.state.weights import load_model, model_saved
 
     p = Path(target).expanduser()
     if not p.is_dir():
         raise StateError(f"{p} is not a directory; give a run directory, its model/ folder, a checkpoint directory "
                          "(checkpoints/step_...) or a Hugging Face model directory")
-    model_dir = p / "model" if (p / "model" / "model_config.json").is_file() else p
+    model_dir = p / "model" if model_saved(p / "model") else p  # a partial model/: the newest checkpoint
     if (model_dir / "model_config.json").is_file():
         run_dir = model_dir.parent if model_dir.name == "model" and (model_dir.parent / "config.yaml").is_file() else p
         run_cfg = _run_config(run_dir)

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.errors import StateError
+
 from .conftest import stdlib_corpus, tiny_cpu_run
 
 STEPS, EVERY = 12, 6
@@ -99,3 +101,59 @@ def test_resume_on_another_world_size_matches(one_and_two, base, tmp_path):
         assert sorted(got) == list(range(1, STEPS + 1)), run_dir.name
         resumed = range(EVERY + 1, STEPS + 1)
         assert [got[s] for s in resumed] == pytest.approx([expected[s] for s in resumed], rel=1e-4), run_dir.name
+
+
+@pytest.mark.slow
+def test_a_global_batch_in_tokens_resumes_on_another_world_size_with_another_accumulation(one_and_two, base,
+                                                                                          tmp_path):
+    """train.global_batch_tokens keeps the global batch whatever the number of processes: a 2-process run
+    (1 row x 2 accumulated per rank) resumes on 1 (1 row x 4) from its run directory alone, with the losses
+    of the one-process run of the same global batch."""
+    one, _ = one_and_two
+    run_dir = tmp_path / "tokens"
+    out = kiln_train(*base, "train.batch_size=1", "train.global_batch_tokens=128", "dist.strategy=ddp",
+                     f"train.run_dir={run_dir}", nproc=2)
+    assert "global batch: 4 sequences (128 tokens) per step = 1 per micro-batch x 2 accumulated x 2" in out.stdout
+    cut_back(run_dir, EVERY)
+    out = kiln_train(str(run_dir))
+    assert "= 1 per micro-batch x 4 accumulated x 1 data-parallel rank(s)" in out.stdout
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{EVERY:08d}'}" in out.stdout
+    expected, got = losses(one), losses(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert [got[s] for s in range(EVERY + 1, STEPS + 1)] == pytest.approx(
+        [expected[s] for s in range(EVERY + 1, STEPS + 1)], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_run_whose_final_model_save_was_cut_short_is_read_from_its_final_checkpoint(one_and_two, tmp_path):
+    """An FSDP run's final save interrupted before tokenizer.json (model/ written in the order weights, config,
+    tokenizer): `kiln inspect` said 'final model: RUN/model', `kiln export` shipped no tokenizer, `kiln eval`
+    and `kiln generate` said the model holds no tokenizer.json. Now inspect and generate say model/ is
+    incomplete and what writes it, and export and eval read the final checkpoint (the same weights)."""
+    from kiln.evaluate import load_target
+    from kiln.state.export import export_from
+    from kiln.state.inspect import describe
+    from kiln.state.weights import load_model
+
+    _, two = one_and_two
+    cut, stopped = tmp_path / "cut", tmp_path / "stopped"
+    shutil.copytree(two, cut)
+    (cut / "model" / "tokenizer.json").unlink()
+    assert f"final model: {cut / 'model'} is incomplete" in describe(cut)
+    done = subprocess.run([sys.executable, "-m", "kiln.cli", "generate", str(cut), "-n", "4"], capture_output=True,
+                          text=True, env=ENV)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"{cut / 'model'} is incomplete: the run's final model save did not finish. `kiln train {cut}`" in \
+        " ".join(done.stderr.split())
+    out = export_from(cut, tmp_path / "hf")
+    assert (out / "tokenizer.json").read_text() == (two / "model" / "tokenizer.json").read_text()
+    target = load_target(cut)
+    assert target.kind == "checkpoint" and target.step == STEPS
+    reference, _ = load_model(two)
+    for k, v in reference.state_dict().items():
+        assert torch.equal(target.model.state_dict()[k], v), k
+    shutil.copytree(two, stopped)
+    cut_back(stopped, EVERY)  # stopped before its end: a sharded checkpoint and no model/
+    with pytest.raises(StateError, match=f"{stopped} has no final model \\(model/\\) yet: its newest checkpoint is "
+                                         f"step_{EVERY:08d}"):
+        load_model(stopped)

@@ -18,6 +18,16 @@ def test_defaults_are_valid_and_round_trip(tmp_path):
     assert again == cfg
 
 
+@pytest.mark.parametrize("batch", ["4", "auto"])
+def test_a_run_config_with_global_batch_tokens_round_trips(tmp_path, batch):
+    """A run's config.yaml records train.grad_accum (1): loading it back, as `kiln train RUN_DIR` does to resume,
+    is no conflict with train.global_batch_tokens. Another grad_accum still is."""
+    cfg = load_config(None, [f"train.batch_size={batch}", "train.global_batch_tokens=8192"])
+    assert load_config(write(tmp_path, cfg.to_yaml())) == cfg
+    with pytest.raises(ConfigError, match="not both"):
+        load_config(write(tmp_path, cfg.to_yaml()), ["train.grad_accum=2"])
+
+
 def test_yaml_and_dotted_overrides(tmp_path):
     p = write(tmp_path, "train:\n  lr: 1.0e-3\n  max_steps: 50\nmodel:\n  n_layers: 2\n")
     cfg = load_config(p, ["train.lr=3e-4", "model.n_layers=4", "model.tie_embeddings=false",

@@ -100,7 +100,7 @@ def build_data(cfg: RunConfig, device: torch.device, rank: int | None = None, wo
     d, t = cfg.data, cfg.train
     rows = t.loader_rows(world)  # a micro-batch, or with train.batch_size auto one step's rows (kiln.train)
     common = dict(seed=t.seed, document_mask=d.document_mask, prefetch=d.prefetch,
-                  pin_memory=d.pin_memory and device.type == "cuda")
+                  pin_memory=d.pin_memory and device.type == "cuda", per_step=t.step_rows(world) // rows)
     if d.streaming:
         from kiln.data.load.streaming import StreamingLoader, streaming_tokenizer
 

@@ -71,12 +71,15 @@ def auto_config(model: ModelConfig) -> ModelConfig:
     hf = read_hf_config(model.init_from)
     check_remote_code(model.init_from, hf, model.trust_remote_code)
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
-    clash = sorted(model.model_fields_set - _FREE)
+    vocab = text.get("vocab_size") or hf.get("vocab_size")
+    # a field set to what auto gives it is no clash: a run's config.yaml records every field (resumes read it)
+    unset = ModelConfig().model_copy(update={"vocab_size": vocab})
+    clash = sorted(k for k in model.model_fields_set - _FREE if getattr(model, k) != getattr(unset, k))
     if clash:
         raise ConfigError(f"model.init_from={model.init_from} with model.hf_class=auto takes the architecture from "
                           f"its config.json, but the config also sets {', '.join('model.' + k for k in clash)}: "
                           "remove those fields")
-    update: dict[str, Any] = {"vocab_size": text.get("vocab_size") or hf.get("vocab_size")}
+    update: dict[str, Any] = {"vocab_size": vocab}
     if "max_seq_len" not in model.model_fields_set:
         context = next((text[k] for k in _CONTEXT_KEYS if isinstance(text.get(k), int) and text[k] > 0), None)
         if context is None:

@@ -127,7 +127,7 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
                 max_shard_bytes: int = MAX_SHARD_BYTES, adapters: bool = False) -> Path:
     """`kiln export SRC --to TO`: find what SRC holds (see the module doc) and export it; `adapters`:
     a LoRA run's adapters in PEFT's format instead of the merged model."""
-    from kiln.state.weights import load_model
+    from kiln.state.weights import load_model, model_saved
 
     p = Path(src).expanduser()
     if not p.is_dir():
@@ -138,7 +138,7 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
     if adapters:
         return _export_adapters(p, to, dtype)
     tok = Tokenizer.load(tokenizer) if tokenizer is not None else None
-    if (p / "model_config.json").is_file() or (p / "model" / "model_config.json").is_file():
+    if (p / "model_config.json").is_file() or model_saved(p / "model"):  # else a run's checkpoint (below)
         model, saved_tok = load_model(p)
         if model.cfg.hf_class == "auto":  # a transformers model: its own save_pretrained
             return model.save_pretrained(to, tokenizer_writer(tok or saved_tok, model.cfg.max_seq_len),

@@ -120,8 +120,12 @@ def describe_run(run_dir: Path, compare: dict[str, Any] | None = None, check: bo
             lines.append(f"  {n}  kept for {', '.join(info.get('kept_for', [])) or '?'}{best}")
     else:
         lines.append("archive: none (set checkpoint.archive_url)")
-    model = run_dir / "model" / "model.safetensors"
-    lines.append(f"final model: {model.parent if model.is_file() else 'none yet'}")
+    from kiln.state.weights import model_saved  # torch and safetensors: only here
+
+    model = run_dir / "model"
+    lines.append(f"final model: {model}" if model_saved(model) else
+                 f"final model: {model} is incomplete (its save did not finish; `kiln train {run_dir}` writes it "
+                 "from the final checkpoint)" if model.is_dir() else "final model: none yet")
     if found:
         lines += ["", "newest checkpoint:", describe_checkpoint(found[-1], compare, show_config=False,
                                                                status=status[found[-1]])]

@@ -83,15 +83,18 @@ def check_compatible(meta: dict[str, Any], cfg: RunConfig, prints: dict[str, Any
     """StateError naming every difference of config or data, unless `force` (then they are listed).
 
     A train.batch_size that keeps the global batch on another number of processes (`world`; 16 x 2
-    saved, 32 x 1 now) is no difference: that is an elastic resume, and the loader continues exactly."""
+    saved, 32 x 1 now; with train.global_batch_tokens any micro-batch) is no difference: that is an elastic
+    resume, and the loader continues exactly."""
     diffs = config_differences(meta.get("config", {}), cfg.model_dump(mode="json"))
-    saved_batch = meta.get("config", {}).get("train", {}).get("batch_size")
+    saved_train = meta.get("config", {}).get("train", {})
     saved_world = int(meta.get("world_size", 1))
-    if saved_world != world and saved_batch is not None and saved_batch * saved_world == cfg.train.batch_size * world:
+    rows = cfg.train.step_rows(world) * world
+    if saved_world != world and _global_rows(saved_train, saved_world) == rows:
         diffs = [d for d in diffs if not d.startswith("train.batch_size:")]
-        log(f"elastic resume: {saved_world} -> {world} process(es), train.batch_size {saved_batch} -> "
-            f"{cfg.train.batch_size} keeps the global batch of {saved_batch * saved_world * cfg.train.grad_accum} "
-            "sequences")
+        saved_batch = saved_train.get("batch_size")
+        change = f", train.batch_size {saved_batch} -> {cfg.train.batch_size}" \
+            if saved_batch != cfg.train.batch_size else ""
+        log(f"elastic resume: {saved_world} -> {world} process(es){change} keeps the global batch of {rows} sequences")
     saved = meta.get("fingerprints", {})
     for key, what in (("dataset", "prepared dataset"), ("tokenizer", "tokenizer")):
         if saved.get(key) != prints.get(key):
@@ -105,6 +108,14 @@ def check_compatible(meta: dict[str, Any], cfg: RunConfig, prints: dict[str, Any
     raise StateError(f"the config or data differ from checkpoint step {meta['step']} of this run:\n{listing}\n"
                      "Put the saved values back, resume with --resume force to accept the changes, or start a "
                      "new run with --resume never.")
+
+
+def _global_rows(train: dict[str, Any], world: int) -> int | None:
+    """Sequences per optimizer step of a saved train section on `world` processes (None: not known)."""
+    tokens, batch = train.get("global_batch_tokens"), train.get("batch_size")
+    if tokens:
+        return int(tokens) // int(train.get("seq_len", 1))
+    return int(batch) * int(train.get("grad_accum", 1)) * world if isinstance(batch, int) else None
 
 
 def latest_good(run_dir: str | Path, log: Callable[[str], None]) -> Path | None:

@@ -36,11 +36,39 @@ def save_model(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer | None, 
     return out
 
 
+def model_saved(path: Path) -> bool:
+    """Whether `path` holds the whole final model: weights, model config and tokenizer (written in that order)."""
+    try:
+        json.loads((path / "model_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    weights = (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    return weights and (path / "tokenizer.json").is_file()
+
+
+def _not_saved(run_dir: Path) -> StateError:
+    """Why the run at `run_dir` has no model to load, and what writes one."""
+    from kiln.state.rundir import checkpoints
+
+    found = checkpoints(run_dir)
+    if (run_dir / "model").is_dir():
+        why = f"{run_dir / 'model'} is incomplete: the run's final model save did not finish"
+    elif found:
+        why = f"{run_dir} has no final model (model/) yet: its newest checkpoint is {found[-1].name}"
+    else:
+        return StateError(f"no saved model in {run_dir}: no model/ and no checkpoint. Give a run directory of a "
+                          "finished `kiln train`.")
+    return StateError(f"{why}. `kiln train {run_dir}` finishes the run (or writes model/ from its final checkpoint); "
+                      f"`kiln export {run_dir} --to DIR` and `kiln eval {run_dir}` read its newest checkpoint.")
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, Tokenizer | None]:
     """Load `<run_dir>/model` (or the model directory itself)."""
     from kiln.model.llama import Transformer
 
     p = Path(path).expanduser()
+    if (p / "config.yaml").is_file() and not model_saved(p / "model"):  # a run whose model/ is missing or partial
+        raise _not_saved(p)
     if (p / "model").is_dir():
         p = p / "model"
     weights, conf = p / "model.safetensors", p / "model_config.json"

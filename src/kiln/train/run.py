@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 from functools import partial
 from pathlib import Path
@@ -46,7 +45,7 @@ from kiln.state.preempt import SignalGuard, StopSignals, train_guarded
 from kiln.state.resume import check_compatible, choose_checkpoint, fingerprints, run_directory
 from kiln.state.rundir import hold_run_dir, process_rank, write_config
 from kiln.state.verify import read_meta
-from kiln.state.weights import save_model
+from kiln.state.weights import model_saved, save_model
 from kiln.train.early_stop import EarlyStop
 from kiln.train.events import EvalEvery
 from kiln.train.rollback import Rollback, host_room
@@ -128,16 +127,6 @@ def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: M
         with RunEnd() as end:  # sinks flush and close however the run ends
             return _train(cfg, run_dir, resume_from, meta, finished, mesh, console, resume, [*sinks, *callbacks],
                           stops, end)
-
-
-def model_saved(path: Path) -> bool:
-    """Whether `path` holds the whole final model: weights, model config and tokenizer (written in that order)."""
-    try:
-        json.loads((path / "model_config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    weights = (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
-    return weights and (path / "tokenizer.json").is_file()
 
 
 def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict | None, finished: bool,

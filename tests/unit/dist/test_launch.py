@@ -219,6 +219,13 @@ def test_kiln_train_nproc_checks_the_job_shape_before_starting_any_process(monke
     lora = load_config(None, ["train.device=cpu", "lora.rank=8"])  # was printed once per start under --max-restarts
     with pytest.raises(ConfigError, match="lora.rank is set but model.init_from is not"):
         local.relaunch(2, ["train", "--max-restarts", "2"], max_restarts=2, cfg=lora)
+    tokens = load_config(None, ["train.device=cpu", "train.seq_len=32", "train.global_batch_tokens=128"])
+    with pytest.raises(ConfigError, match="is 4 sequences, which 3 data-parallel ranks cannot share evenly"):
+        local.relaunch(3, ["train"], cfg=tokens)  # said by a rank, between torchrun's log lines
+    cut = load_config(None, ["train.device=cpu", "train.seq_len=32", "train.global_batch_tokens=256",
+                             "train.batch_size=3"])
+    with pytest.raises(ConfigError, match="gives 4 sequences per rank per step, not a multiple of train.batch_size=3"):
+        local.relaunch(2, ["train"], cfg=cut)
 
 
 def test_more_cpu_processes_than_memory_holds_is_an_error_and_more_than_cores_a_warning(monkeypatch):

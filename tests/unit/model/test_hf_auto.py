@@ -56,6 +56,20 @@ def test_auto_config_takes_vocab_and_context_and_refuses_native_fields(tmp_path)
         model_cfg(path, d_model=64)
 
 
+def test_auto_config_reads_back_a_runs_config_yaml(tmp_path):
+    """A run's config.yaml records every model field, as auto_config left them: `kiln train RUN_DIR` read it
+    back and refused to resume ('the config also sets model.attention_bias, model.d_model, ...')."""
+    from kiln.config import load_config
+
+    path = hf_dir(tmp_path, "llama")
+    cfg = load_config(None, ["train.seq_len=32"]).model_copy(update={"model": model_cfg(path)})
+    (tmp_path / "config.yaml").write_text(cfg.to_yaml())
+    again = load_config(tmp_path / "config.yaml")
+    assert auto_config(again.model) == cfg.model
+    with pytest.raises(ConfigError, match=r"sets model.n_layers: remove"):
+        auto_config(load_config(tmp_path / "config.yaml", ["model.n_layers=3"]).model)
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "phi", "gemma"])
 def test_loss_is_cross_entropy_of_the_models_logits(tmp_path, kind):
     cfg = model_cfg(hf_dir(tmp_path, kind))

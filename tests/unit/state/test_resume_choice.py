@@ -126,3 +126,19 @@ def test_the_elastic_resume_says_the_global_batch_with_its_accumulation(trainer_
     check_compatible(meta, cfg, PRINTS, force=True, log=logs.append, world=1)
     assert "train.batch_size 8 -> 16 keeps the global batch of 32 sequences" in logs[0]
 
+
+def test_with_a_global_batch_in_tokens_the_micro_batch_may_change_on_other_ranks(trainer_factory):
+    """train.global_batch_tokens fixes the global batch: 2 ranks x 1 row x 2 accumulated -> 1 rank x 2 rows x 2
+    is elastic (the note said 'keeps the global batch of 2 sequences' beside a global batch of 4)."""
+    t, paths = saved_checkpoints(trainer_factory, 3)
+    meta = {**read_meta(paths[-1]), "world_size": 2}
+    tokens = 4 * t.cfg.train.seq_len
+    meta["config"]["train"].update(batch_size=1, global_batch_tokens=tokens)
+    cfg = derive(t.cfg, {"train.batch_size": 2, "train.global_batch_tokens": tokens})
+    logs = []
+    check_compatible(meta, cfg, PRINTS, force=False, log=logs.append, world=1)
+    assert logs == ["elastic resume: 2 -> 1 process(es), train.batch_size 1 -> 2 keeps the global batch of 4 "
+                    "sequences"]
+    with pytest.raises(StateError, match="train.batch_size: 1 -> 2"):  # on 2 ranks: another micro-batch asks
+        check_compatible(meta, cfg, PRINTS, force=False, log=print, world=2)
+

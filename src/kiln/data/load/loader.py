@@ -17,12 +17,14 @@ rank, so a run resumed on another number of ranks with the same global batch con
 same sample, with no token seen twice or skipped.
 
 Resuming with another shape (`check_resume_shape`): another train.seq_len is refused (the rows
-would be cut elsewhere). The state also records the batch it was saved with (B per rank, world):
-a resume on another number of ranks with the same per-rank B would change the global batch
-without anyone asking, so it is a ConfigError that names the train.batch_size keeping the global
-batch (or says the global batch does not divide by the new number of ranks). A train.batch_size
-changed on purpose (the checkpoint's config check asks for --resume force) is a defined
-continuation: the next batch starts at the next global sample, whatever its new size.
+would be cut elsewhere). The state also records the batch it was saved with (B per rank, world, and
+`per_step`: the batches an optimizer step takes, train.grad_accum or what train.global_batch_tokens
+makes of it): a resume on another number of ranks with the same rows per rank and step would change
+the global batch without anyone asking, so it is a ConfigError that names the train.batch_size
+keeping the global batch (or says the global batch does not divide by the new number of ranks).
+Other rows per rank and step (train.global_batch_tokens kept, or a batch changed on purpose, which
+the checkpoint's config check asks --resume force for) is a defined continuation: the next batch
+starts at the next global sample, and a step of the same global batch takes the same samples.
 
 Each batch is (tokens, targets, doc_ids): int64 (B, T), int64 (B, T) and int32 (B, T) with the
 index of each position's document within its row (None when document masking is off). With
@@ -48,23 +50,26 @@ CHUNK = 4096  # row positions permuted at a time
 Batch = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 
 
-def check_resume_shape(saved: dict, batch_size: int, world: int) -> None:
-    """ConfigError when a saved position is resumed on another number of ranks with the same per-rank
-    batch (the global batch would change unasked). States saved before the batch was recorded pass."""
+def check_resume_shape(saved: dict, batch_size: int, world: int, per_step: int = 1) -> None:
+    """ConfigError when a saved position is resumed on another number of ranks with the same rows per rank
+    and optimizer step (batch_size x per_step; the global batch would change unasked). States saved before
+    the batch was recorded pass; those saved before `per_step` was recorded count 1."""
     if "batch_size" not in saved or "world" not in saved:
         return
-    b, w = int(saved["batch_size"]), int(saved["world"])
-    if w == world or b != batch_size:
+    b, w, n = int(saved["batch_size"]), int(saved["world"]), int(saved.get("per_step", 1))
+    if w == world or b * n != batch_size * per_step:
         return
-    g = b * w
+    g = b * n * w
+    batch = f"{b} sequences per rank" + (f" x {n} accumulated" if n > 1 else "") + f" on {w} ranks ({g} in all)"
     if g % world:
-        divisors = [str(n) for n in range(1, g + 1) if g % n == 0]
-        raise ConfigError(f"the checkpoint's batch is {b} sequences per rank on {w} ranks ({g} in all, before "
-                          f"train.grad_accum), which {world} ranks "
-                          f"cannot share evenly: resume on {', '.join(divisors)} ranks, or choose a new "
-                          "train.batch_size with --resume force (the next batch starts at the next sample)")
-    raise ConfigError(f"the checkpoint's batch is {b} sequences per rank on {w} ranks ({g} in all, before "
-                      f"train.grad_accum); on {world} rank(s) keep it with train.batch_size={g // world}, or keep "
+        divisors = [str(k) for k in range(1, g + 1) if g % k == 0]
+        raise ConfigError(f"the checkpoint's batch is {batch}, which {world} ranks cannot share evenly: resume on "
+                          f"{', '.join(divisors)} ranks, or choose a new train.batch_size with --resume force (the "
+                          "next batch starts at the next sample)")
+    keep = g // world
+    how = (f"train.batch_size={keep // per_step}" if keep % per_step == 0 else
+           f"train.batch_size x train.grad_accum = {keep} (--resume force)")
+    raise ConfigError(f"the checkpoint's batch is {batch}; on {world} rank(s) keep it with {how}, or keep "
                       f"train.batch_size={b} on {w} ranks")
 
 
@@ -117,7 +122,7 @@ class PackedRows:
 
     def __init__(self, streams: Sequence[TokenStream], seq_len: int, batch_size: int, *, weights=None,
                  seed: int = 0, rank: int = 0, world: int = 1, document_mask: bool = True, shuffle: bool = True,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, per_step: int = 1):
         if not streams:
             raise DataError("the loader got no datasets to read")
         if not 0 <= rank < world:
@@ -126,6 +131,7 @@ class PackedRows:
         if len(set(names)) != len(names):
             raise DataError(f"the same dataset appears twice in the mixture: {names}; merge the entries")
         self.T, self.B, self.seed, self.rank, self.world = seq_len, batch_size, seed, rank, world
+        self.per_step = per_step  # batches an optimizer step takes (recorded for check_resume_shape)
         self.document_mask, self.pin = document_mask, pin_memory
         dtypes = {s.dtype for s in streams}
         self.dtype = np.result_type(*dtypes)
@@ -176,7 +182,8 @@ class PackedRows:
 
     def state_dict(self) -> dict:
         return {"sample": int(self.sample), "seq_len": self.T, "seed": self.seed, "batch_size": self.B,
-                "world": self.world, "taken": {name: int(t) for name, t in zip(self.names, self.taken)}}
+                "world": self.world, "per_step": self.per_step,
+                "taken": {name: int(t) for name, t in zip(self.names, self.taken)}}
 
     def load_state_dict(self, state: dict) -> None:
         try:
@@ -191,7 +198,7 @@ class PackedRows:
         if seed != self.seed:
             raise DataError(f"the saved loader position is for train.seed={seed}, this run has {self.seed}; "
                             f"resume with train.seed={seed} to continue the same data order")
-        check_resume_shape(state, self.B, self.world)
+        check_resume_shape(state, self.B, self.world, self.per_step)
         if set(taken) != set(self.names):
             raise DataError(f"the saved loader position is for datasets {sorted(taken)} but this run reads "
                             f"{sorted(self.names)}; the data changed since the checkpoint. Resume with the same "
@@ -209,11 +216,12 @@ class PackedLoader:
 
     def __init__(self, streams: TokenStream | Sequence[TokenStream], seq_len: int, batch_size: int, *,
                  weights: Sequence[float] | None = None, seed: int = 0, rank: int = 0, world: int = 1,
-                 document_mask: bool = True, shuffle: bool = True, prefetch: int = 2, pin_memory: bool = False):
+                 document_mask: bool = True, shuffle: bool = True, prefetch: int = 2, pin_memory: bool = False,
+                 per_step: int = 1):
         if isinstance(streams, TokenStream):
             streams = [streams]
         self.rows = PackedRows(streams, seq_len, batch_size, weights=weights, seed=seed, rank=rank, world=world,
-                               document_mask=document_mask, shuffle=shuffle, pin_memory=pin_memory)
+                               document_mask=document_mask, shuffle=shuffle, pin_memory=pin_memory, per_step=per_step)
         self._prefetch = Prefetcher(self.rows, prefetch) if prefetch > 0 else None
         self._start = self.rows.state_dict()
         self._state = self._start

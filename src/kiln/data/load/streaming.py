@@ -79,9 +79,11 @@ class StreamRows:
     """The deterministic core of the streaming loader: next batch of this rank, and the position."""
 
     def __init__(self, cfg, tokenizer, split: str, seq_len: int, batch_size: int, *, seed: int = 0, rank: int = 0,
-                 world: int = 1, document_mask: bool = True, shuffle: bool = True, pin_memory: bool = False):
+                 world: int = 1, document_mask: bool = True, shuffle: bool = True, pin_memory: bool = False,
+                 per_step: int = 1):
         self.cfg, self.tok, self.split = cfg, tokenizer, split
         self.T, self.B, self.seed, self.rank, self.world = seq_len, batch_size, seed, rank, world
+        self.per_step = per_step  # batches an optimizer step takes (recorded for check_resume_shape)
         self.document_mask, self.shuffle, self.pin = document_mask, shuffle, pin_memory
         self.encoder = tokenizer.document_encoder(cfg.parse_special_tokens)  # as prepare encodes documents
         self.files = _sources(cfg)
@@ -215,7 +217,7 @@ class StreamRows:
 
     def state_dict(self) -> dict:
         return {**self.position, "seq_len": self.T, "seed": self.seed, "split": self.split, "sources": self.key,
-                "batch_size": self.B, "world": self.world}
+                "batch_size": self.B, "world": self.world, "per_step": self.per_step}
 
     def load_state_dict(self, state: dict) -> None:
         try:
@@ -230,7 +232,7 @@ class StreamRows:
                             f"has {self.T} and {self.seed}. Resume with the saved values")
         from kiln.data.load.loader import check_resume_shape
 
-        check_resume_shape(state, self.B, self.world)
+        check_resume_shape(state, self.B, self.world, self.per_step)
         if key != self.key:
             raise DataError("the source files changed since the stream position was saved (names or sizes differ); "
                             "resume with the same data.sources, or start a new run from the weights")
@@ -247,9 +249,10 @@ class StreamingLoader:
 
     def __init__(self, cfg, tokenizer, split: str, seq_len: int, batch_size: int, *, seed: int = 0, rank: int = 0,
                  world: int = 1, document_mask: bool = True, prefetch: int = 2, pin_memory: bool = False,
-                 replay: bool | None = None):
+                 replay: bool | None = None, per_step: int = 1):
         self.rows = StreamRows(cfg, tokenizer, split, seq_len, batch_size, seed=seed, rank=rank, world=world,
-                               document_mask=document_mask, shuffle=cfg.shuffle, pin_memory=pin_memory)
+                               document_mask=document_mask, shuffle=cfg.shuffle, pin_memory=pin_memory,
+                               per_step=per_step)
         self._prefetch = Prefetcher(self.rows, prefetch, "kiln-stream") if prefetch > 0 else None
         self._start = self.rows.state_dict()
         self._state = self._start

@@ -47,6 +47,7 @@ def check_world(cfg, nproc: int, log=print) -> None:
     from kiln.model.lora import require_base
 
     require_base(cfg.lora, cfg.model)  # else said by every process, and again at every restart
+    cfg.train.loader_rows(nproc)  # a train.global_batch_tokens that nproc ranks cannot share (or batch_size cut)
     d, name = cfg.dist, cfg.train.device
     cuda = name.startswith("cuda") or (name == "auto" and torch.cuda.is_available())
     check_backend(d.backend, cuda, name)

@@ -189,8 +189,8 @@ def test_resume_on_other_ranks_with_the_same_per_rank_batch_is_refused(stream):
         next(ld)
     state = loaders[0].state_dict()
     assert (state["batch_size"], state["world"]) == (4, 2)
-    with pytest.raises(ConfigError, match=r"batch is 4 sequences per rank on 2 ranks \(8 in all, before "
-                                          r"train.grad_accum\); on 1 rank\(s\) keep it with train.batch_size=8"):
+    with pytest.raises(ConfigError, match=r"batch is 4 sequences per rank on 2 ranks \(8 in all\); on 1 rank\(s\) "
+                                          r"keep it with train.batch_size=8"):
         PackedLoader(ts, T, 4, seed=3).load_state_dict(state)
     with pytest.raises(ConfigError, match="which 3 ranks cannot share evenly: resume on 1, 2, 4, 8 ranks"):
         PackedLoader(ts, T, 4, seed=3, rank=0, world=3).load_state_dict(state)
@@ -201,3 +201,23 @@ def test_resume_on_other_ranks_with_the_same_per_rank_batch_is_refused(stream):
     np.testing.assert_array_equal(positions(next(changed))[1], expected)
     old = {k: v for k, v in state.items() if k not in ("batch_size", "world")}  # saved before they were recorded
     PackedLoader(ts, T, 4, seed=3).load_state_dict(old)
+
+
+def test_resume_on_other_ranks_counts_the_batches_a_step_accumulates(stream):
+    """train.global_batch_tokens keeps the global batch on other ranks with the same micro-batch and another
+    accumulation: 2 ranks x 2 rows x 2 accumulated continue on 1 rank x 2 rows x 4 at the same sample, then
+    take the same samples a step. The same rows per rank and step on another number of ranks are refused."""
+    ts, _ = stream
+    two = [PackedLoader(ts, T, 2, seed=3, rank=r, world=2, prefetch=0, per_step=2) for r in range(2)]
+    for ld in two:
+        take(ld, 2)  # one optimizer step
+    state = two[0].state_dict()
+    assert state["per_step"] == 2
+    expected = [positions(b)[1][:, 0] for ld in two for b in take(ld, 2)]  # where the second step's rows start
+    one = PackedLoader(ts, T, 2, seed=3, prefetch=0, per_step=4)
+    one.load_state_dict(state)
+    got = [positions(b)[1][:, 0] for b in take(one, 4)]
+    np.testing.assert_array_equal(np.sort(np.concatenate(got)), np.sort(np.concatenate(expected)))
+    with pytest.raises(ConfigError, match=r"batch is 2 sequences per rank x 2 accumulated on 2 ranks \(8 in all\); "
+                                          r"on 1 rank\(s\) keep it with train.batch_size=4"):
+        PackedLoader(ts, T, 2, seed=3, per_step=2).load_state_dict(state)
