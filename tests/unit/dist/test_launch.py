@@ -177,7 +177,7 @@ def test_max_restarts_passes_through_to_torchrun_and_sigterm_is_forwarded(monkey
     code = local.relaunch(2, ["train", "cfg.yaml", "--nproc", "2", "--max-restarts", "3"], max_restarts=3)
     assert code == 128 + signal.SIGTERM
     assert "--max-restarts=3" in started["cmd"] and started["cmd"][-2:] == ["train", "cfg.yaml"]
-    assert started["env"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(local.SHUTDOWN_TIMEOUT_S)
+    assert started["env"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == local.TORCHRUN_ENV["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "120"
     assert started["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert signal.getsignal(signal.SIGTERM) is before  # restored
     with pytest.raises(ConfigError, match="0 or more"):

@@ -166,9 +166,7 @@ def test_a_process_whose_parent_died_before_it_asked_is_sent_sigterm_at_once():
 
 
 def test_a_torchrun_started_by_hand_without_kilns_environment_is_told_what_it_costs():
-    from kiln.dist.launch.local import TORCHRUN_ENV
-
-    assert torchrun.missing_env(TORCHRUN_ENV) is None  # as kiln train --nproc and kiln launch start it
+    assert torchrun.missing_env(torchrun.TORCHRUN_ENV) is None  # as kiln train --nproc and kiln launch start it
     plain = torchrun.missing_env({"TORCHELASTIC_MAX_RESTARTS": "0"})
     assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120" in plain and "30 s" in plain
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in plain  # no restarts: the store does not matter

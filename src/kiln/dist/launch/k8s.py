@@ -16,7 +16,7 @@ from __future__ import annotations
 import yaml
 
 from kiln.dist.launch.common import check_shape, job_name, resolved_config
-from kiln.dist.launch.local import SHUTDOWN_TIMEOUT_S, TORCHRUN_ENV
+from kiln.dist.launch.torchrun import SHUTDOWN_TIMEOUT_S, TORCHRUN_ENV
 from kiln.errors import ConfigError
 
 SHARED, CONFIG_DIR = "/shared", "/etc/kiln"

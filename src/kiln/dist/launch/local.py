@@ -4,8 +4,8 @@
 the newest checkpoint by itself). SIGTERM to this process (a scheduler preempting the job) is passed
 to torchrun, which passes it to every worker; each writes its part of one checkpoint and exits. torchrun
 kills workers that take longer than its shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by
-default); this sets it to SHUTDOWN_TIMEOUT_S unless the environment already does, since a large
-model's preemption checkpoint can take longer than 30 s to write."""
+default); this sets it to SHUTDOWN_TIMEOUT_S (kiln.dist.launch.torchrun) unless the environment already does,
+since a large model's preemption checkpoint can take longer than 30 s to write."""
 
 from __future__ import annotations
 
@@ -14,19 +14,9 @@ import signal
 import subprocess
 import sys
 
-from kiln.dist.launch.torchrun import PARENT_PID
+from kiln.dist.launch.torchrun import PARENT_PID, TORCHRUN_ENV
 from kiln.errors import ConfigError, ResourceError
 
-SHUTDOWN_TIMEOUT_S = 120  # seconds torchrun gives its workers between SIGTERM and SIGKILL
-# What torchrun needs in its environment for kiln, wherever it is started (here, and in the Kubernetes and
-# Slurm launch files); each is a default that the environment may override:
-TORCHRUN_ENV = {
-    # time for the preemption checkpoint: torchrun passes SIGTERM to the workers, then kills them after this
-    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT_S),
-    # a restarted job needs a fresh key-value store: in the one torchrun shares across restarts, the new
-    # processes read the dead ones' addresses and gloo's first connection fails (torch 2.13)
-    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-}
 PROCESS_BYTES = 1 << 29  # host memory one CPU training process takes at the least (torch and its threads: ~0.35 GiB)
 LAUNCH_OPTIONS = ("--nproc", "--max-restarts")  # options of `kiln train` that torchrun's command drops
 

@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path
 
 from kiln.dist.launch.common import check_shape, job_name, resolved_config
-from kiln.dist.launch.local import SHUTDOWN_TIMEOUT_S, TORCHRUN_ENV
+from kiln.dist.launch.torchrun import SHUTDOWN_TIMEOUT_S, TORCHRUN_ENV
 from kiln.errors import ConfigError
 
 PORT = 29500

@@ -46,6 +46,16 @@ DUPLICATE_S = 1.0  # a signal this soon after the same one is the same event del
 PARENT_PID = "KILN_PARENT_PID"  # environment: the pid of the process that started this one (stop_with_parent)
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
 QUIET_WAIT_S = 60.0  # how long a quiet process waits for torchrun to stop it (the first process failed alike)
+SHUTDOWN_TIMEOUT_S = 120  # seconds torchrun gives its workers between SIGTERM and SIGKILL
+# What torchrun needs in its environment for kiln, wherever it is started (here, and in the Kubernetes and
+# Slurm launch files); each is a default that the environment may override:
+TORCHRUN_ENV = {
+    # time for the preemption checkpoint: torchrun passes SIGTERM to the workers, then kills them after this
+    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT_S),
+    # a restarted job needs a fresh key-value store: in the one torchrun shares across restarts, the new
+    # processes read the dead ones' addresses and gloo's first connection fails (torch 2.13)
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+}
 
 
 def stop_with_parent() -> bool:
@@ -65,10 +75,8 @@ def stop_with_parent() -> bool:
 
 
 def missing_env(env=os.environ) -> str | None:
-    """What a torchrun started by hand lacks of kiln.dist.launch.local.TORCHRUN_ENV, and what that costs, in a
+    """What a torchrun started by hand lacks of TORCHRUN_ENV, and what that costs, in a
     line for rank 0 to print (None when nothing that matters is missing)."""
-    from kiln.dist.launch.local import TORCHRUN_ENV
-
     why = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "on SIGTERM torchrun gives the workers 30 s to write their checkpoint, "
                                              "then kills them",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "a restart by torchrun may fail to connect (it reuses the store "
