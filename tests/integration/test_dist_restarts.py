@@ -244,3 +244,18 @@ def test_workers_whose_launcher_is_killed_write_a_checkpoint_and_stop(base, tmp_
     done = finish(str(run_dir))  # the lock is free: the run resumes from the workers' checkpoint
     saved = run_dir / "checkpoints" / f"step_{saves[0]['step']:08d}"
     assert f"resumed from {saved}" in done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_sighup_to_torchrun_writes_a_checkpoint_and_stops(base, tmp_path):
+    """torchrun passes the SIGHUP of a closed terminal to the workers, which died of it with no checkpoint."""
+    run_dir = tmp_path / "run"
+    job = start(tmp_path / "1", *base, "train.batch_size=2", f"train.run_dir={run_dir}")
+    wait_until(lambda: steps_saved(run_dir) and worker(job.pid, 1), job, tmp_path / "1")
+    os.kill(launcher(job.pid), signal.SIGHUP)
+    assert job.wait(timeout=120) == 128 + signal.SIGHUP
+    out = output(tmp_path / "1")
+    killed_early(run_dir)
+    saves = preempt_saves(run_dir)
+    assert len(saves) == 1 and saves[0]["world_size"] == 2, out[-3000:]
+    assert f"stopped by SIGHUP after step {saves[0]['step']}" in out and "kiln: the job stopped on SIGHUP" in out

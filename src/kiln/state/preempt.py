@@ -1,6 +1,6 @@
 """Preemption and crashes: stop at a step boundary with a checkpoint, never mid-step.
 
-The first SIGTERM or SIGINT asks the loop to stop: the current step finishes, a checkpoint is
+The first SIGTERM, SIGINT or SIGHUP asks the loop to stop: the current step finishes, a checkpoint is
 written, and `kiln train` exits 0 saying how to resume. A second signal aborts at once (the last
 complete checkpoint is still there). An unexpected exception writes an emergency checkpoint
 when the trainer is between steps, then propagates.
@@ -34,16 +34,19 @@ class Preempted(Exception):
 
 
 class _Handler(abc.ABC):
-    """SIGTERM and SIGINT go to `on_signal` while the block runs (main thread only). A process forked
-    meanwhile (tokenizer or loader workers) inherits the handler, and dies of the signal instead."""
+    """SIGTERM, SIGINT and SIGHUP go to `on_signal` while the block runs (main thread only). A process forked
+    meanwhile (tokenizer or loader workers) inherits the handler, and dies of the signal instead. SIGHUP (a
+    closed terminal; torchrun passes on the one it gets) is left alone where it is ignored (under nohup)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
     def __enter__(self):
         self._pid = os.getpid()
         self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
+                if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                    continue
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -64,7 +67,7 @@ class _Handler(abc.ABC):
 
 
 class SignalGuard(_Handler):
-    """While active, the first SIGTERM/SIGINT sets `requested`; a second one aborts the process."""
+    """While active, the first SIGTERM/SIGINT/SIGHUP sets `requested`; a second one aborts the process."""
 
     COLLECTIVE_EVERY = 10  # most steps between two checks across processes
     CHECK_SECONDS = 1.0  # and fewer where steps are slow: about one check a second (torchrun's grace is 30 s)
@@ -83,8 +86,8 @@ class SignalGuard(_Handler):
                 print(f"\n{name} received: finishing this step and writing a checkpoint (send it again to abort "
                       "now)", file=sys.stderr, flush=True)
             return
-        if self.group is not None and name == self.requested and time.monotonic() - self._first_at < self.DUPLICATE_S:
-            return  # the same signal twice at once: from the scheduler to every process, and passed on by torchrun
+        if self.group is not None and time.monotonic() - self._first_at < self.DUPLICATE_S:
+            return  # one event delivered twice: from the scheduler to every process, and passed on by torchrun
         print(f"\nsecond {name}: aborting without a checkpoint; the last complete checkpoint is kept",
               file=sys.stderr, flush=True)
         self.__exit__()

@@ -87,3 +87,40 @@ def test_one_process_still_aborts_on_a_second_signal_at_once(monkeypatch):
             assert aborted == [signal.SIGINT]
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_sighup_is_a_stop_request_unless_ignored_as_under_nohup(monkeypatch):
+    """torchrun passes on the SIGHUP of a closed terminal: the workers died of it without a checkpoint. Where
+    SIGHUP is ignored (nohup), it stays ignored."""
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        with SignalGuard(log=lambda _: None) as guard:
+            signal.raise_signal(signal.SIGHUP)
+            assert guard.requested == "SIGHUP"
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        with SignalGuard(log=lambda _: None) as guard:
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            signal.raise_signal(signal.SIGHUP)
+            assert guard.requested is None
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
+def test_with_several_processes_another_signal_at_once_is_the_same_stop_request(monkeypatch):
+    """A closed terminal: torchrun passes its SIGHUP on, then the SIGTERM of its launcher's death: one event."""
+    import kiln.state.preempt as preempt
+
+    clock = {"now": 100.0}
+    aborted: list[int] = []
+    monkeypatch.setattr(preempt.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(preempt.os, "kill", lambda pid, signum: aborted.append(signum))
+    monkeypatch.setattr(preempt.dist, "get_rank", lambda group=None: 0)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with preempt.SignalGuard(group=object()) as guard:
+            guard.on_signal(signal.SIGHUP, "SIGHUP")
+            clock["now"] += 0.01
+            guard.on_signal(signal.SIGTERM, "SIGTERM")
+            assert guard.requested == "SIGHUP" and aborted == []
+    finally:
+        signal.signal(signal.SIGTERM, before)
