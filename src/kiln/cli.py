@@ -463,6 +463,9 @@ def _rank() -> int | None:
 
 
 def main() -> None:
+    from kiln.streams import keep_writing
+
+    keep_writing()  # a closed pipe (`| tee` under Ctrl-C) or terminal drops the output, not the run
     try:
         app()
     except KilnError as e:

@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from kiln.streams import keep_writing
+
+    keep_writing()  # its last line to a closed pipe (`| tee` under Ctrl-C) is not a traceback
     # torchrun installs this module attribute as its handler when it starts the workers
     api._terminate_process_handler = stop_once(api._terminate_process_handler)
     stop_with_parent()
