@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -201,17 +202,41 @@ class Interrupted(KeyboardInterrupt):
 class StopSignals(_Handler):
     """While active, SIGTERM and SIGINT raise `Interrupted(signum, f"{name} {during}: {then}")`, whatever is
     running (set `during` and `then` as the work moves on). With `defer`, the first signal is only noted
-    (`received`, with `deferred` printed) and the work goes on; a second one raises."""
+    (`received`, with `deferred` printed) and the work goes on; a second one raises. In a process of several
+    (torchrun), a signal within DUPLICATE_S of the first is its copy (to every process, and passed on by
+    torchrun) and is ignored, also after the block is left: it neither aborts a deferred save nor kills the
+    process, silently, as it unwinds."""
 
     def __init__(self, during: str, then: str, defer: bool = False, deferred: str = ""):
         self.during, self.then, self.defer, self.deferred = during, then, defer, deferred
         self.received: str | None = None
+        self._first_at: float | None = None
+
+    def __enter__(self):
+        self._several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        return super().__enter__()
 
     def on_signal(self, signum: int, name: str) -> None:
+        now = time.monotonic()
+        if self._several and self._first_at is not None and now - self._first_at < DUPLICATE_S:
+            return
+        self._first_at = self._first_at or now
         if self.defer and self.received is None:
             self.received = name
             print(f"\n{name} received {self.during}: {self.deferred} (send it again to abort now)",
                   file=sys.stderr, flush=True)
             return
+        previous = dict(self._previous)
         self.__exit__()  # a third signal while unwinding gets the default handling
+        if self._several:  # the copy of this one may still come, after the block
+            for sig in previous:
+                signal.signal(sig, partial(_copy_or_previous, self._first_at, previous[sig]))
         raise Interrupted(signum, f"{'second ' if self.received else ''}{name} {self.during}: {self.then}")
+
+
+def _copy_or_previous(first_at: float, previous, signum: int, frame) -> None:
+    """A signal after a stop: ignored if it is the stop's copy (within DUPLICATE_S), else handled as before."""
+    if time.monotonic() - first_at < DUPLICATE_S:
+        return
+    signal.signal(signum, previous)
+    os.kill(os.getpid(), signum)

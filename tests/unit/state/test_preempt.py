@@ -124,3 +124,50 @@ def test_with_several_processes_another_signal_at_once_is_the_same_stop_request(
             assert guard.requested == "SIGHUP" and aborted == []
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def several_processes(monkeypatch, clock: dict) -> None:
+    import kiln.state.preempt as preempt
+
+    monkeypatch.setattr(preempt.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(preempt.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(preempt.dist, "get_world_size", lambda group=None: 2)
+
+
+def test_a_signal_twice_at_once_does_not_abort_the_final_model_save_of_several_processes(monkeypatch):
+    """A scheduler's SIGTERM to every process, passed on again by torchrun: rank 0 took the copy as a second
+    signal and aborted the final model save ('second SIGTERM during the final model save')."""
+    from kiln.state.preempt import Interrupted, StopSignals
+
+    clock = {"now": 100.0}
+    several_processes(monkeypatch, clock)
+    with StopSignals("during the final model save", "model/ is incomplete", defer=True) as saving:
+        saving.on_signal(signal.SIGTERM, "SIGTERM")
+        clock["now"] += 0.01
+        saving.on_signal(signal.SIGTERM, "SIGTERM")  # the copy
+        assert saving.received == "SIGTERM"
+        clock["now"] += SignalGuard.DUPLICATE_S
+        with pytest.raises(Interrupted, match="second SIGTERM"):  # a second request, later
+            saving.on_signal(signal.SIGTERM, "SIGTERM")
+
+
+def test_the_copy_of_a_signal_that_stopped_the_start_up_does_not_kill_the_process_as_it_unwinds(monkeypatch):
+    """At start-up the first SIGTERM raises at once and the block is left: its copy from torchrun, a moment
+    later, met the default handler and killed the process silently (no message, exit -15)."""
+    from kiln.state.preempt import Interrupted, StopSignals
+
+    clock = {"now": 100.0}
+    several_processes(monkeypatch, clock)
+    later: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: later.append(signum))
+    try:
+        with pytest.raises(Interrupted, match="SIGTERM during start-up"), StopSignals("during start-up", "stopped"):
+            signal.raise_signal(signal.SIGTERM)
+        clock["now"] += 0.01
+        signal.raise_signal(signal.SIGTERM)  # the copy: ignored
+        assert later == []
+        clock["now"] += SignalGuard.DUPLICATE_S
+        signal.raise_signal(signal.SIGTERM)  # a later one: handled as before the block
+        assert later == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, before)
