@@ -259,6 +259,7 @@ def test_sighup_to_torchrun_writes_a_checkpoint_and_stops(base, tmp_path):
     saves = preempt_saves(run_dir)
     assert len(saves) == 1 and saves[0]["world_size"] == 2, out[-3000:]
     assert f"stopped by SIGHUP after step {saves[0]['step']}" in out and "kiln: the job stopped on SIGHUP" in out
+    assert f"Resume with: kiln train {run_dir} --nproc 2\n" in out  # on 2 processes, as it ran
 
 
 @pytest.mark.slow

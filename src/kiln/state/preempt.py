@@ -160,6 +160,20 @@ def emergency_checkpoint(trainer, checkpointer, error: BaseException, log: Calla
     return path
 
 
+def resume_command(run_dir: Path) -> str:
+    """The command that resumes the run in `run_dir` on as many processes as this one has: `kiln train RUN_DIR`
+    alone would resume a job of several on one process, which refuses its per-rank batch."""
+    command = f"kiln train {run_dir}"
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world <= 1:
+        return command
+    from kiln.dist.mesh import env_int
+
+    if env_int("LOCAL_WORLD_SIZE", world) == world:
+        return f"{command} --nproc {world}"
+    return f"{command} under torchrun on every node, as this job was started"
+
+
 def train_guarded(trainer, checkpointer, guard: SignalGuard | None, run_dir: Path,
                   log: Callable[[str], None]) -> dict[str, Any] | None:
     """`trainer.train()` with signal handling and emergency checkpoints. None when preempted."""
@@ -171,7 +185,7 @@ def train_guarded(trainer, checkpointer, guard: SignalGuard | None, run_dir: Pat
     except Preempted as p:
         checkpointer.close()
         saved = f"checkpoint {p.path} is complete" if p.path else "nothing to save before the first step"
-        log(f"stopped by {p.signame} after step {p.step}; {saved}.\nResume with: kiln train {run_dir}")
+        log(f"stopped by {p.signame} after step {p.step}; {saved}.\nResume with: {resume_command(run_dir)}")
         return None
     except KeyboardInterrupt:
         raise  # a second signal: abort now

@@ -171,3 +171,17 @@ def test_the_copy_of_a_signal_that_stopped_the_start_up_does_not_kill_the_proces
         assert later == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_the_resume_command_of_a_job_of_several_processes_starts_as_many(monkeypatch, tmp_path):
+    """`kiln train RUN_DIR` alone resumed a 2-process job on one process, which refused its per-rank batch."""
+    import kiln.state.preempt as preempt
+
+    assert preempt.resume_command(tmp_path) == f"kiln train {tmp_path}"
+    monkeypatch.setattr(preempt.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(preempt.dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert preempt.resume_command(tmp_path) == f"kiln train {tmp_path} --nproc 4"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two nodes
+    assert preempt.resume_command(tmp_path) == f"kiln train {tmp_path} under torchrun on every node, as this job " \
+                                               "was started"
