@@ -373,3 +373,30 @@ def test_the_slurm_script_reads_the_first_node_of_a_long_node_list_without_faili
     done = subprocess.run(["bash", str(out)], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "--rdzv_endpoint=node-00000:29500" in (tmp_path / "srun.args").read_text().split()
+
+
+def test_a_run_directory_or_cache_given_as_an_override_is_the_one_the_launch_files_use(tmp_path):
+    """`kiln launch slurm CONFIG train.run_dir=/shared/x data.cache_dir=/shared/cache`: both were replaced, silently,
+    by runs/NAME here and ~/.cache/kiln (each node's own); k8s took any path, though the pods see only /shared."""
+    run_dir, cache = tmp_path / "shared" / "my run", tmp_path / "shared" / "cache"
+    out = tmp_path / "job.sbatch"
+    res = runner.invoke(app, ["launch", "slurm", "quickstart", f"train.run_dir={run_dir}", f"data.cache_dir={cache}",
+                              "--gpus-per-node", "2", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    cfg = RunConfig.model_validate(yaml.safe_load((tmp_path / "job.config.yaml").read_text()))
+    assert cfg.train.run_dir == str(run_dir) and cfg.data.cache_dir == str(cache)
+    assert f'--output="{run_dir}/slurm-%j.out"' in out.read_text() and run_dir.is_dir()
+    res = runner.invoke(app, ["launch", "slurm", "quickstart", f"train.run_dir={run_dir}", "--run-dir",
+                              str(tmp_path / "other"), "--out", str(out)])
+    assert res.exit_code != 0 and "name two run directories; give one" in str(res.exception or res.output)
+
+    k8s_out = tmp_path / "job.yaml"
+    res = runner.invoke(app, ["launch", "k8s", "quickstart", "train.run_dir=/shared/runs/mine", "--image", "kiln:1",
+                              "--out", str(k8s_out)])
+    assert res.exit_code == 0, res.output
+    config_map, _ = list(yaml.safe_load_all(k8s_out.read_text()))
+    cfg = RunConfig.model_validate(yaml.safe_load(config_map["data"]["config.yaml"]))
+    assert cfg.train.run_dir == "/shared/runs/mine" and cfg.data.cache_dir == "/shared/cache"
+    res = runner.invoke(app, ["launch", "k8s", "quickstart", f"data.cache_dir={cache}", "--image", "kiln:1",
+                              "--out", str(k8s_out)])
+    assert res.exit_code != 0 and "the pods see only the volume claim mounted at /shared" in str(res.exception)
