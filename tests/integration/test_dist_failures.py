@@ -126,3 +126,17 @@ def test_a_signal_while_the_final_model_is_gathered_says_so_and_how_to_write_the
                            text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})  # as it says
     assert again.returncode == 0 and "writing it now" in again.stdout, again.stderr[-3000:]
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_an_error_found_after_start_up_is_not_restarted_under_max_restarts(tmp_path, args):
+    """model.vocab_size below the tokenizer's is found once the data is prepared, in every process: under
+    --max-restarts 2 the job started three times, each ending with the same error."""
+    cmd = [sys.executable, "-m", "kiln.cli", "train", *args, "model.vocab_size=100", f"train.run_dir={tmp_path}/run",
+           "--nproc", "2", "--max-restarts", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "400"})
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out[-3000:]
+    assert out.count("is smaller than the tokenizer's") == 1 and out.count("kiln run directory:") == 1, out[-3000:]
+    assert "kiln: not restarting the job: rank" in out

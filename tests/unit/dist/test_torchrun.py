@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -199,3 +198,31 @@ def test_a_process_whose_parent_died_before_it_asked_is_sent_sigterm_at_once():
     assert got.stdout.readline() == "True\n" and got.poll() is None
     got.kill()
     got.wait()
+
+
+def test_a_job_whose_rank_printed_its_error_is_not_restarted_and_other_failures_are(tmp_path, capsys):
+    """--max-restarts 2 and a config error found after start-up (model.vocab_size below the tokenizer's): each
+    start ended with the same error, three times over."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
+    results = []
+
+    class Agent:  # torchrun's agent as far as the restart decision goes
+        _remaining_restarts = 2
+
+        def _monitor_workers(self, worker_group):
+            return results.pop(0)
+
+    torchrun.no_restart_after_kiln_errors(Agent)
+    agent = Agent()
+    killed = {1: failure(tmp_path, 1, -9, None)}  # a killed process, no error of its own: restarted
+    results.append(RunResult(state=WorkerState.FAILED, failures=killed))
+    assert agent._monitor_workers(None).state == WorkerState.FAILED and agent._remaining_restarts == 2
+    results.append(RunResult(state=WorkerState.HEALTHY))
+    assert agent._monitor_workers(None).state == WorkerState.HEALTHY and agent._remaining_restarts == 2
+    shown = {0: failure(tmp_path, 0, 1, None), 1: failure(tmp_path, 1, 2, "error (rank 1): model.vocab_size")}
+    results.append(RunResult(state=WorkerState.FAILED, failures=shown))
+    agent._monitor_workers(None)
+    assert agent._remaining_restarts == 0
+    assert capsys.readouterr().err == ("kiln: not restarting the job: rank 1's error is one a restart would meet "
+                                       "again\n")

@@ -114,6 +114,29 @@ def stop_once(handler, clock=time.monotonic):
     return handle
 
 
+def no_restart_after_kiln_errors(agent_class=None) -> None:
+    """Under --max-restarts, a job whose rank failed with an error it printed (a KilnError: a config, data or
+    state error, or a disk that is full, is the same at every start) is not restarted: each start ended with it
+    again. Other failures (a killed process, a bug's traceback, a hang) are restarted as before."""
+    if agent_class is None:
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent as agent_class
+    monitor = agent_class._monitor_workers
+    if getattr(monitor, "kiln", False):  # wrapped already
+        return
+
+    def _monitor_workers(self, worker_group):
+        result = monitor(self, worker_group)
+        shown = [r for r, f in (result.failures or {}).items() if f.error_file_data.get(SHOWN)]
+        if shown and getattr(self, "_remaining_restarts", 0) > 0:
+            self._remaining_restarts = 0
+            print(f"kiln: not restarting the job: rank {min(shown)}'s error is one a restart would meet again",
+                  file=sys.stderr, flush=True)
+        return result
+
+    _monitor_workers.kiln = True
+    agent_class._monitor_workers = _monitor_workers
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -124,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     keep_writing()  # its last line to a closed pipe (`| tee` under Ctrl-C) is not a traceback
     # torchrun installs this module attribute as its handler when it starts the workers
     api._terminate_process_handler = stop_once(api._terminate_process_handler)
+    no_restart_after_kiln_errors()
     stop_with_parent()
     os.environ[PARENT_PID] = str(os.getpid())  # the workers stop when this process dies
     args = parse_args(sys.argv[1:] if argv is None else argv)
