@@ -216,7 +216,7 @@ class Interrupted(KeyboardInterrupt):
 class StopSignals(_Handler):
     """While active, SIGTERM and SIGINT raise `Interrupted(signum, f"{name} {during}: {then}")`, whatever is
     running (set `during` and `then` as the work moves on). With `defer`, the first signal is only noted
-    (`received`, with `deferred` printed) and the work goes on; a second one raises. In a process of several
+    (`received`, with `deferred` printed if given) and the work goes on; a second one raises. In a process of several
     (torchrun), a signal within DUPLICATE_S of the first is its copy (to every process, and passed on by
     torchrun) and is ignored, also after the block is left: it neither aborts a deferred save nor kills the
     process, silently, as it unwinds."""
@@ -237,8 +237,9 @@ class StopSignals(_Handler):
         self._first_at = self._first_at or now
         if self.defer and self.received is None:
             self.received = name
-            print(f"\n{name} received {self.during}: {self.deferred} (send it again to abort now)",
-                  file=sys.stderr, flush=True)
+            if self.deferred:
+                print(f"\n{name} received {self.during}: {self.deferred} (send it again to abort now)",
+                      file=sys.stderr, flush=True)
             return
         previous = dict(self._previous)
         self.__exit__()  # a third signal while unwinding gets the default handling

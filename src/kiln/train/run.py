@@ -93,7 +93,10 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
         if mesh.rank != 0:
             console = Console(quiet=True)
         out = _run(cfg, console, resume, callbacks, mesh)
-        mesh.close(clean=True)  # every rank finished: leave the group together
+        # every rank finished: leave the group together; a signal now (rank 0 may still save model/) is noted, not
+        # fatal: a rank it killed here broke the others' wait, with a traceback, though the run was complete
+        with StopSignals("as the run ends", "the run is complete", defer=True):
+            mesh.close(clean=True)
         return out
     except BaseException as e:
         if watch is not None and not watch.report(e):  # kiln.dist: one rank's error stops all, shown once
