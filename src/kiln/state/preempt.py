@@ -111,13 +111,14 @@ class SignalGuard(_Handler):
         per_step = 0.0
         if step is not None and self._last is not None and step > self._last[0]:
             per_step = (now - self._last[1]) / (step - self._last[0])
-        flag = torch.tensor([1.0 if self.requested else 0.0, per_step], dtype=torch.float64)
+        signum = int(signal.Signals[self.requested]) if self.requested else 0  # its name, for ranks that got none
+        flag = torch.tensor([float(signum), per_step], dtype=torch.float64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         stop, slowest = flag.tolist()
         if step is not None:  # every rank derives the same cadence from the same reduced numbers
             every = self.COLLECTIVE_EVERY if slowest <= 0 else int(self.CHECK_SECONDS / slowest)
             self._next, self._last = step + max(1, min(self.COLLECTIVE_EVERY, every)), (step, now)
-        return (self.requested or "SIGTERM") if stop else None
+        return (self.requested or signal.Signals(int(stop)).name) if stop else None
 
 
 def verify_first(trainer, log: Callable[[str], None]) -> bool:

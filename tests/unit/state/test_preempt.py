@@ -185,3 +185,15 @@ def test_the_resume_command_of_a_job_of_several_processes_starts_as_many(monkeyp
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two nodes
     assert preempt.resume_command(tmp_path) == f"kiln train {tmp_path} under torchrun on every node, as this job " \
                                                "was started"
+
+
+def test_a_rank_that_got_no_signal_names_the_one_another_rank_got(monkeypatch):
+    """Ctrl-C (SIGINT) to rank 1 alone: rank 0, which says how the run stopped, said 'stopped by SIGTERM'."""
+    import kiln.state.preempt as preempt
+
+    def all_reduce(tensor, op=None, group=None):  # rank 1's SIGINT is the maximum
+        tensor[0] = max(float(tensor[0]), float(signal.SIGINT))
+
+    monkeypatch.setattr(preempt.dist, "all_reduce", all_reduce)
+    guard = preempt.SignalGuard(group=object())
+    assert guard.should_stop() == "SIGINT"
