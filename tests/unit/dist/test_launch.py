@@ -184,6 +184,43 @@ def test_max_restarts_passes_through_to_torchrun_and_sigterm_is_forwarded(monkey
         local.relaunch(2, ["train"], max_restarts=-1)
 
 
+def test_a_sigint_or_sighup_sent_to_kiln_train_nproc_alone_reaches_torchrun(monkeypatch):
+    """`kill -INT` (or a process manager's SIGINT) to `kiln train --nproc 2`: it waited on, and the job trained to
+    the end; SIGHUP killed it, leaving the job to stop without it. Under nohup SIGHUP stays ignored."""
+    import signal
+    import subprocess
+
+    from kiln.dist.launch import local
+
+    got = []
+
+    class Torchrun:
+        def __init__(self, cmd, env):
+            self.waited = False
+
+        def send_signal(self, signum):
+            got.append(signum)
+
+        def wait(self):
+            if not self.waited:
+                self.waited = True
+                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(signal.SIGHUP)
+            return 128 + got[0] if got else 0
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(subprocess, "Popen", Torchrun)
+    assert local.relaunch(2, ["train", "cfg.yaml"]) == 128 + signal.SIGINT and got == [signal.SIGINT, signal.SIGHUP]
+    got.clear()
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nohup
+    try:
+        local.relaunch(2, ["train", "cfg.yaml"])
+        assert got == [signal.SIGINT] and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
 @pytest.mark.parametrize("argv", [["--nproc", "0"]])
 def test_nproc_must_be_positive(argv, monkeypatch):
     from kiln.dist.launch.local import relaunch
