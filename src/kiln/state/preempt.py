@@ -215,7 +215,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 class StopSignals(_Handler):
-    """While active, SIGTERM and SIGINT raise `Interrupted(signum, f"{name} {during}: {then}")`, whatever is
+    """While active, SIGTERM, SIGINT and SIGHUP raise `Interrupted(signum, f"{name} {during}: {then}")`, whatever is
     running (set `during` and `then` as the work moves on). With `defer`, the first signal is only noted
     (`received`, with `deferred` printed if given) and the work goes on; a second one raises. In a process of several
     (torchrun), a signal within DUPLICATE_S of the first is its copy (to every process, and passed on by
