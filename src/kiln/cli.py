@@ -431,6 +431,8 @@ def launch_slurm(
 
     Example: kiln launch slurm gpu-1b --nodes 2 --gpus-per-node 8 --time 1-00:00:00
     """
+    import yaml
+
     from kiln.dist.launch import slurm
     from kiln.dist.launch.common import job_name, write_files
 
@@ -441,7 +443,7 @@ def launch_slurm(
     text, cfg_yaml = slurm.script(config, list(overrides or []), nodes, gpus_per_node, config_path, name=name,
                                   run_dir=run_dir, time_limit=time_limit, partition=partition)
     write_files({config_path: cfg_yaml, script_path: text})
-    note = slurm.make_log_dir(slurm.run_directory(run_dir, job_name(config, name)))
+    note = slurm.make_log_dir(yaml.safe_load(cfg_yaml)["train"]["run_dir"])  # as the script resolved it
     console.print(f"wrote {script_path} and {config_path}; submit with: sbatch {shlex.quote(str(script_path))}"
                   + (f"\n{note}" if note else ""), highlight=False)
 
@@ -463,6 +465,9 @@ def _rank() -> int | None:
 
 
 def main() -> None:
+    from kiln.streams import keep_writing
+
+    keep_writing()  # a closed pipe (`| tee` under Ctrl-C) or terminal drops the output, not the run
     try:
         app()
     except KilnError as e:

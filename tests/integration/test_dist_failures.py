@@ -39,6 +39,17 @@ if action == "signal_in_gather":  # SIGTERM to every rank as the final model is 
         return gather(*a)
     train_run.full_model = full_model
 
+if action == "signal_at_end":  # SIGTERM to rank 1 as it waits for rank 0 to finish the run (model/ save)
+    import signal
+    from kiln.dist.mesh import Mesh
+
+    close = Mesh.close
+    def close_at_signal(self, clean=False):
+        if clean and os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return close(self, clean)
+    Mesh.close = close_at_signal
+
 run(load_config(None, sys.argv[2:]), callbacks=[Fault()] if action in ("raise", "hang") else [])
 '''
 
@@ -125,4 +136,29 @@ def test_a_signal_while_the_final_model_is_gathered_says_so_and_how_to_write_the
     again = subprocess.run([sys.executable, "-m", "kiln.cli", "train", str(tmp_path / "run")], capture_output=True,
                            text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})  # as it says
     assert again.returncode == 0 and "writing it now" in again.stdout, again.stderr[-3000:]
+    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_an_error_found_after_start_up_is_not_restarted_under_max_restarts(tmp_path, args):
+    """model.vocab_size below the tokenizer's is found once the data is prepared, in every process: under
+    --max-restarts 2 the job started three times, each ending with the same error."""
+    cmd = [sys.executable, "-m", "kiln.cli", "train", *args, "model.vocab_size=100", f"train.run_dir={tmp_path}/run",
+           "--nproc", "2", "--max-restarts", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "400"})
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out[-3000:]
+    assert out.count("is smaller than the tokenizer's") == 1 and out.count("kiln run directory:") == 1, out[-3000:]
+    assert "kiln: not restarting the job: rank" in out
+
+
+@pytest.mark.slow
+def test_a_signal_to_a_rank_waiting_for_the_others_at_the_end_does_not_break_the_complete_run(tmp_path, args):
+    """Rank 1, done, waits for rank 0 to save model/ and leave the group with it; a SIGTERM then killed it, and
+    rank 0's wait failed with a traceback ('Connection closed by peer') though the run was complete."""
+    done, _ = torchrun(tmp_path, "signal_at_end", [*args, "checkpoint.save_final=true", "train.max_steps=4"])
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "Connection closed by peer" not in out and "Traceback" not in out, out[-4000:]
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()

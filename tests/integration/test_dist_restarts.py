@@ -244,3 +244,44 @@ def test_workers_whose_launcher_is_killed_write_a_checkpoint_and_stop(base, tmp_
     done = finish(str(run_dir))  # the lock is free: the run resumes from the workers' checkpoint
     saved = run_dir / "checkpoints" / f"step_{saves[0]['step']:08d}"
     assert f"resumed from {saved}" in done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_sighup_to_torchrun_writes_a_checkpoint_and_stops(base, tmp_path):
+    """torchrun passes the SIGHUP of a closed terminal to the workers, which died of it with no checkpoint."""
+    run_dir = tmp_path / "run"
+    job = start(tmp_path / "1", *base, "train.batch_size=2", f"train.run_dir={run_dir}")
+    wait_until(lambda: steps_saved(run_dir) and worker(job.pid, 1), job, tmp_path / "1")
+    os.kill(launcher(job.pid), signal.SIGHUP)
+    assert job.wait(timeout=120) == 128 + signal.SIGHUP
+    out = output(tmp_path / "1")
+    killed_early(run_dir)
+    saves = preempt_saves(run_dir)
+    assert len(saves) == 1 and saves[0]["world_size"] == 2, out[-3000:]
+    assert f"stopped by SIGHUP after step {saves[0]['step']}" in out and "kiln: the job stopped on SIGHUP" in out
+    assert f"Resume with: kiln train {run_dir} --nproc 2\n" in out  # on 2 processes, as it ran
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_a_job_piped_to_tee_writes_a_checkpoint_and_stops(base, tmp_path):
+    """`kiln train --nproc 2 ... 2>&1 | tee log` and Ctrl-C (SIGINT to the pipeline's process group): tee exits
+    at once, and the job's next writes to the pipe raised BrokenPipeError, so no checkpoint was written."""
+    import shlex
+
+    run_dir = tmp_path / "run"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "stderr.txt").write_text("")
+    line = shlex.join(command(*base, "train.batch_size=2", f"train.run_dir={run_dir}"))
+    line += f" 2>&1 | tee {logs}/stdout.txt"
+    job = subprocess.Popen(["bash", "-c", line], env=ENV, start_new_session=True, stdout=subprocess.DEVNULL)
+    wait_until(lambda: steps_saved(run_dir) and worker(job.pid, 1), job, logs)
+    everyone = [job.pid, *descendants(job.pid)]
+    os.killpg(job.pid, signal.SIGINT)  # Ctrl-C: bash, kiln, tee and torchrun (the workers have their own sessions)
+    job.wait(timeout=120)
+    for pid in everyone:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).wait(timeout=120)
+    killed_early(run_dir)
+    saves = preempt_saves(run_dir)
+    assert len(saves) == 1 and saves[0]["world_size"] == 2

@@ -17,7 +17,7 @@ ROOT = Path(kiln.__file__).parent
 
 # lowest first; a module belongs to the layer of the longest name here that it starts with
 LAYERS: list[list[str]] = [
-    ["kiln", "kiln.errors", "kiln.files", "kiln.events"],  # no imports of Kiln
+    ["kiln", "kiln.errors", "kiln.files", "kiln.events", "kiln.streams"],  # no imports of Kiln
     ["kiln.sizes", "kiln.config"],  # the validated config (named sizes are plain data)
     ["kiln.data", "kiln.model", "kiln.plan"],  # read, prepare and load data; the pure model; the planner
     ["kiln.dist", "kiln.monitor", "kiln.state"],  # parallelism, sinks, checkpoints and the run directory

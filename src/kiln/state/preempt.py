@@ -1,6 +1,6 @@
 """Preemption and crashes: stop at a step boundary with a checkpoint, never mid-step.
 
-The first SIGTERM or SIGINT asks the loop to stop: the current step finishes, a checkpoint is
+The first SIGTERM, SIGINT or SIGHUP asks the loop to stop: the current step finishes, a checkpoint is
 written, and `kiln train` exits 0 saying how to resume. A second signal aborts at once (the last
 complete checkpoint is still there). An unexpected exception writes an emergency checkpoint
 when the trainer is between steps, then propagates.
@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +35,19 @@ class Preempted(Exception):
 
 
 class _Handler(abc.ABC):
-    """SIGTERM and SIGINT go to `on_signal` while the block runs (main thread only). A process forked
-    meanwhile (tokenizer or loader workers) inherits the handler, and dies of the signal instead."""
+    """SIGTERM, SIGINT and SIGHUP go to `on_signal` while the block runs (main thread only). A process forked
+    meanwhile (tokenizer or loader workers) inherits the handler, and dies of the signal instead. SIGHUP (a
+    closed terminal; torchrun passes on the one it gets) is left alone where it is ignored (under nohup)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
     def __enter__(self):
         self._pid = os.getpid()
         self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
+                if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                    continue
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -64,7 +68,7 @@ class _Handler(abc.ABC):
 
 
 class SignalGuard(_Handler):
-    """While active, the first SIGTERM/SIGINT sets `requested`; a second one aborts the process."""
+    """While active, the first SIGTERM/SIGINT/SIGHUP sets `requested`; a second one aborts the process."""
 
     COLLECTIVE_EVERY = 10  # most steps between two checks across processes
     CHECK_SECONDS = 1.0  # and fewer where steps are slow: about one check a second (torchrun's grace is 30 s)
@@ -83,8 +87,8 @@ class SignalGuard(_Handler):
                 print(f"\n{name} received: finishing this step and writing a checkpoint (send it again to abort "
                       "now)", file=sys.stderr, flush=True)
             return
-        if self.group is not None and name == self.requested and time.monotonic() - self._first_at < self.DUPLICATE_S:
-            return  # the same signal twice at once: from the scheduler to every process, and passed on by torchrun
+        if self.group is not None and time.monotonic() - self._first_at < self.DUPLICATE_S:
+            return  # one event delivered twice: from the scheduler to every process, and passed on by torchrun
         print(f"\nsecond {name}: aborting without a checkpoint; the last complete checkpoint is kept",
               file=sys.stderr, flush=True)
         self.__exit__()
@@ -107,13 +111,14 @@ class SignalGuard(_Handler):
         per_step = 0.0
         if step is not None and self._last is not None and step > self._last[0]:
             per_step = (now - self._last[1]) / (step - self._last[0])
-        flag = torch.tensor([1.0 if self.requested else 0.0, per_step], dtype=torch.float64)
+        signum = int(signal.Signals[self.requested]) if self.requested else 0  # its name, for ranks that got none
+        flag = torch.tensor([float(signum), per_step], dtype=torch.float64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         stop, slowest = flag.tolist()
         if step is not None:  # every rank derives the same cadence from the same reduced numbers
             every = self.COLLECTIVE_EVERY if slowest <= 0 else int(self.CHECK_SECONDS / slowest)
             self._next, self._last = step + max(1, min(self.COLLECTIVE_EVERY, every)), (step, now)
-        return (self.requested or "SIGTERM") if stop else None
+        return (self.requested or signal.Signals(int(stop)).name) if stop else None
 
 
 def verify_first(trainer, log: Callable[[str], None]) -> bool:
@@ -156,6 +161,20 @@ def emergency_checkpoint(trainer, checkpointer, error: BaseException, log: Calla
     return path
 
 
+def resume_command(run_dir: Path) -> str:
+    """The command that resumes the run in `run_dir` on as many processes as this one has: `kiln train RUN_DIR`
+    alone would resume a job of several on one process, which refuses its per-rank batch."""
+    command = f"kiln train {run_dir}"
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world <= 1:
+        return command
+    from kiln.dist.mesh import env_int
+
+    if env_int("LOCAL_WORLD_SIZE", world) == world:
+        return f"{command} --nproc {world}"
+    return f"{command} under torchrun on every node, as this job was started"
+
+
 def train_guarded(trainer, checkpointer, guard: SignalGuard | None, run_dir: Path,
                   log: Callable[[str], None]) -> dict[str, Any] | None:
     """`trainer.train()` with signal handling and emergency checkpoints. None when preempted."""
@@ -167,7 +186,7 @@ def train_guarded(trainer, checkpointer, guard: SignalGuard | None, run_dir: Pat
     except Preempted as p:
         checkpointer.close()
         saved = f"checkpoint {p.path} is complete" if p.path else "nothing to save before the first step"
-        log(f"stopped by {p.signame} after step {p.step}; {saved}.\nResume with: kiln train {run_dir}")
+        log(f"stopped by {p.signame} after step {p.step}; {saved}.\nResume with: {resume_command(run_dir)}")
         return None
     except KeyboardInterrupt:
         raise  # a second signal: abort now
@@ -196,19 +215,44 @@ class Interrupted(KeyboardInterrupt):
 
 
 class StopSignals(_Handler):
-    """While active, SIGTERM and SIGINT raise `Interrupted(signum, f"{name} {during}: {then}")`, whatever is
+    """While active, SIGTERM, SIGINT and SIGHUP raise `Interrupted(signum, f"{name} {during}: {then}")`, whatever is
     running (set `during` and `then` as the work moves on). With `defer`, the first signal is only noted
-    (`received`, with `deferred` printed) and the work goes on; a second one raises."""
+    (`received`, with `deferred` printed if given) and the work goes on; a second one raises. In a process of several
+    (torchrun), a signal within DUPLICATE_S of the first is its copy (to every process, and passed on by
+    torchrun) and is ignored, also after the block is left: it neither aborts a deferred save nor kills the
+    process, silently, as it unwinds."""
 
     def __init__(self, during: str, then: str, defer: bool = False, deferred: str = ""):
         self.during, self.then, self.defer, self.deferred = during, then, defer, deferred
         self.received: str | None = None
+        self._first_at: float | None = None
+
+    def __enter__(self):
+        self._several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        return super().__enter__()
 
     def on_signal(self, signum: int, name: str) -> None:
+        now = time.monotonic()
+        if self._several and self._first_at is not None and now - self._first_at < DUPLICATE_S:
+            return
+        self._first_at = self._first_at or now
         if self.defer and self.received is None:
             self.received = name
-            print(f"\n{name} received {self.during}: {self.deferred} (send it again to abort now)",
-                  file=sys.stderr, flush=True)
+            if self.deferred:
+                print(f"\n{name} received {self.during}: {self.deferred} (send it again to abort now)",
+                      file=sys.stderr, flush=True)
             return
+        previous = dict(self._previous)
         self.__exit__()  # a third signal while unwinding gets the default handling
+        if self._several:  # the copy of this one may still come, after the block
+            for sig in previous:
+                signal.signal(sig, partial(_copy_or_previous, self._first_at, previous[sig]))
         raise Interrupted(signum, f"{'second ' if self.received else ''}{name} {self.during}: {self.then}")
+
+
+def _copy_or_previous(first_at: float, previous, signum: int, frame) -> None:
+    """A signal after a stop: ignored if it is the stop's copy (within DUPLICATE_S), else handled as before."""
+    if time.monotonic() - first_at < DUPLICATE_S:
+        return
+    signal.signal(signum, previous)
+    os.kill(os.getpid(), signum)

@@ -41,7 +41,7 @@ from kiln.state.checkpointer import Checkpointer
 from kiln.state.lora_base import KEY as BASE_KEY
 from kiln.state.lora_base import base_hash, check_base
 from kiln.state.parts import KEYS
-from kiln.state.preempt import SignalGuard, StopSignals, train_guarded
+from kiln.state.preempt import SignalGuard, StopSignals, resume_command, train_guarded
 from kiln.state.resume import check_compatible, choose_checkpoint, fingerprints, run_directory
 from kiln.state.rundir import hold_run_dir, process_rank, write_config
 from kiln.state.verify import read_meta
@@ -92,7 +92,10 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
         if mesh.rank != 0:
             console = Console(quiet=True)
         out = _run(cfg, console, resume, callbacks, mesh)
-        mesh.close(clean=True)  # every rank finished: leave the group together
+        # every rank finished: leave the group together; a signal now (rank 0 may still save model/) is noted, not
+        # fatal: a rank it killed here broke the others' wait, with a traceback, though the run was complete
+        with StopSignals("as the run ends", "the run is complete", defer=True):
+            mesh.close(clean=True)
         return out
     except BaseException as e:
         if watch is not None and not watch.report(e):  # kiln.dist: one rank's error stops all, shown once
@@ -254,8 +257,8 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     if auto is not None and mesh.rank == 0:  # after the resume: metrics.jsonl keeps the records up to its step
         trainer.notice("auto_batch", **auto)
     first = (trainer.last_eval or trainer.evaluate()) if resume_from is not None else trainer.evaluate()
-    stops.during, stops.then = "during training", f"the last complete checkpoint is kept; resume with: kiln " \
-                                                   f"train {run_dir}"
+    stops.during = "during training"
+    stops.then = f"the last complete checkpoint is kept; resume with: {resume_command(run_dir)}"
     try:
         final = train_guarded(trainer, checkpointer, guard, run_dir, console.print)
     finally:

@@ -184,6 +184,43 @@ def test_max_restarts_passes_through_to_torchrun_and_sigterm_is_forwarded(monkey
         local.relaunch(2, ["train"], max_restarts=-1)
 
 
+def test_a_sigint_or_sighup_sent_to_kiln_train_nproc_alone_reaches_torchrun(monkeypatch):
+    """`kill -INT` (or a process manager's SIGINT) to `kiln train --nproc 2`: it waited on, and the job trained to
+    the end; SIGHUP killed it, leaving the job to stop without it. Under nohup SIGHUP stays ignored."""
+    import signal
+    import subprocess
+
+    from kiln.dist.launch import local
+
+    got = []
+
+    class Torchrun:
+        def __init__(self, cmd, env):
+            self.waited = False
+
+        def send_signal(self, signum):
+            got.append(signum)
+
+        def wait(self):
+            if not self.waited:
+                self.waited = True
+                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(signal.SIGHUP)
+            return 128 + got[0] if got else 0
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(subprocess, "Popen", Torchrun)
+    assert local.relaunch(2, ["train", "cfg.yaml"]) == 128 + signal.SIGINT and got == [signal.SIGINT, signal.SIGHUP]
+    got.clear()
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nohup
+    try:
+        local.relaunch(2, ["train", "cfg.yaml"])
+        assert got == [signal.SIGINT] and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
 @pytest.mark.parametrize("argv", [["--nproc", "0"]])
 def test_nproc_must_be_positive(argv, monkeypatch):
     from kiln.dist.launch.local import relaunch
@@ -380,3 +417,30 @@ def test_the_slurm_script_reads_the_first_node_of_a_long_node_list_without_faili
     done = subprocess.run(["bash", str(out)], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "--rdzv_endpoint=node-00000:29500" in (tmp_path / "srun.args").read_text().split()
+
+
+def test_a_run_directory_or_cache_given_as_an_override_is_the_one_the_launch_files_use(tmp_path):
+    """`kiln launch slurm CONFIG train.run_dir=/shared/x data.cache_dir=/shared/cache`: both were replaced, silently,
+    by runs/NAME here and ~/.cache/kiln (each node's own); k8s took any path, though the pods see only /shared."""
+    run_dir, cache = tmp_path / "shared" / "my run", tmp_path / "shared" / "cache"
+    out = tmp_path / "job.sbatch"
+    res = runner.invoke(app, ["launch", "slurm", "quickstart", f"train.run_dir={run_dir}", f"data.cache_dir={cache}",
+                              "--gpus-per-node", "2", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    cfg = RunConfig.model_validate(yaml.safe_load((tmp_path / "job.config.yaml").read_text()))
+    assert cfg.train.run_dir == str(run_dir) and cfg.data.cache_dir == str(cache)
+    assert f'--output="{run_dir}/slurm-%j.out"' in out.read_text() and run_dir.is_dir()
+    res = runner.invoke(app, ["launch", "slurm", "quickstart", f"train.run_dir={run_dir}", "--run-dir",
+                              str(tmp_path / "other"), "--out", str(out)])
+    assert res.exit_code != 0 and "name two run directories; give one" in str(res.exception or res.output)
+
+    k8s_out = tmp_path / "job.yaml"
+    res = runner.invoke(app, ["launch", "k8s", "quickstart", "train.run_dir=/shared/runs/mine", "--image", "kiln:1",
+                              "--out", str(k8s_out)])
+    assert res.exit_code == 0, res.output
+    config_map, _ = list(yaml.safe_load_all(k8s_out.read_text()))
+    cfg = RunConfig.model_validate(yaml.safe_load(config_map["data"]["config.yaml"]))
+    assert cfg.train.run_dir == "/shared/runs/mine" and cfg.data.cache_dir == "/shared/cache"
+    res = runner.invoke(app, ["launch", "k8s", "quickstart", f"data.cache_dir={cache}", "--image", "kiln:1",
+                              "--out", str(k8s_out)])
+    assert res.exit_code != 0 and "the pods see only the volume claim mounted at /shared" in str(res.exception)

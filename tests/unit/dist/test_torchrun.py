@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -113,6 +112,42 @@ def test_torchrun_takes_a_signal_delivered_twice_at_once_as_one_and_a_later_one_
         handle(signal.SIGTERM, None)
 
 
+def test_torchrun_takes_another_signal_at_once_as_the_same_event():
+    """A closed terminal sends torchrun SIGHUP, and its launcher's death SIGTERM (PR_SET_PDEATHSIG) a moment
+    later: torchrun broke off its wait and sent the workers SIGTERM after SIGHUP, which they took as 'abort'."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
+
+    now = [100.0]
+    handle = torchrun.stop_once(_terminate_process_handler, clock=lambda: now[0])
+    with pytest.raises(SignalException):
+        handle(signal.SIGHUP, None)
+    now[0] += 0.01
+    handle(signal.SIGTERM, None)  # the same event: ignored
+
+
+def test_under_nohup_torchrun_does_not_stop_the_job_on_sighup(monkeypatch):
+    """nohup ignores SIGHUP for the job, but torchrun handled it anyway and stopped every worker."""
+    import signal
+
+    import torch.distributed.run as torch_run
+    from torch.distributed.elastic.multiprocessing import api
+
+    seen = []
+    monkeypatch.setattr(torch_run, "run", lambda args: seen.append(args.signals_to_handle))
+    monkeypatch.setattr(api, "_terminate_process_handler", api._terminate_process_handler)  # main wraps it
+    monkeypatch.setattr(torchrun, "stop_with_parent", lambda: True)  # not for pytest itself
+    monkeypatch.setenv(torchrun.PARENT_PID, "1")
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        assert torchrun.main(["--standalone", "--nproc_per_node=2", "-m", "kiln.cli", "train"]) == 0
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    assert torchrun.main(["--standalone", "--nproc_per_node=2", "-m", "kiln.cli", "train"]) == 0
+    assert seen == ["SIGTERM,SIGINT,SIGQUIT", "SIGTERM,SIGINT,SIGHUP,SIGQUIT"]
+
+
 def test_the_rank_that_printed_its_error_is_named_with_its_exit_code_though_torchrun_stopped_it(tmp_path, monkeypatch):
     """Rank 1 printed a config error; rank 0 exited first (stopping for it, code 1) and torchrun then stopped
     rank 1 with SIGTERM: the job used to end 'rank 1 failed (exit code -15)' with code 1 instead of 2."""
@@ -172,3 +207,31 @@ def test_a_torchrun_started_by_hand_without_kilns_environment_is_told_what_it_co
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in plain  # no restarts: the store does not matter
     restarts = torchrun.missing_env({"TORCHELASTIC_MAX_RESTARTS": "3", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "600"})
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in restarts and "SHUTDOWN" not in restarts
+
+
+def test_a_job_whose_rank_printed_its_error_is_not_restarted_and_other_failures_are(tmp_path, capsys):
+    """--max-restarts 2 and a config error found after start-up (model.vocab_size below the tokenizer's): each
+    start ended with the same error, three times over."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
+    results = []
+
+    class Agent:  # torchrun's agent as far as the restart decision goes
+        _remaining_restarts = 2
+
+        def _monitor_workers(self, worker_group):
+            return results.pop(0)
+
+    torchrun.no_restart_after_kiln_errors(Agent)
+    agent = Agent()
+    killed = {1: failure(tmp_path, 1, -9, None)}  # a killed process, no error of its own: restarted
+    results.append(RunResult(state=WorkerState.FAILED, failures=killed))
+    assert agent._monitor_workers(None).state == WorkerState.FAILED and agent._remaining_restarts == 2
+    results.append(RunResult(state=WorkerState.HEALTHY))
+    assert agent._monitor_workers(None).state == WorkerState.HEALTHY and agent._remaining_restarts == 2
+    shown = {0: failure(tmp_path, 0, 1, None), 1: failure(tmp_path, 1, 2, "error (rank 1): model.vocab_size")}
+    results.append(RunResult(state=WorkerState.FAILED, failures=shown))
+    agent._monitor_workers(None)
+    assert agent._remaining_restarts == 0
+    assert capsys.readouterr().err == ("kiln: not restarting the job: rank 1's error is one a restart would meet "
+                                       "again\n")

@@ -23,6 +23,15 @@ def check_shape(nodes: int, gpus_per_node: int) -> None:
         raise ConfigError(f"--nodes {nodes} --gpus-per-node {gpus_per_node}: both must be at least 1")
 
 
+def given_paths(config: str | None, overrides: list[str]) -> tuple[str | None, str | None]:
+    """The run directory and data cache that the config or its overrides set (None: left at the default)."""
+    from kiln.config import DataConfig
+
+    cfg = load_config(config, overrides)
+    cache = cfg.data.cache_dir if cfg.data.cache_dir != DataConfig.model_fields["cache_dir"].default else None
+    return cfg.train.run_dir, cache
+
+
 def resolved_config(config: str | None, overrides: list[str], run_dir: str, cache_dir: str) -> RunConfig:
     """The run's config with its run directory and data cache on the shared storage every node sees."""
     return load_config(config, [*overrides, f"train.run_dir={run_dir}", f"data.cache_dir={cache_dir}"])

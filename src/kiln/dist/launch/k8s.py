@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import yaml
 
-from kiln.dist.launch.common import check_shape, job_name, resolved_config
+from kiln.dist.launch.common import check_shape, given_paths, job_name, resolved_config
 from kiln.dist.launch.torchrun import SHUTDOWN_TIMEOUT_S, TORCHRUN_ENV
 from kiln.errors import ConfigError
 
@@ -37,7 +37,12 @@ def manifest(config: str | None, overrides: list[str], nodes: int, gpus_per_node
     if max_restarts < 0:
         raise ConfigError(f"max_restarts={max_restarts}: give how often the job may restart, 0 or more")
     job = job_name(config, name)
-    cfg = resolved_config(config, overrides, f"{SHARED}/runs/{job}", f"{SHARED}/cache")
+    run_dir, cache_dir = given_paths(config, overrides)  # on the shared volume, or left to this manifest
+    for key, path in (("train.run_dir", run_dir), ("data.cache_dir", cache_dir)):
+        if path is not None and not path.startswith(f"{SHARED}/"):
+            raise ConfigError(f"{key}={path}: the pods see only the volume claim mounted at {SHARED}; give a path "
+                              f"under {SHARED}/, or leave it unset ({SHARED}/runs/{job} and {SHARED}/cache)")
+    cfg = resolved_config(config, overrides, run_dir or f"{SHARED}/runs/{job}", cache_dir or f"{SHARED}/cache")
     shm = shm_gib if shm_gib is not None else max(8, 4 * gpus_per_node)
     resources: dict = {"nvidia.com/gpu": gpus_per_node}
     if cpus_per_node:

@@ -1,11 +1,11 @@
 """`kiln train CONFIG --nproc N`: start torchrun on this machine, which runs `kiln train CONFIG` N times.
 
 `--max-restarts K` lets torchrun restart the job K times after a process dies (each start resumes from
-the newest checkpoint by itself). SIGTERM to this process (a scheduler preempting the job) is passed
-to torchrun, which passes it to every worker; each writes its part of one checkpoint and exits. torchrun
-kills workers that take longer than its shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by
-default); this sets it to SHUTDOWN_TIMEOUT_S (kiln.dist.launch.torchrun) unless the environment already does,
-since a large model's preemption checkpoint can take longer than 30 s to write."""
+the newest checkpoint by itself). SIGTERM to this process (a scheduler preempting the job; SIGINT and
+SIGHUP too) is passed to torchrun, which passes it to every worker; each writes its part of one checkpoint
+and exits. torchrun kills workers that take longer than its shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
+30 s by default); this sets it to SHUTDOWN_TIMEOUT_S (kiln.dist.launch.torchrun) unless the environment
+already does, since a large model's preemption checkpoint can take longer than 30 s to write."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from kiln.dist.launch.torchrun import PARENT_PID, TORCHRUN_ENV
 from kiln.errors import ConfigError, ResourceError
 
 PROCESS_BYTES = 1 << 29  # host memory one CPU training process takes at the least (torch and its threads: ~0.35 GiB)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # passed on to torchrun, which stops the job on them
 LAUNCH_OPTIONS = ("--nproc", "--max-restarts")  # options of `kiln train` that torchrun's command drops
 
 
@@ -112,17 +113,16 @@ def relaunch(nproc: int, argv: list[str] | None = None, max_restarts: int = 0, c
         env.setdefault(name, value)
     env[PARENT_PID] = str(os.getpid())  # torchrun stops its workers if this process is killed
     proc = subprocess.Popen(torchrun_command(nproc, args, max_restarts), env=env)
-    # a scheduler's SIGTERM comes to this process alone: torchrun passes it on to the workers
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
+    # a scheduler's SIGTERM (or a SIGINT, a SIGHUP sent with kill) comes to this process alone: torchrun passes it
+    # on to the workers. A Ctrl-C reaches torchrun too, and this copy within DUPLICATE_S counts once there.
+    # SIGHUP stays ignored under nohup.
+    forwarded = [s for s in FORWARDED if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN]
+    previous = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signum)) for s in forwarded}
     try:
-        while True:
-            try:
-                code = proc.wait()
-                break
-            except KeyboardInterrupt:  # torchrun got the Ctrl-C too and stops its workers; wait for it
-                continue
+        code = proc.wait()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if code < 0:  # torchrun itself was killed; its workers are sent SIGTERM (kiln.dist.launch.torchrun)
         print(f"kiln: torchrun was killed by {signal.Signals(-code).name}; its workers write a checkpoint and stop, "
               f"then `kiln train RUN_DIR --nproc {nproc}` resumes the run", file=sys.stderr, flush=True)

@@ -14,7 +14,7 @@ import re
 import shlex
 from pathlib import Path
 
-from kiln.dist.launch.common import check_shape, job_name, resolved_config
+from kiln.dist.launch.common import check_shape, given_paths, job_name, resolved_config
 from kiln.dist.launch.torchrun import SHUTDOWN_TIMEOUT_S, TORCHRUN_ENV
 from kiln.errors import ConfigError
 
@@ -24,9 +24,15 @@ SIGNAL_S = SHUTDOWN_TIMEOUT_S + 30  # SIGTERM this long before the time limit: t
 TIME_FORMAT = re.compile(r"(\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|unlimited|infinite)", re.IGNORECASE)
 
 
-def run_directory(run_dir: str | None, job: str) -> str:
-    """The job's run directory, absolute (default runs/JOB here)."""
-    return str(Path(run_dir or f"runs/{job}").expanduser().absolute())
+def run_directory(run_dir: str | None, job: str, given: str | None = None) -> str:
+    """The job's run directory, absolute: `run_dir` (--run-dir), else `given` (the config's train.run_dir),
+    else runs/JOB here."""
+    def absolute(path: str) -> str:
+        return str(Path(path).expanduser().absolute())
+
+    if run_dir and given and absolute(run_dir) != absolute(given):
+        raise ConfigError(f"--run-dir {run_dir} and train.run_dir={given} name two run directories; give one")
+    return absolute(run_dir or given or f"runs/{job}")
 
 
 def make_log_dir(run_dir: str) -> str | None:
@@ -64,8 +70,9 @@ def script(config: str | None, overrides: list[str], nodes: int, gpus_per_node: 
     check_shape(nodes, gpus_per_node)
     check_options(time_limit, partition)
     job = job_name(config, name)
-    run_dir = run_directory(run_dir, job)
-    cache_dir = str(Path(cache_dir or "~/.cache/kiln").expanduser().absolute())
+    given_run, given_cache = given_paths(config, overrides)  # train.run_dir and data.cache_dir, if set
+    run_dir = run_directory(run_dir, job, given_run)
+    cache_dir = str(Path(cache_dir or given_cache or "~/.cache/kiln").expanduser().absolute())
     cfg = resolved_config(config, overrides, run_dir, cache_dir)
     cfg_file = shlex.quote(str(Path(config_path).absolute()))
     directives = [f"--job-name={job}", f"--nodes={nodes}", "--ntasks-per-node=1", f"--gpus-per-node={gpus_per_node}",

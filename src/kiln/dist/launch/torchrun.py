@@ -9,10 +9,11 @@ error (a `KilnError`: it wrote `record_error`'s file) ends with one line naming 
 failure (a bug's traceback, a signal) with torchrun's summary, without torchrun's traceback. The exit
 code is the failing rank's (2 for a config error, as `kiln train` in one process), else 1.
 
-A signal (SIGTERM from a scheduler, Ctrl-C) makes torchrun pass it to every worker, wait for them to write
-their checkpoint and exit, then raise its SignalException: here that ends the job with one line and exit code
-128 + the signal's number, instead of torchrun's traceback. The same signal delivered twice at once (to the
-whole process group, and again by `kiln train --nproc`, which forwards it) is taken once (`stop_once`):
+A signal (SIGTERM from a scheduler, Ctrl-C, SIGHUP unless ignored as under nohup) makes torchrun pass it
+to every worker, wait for them to write their checkpoint and exit, then raise its SignalException: here that
+ends the job with one line and exit code 128 + the signal's number, instead of torchrun's traceback. A signal
+delivered twice at once (to the whole process group, and again by `kiln train --nproc`, which forwards it; or
+a closed terminal's SIGHUP and the SIGTERM of the launcher's death) is taken once (`stop_once`):
 torchrun would break off its wait for the workers and send each the signal again, which a kiln worker takes
 as "abort now, without a checkpoint". A second signal later still aborts, as a second Ctrl-C should.
 
@@ -124,13 +125,14 @@ def summary(error) -> tuple[str, int]:
 
 def stop_once(handler, clock=time.monotonic):
     """torchrun's signal handler (`handler`), less the copies of its first signal: that one raises
-    SignalException, which makes torchrun pass it to the workers and wait for them; the same signal again
-    within DUPLICATE_S (one event delivered twice: to the process group and by the launcher that forwards
-    it) is ignored. A later one is a second request: torchrun passes it on, and the workers abort."""
+    SignalException, which makes torchrun pass it to the workers and wait for them; a signal again within
+    DUPLICATE_S (one event delivered twice: to the process group and by the launcher that forwards it, or a
+    closed terminal's SIGHUP and the SIGTERM of the launcher's death) is ignored. A later one is a second
+    request: torchrun passes it on, and the workers abort."""
     first: list[tuple[int, float]] = []
 
     def handle(signum: int, frame) -> None:
-        if first and first[0][0] == signum and clock() - first[0][1] < DUPLICATE_S:
+        if first and clock() - first[0][1] < DUPLICATE_S:
             return
         if not first:
             first.append((signum, clock()))
@@ -139,17 +141,47 @@ def stop_once(handler, clock=time.monotonic):
     return handle
 
 
+def no_restart_after_kiln_errors(agent_class=None) -> None:
+    """Under --max-restarts, a job whose rank failed with an error it printed (a KilnError: a config, data or
+    state error, or a disk that is full, is the same at every start) is not restarted: each start ended with it
+    again. Other failures (a killed process, a bug's traceback, a hang) are restarted as before."""
+    if agent_class is None:
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent as agent_class
+    monitor = agent_class._monitor_workers
+    if getattr(monitor, "kiln", False):  # wrapped already
+        return
+
+    def _monitor_workers(self, worker_group):
+        result = monitor(self, worker_group)
+        shown = [r for r, f in (result.failures or {}).items() if f.error_file_data.get(SHOWN)]
+        if shown and getattr(self, "_remaining_restarts", 0) > 0:
+            self._remaining_restarts = 0
+            print(f"kiln: not restarting the job: rank {min(shown)}'s error is one a restart would meet again",
+                  file=sys.stderr, flush=True)
+        return result
+
+    _monitor_workers.kiln = True
+    agent_class._monitor_workers = _monitor_workers
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from kiln.streams import keep_writing
+
+    keep_writing()  # its last line to a closed pipe (`| tee` under Ctrl-C) is not a traceback
     # torchrun installs this module attribute as its handler when it starts the workers
     api._terminate_process_handler = stop_once(api._terminate_process_handler)
+    no_restart_after_kiln_errors()
     stop_with_parent()
     os.environ[PARENT_PID] = str(os.getpid())  # the workers stop when this process dies
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:  # under nohup: torchrun would stop the job on a hangup
+        args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() != "SIGHUP")
     try:
-        run(parse_args(sys.argv[1:] if argv is None else argv))
+        run(args)
     except ChildFailedError as e:
         text, code = summary(e)
         print(text, file=sys.stderr, flush=True)
