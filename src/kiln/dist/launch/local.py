@@ -124,7 +124,7 @@ def relaunch(nproc: int, argv: list[str] | None = None, max_restarts: int = 0, c
         for s, handler in previous.items():
             signal.signal(s, handler)
     if code < 0:  # torchrun itself was killed; its workers are sent SIGTERM (kiln.dist.launch.torchrun)
-        print(f"kiln: torchrun was killed by {signal.Signals(-code).name}; its workers write a checkpoint and stop, "
-              f"then `kiln train RUN_DIR --nproc {nproc}` resumes the run", file=sys.stderr, flush=True)
+        print(f"kiln: torchrun was killed by {signal.Signals(-code).name}; its workers are told to stop as on "
+              "SIGTERM (their last lines say how to resume)", file=sys.stderr, flush=True)
         return 128 - code
     return code
