@@ -147,8 +147,8 @@ def no_restart_after_kiln_errors(agent_class=None) -> None:
     again. Other failures (a killed process, a bug's traceback, a hang) are restarted as before."""
     if agent_class is None:
         from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent as agent_class
-    monitor = agent_class._monitor_workers
-    if getattr(monitor, "kiln", False):  # wrapped already
+    monitor = getattr(agent_class, "_monitor_workers", None)  # torchrun's private method: absent, restart as torchrun
+    if monitor is None or getattr(monitor, "kiln", False):  # does, or wrapped already
         return
 
     def _monitor_workers(self, worker_group):
