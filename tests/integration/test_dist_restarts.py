@@ -239,8 +239,9 @@ def test_workers_whose_launcher_is_killed_write_a_checkpoint_and_stop(base, tmp_
     saves = preempt_saves(run_dir)
     assert len(saves) == 1 and saves[0]["world_size"] == 2, out[-3000:]
     assert f"stopped by SIGTERM after step {saves[0]['step']}" in out
-    if victim == "torchrun":
-        assert job.returncode == 128 + signal.SIGKILL and "torchrun was killed by SIGKILL" in out
+    if victim == "kiln":
+        return  # the workers stopped as under a scheduler's SIGTERM, whose resume test_sigkill_sigterm_... checks
+    assert job.returncode == 128 + signal.SIGKILL and "torchrun was killed by SIGKILL" in out
     done = finish(str(run_dir))  # the lock is free: the run resumes from the workers' checkpoint
     saved = run_dir / "checkpoints" / f"step_{saves[0]['step']:08d}"
     assert f"resumed from {saved}" in done.stdout + done.stderr
