@@ -70,8 +70,8 @@ def _transformer(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> torch.nn.M
 def load_target(target: str | Path) -> Target:
     """What TARGET holds (see the module doc), loaded on the CPU."""
     from kiln.data.prepare.tokenizer import Tokenizer
-    from kiln.state.rundir import checkpoint_of
-    from kiln.state.weights import load_model, model_saved
+    from kiln.state.rundir import checkpoint_of, model_saved
+    from kiln.state.weights import load_model
 
     p = Path(target).expanduser()
     if not p.is_dir():

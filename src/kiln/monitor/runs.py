@@ -94,17 +94,8 @@ def _metrics(run_dir: Path) -> tuple[dict | None, float | None, float | None]:
     return last, best, sum(b - a for a, b in spans) if spans else None
 
 
-def _model_saved(path: Path) -> bool:
-    """Whether `path` holds a whole final model (as kiln.train.run.model_saved: weights, config, tokenizer)."""
-    try:
-        json.loads((path / "model_config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
-
-
 def summarize(run_dir: str | Path) -> RunSummary:
-    from kiln.state.rundir import checkpoints
+    from kiln.state.rundir import checkpoints, model_saved
     from kiln.state.verify import read_meta
 
     run_dir = Path(run_dir)
@@ -127,7 +118,7 @@ def summarize(run_dir: str | Path) -> RunSummary:
         status, note = "stopped", str(meta["stop_reason"])
     elif meta is not None and meta.get("reason") == "preempt":
         status, note = "stopped", "by a signal; resume with kiln train RUN"
-    elif _model_saved(run_dir / "model") or (meta is not None and meta.get("reason") == "final"
+    elif model_saved(run_dir / "model") or (meta is not None and meta.get("reason") == "final"
                                             and max_steps is not None and meta["step"] >= max_steps):
         status = "finished"
     else:

@@ -127,7 +127,8 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
                 max_shard_bytes: int = MAX_SHARD_BYTES, adapters: bool = False) -> Path:
     """`kiln export SRC --to TO`: find what SRC holds (see the module doc) and export it; `adapters`:
     a LoRA run's adapters in PEFT's format instead of the merged model."""
-    from kiln.state.weights import load_model, model_saved
+    from kiln.state.rundir import model_saved
+    from kiln.state.weights import load_model
 
     p = Path(src).expanduser()
     if not p.is_dir():

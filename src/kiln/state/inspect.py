@@ -10,7 +10,7 @@ import yaml
 
 from kiln.errors import StateError
 from kiln.state.resume import FREE, config_differences
-from kiln.state.rundir import CHECKPOINTS, checkpoints, set_aside, unfinished
+from kiln.state.rundir import CHECKPOINTS, checkpoints, model_saved, set_aside, unfinished
 from kiln.state.verify import META, read_meta, verify
 
 
@@ -120,8 +120,6 @@ def describe_run(run_dir: Path, compare: dict[str, Any] | None = None, check: bo
             lines.append(f"  {n}  kept for {', '.join(info.get('kept_for', [])) or '?'}{best}")
     else:
         lines.append("archive: none (set checkpoint.archive_url)")
-    from kiln.state.weights import model_saved  # torch and safetensors: only here
-
     model = run_dir / "model"
     lines.append(f"final model: {model}" if model_saved(model) else
                  f"final model: {model} is incomplete (its save did not finish; `kiln train {run_dir}` writes it "

@@ -195,3 +195,13 @@ def set_aside(run_dir: str | Path) -> list[Path]:
     """Damaged checkpoints a resume moved out of the way."""
     root = Path(run_dir) / CHECKPOINTS
     return sorted(p for p in root.iterdir() if p.name.startswith(DAMAGED_PREFIX)) if root.is_dir() else []
+
+
+def model_saved(path: Path) -> bool:
+    """Whether `path` holds the whole final model: weights, model config and tokenizer (written in that order)."""
+    try:
+        json.loads((path / "model_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    weights = (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    return weights and (path / "tokenizer.json").is_file()

@@ -13,6 +13,7 @@ from kiln.config import ModelConfig
 from kiln.data.prepare.tokenizer import Tokenizer
 from kiln.errors import StateError
 from kiln.files import atomic_write_json, replace_file
+from kiln.state.rundir import checkpoints, model_saved
 
 
 def save_model(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer | None, out: Path) -> Path:
@@ -36,19 +37,8 @@ def save_model(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer | None, 
     return out
 
 
-def model_saved(path: Path) -> bool:
-    """Whether `path` holds the whole final model: weights, model config and tokenizer (written in that order)."""
-    try:
-        json.loads((path / "model_config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    weights = (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
-    return weights and (path / "tokenizer.json").is_file()
-
-
 def _not_saved(run_dir: Path) -> StateError:
     """Why the run at `run_dir` has no model to load, and what writes one."""
-    from kiln.state.rundir import checkpoints
 
     found = checkpoints(run_dir)
     if (run_dir / "model").is_dir():

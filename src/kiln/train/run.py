@@ -43,9 +43,9 @@ from kiln.state.lora_base import base_hash, check_base
 from kiln.state.parts import KEYS
 from kiln.state.preempt import SignalGuard, StopSignals, resume_command, train_guarded
 from kiln.state.resume import check_compatible, choose_checkpoint, fingerprints, run_directory
-from kiln.state.rundir import hold_run_dir, process_rank, write_config
+from kiln.state.rundir import hold_run_dir, model_saved, process_rank, write_config
 from kiln.state.verify import read_meta
-from kiln.state.weights import model_saved, save_model
+from kiln.state.weights import save_model
 from kiln.train.early_stop import EarlyStop
 from kiln.train.events import EvalEvery
 from kiln.train.rollback import Rollback, host_room

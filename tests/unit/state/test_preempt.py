@@ -48,16 +48,25 @@ def test_processes_check_for_a_signal_about_once_a_second_and_at_most_every_tent
     assert asked == checks
 
 
-def test_with_several_processes_the_same_signal_twice_at_once_is_one_stop_request(monkeypatch, capsys):
-    """Slurm signals every process of the job and torchrun passes the signal on: each worker got SIGTERM twice
-    within milliseconds and took the second as 'abort now, without the checkpoint'. Only rank 0 says it."""
+def rank_of_several(monkeypatch, rank: int) -> tuple[dict, list[int]]:
+    """SignalGuard as in process `rank` of a run of several: a clock to move (clock["now"]) and the signals it
+    would abort with, recorded instead of sent."""
     import kiln.state.preempt as preempt
 
     clock = {"now": 100.0}
     aborted: list[int] = []
     monkeypatch.setattr(preempt.time, "monotonic", lambda: clock["now"])
     monkeypatch.setattr(preempt.os, "kill", lambda pid, signum: aborted.append(signum))
-    monkeypatch.setattr(preempt.dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(preempt.dist, "get_rank", lambda group=None: rank)
+    return clock, aborted
+
+
+def test_with_several_processes_the_same_signal_twice_at_once_is_one_stop_request(monkeypatch, capsys):
+    """Slurm signals every process of the job and torchrun passes the signal on: each worker got SIGTERM twice
+    within milliseconds and took the second as 'abort now, without the checkpoint'. Only rank 0 says it."""
+    import kiln.state.preempt as preempt
+
+    clock, aborted = rank_of_several(monkeypatch, 1)
     before = signal.getsignal(signal.SIGTERM)
     try:
         with preempt.SignalGuard(group=object()) as guard:  # a run of several processes; this one is rank 1
@@ -110,11 +119,7 @@ def test_with_several_processes_another_signal_at_once_is_the_same_stop_request(
     """A closed terminal: torchrun passes its SIGHUP on, then the SIGTERM of its launcher's death: one event."""
     import kiln.state.preempt as preempt
 
-    clock = {"now": 100.0}
-    aborted: list[int] = []
-    monkeypatch.setattr(preempt.time, "monotonic", lambda: clock["now"])
-    monkeypatch.setattr(preempt.os, "kill", lambda pid, signum: aborted.append(signum))
-    monkeypatch.setattr(preempt.dist, "get_rank", lambda group=None: 0)
+    clock, aborted = rank_of_several(monkeypatch, 0)
     before = signal.getsignal(signal.SIGTERM)
     try:
         with preempt.SignalGuard(group=object()) as guard:
