@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--set", action="append", default=[], help="extra KEY=VALUE override (repeatable)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--base", type=float, default=None, help="one-GPU tokens/s of an earlier call on the same "
+                    "machine, for the speed-ups of runs without a 1:STRATEGY run of their own")
     ap.add_argument("--profile", type=int, default=0, help="record steps S..S+2 of each run and summarize them")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # a time limit: `run` stops its job
@@ -106,15 +108,16 @@ def main() -> None:
             print(json.dumps(results[-1]), flush=True)
         if args.profile:
             profiles(results)
-    base = next((r["tokens_per_s"] for r in results if r["nproc"] == 1), None)
+    base = next((r["tokens_per_s"] for r in results if r["nproc"] == 1), args.base)
     print(json.dumps(info))
     print(f"{'run':<12} {'tokens/s':>12} {'MFU':>6} {'speed-up':>9} {'scaling':>8} {'loss':>7}  overrides")
     for r in results:
-        up = r["tokens_per_s"] / base if base else float("nan")
-        r["speedup"], r["scaling"] = up, up / r["nproc"]
+        up = r["tokens_per_s"] / base if base else None
+        r["speedup"], r["scaling"] = up, up and up / r["nproc"]
         own = " ".join(e for e in r["extra"] if e not in args.set)
-        print(f"{r['nproc']} x {r['strategy']:<8} {r['tokens_per_s']:>12,.0f} {100 * r['mfu']:>5.1f}% {up:>8.2f}x "
-              f"{100 * r['scaling']:>7.1f}% {r['last_loss']:>7.3f}  {own}")
+        rel = f"{up:>8.2f}x {100 * r['scaling']:>7.1f}%" if up else f"{'-':>9} {'-':>8}"
+        print(f"{r['nproc']} x {r['strategy']:<8} {r['tokens_per_s']:>12,.0f} {100 * r['mfu']:>5.1f}% {rel} "
+              f"{r['last_loss']:>7.3f}  {own}")
     if args.json:
         Path(args.json).write_text(json.dumps({**info, "results": results}, indent=1))
 
