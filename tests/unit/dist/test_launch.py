@@ -3,6 +3,7 @@ storage and the resolved config; `kiln train --nproc` builds the torchrun comman
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
@@ -33,7 +34,8 @@ def test_k8s_manifest_is_an_elastic_pytorchjob_with_shared_storage(tmp_path):
     assert worker["replicas"] == 2
     pod = worker["template"]["spec"]
     (c,) = pod["containers"]
-    assert c["name"] == "pytorch" and c["image"] == "ghcr.io/me/kiln:1" and c["command"] == ["torchrun"]
+    assert c["name"] == "pytorch" and c["image"] == "ghcr.io/me/kiln:1"
+    assert c["command"] == ["python", "-m", "kiln.dist.launch.torchrun"]
     assert c["args"] == ["-m", "kiln.cli", "train", "/etc/kiln/config.yaml"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
@@ -61,7 +63,7 @@ def test_slurm_script_starts_torchrun_on_every_node_with_the_first_as_rendezvous
     assert directives["nodes"] == "2" and directives["gpus-per-node"] == "8" and directives["ntasks-per-node"] == "1"
     assert directives["time"] == "1:00:00"
     command = text[text.index("srun"):].replace("\\\n", " ").split()
-    assert command[:4] == ["srun", "--kill-on-bad-exit=1", "python", "-m"]
+    assert command[:5] == ["srun", "--kill-on-bad-exit=1", "python", "-m", "kiln.dist.launch.torchrun"]
     assert "--nproc_per_node=8" in command and "--rdzv_backend=c10d" in command
     assert '--rdzv_endpoint="$head_node:29500"' in command and '--nnodes="$SLURM_JOB_NUM_NODES"' in command
     assert "scontrol show hostnames" in text and "sed -n 1p" in text
@@ -91,8 +93,6 @@ def test_the_k8s_job_gives_torchrun_the_environment_of_kiln_train_nproc_and_time
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_the_slurm_script_gives_torchrun_the_environment_of_kiln_train_nproc(tmp_path):
     """The script itself, run by bash with stand-ins for scontrol and srun: what srun starts torchrun with."""
-    import os
-
     out = tmp_path / "train.sbatch"
     res = runner.invoke(app, ["launch", "slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "2", "--time",
                               "2:00:00", "--run-dir", str(tmp_path / "run"), "--out", str(out)])
@@ -100,15 +100,8 @@ def test_the_slurm_script_gives_torchrun_the_environment_of_kiln_train_nproc(tmp
     text = out.read_text()
     term = next(line for line in text.splitlines() if line.startswith("#SBATCH --signal="))
     assert term.startswith("#SBATCH --signal=TERM@") and int(term.rsplit("@", 1)[1]) > 120  # SIGTERM before the end
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node-a\necho node-b\n")
-    (bin_dir / "srun").write_text(f"#!/bin/sh\nenv > {tmp_path / 'srun.env'}\necho \"$@\" > {tmp_path / 'srun.args'}\n")
-    for tool in bin_dir.iterdir():
-        tool.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and k != "NCCL_NVLS_ENABLE"}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", SLURM_JOB_NODELIST="node-[a-b]", SLURM_JOB_NUM_NODES="2",
-               SLURM_JOB_ID="42")
+    srun = f"env > {tmp_path / 'srun.env'}\necho \"$@\" > {tmp_path / 'srun.args'}"
+    env = slurm_stand_ins(tmp_path, ["node-a", "node-b"], srun)
     done = subprocess.run(["bash", str(out)], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     seen = dict(line.split("=", 1) for line in (tmp_path / "srun.env").read_text().splitlines() if "=" in line)
@@ -118,6 +111,39 @@ def test_the_slurm_script_gives_torchrun_the_environment_of_kiln_train_nproc(tmp
     env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = "300"  # the user's own value wins, as under kiln train --nproc
     subprocess.run(["bash", str(out)], capture_output=True, text=True, env=env, timeout=60, check=True)
     assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300" in (tmp_path / "srun.env").read_text().splitlines()
+
+
+def slurm_stand_ins(tmp_path, nodes: list[str], srun: str) -> dict[str, str]:
+    """The environment in which bash runs an sbatch script as Slurm would on the first of `nodes`: stand-ins for
+    scontrol (the job's host names) and srun (a shell script's body), and the job's SLURM_* variables."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\n" + "".join(f"echo {n}\n" for n in nodes))
+    (bin_dir / "srun").write_text(f"#!/bin/sh\n{srun}\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and k != "NCCL_NVLS_ENABLE"}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", SLURM_JOB_NODELIST="nodes",
+               SLURM_JOB_NUM_NODES=str(len(nodes)), SLURM_JOB_ID="42")
+    return env
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_the_slurm_script_runs_kiln_torchrun_which_does_not_restart_a_job_that_would_fail_again(tmp_path):
+    """The script run by bash on one node, its srun running the command as given: a job whose data is missing
+    fails at every start, so its --max-restarts are not spent (plain torchrun would start it 4 times)."""
+    out = tmp_path / "train.sbatch"
+    missing = tmp_path / "nowhere.jsonl"
+    res = runner.invoke(app, ["launch", "slurm", "quickstart", "model.size=tiny", "train.device=cpu",
+                              f"data.sources=[{missing}]", "--nodes", "1", "--gpus-per-node", "2",
+                              "--run-dir", str(tmp_path / "run"), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    env = slurm_stand_ins(tmp_path, ["127.0.0.1"], 'shift\nexec "$@"')  # srun --kill-on-bad-exit=1 COMMAND
+    done = subprocess.run(["bash", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    text = done.stdout + done.stderr
+    assert done.returncode == 2, text  # a data error's exit code, as kiln train's in one process
+    assert text.count(f"data source '{missing}' does not exist") == 1, text
+    assert text.count("kiln: not restarting the job") == 1 and "Traceback" not in text, text
 
 
 def test_launch_refuses_a_bad_shape():
@@ -177,7 +203,8 @@ def test_max_restarts_passes_through_to_torchrun_and_sigterm_is_forwarded(monkey
     code = local.relaunch(2, ["train", "cfg.yaml", "--nproc", "2", "--max-restarts", "3"], max_restarts=3)
     assert code == 128 + signal.SIGTERM
     assert "--max-restarts=3" in started["cmd"] and started["cmd"][-2:] == ["train", "cfg.yaml"]
-    assert started["env"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == local.TORCHRUN_ENV["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "120"
+    timeout = started["env"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]
+    assert timeout == local.TORCHRUN_ENV["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "120"
     assert started["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert signal.getsignal(signal.SIGTERM) is before  # restored
     with pytest.raises(ConfigError, match="0 or more"):

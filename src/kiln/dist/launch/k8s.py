@@ -53,7 +53,9 @@ def manifest(config: str | None, overrides: list[str], nodes: int, gpus_per_node
         "name": "pytorch",  # the training operator looks for this container name
         "image": image,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["torchrun"],  # nnodes, nproc_per_node and the rendezvous come from the operator (PET_*)
+        # torchrun as `kiln train --nproc` runs it (kiln.dist.launch.torchrun: same arguments, and torchrun's
+        # parser reads nnodes, nproc_per_node and the rendezvous from the operator's PET_* variables)
+        "command": ["python", "-m", "kiln.dist.launch.torchrun"],
         "args": ["-m", "kiln.cli", "train", f"{CONFIG_DIR}/config.yaml"],
         "env": [{"name": "PYTHONUNBUFFERED", "value": "1"},
                 *({"name": k, "value": v} for k, v in TORCHRUN_ENV.items())],

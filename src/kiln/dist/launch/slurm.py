@@ -1,6 +1,8 @@
 """`kiln launch slurm`: an sbatch script that starts torchrun on every node, rendezvous on the first.
 
-One Slurm task per node runs torchrun with `gpus_per_node` processes; the c10d rendezvous endpoint is
+One Slurm task per node runs torchrun (as `kiln train --nproc` runs it: `kiln.dist.launch.torchrun`, which
+does not restart a job whose error a restart would meet again, takes a signal delivered twice once, and
+stops its workers if it is killed) with `gpus_per_node` processes; the c10d rendezvous endpoint is
 the job's first node, so no port needs to be known beforehand on the others. `--max-restarts` lets
 torchrun restart the workers after a failure; they resume from the newest checkpoint in the run
 directory, which (with the data cache) must be on storage every node sees. torchrun gets the
@@ -92,7 +94,7 @@ def script(config: str | None, overrides: list[str], nodes: int, gpus_per_node: 
              'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
              "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
              *(f"export {k}=${{{k}:-{v}}}" for k, v in TORCHRUN_ENV.items()),
-             "srun --kill-on-bad-exit=1 python -m torch.distributed.run \\",
+             "srun --kill-on-bad-exit=1 python -m kiln.dist.launch.torchrun \\",
              '  --nnodes="$SLURM_JOB_NUM_NODES" \\',
              f"  --nproc_per_node={gpus_per_node} \\",
              '  --rdzv_id="$SLURM_JOB_ID" \\',
