@@ -263,6 +263,7 @@ def run_kiln(args, root: Path, variant: tuple[str, ...] = ()) -> dict:
            "losses": {s: r["loss"] for s, r in sorted(recs.items())},
            # wall seconds between consecutive steps' records: what the warm-up steps cost beside the median
            "step_wall_s": {s: round(recs[s]["time"] - recs[s - 1]["time"], 3) for s in sorted(recs) if s - 1 in recs},
+           "data_wait": {s: r.get("data_wait") for s, r in sorted(recs.items())},  # the loader's share of each step
            "wall_s": job.t_end - job.t0, "exit_code": code, "phases": kiln_phases(job, recs)}
     ck = run_dir / "checkpoints" / f"step_{at:08d}" / "meta.json"
     if at < args.steps and at + 1 in step_s and ck.is_file():
