@@ -21,11 +21,12 @@ def stdlib_corpus(directory: Path, documents: int, modules: int = 40) -> Path:
 def tiny_cpu_run(cache: Path, corpus: Path, steps: int, every: int, *extra: str, batch_size: int | None = None,
                  vocab_size: int = 512) -> list[str]:
     """`kiln train` overrides of a short run of the tiny model on the CPU over `corpus`: a checkpoint every
-    `every` steps, every step logged to metrics.jsonl, no console; `batch_size` (None: the default) and
+    `every` steps, every step logged to metrics.jsonl, no console and no plots; `batch_size` (None: the default) and
     `vocab_size` as given, then the overrides `extra` (a later override of a key wins)."""
     return ["model.size=tiny", "train.seq_len=32", f"train.max_steps={steps}", "train.warmup_steps=2",
             "train.eval_every=0", "train.eval_batches=2", "train.sample_tokens=0", "train.device=cpu",
             "train.precision=fp32", f"checkpoint.every={every}", "logging.every=1", "logging.console=false",
+            "logging.plots=false",  # 1-2 s of matplotlib at each run's end; test_eval_early_stop draws them
             f"data.sources=[{corpus}]", "data.val_fraction=0.1", f"data.vocab_size={vocab_size}",
             f"data.cache_dir={cache}", *([f"train.batch_size={batch_size}"] if batch_size is not None else []),
             *extra]

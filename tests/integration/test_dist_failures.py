@@ -60,7 +60,7 @@ def args(tmp_path_factory) -> list[str]:
     stdlib_corpus(corpus, 60, modules=20)
     return ["model.size=tiny", "train.seq_len=32", "train.batch_size=2", "train.max_steps=40", "train.eval_every=0",
             "train.eval_batches=1", "train.sample_tokens=0", "train.device=cpu", "checkpoint.every=0",
-            "checkpoint.save_final=false", "logging.console=false", f"data.sources=[{corpus}]",
+            "checkpoint.save_final=false", "logging.console=false", "logging.plots=false", f"data.sources=[{corpus}]",
             "data.val_fraction=0.1", "data.vocab_size=300", f"data.cache_dir={cache}", "dist.strategy=ddp"]
 
 

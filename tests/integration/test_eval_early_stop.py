@@ -34,7 +34,8 @@ B, T, EVAL_BATCHES = 4, 32, 2  # T and EVAL_BATCHES: tiny_cpu_run's train.seq_le
 
 def base_args(corpus: Path, cache: Path, run_dir: Path, vocab: int = 512) -> list[str]:
     return tiny_cpu_run(cache, corpus, 30, 2, "train.warmup_steps=0", "train.eval_every=2", "checkpoint.keep_last=1",
-                        "logging.console=true", f"train.run_dir={run_dir}", batch_size=B, vocab_size=vocab)
+                        "logging.console=true", "logging.plots=true", f"train.run_dir={run_dir}", batch_size=B,
+                        vocab_size=vocab)
 
 
 def records(run_dir: Path, event: str) -> list[dict]:

@@ -42,7 +42,7 @@ def overrides(root: Path, kind: str, run_dir: Path, *extra: str) -> list[str]:
             "train.batch_size=4", "train.max_steps=12", "train.eval_every=0", "train.eval_batches=2",
             "train.warmup_steps=2", "train.lr=3e-3", "train.device=cpu", "train.precision=fp32",
             "train.sample_tokens=0", f"train.run_dir={run_dir}", "checkpoint.every=6", "checkpoint.async_save=false",
-            "logging.console=false", "logging.every=1", *extra]
+            "logging.console=false", "logging.plots=false", "logging.every=1", *extra]
 
 
 def step_losses(run_dir: Path) -> dict[int, float]:

@@ -117,6 +117,8 @@ def draw(runs: list[RunMetrics]):
                         continue
                     label = run.name + (f" {suffix}" if suffix else "")
                     style = dict(marker="o", markersize=3, linestyle="--") if event == "eval" else {}
+                    if len(xs) == 1:  # a line through one point draws nothing: a run logged once is a dot
+                        style.setdefault("marker", "o")
                     ax.plot(xs, ys, color=colors[i % len(colors)], label=label, linewidth=1.2, **style)
             ax.set_title(f"{title} vs {x}", fontsize=10)
             ax.set_xlabel(x)

@@ -98,3 +98,11 @@ def test_a_run_stopped_by_a_signal_draws_its_plots_and_a_failed_one_none(tmp_pat
     PlotAtEnd(failed, notes.append).on_run_end(None, "failed")
     assert notes == [f"plots: {stopped / 'plots.png'}"]
     assert read_png(stopped / "plots.png").ndim == 3 and not (failed / "plots.png").exists()
+
+
+def test_a_run_logged_once_is_drawn_as_a_dot(tmp_path):
+    """A line through one point draws nothing: a short run's one train record would leave its panels empty."""
+    run = fake_run(tmp_path / "a", steps=1)
+    fig, _ = draw([read_metrics(run)])
+    lines = [line for ax in fig.axes for line in ax.get_lines() if len(line.get_xdata()) == 1]
+    assert lines and all(line.get_marker() not in (None, "None", "") for line in lines)
