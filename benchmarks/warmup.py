@@ -29,7 +29,7 @@ import tempfile
 import time
 
 SITE = """import os, sys, threading, time, traceback
-def _sample(path=os.path.join({out!r}, f"stacks-{{os.getpid()}}-{{os.environ.get('RANK', '0')}}.txt")):
+def _sample(path=os.path.join({out!r}, f"stacks-{{os.getpid()}}-{{os.environ.get('RANK', 'x')}}.txt")):
     main = threading.main_thread().ident
     with open(path, "w") as f:
         while True:
@@ -97,7 +97,8 @@ def main() -> None:
         print("records: " + ", ".join(f"{e} {s} at +{t - t0:.1f} s" for e, s, t in marks))
         walls = {s: train[s]["time"] - train[s - 1]["time"] for s in train if s - 1 in train}
         median = statistics.median(walls.values()) if walls else 0.0
-        rank0 = list(stacks.glob("stacks-*-0.txt"))
+        # rank 0 of a job of several processes (the launcher and torchrun have no RANK), else the one process
+        rank0 = list(stacks.glob("stacks-*-0.txt")) or list(stacks.glob("stacks-*-x.txt"))
         taken = sorted((t, f) for p in rank0 for t, f in samples(p))
         print(f"{'step':>5} {'wall s':>8} {'data wait':>10}")
         for s in sorted(train):

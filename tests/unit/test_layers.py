@@ -88,6 +88,15 @@ def test_the_config_loads_and_validates_without_the_model_or_torch():
     assert out.stdout.strip() == ""
 
 
+def test_a_training_process_loads_torchs_compiler_only_to_compile():
+    """torch._dynamo takes 2 s to import: every kiln process would pay it at start (the launcher, each rank,
+    `kiln generate`), though only a compiled model needs it."""
+    code = ("import sys, kiln.train.run, kiln.dist.launch.local, kiln.dist.launch.torchrun, kiln.state.weights; "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_no_module_imports_a_higher_layer():
     upward = []
     for module in sorted(MODULES):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kiln.model import loss as loss_module
+from kiln.model import masks
 
 
 def apply_compile(model: nn.Module, loss: bool = True, scope: str = "blocks", mode: str | None = None) -> nn.Module:
@@ -20,6 +21,7 @@ def apply_compile(model: nn.Module, loss: bool = True, scope: str = "blocks", mo
     whole forward pass up to the loss (scope 'model'); and the loss kernel. Returns the model.
     `mode` is torch.compile's (None: the default; 'reduce-overhead': CUDA graphs)."""
     if scope == "model":
+        eager_parts()
         model.compile(mode=mode)
     else:
         full = getattr(model, "fullgraph", True)  # False for transformers' blocks (kiln.model.hf_auto)
@@ -30,6 +32,18 @@ def apply_compile(model: nn.Module, loss: bool = True, scope: str = "blocks", mo
     if loss:
         compile_loss_kernel()
     return model
+
+
+def eager_parts() -> None:
+    """A model compiled whole calls its mask builder and its chunked cross-entropy outside its graph
+    (torch.compiler.disable), for every model of this process: the mask is built once per batch and goes in
+    as an input, and the loss is a loop of large kernels around the compiled kernel, with nothing to fuse.
+    Applied here, not where they are defined: the decorator imports torch's compiler, 2 s at every start of
+    a process that never compiles."""
+    for module, name in ((masks, "doc_mask"), (loss_module, "linear_cross_entropy")):
+        fn = getattr(module, name)
+        if not getattr(fn, "_torchdynamo_disable", False):
+            setattr(module, name, torch.compiler.disable(fn))
 
 
 def compile_loss_kernel() -> None:

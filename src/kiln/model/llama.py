@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import ModelConfig, RopeScaling
-from kiln.model.loss import linear_cross_entropy
-from kiln.model.masks import attend, doc_mask
+from kiln.model import loss, masks
+from kiln.model.masks import attend
 
 
 class RMSNorm(nn.Module):
@@ -247,7 +247,7 @@ class Transformer(nn.Module):
             # carry the residual stream in the autocast dtype (bf16), not fp32: half the memory
             # traffic of every norm, residual add and saved activation; the weights stay fp32
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        mask = doc_mask(doc_ids, x.device, self.cfg.sliding_window, tokens.shape[1])  # built once, for every layer
+        mask = masks.doc_mask(doc_ids, x.device, self.cfg.sliding_window, tokens.shape[1])  # once, for every layer
         for block in self.layers:
             x = block(x, cos, sin, mask)
         return self.norm(x)
@@ -258,4 +258,4 @@ class Transformer(nn.Module):
         if targets is None:
             return self.lm_head(h)  # (B, T, V)
         # chunked: never holds the whole batch's logits; ignore_index=-100 marks positions with no loss
-        return linear_cross_entropy(h, self.lm_head.weight, targets)
+        return loss.linear_cross_entropy(h, self.lm_head.weight, targets)  # kiln.dist.compile may wrap it

@@ -90,13 +90,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return gh, gw, None, None, None, None
 
 
-@torch.compiler.disable  # a loop of large kernels around a compiled one: nothing for the compiler to fuse
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          rows: int | None = None) -> torch.Tensor:
     """Mean cross-entropy of the logits `h @ weight.T` against `targets`, skipping targets of -100.
 
     h: (..., d) hidden states; weight: (V, d) output projection; targets: (...) token ids.
-    A batch whose targets are all -100 gives NaN, as `F.cross_entropy` does.
+    A batch whose targets are all -100 gives NaN, as `F.cross_entropy` does. A model compiled whole runs it
+    outside its graph (`kiln.dist.compile`): a loop of large kernels around a compiled one, nothing to fuse.
     """
     h2, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     want_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)

@@ -88,12 +88,12 @@ def dense_mask(doc_ids: torch.Tensor | None, device: torch.device, window: int |
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
 
 
-@torch.compiler.disable  # built eagerly: a compiled model takes the finished mask as an input
 def doc_mask(doc_ids: torch.Tensor | None, device: torch.device | None = None, window: int | None = None,
              T: int = 0):
     """doc_ids (B, T), on any device -> a mask `attend` understands on `device` (None: plain causal).
 
-    window: a sliding window (None: none); T: the row length, needed only for a window without doc_ids."""
+    window: a sliding window (None: none); T: the row length, needed only for a window without doc_ids.
+    A model compiled whole builds it outside its graph (`kiln.dist.compile`) and takes the mask as an input."""
     if window is not None and (window >= (T if doc_ids is None else doc_ids.shape[1])):
         window = None  # the window reaches the start of every row: plain causal
     if doc_ids is None and window is None:
