@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--every", type=float, default=2.0, help="seconds between stack samples")
     ap.add_argument("--slow", type=float, default=3.0, help="a step this many times the median is explained")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()  # overrides may follow the options
     with tempfile.TemporaryDirectory() as tmp:
         site, stacks, run_dir = Path(tmp) / "site", Path(tmp) / "stacks", Path(tmp) / "run"
         site.mkdir()
