@@ -292,9 +292,10 @@ class Checkpointer:
             "No earlier checkpoint exists."
         if os_err is not None and os_err.errno in (errno.ENOSPC, errno.EDQUOT):
             raise StateError(f"disk full while writing the checkpoint of step {step} to {self.dir} "
-                             f"({os_err.strerror}). {intact} Something else filled the disk during the save: free "
-                             "space there or move the run directory to a larger disk (train.run_dir), then "
-                             "resume.") from None
+                             f"({os_err.strerror}). {intact} The disk had room for the checkpoint's expected size when "
+                             "the save began: another program wrote to it during the save, or the checkpoint grew "
+                             "past that size. Free space there or move the run directory to a larger disk "
+                             "(train.run_dir), then resume.") from None
         if os_err is not None:
             raise StateError(f"writing the checkpoint of step {step} to {self.dir} failed: {os_err}. "
                              f"{intact}") from None

@@ -171,6 +171,7 @@ def test_full_disk_raises_and_keeps_earlier_checkpoints(trainer_factory, async_s
         ck.save(t)
         ck.wait()  # an async failure surfaces here (or at the next poll)
     assert str(first) in str(err.value) and "checkpoint.keep_last" not in str(err.value)
+    assert "grew past that size" in str(err.value) and "train.run_dir" in str(err.value)  # both causes, a remedy
     assert "Traceback" not in capfd.readouterr().err  # no writer-thread tracebacks before the message
     run_dir = t.cfg.train.run_dir
     assert checkpoints(run_dir) == [first] and unfinished(run_dir) == [] and verify(first) == []
