@@ -668,6 +668,13 @@ class LoraConfig(Section):
             return [(("targets",), "lora.targets is empty: name the layers that get adapters")]
         return []
 
+    def require_base(self, model: ModelConfig) -> None:
+        """A ConfigError for LoRA without a base model to adapt (model.init_from), said when training starts (the
+        config itself may lack one: `kiln plan` sizes LoRA on a model shape alone)."""
+        if self.rank and not model.init_from:
+            raise ConfigError("lora.rank is set but model.init_from is not: LoRA adapts a trained base model; set "
+                              "model.init_from to its Hugging Face directory, or lora.rank=0 to train every weight")
+
 
 class RunConfig(Section):
     model: ModelConfig = ModelConfig()

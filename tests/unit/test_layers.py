@@ -97,6 +97,15 @@ def test_a_training_process_loads_torchs_compiler_only_to_compile():
     assert out.stdout.strip() == "False"
 
 
+def test_kiln_train_nproc_on_the_cpu_checks_its_job_without_importing_torch():
+    """The launcher only starts torchrun: torch's 2 s import would be paid again by torchrun and each process."""
+    code = ("import sys, kiln.config, kiln.dist.launch.local as local; "
+            "cfg = kiln.config.load_config(None, ['model.size=tiny', 'train.device=cpu']); "
+            "local.under_torchrun(); local.check_world(cfg, 2); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_no_module_imports_a_higher_layer():
     upward = []
     for module in sorted(MODULES):

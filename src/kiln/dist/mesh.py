@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.config import DistConfig
+from kiln.dist.env import check_backend, env_int
 from kiln.errors import ConfigError, ResourceError
 
 
@@ -76,19 +77,6 @@ class Mesh:
                 dist.barrier()
             dist.destroy_process_group()
             self.owns_group = False
-
-
-def env_int(name: str, default: int, fix: str = "leave it to torchrun") -> int:
-    """An integer variable of torchrun's environment (`default` when unset); one that is not a number is a
-    ConfigError that ends with `fix`."""
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"environment variable {name}={raw!r} is not an integer; it is set by torchrun: "
-                          f"{fix}") from None
 
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what joining a process group needs
@@ -167,13 +155,6 @@ def init_mesh(device_name: str, cfg: DistConfig, log: Callable[[str], None] = pr
 
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     return Mesh(rank, local_rank, world, local_world, device, backend, mesh, owns)
-
-
-def check_backend(backend: str, cuda: bool, device_name: str) -> None:
-    """A ConfigError for dist.backend=nccl on a run that does not train on CUDA GPUs."""
-    if backend == "nccl" and not cuda:
-        raise ConfigError(f"dist.backend=nccl needs CUDA GPUs, and this run trains on the CPU (train.device="
-                          f"{device_name}); use dist.backend=gloo (or auto) on the CPU")
 
 
 def join_group(backend: str, device: torch.device, timeout_s: int) -> None:

@@ -73,13 +73,6 @@ class LoraLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, scaling={self.scaling:g}"
 
 
-def require_base(lcfg: LoraConfig, mcfg: ModelConfig) -> None:
-    """A ConfigError for LoRA without a base model to adapt (model.init_from)."""
-    if lcfg.rank and not mcfg.init_from:
-        raise ConfigError("lora.rank is set but model.init_from is not: LoRA adapts a trained base model; set "
-                          "model.init_from to its Hugging Face directory, or lora.rank=0 to train every weight")
-
-
 def is_adapter_key(key: str) -> bool:
     return any(mark in key for mark in ADAPTER_MARKS)
 

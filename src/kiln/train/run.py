@@ -25,7 +25,6 @@ from kiln.model.lora import (
     apply_lora,
     lora_flops_per_token,
     merge_lora,
-    require_base,
     trainable_count,
     trainable_summary,
     training_bytes,
@@ -108,7 +107,7 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
 
 
 def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: Mesh) -> Path:
-    require_base(cfg.lora, cfg.model)
+    cfg.lora.require_base(cfg.model)
     if cfg.model.init_from:  # the architecture comes from the Hugging Face directory's config.json
         cfg = with_init_from(cfg)
     run_dir, may_resume = run_directory(cfg, resume, console.print)

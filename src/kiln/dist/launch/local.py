@@ -23,29 +23,34 @@ LAUNCH_OPTIONS = ("--nproc", "--max-restarts")  # options of `kiln train` that t
 
 
 def under_torchrun() -> bool:
-    from kiln.dist.mesh import env_int
+    from kiln.dist.env import env_int
 
     world = env_int("WORLD_SIZE", 1, "unset it for `kiln train --nproc N`, which starts torchrun")
     return "TORCHELASTIC_RUN_ID" in os.environ or world > 1
 
 
+def cuda_available() -> bool:
+    import torch  # 2 s: a launcher of CPU processes never imports it
+
+    return torch.cuda.is_available()
+
+
 def check_world(cfg, nproc: int, log=print) -> None:
     """What `nproc` processes of `cfg` on this machine cannot do, found before torchrun starts any: one error,
     once, instead of one from every process (or an out-of-memory machine)."""
-    import torch
+    from kiln.dist.env import check_backend
 
-    from kiln.dist.mesh import check_backend
-    from kiln.model.lora import require_base
-
-    require_base(cfg.lora, cfg.model)  # else said by every process, and again at every restart
+    cfg.lora.require_base(cfg.model)  # else said by every process, and again at every restart
     cfg.train.loader_rows(nproc)  # a train.global_batch_tokens that nproc ranks cannot share (or batch_size cut)
     d, name = cfg.dist, cfg.train.device
-    cuda = name.startswith("cuda") or (name == "auto" and torch.cuda.is_available())
+    cuda = name.startswith("cuda") or (name == "auto" and cuda_available())
     check_backend(d.backend, cuda, name)
     if d.sharding == "hybrid" and d.strategy != "ddp" and d.replicas is not None and nproc % d.replicas:
         raise ConfigError(f"dist.replicas={d.replicas} does not divide the {nproc} processes of --nproc {nproc}; "
                           f"choose a divisor of {nproc}, or leave dist.replicas unset (one replica per node)")
     if cuda:
+        import torch
+
         if name not in ("auto", "cuda") and nproc > 1:
             raise ConfigError(f"train.device={name} names one GPU for all {nproc} processes; each process needs its "
                               "own: use train.device=cuda (process i drives GPU i), and CUDA_VISIBLE_DEVICES to "
