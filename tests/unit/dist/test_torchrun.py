@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 import pytest
@@ -235,3 +236,42 @@ def test_a_job_whose_rank_printed_its_error_is_not_restarted_and_other_failures_
     assert agent._remaining_restarts == 0
     assert capsys.readouterr().err == ("kiln: not restarting the job: rank 1's error is one a restart would meet "
                                        "again\n")
+
+
+def test_a_torchrun_stopped_by_a_signal_joins_the_exit_barrier_the_other_nodes_wait_in():
+    """Two nodes' torchrun agents on one rendezvous store: the workers of the node that was not signalled stop
+    with the others (one checkpoint), and its agent waits in torchrun's exit barrier for every agent. The
+    signalled agent, whose run raises SignalException, joined it (before: never, so the other waited 300 s)."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.agent.server import api
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.utils import store as store_util
+
+    host = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    peer = dist.TCPStore("127.0.0.1", host.port, 2, False, timeout=datetime.timedelta(seconds=30))
+
+    class Agent:  # torchrun's agent as far as the exit barrier goes
+        def __init__(self, store):
+            self._store, self._worker_group = store, type("Group", (), {"group_world_size": 2})()
+
+        def run(self, role="default"):
+            raise SignalException("SIGTERM on this node", signal.SIGTERM)
+
+    torchrun.exit_barrier_on_signal(Agent)
+    torchrun.exit_barrier_on_signal(Agent)  # wrapped once
+    passed = threading.Event()
+
+    def other_node() -> None:  # its workers finished: torchrun's _exit_barrier
+        store_util.barrier(peer, 2, api._TERMINAL_STATE_SYNC_ID, barrier_timeout=20)
+        passed.set()
+
+    waiter = threading.Thread(target=other_node, daemon=True)
+    waiter.start()
+    with pytest.raises(SignalException):
+        Agent(host).run()
+    waiter.join(timeout=20)
+    assert passed.is_set()
+    assert not torchrun.join_exit_barrier(type("Agent", (), {"_store": None})())  # before the rendezvous: nothing

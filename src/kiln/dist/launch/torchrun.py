@@ -26,6 +26,13 @@ when torchrun is). Torchrun then stops its workers as on a scheduler's SIGTERM, 
 gone write their checkpoint together and stop, instead of training on, holding their GPUs, beside the job
 that is started again in the same run directory.
 
+On several nodes, a signal may reach one node's torchrun alone (a scheduler preempting that node). Its
+workers tell the others (kiln.state.preempt), all write one checkpoint together and exit; the other nodes'
+torchrun see their workers finish and wait in torchrun's exit barrier for every node's torchrun, which the
+signalled one, raising its SignalException, never joined: they waited 300 s (torch's exit barrier timeout).
+`exit_barrier_on_signal` has the signalled torchrun join the barrier after its workers stopped, so every
+node ends with them.
+
 A config error is the same in every process: only the first process of each node prints it. The others
 (`wait_for_first_rank`) wait to be stopped by torchrun, which stops them when that first process exits
 with its error: leaving first, they would have torchrun stop it, perhaps before it printed anything.
@@ -46,6 +53,7 @@ EXIT_CODE = "kiln_exit_code"  # key of the error file: the exit code of the proc
 DUPLICATE_S = 1.0  # a signal this soon after the same one is the same event delivered twice
 PARENT_PID = "KILN_PARENT_PID"  # environment: the pid of the process that started this one (stop_with_parent)
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
+SIGNALLED_BARRIER_S = 60.0  # how long a signalled torchrun waits in the exit barrier for the other nodes' ones
 QUIET_WAIT_S = 60.0  # how long a quiet process waits for torchrun to stop it (the first process failed alike)
 SHUTDOWN_TIMEOUT_S = 120  # seconds torchrun gives its workers between SIGTERM and SIGKILL
 # What torchrun needs in its environment for kiln, wherever it is started (here, and in the Kubernetes and
@@ -164,6 +172,47 @@ def no_restart_after_kiln_errors(agent_class=None) -> None:
     agent_class._monitor_workers = _monitor_workers
 
 
+def exit_barrier_on_signal(agent_class=None) -> None:
+    """A torchrun stopped by a signal joins the exit barrier after its workers stopped (see the module's
+    docstring), waiting at most SIGNALLED_BARRIER_S there: if it serves the rendezvous store, the others
+    still need it to pass the barrier. A node with no peer there (all signalled at once) passes at once."""
+    if agent_class is None:
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent as agent_class
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    run = getattr(agent_class, "run", None)
+    if run is None or getattr(run, "kiln", False):
+        return
+
+    def run_joining_the_exit_barrier(self, *args, **kwargs):
+        try:
+            return run(self, *args, **kwargs)
+        except SignalException:
+            join_exit_barrier(self)
+            raise
+
+    run_joining_the_exit_barrier.kiln = True
+    agent_class.run = run_joining_the_exit_barrier
+
+
+def join_exit_barrier(agent, timeout_s: float = SIGNALLED_BARRIER_S) -> bool:
+    """Join torchrun's exit barrier of `agent` (torchrun's SimpleElasticAgent, private attributes: absent, as
+    torchrun does), waiting at most `timeout_s` for the other agents; returns whether all came."""
+    from torch.distributed.elastic.agent.server import api
+    from torch.distributed.elastic.utils import store as store_util
+
+    group = getattr(agent, "_worker_group", None)
+    store, size = getattr(agent, "_store", None), getattr(group, "group_world_size", None)
+    prefix = getattr(api, "_TERMINAL_STATE_SYNC_ID", None)
+    if store is None or not size or size < 2 or prefix is None:  # not past the rendezvous, or one node
+        return False
+    try:
+        store_util.barrier(store=store, world_size=size, key_prefix=prefix, barrier_timeout=timeout_s)
+    except Exception:  # a second signal, a peer gone, a store gone with its host: leave, as torchrun would
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -175,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     # torchrun installs this module attribute as its handler when it starts the workers
     api._terminate_process_handler = stop_once(api._terminate_process_handler)
     no_restart_after_kiln_errors()
+    exit_barrier_on_signal()
     stop_with_parent()
     os.environ[PARENT_PID] = str(os.getpid())  # the workers stop when this process dies
     args = parse_args(sys.argv[1:] if argv is None else argv)
