@@ -275,3 +275,33 @@ def test_a_torchrun_stopped_by_a_signal_joins_the_exit_barrier_the_other_nodes_w
     waiter.join(timeout=20)
     assert passed.is_set()
     assert not torchrun.join_exit_barrier(type("Agent", (), {"_store": None})())  # before the rendezvous: nothing
+
+
+def test_after_a_stop_on_a_signal_torchrun_waits_for_a_lost_node_briefly_and_says_so(monkeypatch, tmp_path, capsys):
+    """One node lost (its torchrun killed with SIGKILL): its workers, sent SIGTERM, wrote the checkpoint with the
+    others and the node's torchrun never joins the exit barrier. The others, whose workers recorded the stop,
+    wait SIGNALLED_BARRIER_S there, not torch's 300 s, and say why; after a finished job, torchrun's own barrier."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    waited = []
+
+    class Agent:  # torchrun's agent as far as the exit barrier goes
+        def __init__(self):
+            self._store, self._worker_group = store, type("Group", (), {"group_world_size": 2})()
+
+        def _exit_barrier(self):
+            waited.append("torchrun's 300 s")
+
+    torchrun.short_exit_barrier_after_a_stop(Agent)
+    monkeypatch.setenv(torchrun.STOPPED, str(tmp_path / "stopped"))
+    Agent()._exit_barrier()  # the job finished: nothing recorded
+    assert waited == ["torchrun's 300 s"]
+    monkeypatch.setattr(torchrun, "SIGNALLED_BARRIER_S", 0.5)
+    torchrun.record_stop("SIGTERM")  # what a worker does when the job stops on a signal
+    Agent()._exit_barrier()
+    assert waited == ["torchrun's 300 s"]
+    assert "kiln: the job stopped on SIGTERM and this node's workers have written their part of the checkpoint; " \
+           "the torchrun of another node did not stop within 0.5 s (a node lost?)" in capsys.readouterr().err
