@@ -305,3 +305,27 @@ def test_after_a_stop_on_a_signal_torchrun_waits_for_a_lost_node_briefly_and_say
     assert waited == ["torchrun's 300 s"]
     assert "kiln: the job stopped on SIGTERM and this node's workers have written their part of the checkpoint; " \
            "the torchrun of another node did not stop within 0.5 s (a node lost?)" in capsys.readouterr().err
+
+
+def test_a_node_that_loses_the_rendezvous_store_says_so_in_a_few_lines_not_torchs_traceback(monkeypatch, capsys):
+    """The node serving the c10d store lost (its torchrun killed with SIGKILL): the other node's torchrun found
+    the store gone at its next check and ended with a traceback of torch's 80 lines ending in 'The connection to
+    the C10d store has failed'; now with what happened and what to do, exit code 1."""
+    import torch.distributed.run as torch_run
+    from torch.distributed.elastic.multiprocessing import api
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    def lost(args):
+        assert os.environ[torchrun.STOPPED]  # where the workers say they stopped on a signal
+        raise RendezvousConnectionError("The connection to the C10d store has failed. See inner exception")
+
+    monkeypatch.setattr(torch_run, "run", lost)
+    monkeypatch.setattr(api, "_terminate_process_handler", api._terminate_process_handler)  # main wraps it
+    monkeypatch.setattr(torchrun, "stop_with_parent", lambda: True)  # not for pytest itself
+    monkeypatch.setenv(torchrun.PARENT_PID, "1")
+    assert torchrun.main(["--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=node-a:29500", "-m", "kiln.cli",
+                          "train"]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith("kiln: this node lost the job's rendezvous store at node-a:29500: the torchrun serving it")
+    assert "Start torchrun on every node again to resume" in err and "Traceback" not in err
+    assert torchrun.STOPPED not in os.environ

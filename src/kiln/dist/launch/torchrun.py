@@ -35,6 +35,8 @@ node ends with them. A node lost (its torchrun killed with SIGKILL; its workers,
 `stop_with_parent`, write the checkpoint with the others) never joins: workers that stopped on a signal say so
 (`record_stop`), and their torchrun then waits SIGNALLED_BARRIER_S at most (`short_exit_barrier_after_a_stop`)
 and says why it stops waiting. A job that finished keeps torchrun's barrier (rank 0 may still write model/).
+A node that loses the rendezvous store (the torchrun serving it is gone) stops its workers and says so in a
+few lines (`lost_store`), instead of torch's traceback.
 
 A config error is the same in every process: only the first process of each node prints it. The others
 (`wait_for_first_rank`) wait to be stopped by torchrun, which stops them when that first process exits
@@ -253,9 +255,18 @@ def short_exit_barrier_after_a_stop(agent_class=None) -> None:
     agent_class._exit_barrier = _exit_barrier
 
 
+def lost_store(endpoint: str) -> str:
+    """What to say when this node's torchrun loses the job's rendezvous store at `endpoint` mid-job."""
+    return (f"kiln: this node lost the job's rendezvous store at {endpoint or 'the rendezvous endpoint'}: the torchrun "
+            "serving it (on the node whose address that is, or the first to reach it) stopped or cannot be reached "
+            "(a node lost?). This node's workers were sent SIGTERM: they write a checkpoint if the workers of every "
+            "node still can, else the last complete one is kept. Start torchrun on every node again to resume")
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.run import parse_args, run
 
     from kiln.streams import keep_writing
@@ -284,7 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     except api.SignalException as e:  # the workers had the signal and the time to stop; torchrun waited for them
         print(f"kiln: the job stopped on {e.sigval.name}", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
+    except RendezvousConnectionError:  # torch's traceback and C++ frames said only "connection failed"
+        print(lost_store(args.rdzv_endpoint), file=sys.stderr, flush=True)
+        return 1
     finally:
+        os.environ.pop(STOPPED, None)
         with contextlib.suppress(OSError):
             os.remove(stopped)
     return 0
