@@ -6,8 +6,9 @@ same global batch:
   to one node's torchrun alone (a scheduler preempting that node) stops both nodes promptly at one complete
   checkpoint, the other node's torchrun included (it waited 300 s in torchrun's exit barrier); both started
   again resume it with the same losses. Only global rank 0 writes the console and the run files.
-- DDP through the sbatch script of `kiln launch slurm --nodes 2`, run by bash with stand-ins for scontrol and
-  srun (one task per node, SLURM_NODEID and SLURMD_NODENAME as Slurm sets them).
+- FSDP full trains with the one process's losses too, and DDP through the sbatch script of `kiln launch slurm
+  --nodes 2`, run by bash with stand-ins for scontrol and srun (one task per node, SLURM_NODEID and
+  SLURMD_NODENAME as Slurm sets them).
 
 No fixed sleeps: the tests poll the run directory until what they wait for is there."""
 
@@ -70,10 +71,9 @@ class Nodes:
         self.logs, port = logs, free_port()
         rdzv = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint",
                 f"127.0.0.1:{port}", "--rdzv_id", f"job{port}"]
-        self.agents = [subprocess.Popen([sys.executable, "-m", "kiln.dist.launch.torchrun", *rdzv, "-m", "kiln.cli",
-                                         "train", *train_args],
-                                        stdout=open(logs / f"node{n}.out", "w"), stderr=open(logs / f"node{n}.err", "w"),
-                                        env=ENV) for n in range(2)]
+        command = [sys.executable, "-m", "kiln.dist.launch.torchrun", *rdzv, "-m", "kiln.cli", "train", *train_args]
+        self.agents = [subprocess.Popen(command, stdout=open(logs / f"node{n}.out", "w"),
+                                        stderr=open(logs / f"node{n}.err", "w"), env=ENV) for n in range(2)]
 
     def out(self, n: int) -> str:
         return (self.logs / f"node{n}.out").read_text()
@@ -177,6 +177,17 @@ def test_the_slurm_script_of_two_nodes_trains_ddp_like_one_process(base, referen
     assert done.returncode == 0, done.stderr + "".join(outs) + (logs / "node0.err").read_text()[-3000:]
     assert sum("global batch: 4 sequences" in o for o in outs) == 1 and "" in outs  # one node prints: rank 0's
     assert "2 data-parallel rank(s); ddp" in "".join(outs)
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert [got[s] for s in got] == pytest.approx([reference[s] for s in got], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_fsdp_full_over_two_nodes_trains_like_one_process(base, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    job = Nodes(tmp_path / "logs", *base, "train.batch_size=2", "dist.strategy=fsdp", f"train.run_dir={run_dir}")
+    assert job.wait(timeout=240) == [0, 0], job.text()
+    assert "2 data-parallel rank(s); fsdp full (ZeRO-3)" in job.out(job.first()) and job.out(1 - job.first()) == ""
     got = losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert [got[s] for s in got] == pytest.approx([reference[s] for s in got], rel=1e-4)
