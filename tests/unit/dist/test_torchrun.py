@@ -289,8 +289,8 @@ def test_after_a_stop_on_a_signal_torchrun_waits_for_a_lost_node_briefly_and_say
     waited = []
 
     class Agent:  # torchrun's agent as far as the exit barrier goes
-        def __init__(self):
-            self._store, self._worker_group = store, type("Group", (), {"group_world_size": 2})()
+        def __init__(self, nodes: int = 2):
+            self._store, self._worker_group = store, type("Group", (), {"group_world_size": nodes})()
 
         def _exit_barrier(self):
             waited.append("torchrun's 300 s")
@@ -301,8 +301,10 @@ def test_after_a_stop_on_a_signal_torchrun_waits_for_a_lost_node_briefly_and_say
     assert waited == ["torchrun's 300 s"]
     monkeypatch.setattr(torchrun, "SIGNALLED_BARRIER_S", 0.5)
     torchrun.record_stop("SIGTERM")  # what a worker does when the job stops on a signal
+    Agent(nodes=1)._exit_barrier()  # one node: no other to wait for, nothing to say
+    assert waited == ["torchrun's 300 s"] * 2 and capsys.readouterr().err == ""
     Agent()._exit_barrier()
-    assert waited == ["torchrun's 300 s"]
+    assert waited == ["torchrun's 300 s"] * 2
     assert "kiln: the job stopped on SIGTERM and this node's workers have written their part of the checkpoint; " \
            "the torchrun of another node did not stop within 0.5 s (a node lost?)" in capsys.readouterr().err
 

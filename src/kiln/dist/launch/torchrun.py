@@ -244,7 +244,8 @@ def short_exit_barrier_after_a_stop(agent_class=None) -> None:
         signame = ""
         with contextlib.suppress(OSError), open(os.environ.get(STOPPED) or os.devnull) as f:
             signame = f.read().strip()
-        if not signame:
+        nodes = getattr(getattr(self, "_worker_group", None), "group_world_size", None) or 1
+        if not signame or nodes < 2:  # a finished job (rank 0 may still write model/), or no other node
             return barrier(self)
         if not join_exit_barrier(self):
             print(f"kiln: the job stopped on {signame} and this node's workers have written their part of the "
