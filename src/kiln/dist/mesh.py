@@ -172,6 +172,47 @@ def join_group(backend: str, device: torch.device, timeout_s: int) -> None:
                             "--master_port / MASTER_PORT), or let `kiln train --nproc N` pick one") from None
 
 
+def flat(tree: dict, prefix: str = "") -> dict[str, object]:
+    """{"train.lr": 0.002, ...}: the dotted keys of a nested dict, as overrides name them."""
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_same_config(cfg, mesh: Mesh, shown: int = 4) -> None:
+    """A ConfigError on every process if any was started with another config than rank 0's. On one node every
+    process runs the same command; on several, each node's is typed, or its config file read, apart, and a
+    node with another train.lr (or model, or data) trained beside the others without a word, its DDP replica
+    drifting from rank 0's, whose weights alone are saved."""
+    if not mesh.distributed:
+        return
+    mine = flat(cfg.model_dump(mode="json"))
+    box = [mine]
+    dist.broadcast_object_list(box, src=0)
+    first = box[0]
+    diff = {k: (mine.get(k), first.get(k)) for k in sorted(set(mine) | set(first)) if mine.get(k) != first.get(k)}
+    every: list = [None] * mesh.world
+    dist.all_gather_object(every, diff)  # so that every process raises the same error
+    odd = [(rank, d) for rank, d in enumerate(every) if d]
+    if not odd:
+        return
+    local = max(1, mesh.local_world)
+    lines = []
+    for rank, d in odd[:shown]:
+        keys = list(d)[:shown]
+        lines.append(f"rank {rank} (node {rank // local}) has " + ", ".join(f"{k}={d[k][0]!r}" for k in keys) +
+                     " where rank 0 has " + ", ".join(f"{k}={d[k][1]!r}" for k in keys) +
+                     (f" (and {len(d) - len(keys)} more)" if len(d) > len(keys) else ""))
+    more = f"; {len(odd) - shown} more process(es) differ too" if len(odd) > shown else ""
+    raise ConfigError("the processes of this job were started with different configs: " + "; ".join(lines) + more +
+                      ". Start the same `kiln train` command on every node, with the same config file (copied to "
+                      "every node, or on storage they share) and the same overrides")
+
+
 def current_mesh(device: torch.device) -> Mesh:
     """The Mesh of a process group someone else initialised (or of one process): for callers without one."""
     if not (dist.is_available() and dist.is_initialized()):

@@ -29,6 +29,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from kiln.dist.mesh import env_int
+
 POLL_S = 0.5
 ACK_WAIT_S = 4 * POLL_S + 1.0  # how long a failing rank waits for the others to see its failure
 EXIT_CODE = 1
@@ -103,9 +105,17 @@ class Watch:
             self._said = True
             who, _, rest = failed.partition(": ")
             if not rest.startswith(STOPPED):  # a rank stopped by a signal failed nothing: its message says so
-                print(f"rank {self.rank}: stopping, because {who} failed (its error is above)", file=sys.stderr,
-                      flush=True)
+                print(f"rank {self.rank}: stopping, because {self._where(who, rest)}", file=sys.stderr, flush=True)
             self._acknowledge()
+
+    def _where(self, who: str, error: str) -> str:
+        """Why this rank stops, `who` ("rank R") having failed: on this node its error is above in the same log;
+        on another node (nodes of LOCAL_WORLD_SIZE ranks) it is in that node's log only, so `error` is repeated."""
+        per_node = max(1, env_int("LOCAL_WORLD_SIZE", self.world))
+        failed = who.removeprefix("rank ")
+        if not failed.isdigit() or int(failed) // per_node == self.rank // per_node:
+            return f"{who} failed (its error is above)"
+        return f"{who}, on node {int(failed) // per_node}, failed: {error}"
 
     def _acknowledge(self, clock: Callable[[], float] = time.monotonic,
                      sleep: Callable[[float], None] = time.sleep) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kiln.dist.launch.torchrun import DUPLICATE_S
+from kiln.dist.launch.torchrun import DUPLICATE_S, record_stop
 
 
 class Preempted(Exception):
@@ -185,6 +185,8 @@ def train_guarded(trainer, checkpointer, guard: SignalGuard | None, run_dir: Pat
             return trainer.train()
     except Preempted as p:
         checkpointer.close()
+        if dist.is_available() and dist.is_initialized():  # this node's torchrun waits no longer for lost nodes
+            record_stop(p.signame)
         saved = f"checkpoint {p.path} is complete" if p.path else "nothing to save before the first step"
         log(f"stopped by {p.signame} after step {p.step}; {saved}.\nResume with: {resume_command(run_dir)}")
         return None

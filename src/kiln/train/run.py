@@ -13,7 +13,7 @@ from kiln.config import RunConfig, derive
 from kiln.data.build import build_data, data_position
 from kiln.data.prepare.token_bytes import token_byte_lengths
 from kiln.dist.materialize import build_model
-from kiln.dist.mesh import Mesh, init_mesh
+from kiln.dist.mesh import Mesh, check_same_config, init_mesh
 from kiln.dist.parallelize import full_model, parallelize, strategy_of
 from kiln.dist.watch import EXIT_CODE, Watch
 from kiln.errors import ConfigError, DataError
@@ -90,6 +90,7 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
     try:
         if mesh.rank != 0:
             console = Console(quiet=True)
+        check_same_config(cfg, mesh)  # kiln.dist: every node started with rank 0's config
         out = _run(cfg, console, resume, callbacks, mesh)
         # every rank finished: leave the group together; a signal now (rank 0 may still save model/) is noted, not
         # fatal: a rank it killed here broke the others' wait, with a traceback, though the run was complete

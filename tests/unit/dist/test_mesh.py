@@ -84,3 +84,50 @@ def test_the_start_of_a_run_says_how_the_model_is_spread(strategy, dist_cfg, exp
     from kiln.dist.mesh import Mesh
 
     assert Mesh(world=8, local_world=4).describe(strategy, dist_cfg) == expected
+
+
+def _check_configs(rank: int, port: int, out: str, overrides: list[list[str]]) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from kiln.config import load_config
+    from kiln.dist.mesh import Mesh, check_same_config
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        mesh = Mesh(rank=rank, world=2, local_world=1)  # two nodes of one process each
+        for i, given in enumerate(overrides):
+            try:
+                check_same_config(load_config("quickstart", given[rank].split()), mesh)
+                said = "same"
+            except ConfigError as e:
+                said = str(e)
+            with open(f"{out}.{i}.{rank}", "w") as f:
+                f.write(said)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # a real two-process gloo group
+def test_nodes_started_with_different_configs_are_told_which_keys_differ_on_every_process(tmp_path):
+    """Two nodes, the second started with another train.lr (its command typed apart, or its copy of the config
+    file older): it trained beside rank 0 without a word, its replica's steps not rank 0's. Now every process
+    raises the same ConfigError naming the rank, its node and the keys."""
+    import torch.multiprocessing as mp
+
+    cases = [["train.lr=1e-3", "train.lr=1e-3"], ["train.lr=1e-3", "train.lr=5e-2 model.n_layers=2"]]
+    mp.spawn(_check_configs, args=(_free_port(), str(tmp_path / "said"), cases), nprocs=2, join=True)
+    said = [[(tmp_path / f"said.{i}.{r}").read_text() for r in (0, 1)] for i in range(len(cases))]
+    assert said[0] == ["same", "same"]
+    assert said[1][0] == said[1][1]
+    assert said[1][0].startswith("the processes of this job were started with different configs: rank 1 (node 1) "
+                                 "has model.n_layers=2, train.lr=0.05 where rank 0 has model.n_layers=4, "
+                                 "train.lr=0.001. Start the same `kiln train` command on every node")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

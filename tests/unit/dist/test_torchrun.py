@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 import pytest
@@ -235,3 +236,98 @@ def test_a_job_whose_rank_printed_its_error_is_not_restarted_and_other_failures_
     assert agent._remaining_restarts == 0
     assert capsys.readouterr().err == ("kiln: not restarting the job: rank 1's error is one a restart would meet "
                                        "again\n")
+
+
+def test_a_torchrun_stopped_by_a_signal_joins_the_exit_barrier_the_other_nodes_wait_in():
+    """Two nodes' torchrun agents on one rendezvous store: the workers of the node that was not signalled stop
+    with the others (one checkpoint), and its agent waits in torchrun's exit barrier for every agent. The
+    signalled agent, whose run raises SignalException, joined it (before: never, so the other waited 300 s)."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.agent.server import api
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.utils import store as store_util
+
+    host = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    peer = dist.TCPStore("127.0.0.1", host.port, 2, False, timeout=datetime.timedelta(seconds=30))
+
+    class Agent:  # torchrun's agent as far as the exit barrier goes
+        def __init__(self, store):
+            self._store, self._worker_group = store, type("Group", (), {"group_world_size": 2})()
+
+        def run(self, role="default"):
+            raise SignalException("SIGTERM on this node", signal.SIGTERM)
+
+    torchrun.exit_barrier_on_signal(Agent)
+    torchrun.exit_barrier_on_signal(Agent)  # wrapped once
+    passed = threading.Event()
+
+    def other_node() -> None:  # its workers finished: torchrun's _exit_barrier
+        store_util.barrier(peer, 2, api._TERMINAL_STATE_SYNC_ID, barrier_timeout=20)
+        passed.set()
+
+    waiter = threading.Thread(target=other_node, daemon=True)
+    waiter.start()
+    with pytest.raises(SignalException):
+        Agent(host).run()
+    waiter.join(timeout=20)
+    assert passed.is_set()
+    assert not torchrun.join_exit_barrier(type("Agent", (), {"_store": None})())  # before the rendezvous: nothing
+
+
+def test_after_a_stop_on_a_signal_torchrun_waits_for_a_lost_node_briefly_and_says_so(monkeypatch, tmp_path, capsys):
+    """One node lost (its torchrun killed with SIGKILL): its workers, sent SIGTERM, wrote the checkpoint with the
+    others and the node's torchrun never joins the exit barrier. The others, whose workers recorded the stop,
+    wait SIGNALLED_BARRIER_S there, not torch's 300 s, and say why; after a finished job, torchrun's own barrier."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    waited = []
+
+    class Agent:  # torchrun's agent as far as the exit barrier goes
+        def __init__(self, nodes: int = 2):
+            self._store, self._worker_group = store, type("Group", (), {"group_world_size": nodes})()
+
+        def _exit_barrier(self):
+            waited.append("torchrun's 300 s")
+
+    torchrun.short_exit_barrier_after_a_stop(Agent)
+    monkeypatch.setenv(torchrun.STOPPED, str(tmp_path / "stopped"))
+    Agent()._exit_barrier()  # the job finished: nothing recorded
+    assert waited == ["torchrun's 300 s"]
+    monkeypatch.setattr(torchrun, "SIGNALLED_BARRIER_S", 0.5)
+    torchrun.record_stop("SIGTERM")  # what a worker does when the job stops on a signal
+    Agent(nodes=1)._exit_barrier()  # one node: no other to wait for, nothing to say
+    assert waited == ["torchrun's 300 s"] * 2 and capsys.readouterr().err == ""
+    Agent()._exit_barrier()
+    assert waited == ["torchrun's 300 s"] * 2
+    assert "kiln: the job stopped on SIGTERM and this node's workers have written their part of the checkpoint; " \
+           "the torchrun of another node did not stop within 0.5 s (a node lost?)" in capsys.readouterr().err
+
+
+def test_a_node_that_loses_the_rendezvous_store_says_so_in_a_few_lines_not_torchs_traceback(monkeypatch, capsys):
+    """The node serving the c10d store lost (its torchrun killed with SIGKILL): the other node's torchrun found
+    the store gone at its next check and ended with a traceback of torch's 80 lines ending in 'The connection to
+    the C10d store has failed'; now with what happened and what to do, exit code 1."""
+    import torch.distributed.run as torch_run
+    from torch.distributed.elastic.multiprocessing import api
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    def lost(args):
+        assert os.environ[torchrun.STOPPED]  # where the workers say they stopped on a signal
+        raise RendezvousConnectionError("The connection to the C10d store has failed. See inner exception")
+
+    monkeypatch.setattr(torch_run, "run", lost)
+    monkeypatch.setattr(api, "_terminate_process_handler", api._terminate_process_handler)  # main wraps it
+    monkeypatch.setattr(torchrun, "stop_with_parent", lambda: True)  # not for pytest itself
+    monkeypatch.setenv(torchrun.PARENT_PID, "1")
+    assert torchrun.main(["--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=node-a:29500", "-m", "kiln.cli",
+                          "train"]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith("kiln: this node lost the job's rendezvous store at node-a:29500: the torchrun serving it")
+    assert "Start torchrun on every node again to resume" in err and "Traceback" not in err
+    assert torchrun.STOPPED not in os.environ

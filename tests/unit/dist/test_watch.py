@@ -135,3 +135,19 @@ def test_the_same_error_on_two_ranks_at_once_is_shown_by_the_rank_that_recorded_
     t.join(10)
     assert done == [True]
     assert "rank 1: stopping, because rank 0 failed" in capsys.readouterr().err
+
+
+def test_a_rank_stopping_for_a_failure_on_another_node_repeats_its_error(capsys, monkeypatch):
+    """Two nodes of one process each: rank 1's error is printed in node 1's log only, and rank 0 said 'its error
+    is above' in node 0's, where it is not."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    store = dist.HashStore()
+    w0, stopped0, _ = _watch(0, store)
+    w1, _, _ = _watch(1, store)
+    with watching(w0):
+        w1.record_failure(ValueError("data.sources: /data/x.jsonl does not exist"))
+        assert stopped0.wait(10)
+    assert "rank 0: stopping, because rank 1, on node 1, failed: ValueError: data.sources: /data/x.jsonl does not " \
+           "exist" in capsys.readouterr().err
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # one node: the error is above
+    assert w0._where("rank 1", "ValueError: x") == "rank 1 failed (its error is above)"

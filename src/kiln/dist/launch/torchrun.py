@@ -26,6 +26,18 @@ when torchrun is). Torchrun then stops its workers as on a scheduler's SIGTERM, 
 gone write their checkpoint together and stop, instead of training on, holding their GPUs, beside the job
 that is started again in the same run directory.
 
+On several nodes, a signal may reach one node's torchrun alone (a scheduler preempting that node). Its
+workers tell the others (kiln.state.preempt), all write one checkpoint together and exit; the other nodes'
+torchrun see their workers finish and wait in torchrun's exit barrier for every node's torchrun, which the
+signalled one, raising its SignalException, never joined: they waited 300 s (torch's exit barrier timeout).
+`exit_barrier_on_signal` has the signalled torchrun join the barrier after its workers stopped, so every
+node ends with them. A node lost (its torchrun killed with SIGKILL; its workers, sent SIGTERM by
+`stop_with_parent`, write the checkpoint with the others) never joins: workers that stopped on a signal say so
+(`record_stop`), and their torchrun then waits SIGNALLED_BARRIER_S at most (`short_exit_barrier_after_a_stop`)
+and says why it stops waiting. A job that finished keeps torchrun's barrier (rank 0 may still write model/).
+A node that loses the rendezvous store (the torchrun serving it is gone) stops its workers and says so in a
+few lines (`lost_store`), instead of torch's traceback.
+
 A config error is the same in every process: only the first process of each node prints it. The others
 (`wait_for_first_rank`) wait to be stopped by torchrun, which stops them when that first process exits
 with its error: leaving first, they would have torchrun stop it, perhaps before it printed anything.
@@ -39,13 +51,16 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 
 SHOWN = "kiln_shown"  # key of the error file: the rank printed this error itself
 EXIT_CODE = "kiln_exit_code"  # key of the error file: the exit code of the process that printed it
 DUPLICATE_S = 1.0  # a signal this soon after the same one is the same event delivered twice
+STOPPED = "KILN_STOPPED_FILE"  # environment: where a worker that stopped on a signal writes the signal's name
 PARENT_PID = "KILN_PARENT_PID"  # environment: the pid of the process that started this one (stop_with_parent)
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
+SIGNALLED_BARRIER_S = 30.0  # how long a signalled torchrun waits in the exit barrier for the other nodes' ones
 QUIET_WAIT_S = 60.0  # how long a quiet process waits for torchrun to stop it (the first process failed alike)
 SHUTDOWN_TIMEOUT_S = 120  # seconds torchrun gives its workers between SIGTERM and SIGKILL
 # What torchrun needs in its environment for kiln, wherever it is started (here, and in the Kubernetes and
@@ -164,9 +179,95 @@ def no_restart_after_kiln_errors(agent_class=None) -> None:
     agent_class._monitor_workers = _monitor_workers
 
 
+def exit_barrier_on_signal(agent_class=None) -> None:
+    """A torchrun stopped by a signal joins the exit barrier after its workers stopped (see the module's
+    docstring), waiting at most SIGNALLED_BARRIER_S there: if it serves the rendezvous store, the others
+    still need it to pass the barrier. A node with no peer there (all signalled at once) passes at once."""
+    if agent_class is None:
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent as agent_class
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    run = getattr(agent_class, "run", None)
+    if run is None or getattr(run, "kiln", False):
+        return
+
+    def run_joining_the_exit_barrier(self, *args, **kwargs):
+        try:
+            return run(self, *args, **kwargs)
+        except SignalException:
+            join_exit_barrier(self)
+            raise
+
+    run_joining_the_exit_barrier.kiln = True
+    agent_class.run = run_joining_the_exit_barrier
+
+
+def join_exit_barrier(agent, timeout_s: float | None = None) -> bool:
+    """Join torchrun's exit barrier of `agent` (torchrun's SimpleElasticAgent, private attributes: absent, as
+    torchrun does), waiting at most `timeout_s` (None: SIGNALLED_BARRIER_S) for the other agents; returns whether
+    all came."""
+    from torch.distributed.elastic.agent.server import api
+    from torch.distributed.elastic.utils import store as store_util
+
+    group = getattr(agent, "_worker_group", None)
+    store, size = getattr(agent, "_store", None), getattr(group, "group_world_size", None)
+    prefix = getattr(api, "_TERMINAL_STATE_SYNC_ID", None)
+    if store is None or not size or size < 2 or prefix is None:  # not past the rendezvous, or one node
+        return False
+    try:
+        store_util.barrier(store=store, world_size=size, key_prefix=prefix,
+                           barrier_timeout=timeout_s or SIGNALLED_BARRIER_S)
+    except Exception:  # a second signal, a peer gone, a store gone with its host: leave, as torchrun would
+        return False
+    return True
+
+
+def record_stop(signame: str) -> None:
+    """Tell this node's torchrun (if kiln's started this process) that the job stopped on `signame`: it ends
+    without waiting 300 s for a node that may be gone (`short_exit_barrier_after_a_stop`)."""
+    path = os.environ.get(STOPPED)
+    if path:
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            f.write(signame)
+
+
+def short_exit_barrier_after_a_stop(agent_class=None) -> None:
+    """torchrun's exit barrier, at most SIGNALLED_BARRIER_S long when this node's workers stopped on a signal
+    (`record_stop`): the nodes still there all come at once, and a lost one would never come."""
+    if agent_class is None:
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent as agent_class
+    barrier = getattr(agent_class, "_exit_barrier", None)
+    if barrier is None or getattr(barrier, "kiln", False):
+        return
+
+    def _exit_barrier(self):
+        signame = ""
+        with contextlib.suppress(OSError), open(os.environ.get(STOPPED) or os.devnull) as f:
+            signame = f.read().strip()
+        nodes = getattr(getattr(self, "_worker_group", None), "group_world_size", None) or 1
+        if not signame or nodes < 2:  # a finished job (rank 0 may still write model/), or no other node
+            return barrier(self)
+        if not join_exit_barrier(self):
+            print(f"kiln: the job stopped on {signame} and this node's workers have written their part of the "
+                  f"checkpoint; the torchrun of another node did not stop within {SIGNALLED_BARRIER_S:g} s (a node "
+                  "lost?), so this one stops without it", file=sys.stderr, flush=True)
+
+    _exit_barrier.kiln = True
+    agent_class._exit_barrier = _exit_barrier
+
+
+def lost_store(endpoint: str) -> str:
+    """What to say when this node's torchrun loses the job's rendezvous store at `endpoint` mid-job."""
+    return (f"kiln: this node lost the job's rendezvous store at {endpoint or 'the rendezvous endpoint'}: the torchrun "
+            "serving it (on the node whose address that is, or the first to reach it) stopped or cannot be reached "
+            "(a node lost?). This node's workers were sent SIGTERM: they write a checkpoint if the workers of every "
+            "node still can, else the last complete one is kept. Start torchrun on every node again to resume")
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.run import parse_args, run
 
     from kiln.streams import keep_writing
@@ -175,8 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     # torchrun installs this module attribute as its handler when it starts the workers
     api._terminate_process_handler = stop_once(api._terminate_process_handler)
     no_restart_after_kiln_errors()
+    exit_barrier_on_signal()
+    short_exit_barrier_after_a_stop()
     stop_with_parent()
     os.environ[PARENT_PID] = str(os.getpid())  # the workers stop when this process dies
+    stopped = os.path.join(tempfile.gettempdir(), f"kiln-torchrun-{os.getpid()}.stopped")
+    with contextlib.suppress(OSError):
+        os.remove(stopped)
+    os.environ[STOPPED] = stopped
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:  # under nohup: torchrun would stop the job on a hangup
         args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() != "SIGHUP")
@@ -189,6 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     except api.SignalException as e:  # the workers had the signal and the time to stop; torchrun waited for them
         print(f"kiln: the job stopped on {e.sigval.name}", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
+    except RendezvousConnectionError:  # torch's traceback and C++ frames said only "connection failed"
+        print(lost_store(args.rdzv_endpoint), file=sys.stderr, flush=True)
+        return 1
+    finally:
+        os.environ.pop(STOPPED, None)
+        with contextlib.suppress(OSError):
+            os.remove(stopped)
     return 0
 
 
