@@ -168,7 +168,7 @@ def resume_command(run_dir: Path) -> str:
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if world <= 1:
         return command
-    from kiln.dist.mesh import env_int
+    from kiln.dist.env import env_int
 
     if env_int("LOCAL_WORLD_SIZE", world) == world:
         return f"{command} --nproc {world}"
