@@ -756,6 +756,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for given, other in (("data.mixture", "data.sources"), ("data.sources", "data.mixture")):
         if given in keys and other not in keys and isinstance(data.get("data"), dict):
             data["data"].pop(other.split(".")[1], None)  # an override of one replaces the file's other
+    if "model.size" in keys and isinstance(data.get("model"), dict):  # a size given here: the file's shape gives
+        shape = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")  # way (overrides of its fields win)
+        data["model"] = {k: v for k, v in data["model"].items() if k not in shape}
     if "model.init_from" in keys and isinstance(data.get("model"), dict):  # its config.json is the architecture:
         keep = ("init_from", "max_seq_len", "init_std", "allow_pickle", "hf_class", "trust_remote_code")
         # the file's other model fields give way to it

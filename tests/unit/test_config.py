@@ -91,6 +91,16 @@ def test_model_size_fills_fields_and_explicit_fields_win():
     assert cfg.model.n_layers == 6
 
 
+def test_a_size_given_as_an_override_replaces_the_shape_of_the_config_file():
+    """quickstart writes its shape out (d_model 256, 4 layers): `model.size=tiny` on it trained that shape."""
+    from kiln.sizes import SIZES
+
+    cfg = load_config("quickstart", ["model.size=tiny"])
+    assert (cfg.model.d_model, cfg.model.n_layers) == (SIZES["tiny"]["d_model"], SIZES["tiny"]["n_layers"])
+    assert load_config("quickstart", ["model.size=tiny", "model.n_layers=3"]).model.n_layers == 3
+    assert load_config("quickstart").model.d_model == 256  # the file's own shape, without a size override
+
+
 def test_every_field_is_documented():
     text = describe_fields()
     for line in text.splitlines():
