@@ -150,7 +150,7 @@ def test_the_slurm_script_of_two_nodes_trains_ddp_like_one_process(base, referen
     from kiln.cli import app
 
     run_dir, script, config = tmp_path / "run", tmp_path / "train.sbatch", tmp_path / "tiny.yaml"
-    config.write_text("model:\n  size: tiny\n")  # the quickstart preset's explicit d_model would beat model.size
+    config.write_text("model:\n  size: tiny\n")  # a config file, as users pass one
     res = CliRunner().invoke(app, ["launch", "slurm", str(config), *base, "train.batch_size=2", "dist.strategy=ddp",
                                    "--nodes", "2", "--gpus-per-node", "1", "--run-dir", str(run_dir), "--out",
                                    str(script)])
