@@ -743,6 +743,18 @@ class RunConfig(Section):
 # --------------------------------------------------------------------------- loading
 
 
+def dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"train.lr": 0.002, ...}: the values of a nested dict (a config's model_dump) under dotted keys, as
+    overrides name them."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(dotted(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Build a RunConfig from a YAML file or preset name (or defaults) plus KEY=VALUE overrides."""
     data: dict[str, Any] = {}

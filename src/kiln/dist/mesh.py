@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from kiln.config import DistConfig
+from kiln.config import DistConfig, dotted
 from kiln.dist.env import check_backend, env_int
 from kiln.errors import ConfigError, ResourceError
 
@@ -172,17 +172,6 @@ def join_group(backend: str, device: torch.device, timeout_s: int) -> None:
                             "--master_port / MASTER_PORT), or let `kiln train --nproc N` pick one") from None
 
 
-def flat(tree: dict, prefix: str = "") -> dict[str, object]:
-    """{"train.lr": 0.002, ...}: the dotted keys of a nested dict, as overrides name them."""
-    out: dict[str, object] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def check_same_config(cfg, mesh: Mesh, shown: int = 4) -> None:
     """A ConfigError on every process if any was started with another config than rank 0's. On one node every
     process runs the same command; on several, each node's is typed, or its config file read, apart, and a
@@ -190,7 +179,7 @@ def check_same_config(cfg, mesh: Mesh, shown: int = 4) -> None:
     drifting from rank 0's, whose weights alone are saved."""
     if not mesh.distributed:
         return
-    mine = flat(cfg.model_dump(mode="json"))
+    mine = dotted(cfg.model_dump(mode="json"))
     box = [mine]
     dist.broadcast_object_list(box, src=0)
     first = box[0]

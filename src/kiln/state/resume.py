@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kiln.config import RunConfig
+from kiln.config import RunConfig, dotted
 from kiln.errors import StateError
 from kiln.state.rundir import (
     DAMAGED_PREFIX,
@@ -42,20 +42,10 @@ FREE = ("train.run_dir", "train.device", "train.compile", "train.activation_chec
         "logging.", "checkpoint.", "dist.", "profile.", "monitor.")
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def config_differences(saved: dict[str, Any], current: dict[str, Any], all_keys: bool = False) -> list[str]:
     """'key: saved -> current' for each setting that differs (only those that matter unless all_keys)."""
-    a, b = _flat(saved), _flat(current)
-    defaults = _flat(RunConfig().model_dump(mode="json"))
+    a, b = dotted(saved), dotted(current)
+    defaults = dotted(RunConfig().model_dump(mode="json"))
     out = []
     for key in sorted(b):  # a key the saved config lacks (added to Kiln later) counts as its default
         if not all_keys and key.startswith(FREE):
@@ -68,7 +58,7 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], all_keys:
 
 def fingerprints(cfg: RunConfig, dataset) -> dict[str, Any]:
     """What a checkpoint records to recognise its config and its data."""
-    relevant = {k: v for k, v in _flat(cfg.model_dump(mode="json")).items() if not k.startswith(FREE)}
+    relevant = {k: v for k, v in dotted(cfg.model_dump(mode="json")).items() if not k.startswith(FREE)}
     manifest = dataset.manifest
     return {
         "config": hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16],
