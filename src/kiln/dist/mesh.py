@@ -179,14 +179,11 @@ def check_same_config(cfg, mesh: Mesh, shown: int = 4) -> None:
     drifting from rank 0's, whose weights alone are saved."""
     if not mesh.distributed:
         return
-    mine = dotted(cfg.model_dump(mode="json"))
-    box = [mine]
-    dist.broadcast_object_list(box, src=0)
-    first = box[0]
-    diff = {k: (mine.get(k), first.get(k)) for k in sorted(set(mine) | set(first)) if mine.get(k) != first.get(k)}
     every: list = [None] * mesh.world
-    dist.all_gather_object(every, diff)  # so that every process raises the same error
-    odd = [(rank, d) for rank, d in enumerate(every) if d]
+    dist.all_gather_object(every, dotted(cfg.model_dump(mode="json")))  # every process judges all alike
+    first = every[0]
+    odd = [(rank, {k: (c.get(k), first.get(k)) for k in sorted(set(c) | set(first)) if c.get(k) != first.get(k)})
+           for rank, c in enumerate(every) if c != first]
     if not odd:
         return
     local = max(1, mesh.local_world)

@@ -39,7 +39,6 @@ def save_model(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer | None, 
 
 def _not_saved(run_dir: Path) -> StateError:
     """Why the run at `run_dir` has no model to load, and what writes one."""
-
     found = checkpoints(run_dir)
     if (run_dir / "model").is_dir():
         why = f"{run_dir / 'model'} is incomplete: the run's final model save did not finish"

@@ -160,46 +160,49 @@ def no_restart_after_kiln_errors(agent_class=None) -> None:
     """Under --max-restarts, a job whose rank failed with an error it printed (a KilnError: a config, data or
     state error, or a disk that is full, is the same at every start) is not restarted: each start ended with it
     again. Other failures (a killed process, a bug's traceback, a hang) are restarted as before."""
+    def wrap(monitor):
+        def _monitor_workers(self, worker_group):
+            result = monitor(self, worker_group)
+            shown = [r for r, f in (result.failures or {}).items() if f.error_file_data.get(SHOWN)]
+            if shown and getattr(self, "_remaining_restarts", 0) > 0:
+                self._remaining_restarts = 0
+                print(f"kiln: not restarting the job: rank {min(shown)}'s error is one a restart would meet again",
+                      file=sys.stderr, flush=True)
+            return result
+        return _monitor_workers
+
+    _wrap_agent(agent_class, "_monitor_workers", wrap)
+
+
+def _wrap_agent(agent_class, name: str, wrap) -> None:
+    """Replace the method `name` of torchrun's agent class (LocalElasticAgent unless given) with `wrap(method)`,
+    once. These methods are private to torchrun: where one is absent, torchrun goes on as it is."""
     if agent_class is None:
         from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent as agent_class
-    monitor = getattr(agent_class, "_monitor_workers", None)  # torchrun's private method: absent, restart as torchrun
-    if monitor is None or getattr(monitor, "kiln", False):  # does, or wrapped already
+    method = getattr(agent_class, name, None)
+    if method is None or getattr(method, "kiln", False):  # absent, or wrapped already
         return
-
-    def _monitor_workers(self, worker_group):
-        result = monitor(self, worker_group)
-        shown = [r for r, f in (result.failures or {}).items() if f.error_file_data.get(SHOWN)]
-        if shown and getattr(self, "_remaining_restarts", 0) > 0:
-            self._remaining_restarts = 0
-            print(f"kiln: not restarting the job: rank {min(shown)}'s error is one a restart would meet again",
-                  file=sys.stderr, flush=True)
-        return result
-
-    _monitor_workers.kiln = True
-    agent_class._monitor_workers = _monitor_workers
+    wrapped = wrap(method)
+    wrapped.kiln = True
+    setattr(agent_class, name, wrapped)
 
 
 def exit_barrier_on_signal(agent_class=None) -> None:
     """A torchrun stopped by a signal joins the exit barrier after its workers stopped (see the module's
     docstring), waiting at most SIGNALLED_BARRIER_S there: if it serves the rendezvous store, the others
     still need it to pass the barrier. A node with no peer there (all signalled at once) passes at once."""
-    if agent_class is None:
-        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent as agent_class
     from torch.distributed.elastic.multiprocessing import SignalException
 
-    run = getattr(agent_class, "run", None)
-    if run is None or getattr(run, "kiln", False):
-        return
+    def wrap(run):
+        def run_joining_the_exit_barrier(self, *args, **kwargs):
+            try:
+                return run(self, *args, **kwargs)
+            except SignalException:
+                join_exit_barrier(self)
+                raise
+        return run_joining_the_exit_barrier
 
-    def run_joining_the_exit_barrier(self, *args, **kwargs):
-        try:
-            return run(self, *args, **kwargs)
-        except SignalException:
-            join_exit_barrier(self)
-            raise
-
-    run_joining_the_exit_barrier.kiln = True
-    agent_class.run = run_joining_the_exit_barrier
+    _wrap_agent(agent_class, "run", wrap)
 
 
 def join_exit_barrier(agent, timeout_s: float | None = None) -> bool:
@@ -234,26 +237,21 @@ def record_stop(signame: str) -> None:
 def short_exit_barrier_after_a_stop(agent_class=None) -> None:
     """torchrun's exit barrier, at most SIGNALLED_BARRIER_S long when this node's workers stopped on a signal
     (`record_stop`): the nodes still there all come at once, and a lost one would never come."""
-    if agent_class is None:
-        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent as agent_class
-    barrier = getattr(agent_class, "_exit_barrier", None)
-    if barrier is None or getattr(barrier, "kiln", False):
-        return
+    def wrap(barrier):
+        def _exit_barrier(self):
+            signame = ""
+            with contextlib.suppress(OSError), open(os.environ.get(STOPPED) or os.devnull) as f:
+                signame = f.read().strip()
+            nodes = getattr(getattr(self, "_worker_group", None), "group_world_size", None) or 1
+            if not signame or nodes < 2:  # a finished job (rank 0 may still write model/), or no other node
+                return barrier(self)
+            if not join_exit_barrier(self):
+                print(f"kiln: the job stopped on {signame} and this node's workers have written their part of the "
+                      f"checkpoint; the torchrun of another node did not stop within {SIGNALLED_BARRIER_S:g} s "
+                      "(a node lost?), so this one stops without it", file=sys.stderr, flush=True)
+        return _exit_barrier
 
-    def _exit_barrier(self):
-        signame = ""
-        with contextlib.suppress(OSError), open(os.environ.get(STOPPED) or os.devnull) as f:
-            signame = f.read().strip()
-        nodes = getattr(getattr(self, "_worker_group", None), "group_world_size", None) or 1
-        if not signame or nodes < 2:  # a finished job (rank 0 may still write model/), or no other node
-            return barrier(self)
-        if not join_exit_barrier(self):
-            print(f"kiln: the job stopped on {signame} and this node's workers have written their part of the "
-                  f"checkpoint; the torchrun of another node did not stop within {SIGNALLED_BARRIER_S:g} s (a node "
-                  "lost?), so this one stops without it", file=sys.stderr, flush=True)
-
-    _exit_barrier.kiln = True
-    agent_class._exit_barrier = _exit_barrier
+    _wrap_agent(agent_class, "_exit_barrier", wrap)
 
 
 def lost_store(endpoint: str) -> str:
