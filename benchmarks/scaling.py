@@ -106,8 +106,8 @@ def main() -> None:
             extra = args.set + (own[0].split(";") if own else [])
             results.append(run(args.config, int(n), strategy, args.steps, extra, Path(tmp), f"{k}-{n}-{strategy}"))
             print(json.dumps(results[-1]), flush=True)
-        if args.profile:
-            profiles(results)
+            if args.profile:  # printed as each run ends: a call cut by its time limit keeps what it measured
+                profile(results[0], results[-1])
     base = next((r["tokens_per_s"] for r in results if r["nproc"] == 1), args.base)
     print(json.dumps(info))
     print(f"{'run':<12} {'tokens/s':>12} {'MFU':>6} {'speed-up':>9} {'scaling':>8} {'loss':>7}  overrides")
@@ -122,19 +122,18 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({**info, "results": results}, indent=1))
 
 
-def profiles(results: list[dict]) -> None:
-    """Summaries of each run's trace (rank 0), beside the first run's (benchmarks/trace_summary.py)."""
+def profile(first: dict, r: dict) -> None:
+    """Summary of run `r`'s trace (rank 0) beside the first run's (benchmarks/trace_summary.py)."""
     here = Path(__file__).parent
-    traces = [next(iter(sorted(Path(r["run_dir"]).glob("profile/*.trace.json"))), None) for r in results]
-    for r, t in zip(results, traces):
-        if t is None or traces[0] is None:
-            print(f"no trace for {r['nproc']} x {r['strategy']} {' '.join(r['extra'])}")
-            continue
-        print(f"\n### {r['nproc']} x {r['strategy']} {' '.join(r['extra'])} (beside the first run)")
-        out = subprocess.run([sys.executable, str(here / "trace_summary.py"), str(traces[0]), str(t)],
-                             capture_output=True, text=True)
-        print(out.stdout + out.stderr[-2000:], flush=True)
-        r["profile"] = out.stdout
+    traces = [next(iter(sorted(Path(x["run_dir"]).glob("profile/*.trace.json"))), None) for x in (first, r)]
+    if None in traces:
+        print(f"no trace for {r['nproc']} x {r['strategy']} {' '.join(r['extra'])}")
+        return
+    print(f"\n### {r['nproc']} x {r['strategy']} {' '.join(r['extra'])} (beside the first run)")
+    out = subprocess.run([sys.executable, str(here / "trace_summary.py"), *map(str, traces)],
+                         capture_output=True, text=True)
+    print(out.stdout + out.stderr[-2000:], flush=True)
+    r["profile"] = out.stdout
 
 
 if __name__ == "__main__":

@@ -87,6 +87,18 @@ def host_self_times(events: list[dict]) -> dict[str, float]:
     return out
 
 
+def idle_gaps(kernels: list[dict], n_steps: int, top: int = 8) -> dict[str, float]:
+    """Idle GPU time (ms per step) by the kernel that ends each gap: where the GPU waits for the host (before
+    the first kernel of a step: the step's start; before an optimizer kernel: the backward pass's end...)."""
+    out: dict[str, float] = defaultdict(float)
+    end = None
+    for k in sorted(kernels, key=lambda k: k["ts"]):
+        if end is not None and k["ts"] > end:
+            out[k["name"][:60]] += (k["ts"] - end) * 1e-3 / n_steps
+        end = max(end or 0.0, k["ts"] + k["dur"])
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:top])
+
+
 def summarize(path: str) -> dict:
     events = json.loads(Path(path).read_text())["traceEvents"]
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
@@ -125,6 +137,7 @@ def summarize(path: str) -> dict:
         "streams_ms": {str(k): v * ms for k, v in sorted(streams.items(), key=lambda kv: -kv[1])},
         "kernels_ms": {k: v * ms for k, v in per_kernel.items()},
         "host_ms": {k: v * ms for k, v in host_self_times(events).items()},
+        "idle_before_ms": idle_gaps(kernels, n),
     }
 
 
@@ -164,6 +177,10 @@ def main() -> None:
         print(deltas(rows[0], rows[1]))
         print()
         print(deltas(rows[0], rows[1], "host_ms"))
+    for r in rows:
+        print(f"\n{Path(r['trace']).parent.parent.name}: idle GPU time (ms per step) before the kernel that ends it")
+        for name, v in r["idle_before_ms"].items():
+            print(f"  {v:7.3f}  {name}")
     if args.json:
         slim = [{k: v for k, v in r.items() if k not in ("kernels_ms", "host_ms")} for r in rows]
         Path(args.json).write_text(json.dumps(slim, indent=1) + "\n")

@@ -352,8 +352,9 @@ class TrainConfig(Section):
     """Compile the model and the loss kernel with torch.compile (fastest on GPU; slow to start on CPU)."""
     compile_scope: Literal["blocks", "model"] = "blocks"
     """With compile: 'blocks' compiles each transformer block (one graph for all, quick to compile);
-    'model' the whole forward pass up to the loss (1-2% faster at 124m, longer to compile; one process
-    only: under DDP and FSDP it is compiled per block, so gradient reduction overlaps the backward pass)."""
+    'model' the whole forward pass up to the loss (1-2% faster at 124m, longer to compile; under DDP torch
+    splits that graph at the gradient buckets, so their reduction overlaps the backward pass; under FSDP it
+    is compiled per block, each block being a shard unit)."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """Recompute activations in the backward pass to save memory: 'selective' keeps each block's matrix
     product and attention outputs and recomputes its elementwise ops; 'full' recomputes whole blocks

@@ -58,6 +58,25 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
         assert metrics["tokens_per_s"] == pytest.approx(2 * metrics["tokens_per_s_per_device"]), name
 
 
+@pytest.mark.slow
+def test_ddp_keeps_a_whole_model_graph_split_at_its_gradient_buckets(tmp_path):
+    """train.compile_scope=model under DDP: torch's compiler splits the one graph where DDP's buckets end, so each
+    bucket is reduced while the backward pass goes on, and the run trains like one process."""
+    compiled, wide = {"compile": True, "compile_scope": "model"}, {"d_model": 256, "n_heads": 4, "n_kv_heads": 4}
+    ref_losses, ref_metrics, _ = train_losses(config(4, 1, compiled, wide), Mesh())
+    assert ref_metrics["compiled_graphs"] <= 3  # one process: the model's graph (forward, backward) and the loss's
+    # 0.9M parameters: 3.5 MB of gradients in buckets of 1 MB
+    cases = {"ddp_model": {"batch_size": 2, "grad_accum": 1, "train": compiled, "model": wide,
+                           "dist": {"strategy": "ddp", "bucket_mb": 1}}}
+    out = tmp_path / "out.json"
+    done = torchrun([str(HERE / "workers.py"), str(out), json.dumps(cases)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses, metrics, wrapper = json.loads(out.read_text())["ddp_model"]
+    assert wrapper == "DistributedDataParallel"
+    assert metrics["compiled_graphs"] >= ref_metrics["compiled_graphs"] + 3  # split into several graphs
+    assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-5)
+
+
 def _mesh(world: int = 2, device: str = "cpu") -> Mesh:
     return Mesh(rank=0, world=world, local_world=world, device=torch.device(device))
 
@@ -87,6 +106,22 @@ def test_single_process_keeps_the_plain_model_and_gradient_sync_is_a_no_op():
     assert strategy_of(model) == "single"
     with grad_sync(model, sync=False):
         pass
+
+
+def test_whole_model_compile_is_kept_under_ddp_and_made_per_block_where_it_cannot_be(monkeypatch):
+    import kiln.dist.parallelize as par
+    from kiln.model.llama import Transformer
+
+    scopes: list[str] = []
+    monkeypatch.setattr(par, "apply_compile", lambda model, scope: scopes.append(scope))
+    monkeypatch.setattr(par, "DDP", lambda model, **kw: model)  # no process group here: the wrap itself is not tested
+    monkeypatch.setattr(par, "_shard", lambda model, cfg, m: model)
+    for strategy, bucket_mb, want in (("ddp", 25, "model"), ("ddp", 0.5, "blocks"), ("fsdp", 25, "blocks")):
+        cfg = config(2, 1, {"compile": True, "compile_scope": "model"}, strategy=strategy, bucket_mb=bucket_mb)
+        logs: list[str] = []
+        parallelize(Transformer(cfg.model), cfg, _mesh(), log=logs.append, strategy=strategy)
+        assert scopes[-1] == want, (strategy, bucket_mb)
+        assert bool(logs) == (want == "blocks") and all("compiled per block" in line for line in logs)
 
 
 def test_dist_config_checks():

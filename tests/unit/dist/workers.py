@@ -52,17 +52,21 @@ class Losses(Callback):
             self.metrics = metrics
 
 
-def config(batch_size: int, grad_accum: int, **dist) -> RunConfig:
+def config(batch_size: int, grad_accum: int, train: dict | None = None, model: dict | None = None,
+           **dist) -> RunConfig:
     return RunConfig.model_validate({
-        "model": {"size": "tiny", "vocab_size": VOCAB, "max_seq_len": 64},
+        "model": {"size": "tiny", "vocab_size": VOCAB, "max_seq_len": 64, **(model or {})},
         "train": {"seq_len": T, "batch_size": batch_size, "grad_accum": grad_accum, "max_steps": STEPS,
-                  "warmup_steps": 2, "device": "cpu", "precision": "fp32", "lr": 3e-3},
+                  "warmup_steps": 2, "device": "cpu", "precision": "fp32", "lr": 3e-3, **(train or {})},
         "logging": {"every": 1}, "dist": dist,
     })
 
 
 def train_losses(cfg: RunConfig, mesh: Mesh) -> tuple[list[float], dict, str]:
-    """The logged loss of every step of a run of `cfg` on `mesh`; the last metrics; the strategy used."""
+    """The logged loss of every step of a run of `cfg` on `mesh`; the last metrics (with `compiled_graphs`: the
+    graphs torch's compiler made for the run); the strategy used."""
+    from torch._dynamo.utils import counters
+
     torch.manual_seed(0)
     logs: list[str] = []
     # FSDP: built on the meta device, each rank initialising its shard (the one-process weights)
@@ -70,8 +74,10 @@ def train_losses(cfg: RunConfig, mesh: Mesh) -> tuple[list[float], dict, str]:
     record = Losses()
     trainer = Trainer(cfg, model, GlobalBatches(cfg.train.batch_size, mesh.rank, mesh.world), None, mesh.device,
                       [record], mesh=mesh)
+    before = counters["aot_autograd"]["total"]
     trainer.train()
-    return record.losses, record.metrics, type(trainer.model).__name__
+    metrics = {**record.metrics, "compiled_graphs": counters["aot_autograd"]["total"] - before}
+    return record.losses, metrics, type(trainer.model).__name__
 
 
 def run_cases(run) -> None:
@@ -89,8 +95,9 @@ def run_cases(run) -> None:
 
 
 def main() -> None:
-    run_cases(lambda case, mesh: train_losses(config(case["batch_size"], case["grad_accum"], **case.get("dist", {})),
-                                              mesh))
+    run_cases(lambda case, mesh: train_losses(
+        config(case["batch_size"], case["grad_accum"], case.get("train"), case.get("model"), **case.get("dist", {})),
+        mesh))
 
 if __name__ == "__main__":
     main()
