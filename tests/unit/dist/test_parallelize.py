@@ -63,8 +63,7 @@ def test_ddp_keeps_a_whole_model_graph_split_at_its_gradient_buckets(tmp_path):
     """train.compile_scope=model under DDP: torch's compiler splits the one graph where DDP's buckets end, so each
     bucket is reduced while the backward pass goes on, and the run trains like one process."""
     compiled, wide = {"compile": True, "compile_scope": "model"}, {"d_model": 256, "n_heads": 4, "n_kv_heads": 4}
-    ref_losses, ref_metrics, _ = train_losses(config(4, 1, compiled, wide), Mesh())
-    assert ref_metrics["compiled_graphs"] <= 3  # one process: the model's graph (forward, backward) and the loss's
+    ref_losses, _, _ = train_losses(config(4, 1, None, wide), Mesh())  # one process, not compiled
     # 0.9M parameters: 3.5 MB of gradients in buckets of 1 MB
     cases = {"ddp_model": {"batch_size": 2, "grad_accum": 1, "train": compiled, "model": wide,
                            "dist": {"strategy": "ddp", "bucket_mb": 1}}}
@@ -73,7 +72,8 @@ def test_ddp_keeps_a_whole_model_graph_split_at_its_gradient_buckets(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     losses, metrics, wrapper = json.loads(out.read_text())["ddp_model"]
     assert wrapper == "DistributedDataParallel"
-    assert metrics["compiled_graphs"] >= ref_metrics["compiled_graphs"] + 3  # split into several graphs
+    # unsplit: the model is one graph and the loss kernel another; per block: the block, the norm and the loss
+    assert metrics["compiled_graphs"] >= 5, metrics["compiled_graphs"]
     assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-5)
 
 
