@@ -39,6 +39,21 @@ def test_checkpointing_gives_identical_gradients(mode):
     assert all(torch.equal(g[n], g0[n]) for n in g0)
 
 
+def test_selective_checkpointing_quiets_compiles_in_place_ops_warning_only():
+    import logging
+
+    log = logging.getLogger("torch._higher_order_ops.wrap")
+    msg = "\nDetected that context_fn is passed to torch.utils.checkpoint under torch.compile.\nPlease make sure ..."
+    apply_ac(Transformer(CFG), "selective")
+    apply_ac(Transformer(CFG), "selective")
+    assert len(log.filters) == 1  # once, however many models
+
+    def record(text):
+        return logging.LogRecord(log.name, logging.WARNING, __file__, 1, text, None, None)
+
+    assert not log.filter(record(msg)) and log.filter(record("any other warning"))
+
+
 def test_checkpointing_rejects_unknown_mode_and_double_application():
     model = Transformer(CFG)
     with pytest.raises(ValueError, match="not one of none, selective, full"):
