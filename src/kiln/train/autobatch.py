@@ -130,7 +130,7 @@ class _Try:
         try:
             for _ in range(2):  # the second step runs with the optimizer's moments allocated
                 x = torch.randint(0, self.vocab, (b, T + 1), device=dev)
-                docs = torch.zeros((b, T), dtype=torch.int32) if self.cfg.data.document_mask else None
+                docs = torch.zeros((b, T), dtype=torch.int32, device=dev) if self.cfg.data.document_mask else None
                 with torch.autocast(dev.type, dtype=self.dtype, enabled=self.dtype is not None):
                     loss = self.model(x[:, :-1], x[:, 1:], docs)
                 loss.backward()

@@ -90,10 +90,10 @@ class Trainer:
         self.events.emit("on_notice", self, kind, info)
 
     def _batch(self, loader) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Next (tokens, targets, doc_ids): tokens and targets on the device; doc_ids (None without
-        document masking) stay where the loader made them: the model builds its mask from them."""
-        tokens, targets, doc_ids = next(loader)
-        return tokens.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True), doc_ids
+        """Next (tokens, targets, doc_ids) on the device (doc_ids None without document masking), copied without
+        waiting: DDP and FSDP2 copy an input still on the CPU with a blocking copy, which makes the host wait for
+        the GPU to finish all its queued work at every forward pass."""
+        return tuple(None if t is None else t.to(self.device, non_blocking=True) for t in next(loader))
 
     def _step_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """This rank's rows of the next step, (N, T) each, from `loads` loader batches; the rows of a step
