@@ -65,7 +65,8 @@ def test_ddp_keeps_a_whole_model_graph_split_at_its_gradient_buckets(tmp_path):
     compiled, wide = {"compile": True, "compile_scope": "model"}, {"d_model": 256, "n_heads": 4, "n_kv_heads": 4}
     ref_losses, _, _ = train_losses(config(4, 1, None, wide), Mesh())  # one process, not compiled
     # 0.9M parameters: 3.5 MB of gradients in buckets of 1 MB
-    cases = {"ddp_model": {"batch_size": 2, "grad_accum": 1, "train": compiled, "model": wide,
+    # two micro-batches a step: the first under no_sync (no all-reduce), the second reducing both
+    cases = {"ddp_model": {"batch_size": 1, "grad_accum": 2, "train": compiled, "model": wide,
                            "dist": {"strategy": "ddp", "bucket_mb": 1}}}
     out = tmp_path / "out.json"
     done = torchrun([str(HERE / "workers.py"), str(out), json.dumps(cases)])
