@@ -286,3 +286,26 @@ def test_ctrl_c_to_a_job_piped_to_tee_writes_a_checkpoint_and_stops(base, tmp_pa
     killed_early(run_dir)
     saves = preempt_saves(run_dir)
     assert len(saves) == 1 and saves[0]["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_ctrl_z_leaves_the_job_running_and_says_why(base, tmp_path):
+    """Ctrl-Z (SIGTSTP to the terminal's process group: kiln and torchrun; the workers have sessions of their own)
+    stopped kiln and torchrun and left the workers training unwatched. Now nothing stops, torchrun says why, and
+    the job finishes."""
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    logs.mkdir()
+    out, err = open(logs / "stdout.txt", "w"), open(logs / "stderr.txt", "w")
+    # a process group of its own in this session, as a shell makes for a job (in a session of its own, the group
+    # would be orphaned, and the kernel drops SIGTSTP for it)
+    job = subprocess.Popen(command(*base, f"train.run_dir={run_dir}"), stdout=out, stderr=err, env=ENV,
+                           preexec_fn=os.setpgrp)
+    try:
+        wait_until(lambda: worker(job.pid, 1), job, logs)
+        os.killpg(job.pid, signal.SIGTSTP)
+        assert job.wait(timeout=90) == 0, output(logs)[-3000:]
+    finally:
+        if job.poll() is None:
+            kill_job(job)
+    assert "Ctrl-Z does not pause a job of several processes" in output(logs)
+    assert len(losses(run_dir)) >= STEPS // 5  # it trained to the end

@@ -123,6 +123,7 @@ def relaunch(nproc: int, argv: list[str] | None = None, max_restarts: int = 0, c
     # SIGHUP stays ignored under nohup.
     forwarded = [s for s in FORWARDED if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN]
     previous = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signum)) for s in forwarded}
+    previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, signal.SIG_IGN)  # Ctrl-Z: torchrun says why not
     try:
         code = proc.wait()
     finally:

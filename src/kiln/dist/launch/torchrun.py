@@ -262,6 +262,17 @@ def lost_store(endpoint: str) -> str:
             "node still can, else the last complete one is kept. Start torchrun on every node again to resume")
 
 
+def refuse_pause() -> None:
+    """Ctrl-Z (SIGTSTP) does not stop torchrun: its workers run in sessions of their own, out of the terminal's
+    reach, and would train on while torchrun, stopped, could neither watch nor stop them. Pausing the workers too
+    is no better: a collective waiting past its timeout ends the job when it goes on. Say so, and go on."""
+    def said(signum, frame):
+        print("kiln: Ctrl-Z does not pause a job of several processes (its collectives would time out); it goes "
+              "on. Ctrl-C stops it with a checkpoint to resume from.", file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGTSTP, said)
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -277,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_barrier_on_signal()
     short_exit_barrier_after_a_stop()
     stop_with_parent()
+    refuse_pause()
     os.environ[PARENT_PID] = str(os.getpid())  # the workers stop when this process dies
     stopped = os.path.join(tempfile.gettempdir(), f"kiln-torchrun-{os.getpid()}.stopped")
     with contextlib.suppress(OSError):
