@@ -35,6 +35,10 @@ import tempfile
 import time
 
 
+class RunFailed(Exception):
+    """A run that did not finish: reported in the table, and the next runs go on."""
+
+
 def logged(run_dir: Path, steps: int) -> tuple[list[dict], list[dict]]:
     """(every logged step, those after the first quarter) of a run's metrics.jsonl."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -70,8 +74,9 @@ def run(config: str, nproc: int, strategy: str, steps: int, extra: list[str], ro
                 p.wait()
     wall = time.perf_counter() - t0
     for p, c, (_, err) in zip(procs, cmds, outs):
-        if p.returncode != 0:
-            raise SystemExit(f"{' '.join(c)} failed ({p.returncode}):\n{err[-4000:]}")
+        if p.returncode != 0:  # the lines naming an error first: a long traceback pushes them out of the tail
+            named = [line for line in err.splitlines() if "Error" in line or "error:" in line][:20]
+            raise RunFailed(f"{' '.join(c)} failed ({p.returncode}):\n" + "\n".join(named) + f"\n...\n{err[-3000:]}")
     runs = [logged(d, steps) for d in dirs]
     tps = sum(statistics.median(r["tokens_per_s"] for r in late) for _, late in runs)
     return {"nproc": nproc, "strategy": strategy, "extra": [f"{k}={v}" for k, v in env_own.items()] + extra,
@@ -104,17 +109,25 @@ def main() -> None:
         for k, spec in enumerate(args.runs.split(",")):
             n, strategy, *own = spec.split(":")  # own: KEY=VALUE overrides of this run alone, ';'-separated
             extra = args.set + (own[0].split(";") if own else [])
-            results.append(run(args.config, int(n), strategy, args.steps, extra, Path(tmp), f"{k}-{n}-{strategy}"))
+            try:
+                results.append(run(args.config, int(n), strategy, args.steps, extra, Path(tmp), f"{k}-{n}-{strategy}"))
+            except RunFailed as e:
+                print(e, file=sys.stderr, flush=True)
+                results.append({"nproc": int(n), "strategy": strategy, "extra": extra, "error": str(e)[-6000:]})
+                continue
             print(json.dumps(results[-1]), flush=True)
             if args.profile:  # printed as each run ends: a call cut by its time limit keeps what it measured
                 profile(results[0], results[-1])
-    base = next((r["tokens_per_s"] for r in results if r["nproc"] == 1), args.base)
+    base = next((r["tokens_per_s"] for r in results if r["nproc"] == 1 and "error" not in r), args.base)
     print(json.dumps(info))
     print(f"{'run':<12} {'tokens/s':>12} {'MFU':>6} {'speed-up':>9} {'scaling':>8} {'loss':>7}  overrides")
     for r in results:
+        own = " ".join(e for e in r["extra"] if e not in args.set)
+        if "error" in r:
+            print(f"{r['nproc']} x {r['strategy']:<8} {'failed':>12}  {own}")
+            continue
         up = r["tokens_per_s"] / base if base else None
         r["speedup"], r["scaling"] = up, up and up / r["nproc"]
-        own = " ".join(e for e in r["extra"] if e not in args.set)
         rel = f"{up:>8.2f}x {100 * r['scaling']:>7.1f}%" if up else f"{'-':>9} {'-':>8}"
         print(f"{r['nproc']} x {r['strategy']:<8} {r['tokens_per_s']:>12,.0f} {100 * r['mfu']:>5.1f}% {rel} "
               f"{r['last_loss']:>7.3f}  {own}")
@@ -125,7 +138,8 @@ def main() -> None:
 def profile(first: dict, r: dict) -> None:
     """Summary of run `r`'s trace (rank 0) beside the first run's (benchmarks/trace_summary.py)."""
     here = Path(__file__).parent
-    traces = [next(iter(sorted(Path(x["run_dir"]).glob("profile/*.trace.json"))), None) for x in (first, r)]
+    traces = [next(iter(sorted(Path(x["run_dir"]).glob("profile/*.trace.json"))), None) if "run_dir" in x else None
+              for x in (first, r)]
     if None in traces:
         print(f"no trace for {r['nproc']} x {r['strategy']} {' '.join(r['extra'])}")
         return
