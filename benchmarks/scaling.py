@@ -7,7 +7,8 @@ A run is NPROC:STRATEGY[:KEY=VALUE;KEY=VALUE] (overrides of that run alone; an u
 NCCL_MAX_NCHANNELS, is set in that run's environment instead); STRATEGY `solo` starts NPROC independent
 one-GPU jobs at once and adds their rates (the machine's own limit, without communication).
 `--profile S` records steps S to S+2 of every run (rank 0) and prints where their GPU time went
-(benchmarks/trace_summary.py), each run beside the first.
+(benchmarks/trace_summary.py), each run beside the first. `--repeat R` runs the list R times in rounds and
+gives each run's median: the one-GPU baseline moves by a few percent between runs.
 
 Each run is a real `kiln train` (torchrun started by `--nproc N` when N > 1) on the preset's data, with
 `train.batch_size` per GPU kept, so the global batch grows with N (weak scaling, as data-parallel
@@ -95,6 +96,8 @@ def main() -> None:
     ap.add_argument("--base", type=float, default=None, help="one-GPU tokens/s of an earlier call on the same "
                     "machine, for the speed-ups of runs without a 1:STRATEGY run of their own")
     ap.add_argument("--profile", type=int, default=0, help="record steps S..S+2 of each run and summarize them")
+    ap.add_argument("--repeat", type=int, default=1, help="run the list this many times, in rounds (A B A B: the "
+                    "machine's drift falls on every run alike); the table gives each run's median")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # a time limit: `run` stops its job
     import torch
@@ -105,34 +108,60 @@ def main() -> None:
     if args.profile:
         args.set += [f"profile.start={args.profile}", "profile.steps=3"]
     results = []
+    specs = args.runs.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        for k, spec in enumerate(args.runs.split(",")):
+        for k, spec in [(k, spec) for _ in range(args.repeat) for k, spec in enumerate(specs)]:
             n, strategy, *own = spec.split(":")  # own: KEY=VALUE overrides of this run alone, ';'-separated
             extra = args.set + (own[0].split(";") if own else [])
+            tag = f"{len(results)}-{n}-{strategy}"
             try:
-                results.append(run(args.config, int(n), strategy, args.steps, extra, Path(tmp), f"{k}-{n}-{strategy}"))
+                results.append({"spec": k, **run(args.config, int(n), strategy, args.steps, extra, Path(tmp), tag)})
             except RunFailed as e:
                 print(e, file=sys.stderr, flush=True)
-                results.append({"nproc": int(n), "strategy": strategy, "extra": extra, "error": str(e)[-6000:]})
+                results.append({"spec": k, "nproc": int(n), "strategy": strategy, "extra": extra,
+                                "error": str(e)[-6000:]})
                 continue
             print(json.dumps(results[-1]), flush=True)
             if args.profile:  # printed as each run ends: a call cut by its time limit keeps what it measured
                 profile(results[0], results[-1])
-    base = next((r["tokens_per_s"] for r in results if r["nproc"] == 1 and "error" not in r), args.base)
     print(json.dumps(info))
+    rows = table(results, len(specs), args.base, args.set)
+    if args.json:
+        Path(args.json).write_text(json.dumps({**info, "results": results, "table": rows}, indent=1))
+
+
+def table(results: list[dict], n_specs: int, base: float | None, common: list[str]) -> list[dict]:
+    """Print one row per run of the list: the median tokens/s of its rounds, its speed-up over the first one-GPU
+    run's median (else `base`) and its scaling; returns the rows."""
+    rows = []
+    for k in range(n_specs):
+        runs = [r for r in results if r["spec"] == k]
+        ok = [r for r in runs if "error" not in r]
+        if not runs:
+            continue  # not reached: the call's time limit
+        row = {key: runs[0][key] for key in ("nproc", "strategy", "extra")}
+        row["own"] = " ".join(e for e in row["extra"] if e not in common)
+        row["rounds"] = [round(r["tokens_per_s"]) for r in ok]
+        row["failed"] = len(runs) - len(ok)
+        if ok:
+            row["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in ok)
+            row["mfu"] = statistics.median(r["mfu"] for r in ok)
+            row["last_loss"] = ok[-1]["last_loss"]
+        rows.append(row)
+    base = next((r["tokens_per_s"] for r in rows if r["nproc"] == 1 and "tokens_per_s" in r), base)
     print(f"{'run':<12} {'tokens/s':>12} {'MFU':>6} {'speed-up':>9} {'scaling':>8} {'loss':>7}  overrides")
-    for r in results:
-        own = " ".join(e for e in r["extra"] if e not in args.set)
-        if "error" in r:
-            print(f"{r['nproc']} x {r['strategy']:<8} {'failed':>12}  {own}")
+    for r in rows:
+        if "tokens_per_s" not in r:
+            print(f"{r['nproc']} x {r['strategy']:<8} {'failed':>12}  {r['own']}")
             continue
         up = r["tokens_per_s"] / base if base else None
         r["speedup"], r["scaling"] = up, up and up / r["nproc"]
         rel = f"{up:>8.2f}x {100 * r['scaling']:>7.1f}%" if up else f"{'-':>9} {'-':>8}"
+        rounds = f"  rounds: {', '.join(f'{t:,}' for t in r['rounds'])}" if len(r["rounds"]) > 1 else ""
+        failed = f"  ({r['failed']} failed)" if r["failed"] else ""
         print(f"{r['nproc']} x {r['strategy']:<8} {r['tokens_per_s']:>12,.0f} {100 * r['mfu']:>5.1f}% {rel} "
-              f"{r['last_loss']:>7.3f}  {own}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({**info, "results": results}, indent=1))
+              f"{r['last_loss']:>7.3f}  {r['own']}{rounds}{failed}")
+    return rows
 
 
 def profile(first: dict, r: dict) -> None:
