@@ -139,3 +139,5 @@ def test_trace_summary_splits_a_step_into_compute_nccl_idle_and_host_self_time(m
     assert s["kinds_ms"]["matmul"] == pytest.approx(40 * ms) and s["kinds_ms"]["triton"] == pytest.approx(20 * ms)
     assert s["host_ms"]["aten::mm"] == pytest.approx(15 * ms)  # 20 less the launch nested in it
     assert s["host_ms"]["cudaLaunchKernel"] == pytest.approx(5 * ms)
+    # the GPU idles 60-80 in each step, before the triton kernel: charged to the kernel that ends the gap
+    assert s["idle_before_ms"] == {"triton_poi_fused_add": pytest.approx(20 * ms)}
