@@ -14,11 +14,12 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
+
+from ..integration.conftest import stdlib_corpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 
@@ -33,11 +34,9 @@ def base(tmp_path_factory) -> list[str]:
     from kiln.data.prepare.tokenizer import train_bpe
 
     root = tmp_path_factory.mktemp("data")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    text = "".join(p.read_text(errors="replace") for p in sorted(stdlib.glob("*.py"))[:40])
     (root / "corpus").mkdir()
-    for i in range(200):
-        (root / "corpus" / f"{i:03d}.txt").write_text(text[i * 2000:(i + 1) * 2000])
+    corpus = stdlib_corpus(root / "corpus", 200)
+    text = "".join(p.read_text() for p in sorted(corpus.glob("*.txt")))
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
