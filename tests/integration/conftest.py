@@ -1,8 +1,9 @@
 """Shared by the end-to-end tests: a small corpus of Python standard library source, the overrides of a tiny
-run on the CPU, and a random Llama in the Hugging Face layout to start from."""
+run on the CPU, the losses a run logged, and a random Llama in the Hugging Face layout to start from."""
 
 from __future__ import annotations
 
+import json
 import sysconfig
 from pathlib import Path
 
@@ -16,6 +17,13 @@ def stdlib_corpus(directory: Path, documents: int, modules: int = 40) -> Path:
     for i in range(documents):
         (directory / f"{i:03d}.txt").write_text(text[i * 2000:(i + 1) * 2000])
     return directory
+
+
+def losses(run_dir: Path, event: str = "train") -> dict[int, float]:
+    """{step: loss} of each training step (event "train") or evaluation ("eval": val_loss) in metrics.jsonl."""
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    key = "loss" if event == "train" else "val_loss"
+    return {r["step"]: r[key] for r in recs if r["event"] == event}
 
 
 def tiny_cpu_run(cache: Path, corpus: Path, steps: int, every: int, *extra: str, batch_size: int | None = None,

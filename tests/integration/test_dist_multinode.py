@@ -14,7 +14,6 @@ No fixed sleeps: the tests poll the run directory until what they wait for is th
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -28,7 +27,7 @@ import pytest
 from kiln.dist.launch.torchrun import TORCHRUN_ENV
 from kiln.state.rundir import checkpoints
 
-from .conftest import stdlib_corpus, tiny_cpu_run
+from .conftest import losses, stdlib_corpus, tiny_cpu_run
 
 STEPS, EVERY = 40, 5
 ENV = {**os.environ, **TORCHRUN_ENV, "COLUMNS": "400", "OMP_NUM_THREADS": "1"}
@@ -56,11 +55,6 @@ def reference(base, tmp_path_factory) -> dict[int, float]:
                            f"train.run_dir={run_dir}"], capture_output=True, text=True, timeout=300, env=ENV)
     assert done.returncode == 0, done.stderr[-3000:]
     return losses(run_dir)
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if r["event"] == "train"}
 
 
 class Nodes:

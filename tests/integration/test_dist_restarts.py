@@ -30,7 +30,7 @@ import torch
 
 from kiln.state.rundir import checkpoints
 
-from .conftest import stdlib_corpus, tiny_cpu_run
+from .conftest import losses, stdlib_corpus, tiny_cpu_run
 
 STEPS, EVERY = 40, 5  # steps take ~50 ms, starts seconds: room for 3 interruptions, each after a new checkpoint
 ENV = {**os.environ, "COLUMNS": "400", "OMP_NUM_THREADS": "1"}
@@ -111,11 +111,6 @@ def kill_job(job: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
     job.wait(timeout=60)
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if r["event"] == "train"}
 
 
 def same_weights(a: Path, b: Path) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from kiln.errors import StateError
 
-from .conftest import stdlib_corpus, tiny_cpu_run
+from .conftest import losses, stdlib_corpus, tiny_cpu_run
 
 STEPS, EVERY = 12, 6
 ENV = {**os.environ, "COLUMNS": "400", "OMP_NUM_THREADS": "1"}
@@ -35,12 +35,6 @@ def kiln_train(*args: str, nproc: int = 1) -> subprocess.CompletedProcess:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done
-
-
-def losses(run_dir: Path, event: str = "train") -> dict[int, float]:
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    key = "loss" if event == "train" else "val_loss"
-    return {r["step"]: r[key] for r in recs if r["event"] == event}
 
 
 def cut_back(run_dir: Path, to_step: int) -> None:
