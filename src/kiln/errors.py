@@ -17,6 +17,10 @@ class DataError(KilnError):
     """Input data or a prepared dataset is missing, malformed or incompatible."""
 
 
+class EmptySplit(DataError):
+    """A split of the data holds no documents (a stream finds out only by reading its sources)."""
+
+
 class StateError(KilnError):
     """A checkpoint or run directory is missing, corrupted or incompatible with the config."""
 

@@ -193,7 +193,8 @@ class ResourceMonitor(Callback):
         """Apply the warning rules to a sample (and the loop's data-wait fraction)."""
         c = self.cfg
         if data_wait is not None and data_wait > c.data_wait_warn:
-            self.warn("data_wait", f"the training loop waited for data {data_wait:.0%} of the time (more than "
+            shown = f"{data_wait:.1%}" if round(data_wait, 2) == round(c.data_wait_warn, 2) else f"{data_wait:.0%}"
+            self.warn("data_wait", f"the training loop waited for data {shown} of the time (more than "
                       f"monitor.data_wait_warn={c.data_wait_warn:.0%}): raise data.prefetch, prepare the data "
                       "ahead (data.streaming=false), or put it on a faster disk", {"data_wait": data_wait})
         frac = values.get("gpu_mem_frac")

@@ -16,7 +16,7 @@ from kiln.dist.materialize import build_model
 from kiln.dist.mesh import Mesh, check_same_config, init_mesh
 from kiln.dist.parallelize import full_model, parallelize, strategy_of
 from kiln.dist.watch import EXIT_CODE, Watch
-from kiln.errors import ConfigError, DataError
+from kiln.errors import ConfigError, DataError, EmptySplit
 from kiln.events import RunEnd
 from kiln.model.generate import generate, start_ids
 from kiln.model.hf_import import resolve_init_from
@@ -130,6 +130,17 @@ def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: M
         with RunEnd() as end:  # sinks flush and close however the run ends
             return _train(cfg, run_dir, resume_from, meta, finished, mesh, console, resume, [*sinks, *callbacks],
                           stops, end)
+
+
+def _first_evaluation(trainer: Trainer, console: Console) -> dict:
+    """The validation loss before training. A stream whose sources hold no validation documents (found only by
+    reading them all) trains on without evaluating, as a prepared dataset without a 'val' split does."""
+    try:
+        return trainer.evaluate()
+    except EmptySplit as e:
+        trainer.val_loader = None
+        console.print(f"validation: none, no run is evaluated: {e}", markup=False, highlight=False)
+        return {}
 
 
 def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict | None, finished: bool,
@@ -256,7 +267,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         return run_dir
     if auto is not None and mesh.rank == 0:  # after the resume: metrics.jsonl keeps the records up to its step
         trainer.notice("auto_batch", **auto)
-    first = (trainer.last_eval or trainer.evaluate()) if resume_from is not None else trainer.evaluate()
+    first = (trainer.last_eval if resume_from is not None else None) or _first_evaluation(trainer, console)
     stops.during = "during training"
     stops.then = f"the last complete checkpoint is kept; resume with: {resume_command(run_dir)}"
     try:

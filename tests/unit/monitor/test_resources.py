@@ -115,6 +115,13 @@ def test_readings_reach_the_sinks_and_each_condition_warns_once(tmp_path):
     assert all("message" in r and "step" in r for r in rows if r["event"] == "warning")
 
 
+
+def test_a_data_wait_just_over_the_limit_does_not_read_as_equal_to_it():
+    said: list[str] = []
+    monitor = ResourceMonitor(MonitorConfig(), Values(), checkpoint_bytes=0, log=said.append, thread=False)
+    monitor.check({}, 0.104)  # the default limit is 10%
+    assert len(said) == 1 and "waited for data 10.4% of the time" in said[0]
+
 def test_disk_rule_before_each_save_uses_the_checkpoint_size():
     said: list[str] = []
     monitor = ResourceMonitor(MonitorConfig(), Values(), checkpoint_bytes=10**9, log=said.append, thread=False)

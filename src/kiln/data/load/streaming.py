@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kiln.data.load.prefetch import Prefetcher
-from kiln.errors import DataError
+from kiln.errors import DataError, EmptySplit
 
 ENCODE_BATCH = 64  # documents tokenized together
 
@@ -131,8 +131,8 @@ class StreamRows:
                 yield from self._encode(epoch, batch, encode_texts)
                 found = True
             if not found and start == (0, 0):
-                raise DataError(f"the sources {self.cfg.sources} hold no '{self.split}' documents (data.val_fraction="
-                                f"{frac}); give more data or change data.val_fraction")
+                raise EmptySplit(f"the sources {self.cfg.sources} hold no '{self.split}' documents (data.val_fraction="
+                                 f"{frac}); give more data or change data.val_fraction")
             epoch, start, chars_before = epoch + 1, (0, 0), 0
 
     def _encode(self, epoch: int, batch: list, encode_texts):

@@ -222,3 +222,38 @@ def test_streaming_passes_damaged_files_under_skip(tmp_path):
     assert ld.dropped == {"damaged_file": 3}
     with pytest.raises(DataError, match="cut.jsonl.gz: cannot read"):
         streaming_tokenizer(cfg.model_copy(update={"on_bad_record": "error"}))
+
+
+def test_a_stream_without_validation_documents_trains_without_evaluating(tmp_path):
+    """A prepared dataset without a 'val' split trains and says there is no validation; a stream finds out only
+    when it reads its sources at the first evaluation, and then does the same instead of stopping the run."""
+    from rich.console import Console
+
+    from kiln.config import load_config
+    from kiln.data.read.records import doc_hash, is_val
+    from kiln.train.run import run
+
+    text = next(t for t in (f"def f{i}(x):\n    return x * {i}\n" * 40 for i in range(100))
+                if not is_val(doc_hash(t), 0.1))  # one document, and it falls in the train split
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.py").write_text(text)
+    cfg = load_config(None, [f"data.sources=[{tmp_path / 'src'}]", "data.streaming=true", "data.vocab_size=300",
+                             "data.val_fraction=0.1", f"data.cache_dir={tmp_path / 'cache'}", "model.size=tiny",
+                             "train.device=cpu", "train.seq_len=16", "train.batch_size=2", "train.max_steps=3",
+                             "train.eval_every=2", "train.sample_tokens=0", "logging.plots=false",
+                             f"train.run_dir={tmp_path / 'run'}"])
+    console = Console(record=True, width=400)
+    run(cfg, console)
+    said = console.export_text()
+    assert "validation: none, no run is evaluated: the sources" in said and "hold no 'val' documents" in said
+    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "train"][-1] == 3
+    assert not [r for r in records if r["event"] == "eval"]
+
+    # a stream with no training documents still stops, saying so
+    (tmp_path / "src" / "a.py").write_text(next(t for t in (f"y = {i}\n" * 200 for i in range(100))
+                                                if is_val(doc_hash(t), 0.1)))
+    with pytest.raises(DataError, match="hold no 'train' documents"):
+        run(cfg.model_copy(update={"train": cfg.train.model_copy(update={"run_dir": str(tmp_path / "run2")})}),
+            Console(quiet=True))
