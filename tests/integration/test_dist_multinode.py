@@ -122,6 +122,8 @@ def test_hybrid_over_two_nodes_trains_stops_on_one_nodes_sigterm_and_resumes_lik
     assert stopped < STEPS and f"checkpoint {run_dir / 'checkpoints' / f'step_{stopped:08d}'} is complete" in out
     assert "under torchrun on every node, as this job was started" in out
     assert job.out(other) == ""  # only global rank 0 writes the console
+    err = (job.logs / f"node{first}.err").read_text()  # where the signalled node served the store: gone now
+    assert "frame #" not in err and "failed to shutdown the rendezvous" not in err, err[-3000:]
     assert "kiln: the job stopped on SIGTERM" in (job.logs / f"node{other}.err").read_text()
     assert max(int(c.name.split("_")[1]) for c in checkpoints(run_dir)) == stopped
     assert {p.name for p in run_dir.iterdir()} <= RUN_FILES - {"model"}

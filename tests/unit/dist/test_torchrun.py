@@ -331,3 +331,29 @@ def test_a_node_that_loses_the_rendezvous_store_says_so_in_a_few_lines_not_torch
     assert err.startswith("kiln: this node lost the job's rendezvous store at node-a:29500: the torchrun serving it")
     assert "Start torchrun on every node again to resume" in err and "Traceback" not in err
     assert torchrun.STOPPED not in os.environ
+
+
+
+def test_after_a_stop_on_a_signal_torchrun_does_not_close_the_rendezvous(monkeypatch, tmp_path):
+    """The node whose torchrun served the rendezvous store was preempted; the other node's workers wrote the
+    checkpoint with it and exited 0, and then its torchrun printed torch's warning with 30 lines of C++ frames:
+    its close of the rendezvous raced the exit of the store's torchrun. After a stop on a signal it does not
+    close the rendezvous; after a finished job it does, as torchrun does."""
+    done = []
+
+    class Handler:  # torchrun's DynamicRendezvousHandler as far as its shutdown goes
+        def _stop_heartbeats(self):
+            done.append("heartbeats stopped")
+
+        def shutdown(self):
+            done.append("closed")
+            return True
+
+    torchrun.quiet_rendezvous_shutdown(Handler)
+    torchrun.quiet_rendezvous_shutdown(Handler)  # wrapped once
+    monkeypatch.setenv(torchrun.STOPPED, str(tmp_path / "stopped"))
+    assert Handler().shutdown() and done == ["closed"]  # the job finished
+    torchrun.record_stop("SIGTERM")  # what a worker does when the job stops on a signal
+    assert not Handler().shutdown() and done == ["closed", "heartbeats stopped"]
+    monkeypatch.delenv(torchrun.STOPPED)  # not started by kiln's torchrun: nothing recorded
+    assert Handler().shutdown() and done[-1] == "closed"

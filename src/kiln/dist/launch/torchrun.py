@@ -35,6 +35,8 @@ node ends with them. A node lost (its torchrun killed with SIGKILL; its workers,
 `stop_with_parent`, write the checkpoint with the others) never joins: workers that stopped on a signal say so
 (`record_stop`), and their torchrun then waits SIGNALLED_BARRIER_S at most (`short_exit_barrier_after_a_stop`)
 and says why it stops waiting. A job that finished keeps torchrun's barrier (rank 0 may still write model/).
+After a stop on a signal no torchrun closes the rendezvous (`quiet_rendezvous_shutdown`): the store may be gone
+with the signalled node.
 A node that loses the rendezvous store (the torchrun serving it is gone) stops its workers and says so in a
 few lines (`lost_store`), instead of torch's traceback.
 
@@ -234,14 +236,18 @@ def record_stop(signame: str) -> None:
             f.write(signame)
 
 
+def stop_signal() -> str:
+    """The signal this node's workers stopped on (`record_stop`), or ""."""
+    with contextlib.suppress(OSError), open(os.environ.get(STOPPED) or os.devnull) as f:
+        return f.read().strip()
+    return ""
+
 def short_exit_barrier_after_a_stop(agent_class=None) -> None:
     """torchrun's exit barrier, at most SIGNALLED_BARRIER_S long when this node's workers stopped on a signal
     (`record_stop`): the nodes still there all come at once, and a lost one would never come."""
     def wrap(barrier):
         def _exit_barrier(self):
-            signame = ""
-            with contextlib.suppress(OSError), open(os.environ.get(STOPPED) or os.devnull) as f:
-                signame = f.read().strip()
+            signame = stop_signal()
             nodes = getattr(getattr(self, "_worker_group", None), "group_world_size", None) or 1
             if not signame or nodes < 2:  # a finished job (rank 0 may still write model/), or no other node
                 return barrier(self)
@@ -253,6 +259,26 @@ def short_exit_barrier_after_a_stop(agent_class=None) -> None:
 
     _wrap_agent(agent_class, "_exit_barrier", wrap)
 
+
+
+def quiet_rendezvous_shutdown(handler_class=None) -> None:
+    """A torchrun whose workers stopped on a signal (`record_stop`) does not close the rendezvous at its end. Its
+    store may be served by the signalled node's torchrun, which exits once the nodes leave the exit barrier: the
+    close raced that exit and, losing, printed torch's warning with 30 lines of C++ frames after the job had ended
+    well. The close only turns away nodes that come late; a stopped job is started again with a new store. After
+    a finished job, torchrun closes it as it does."""
+    if handler_class is None:
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler as handler_class
+
+    def wrap(shutdown):
+        def shutdown_unless_stopped(self):
+            if not stop_signal():
+                return shutdown(self)
+            getattr(self, "_stop_heartbeats", lambda: None)()  # what shutdown does before the close
+            return False
+        return shutdown_unless_stopped
+
+    _wrap_agent(handler_class, "shutdown", wrap)
 
 def lost_store(endpoint: str) -> str:
     """What to say when this node's torchrun loses the job's rendezvous store at `endpoint` mid-job."""
@@ -287,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     no_restart_after_kiln_errors()
     exit_barrier_on_signal()
     short_exit_barrier_after_a_stop()
+    quiet_rendezvous_shutdown()
     stop_with_parent()
     refuse_pause()
     os.environ[PARENT_PID] = str(os.getpid())  # the workers stop when this process dies
