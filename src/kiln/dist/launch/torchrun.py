@@ -242,6 +242,7 @@ def stop_signal() -> str:
         return f.read().strip()
     return ""
 
+
 def short_exit_barrier_after_a_stop(agent_class=None) -> None:
     """torchrun's exit barrier, at most SIGNALLED_BARRIER_S long when this node's workers stopped on a signal
     (`record_stop`): the nodes still there all come at once, and a lost one would never come."""
@@ -258,7 +259,6 @@ def short_exit_barrier_after_a_stop(agent_class=None) -> None:
         return _exit_barrier
 
     _wrap_agent(agent_class, "_exit_barrier", wrap)
-
 
 
 def quiet_rendezvous_shutdown(handler_class=None) -> None:
@@ -279,6 +279,7 @@ def quiet_rendezvous_shutdown(handler_class=None) -> None:
         return shutdown_unless_stopped
 
     _wrap_agent(handler_class, "shutdown", wrap)
+
 
 def lost_store(endpoint: str) -> str:
     """What to say when this node's torchrun loses the job's rendezvous store at `endpoint` mid-job."""
