@@ -177,7 +177,7 @@ def no_restart_after_kiln_errors(agent_class=None) -> None:
 
 
 def _wrap_agent(agent_class, name: str, wrap) -> None:
-    """Replace the method `name` of torchrun's agent class (LocalElasticAgent unless given) with `wrap(method)`,
+    """Replace the method `name` of a torchrun class (its agent, LocalElasticAgent, unless given) with `wrap(method)`,
     once. These methods are private to torchrun: where one is absent, torchrun goes on as it is."""
     if agent_class is None:
         from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent as agent_class
