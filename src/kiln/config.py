@@ -403,6 +403,10 @@ class TrainConfig(Section):
         elif g is not None and self.grad_accum != 1:  # 1, the default, is what a run's config.yaml records
             out.append((("global_batch_tokens", "grad_accum"), "give train.global_batch_tokens or train.grad_accum, "
                         "not both: the accumulation follows from the global batch and the micro-batch"))
+        if self.early_stop.patience and not self.eval_every:
+            out.append((("early_stop", "eval_every"), f"train.early_stop.patience={self.early_stop.patience} counts "
+                        "evaluations during training, and train.eval_every=0 makes none; set train.eval_every (or "
+                        "train.early_stop.patience=0)"))
         return out
 
     def step_rows(self, world: int) -> int:

@@ -28,6 +28,14 @@ def test_a_run_config_with_global_batch_tokens_round_trips(tmp_path, batch):
         load_config(write(tmp_path, cfg.to_yaml()), ["train.grad_accum=2"])
 
 
+
+def test_early_stopping_without_evaluations_during_training_is_a_config_error():
+    """train.early_stop counts the evaluations of train.eval_every; with none it would never stop a run."""
+    with pytest.raises(ConfigError, match=r"patience=2 counts evaluations during training, and train.eval_every=0"):
+        load_config(None, ["train.eval_every=0", "train.early_stop.patience=2"])
+    assert load_config(None, ["train.eval_every=0"]).train.early_stop.patience == 0
+    assert load_config(None, ["train.eval_every=5", "train.early_stop.patience=2"]).train.early_stop.patience == 2
+
 def test_yaml_and_dotted_overrides(tmp_path):
     p = write(tmp_path, "train:\n  lr: 1.0e-3\n  max_steps: 50\nmodel:\n  n_layers: 2\n")
     cfg = load_config(p, ["train.lr=3e-4", "model.n_layers=4", "model.tie_embeddings=false",

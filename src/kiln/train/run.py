@@ -268,6 +268,9 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     if auto is not None and mesh.rank == 0:  # after the resume: metrics.jsonl keeps the records up to its step
         trainer.notice("auto_batch", **auto)
     first = (trainer.last_eval if resume_from is not None else None) or _first_evaluation(trainer, console)
+    if tcfg.early_stop.patience and trainer.val_loader is None:
+        console.print(f"train.early_stop.patience={tcfg.early_stop.patience} has nothing to count: this run has no "
+                      "validation split, so it trains to train.max_steps", highlight=False)
     stops.during = "during training"
     stops.then = f"the last complete checkpoint is kept; resume with: {resume_command(run_dir)}"
     try:

@@ -240,12 +240,14 @@ def test_a_stream_without_validation_documents_trains_without_evaluating(tmp_pat
     cfg = load_config(None, [f"data.sources=[{tmp_path / 'src'}]", "data.streaming=true", "data.vocab_size=300",
                              "data.val_fraction=0.1", f"data.cache_dir={tmp_path / 'cache'}", "model.size=tiny",
                              "train.device=cpu", "train.seq_len=16", "train.batch_size=2", "train.max_steps=3",
-                             "train.eval_every=2", "train.sample_tokens=0", "logging.plots=false",
+                             "train.eval_every=2", "train.early_stop.patience=1", "train.sample_tokens=0",
+                             "logging.plots=false",
                              f"train.run_dir={tmp_path / 'run'}"])
     console = Console(record=True, width=400)
     run(cfg, console)
     said = console.export_text()
     assert "validation: none, no run is evaluated: the sources" in said and "hold no 'val' documents" in said
+    assert "train.early_stop.patience=1 has nothing to count: this run has no validation split" in said
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["event"] == "train"][-1] == 3
