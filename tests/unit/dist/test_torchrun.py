@@ -357,3 +357,30 @@ def test_after_a_stop_on_a_signal_torchrun_does_not_close_the_rendezvous(monkeyp
     assert not Handler().shutdown() and done == ["closed", "heartbeats stopped"]
     monkeypatch.delenv(torchrun.STOPPED)  # not started by kiln's torchrun: nothing recorded
     assert Handler().shutdown() and done[-1] == "closed"
+
+
+def test_torchruns_lines_that_kilns_own_repeat_are_dropped_and_its_others_kept():
+    """On a signal torchrun logged, before kiln's own lines, one line for itself and one for each worker it
+    passed the signal to. Those go; its other lines (errors included) stay."""
+    import logging
+
+    torchrun.quiet_torch_notes()
+    torchrun.quiet_torch_notes()  # once
+    agent = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    procs = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    assert len([f for f in procs.filters if getattr(f, "kiln", False)]) == 1
+    seen: list[str] = []
+    keep = logging.Handler()
+    keep.emit = lambda record: seen.append(record.getMessage())
+    for logger in (agent, procs):
+        logger.addHandler(keep)
+    try:
+        agent.warning("Received %s death signal, shutting down workers", "SIGTERM")
+        procs.warning("Sending process %s closing signal %s", 123, "SIGTERM")
+        procs.error("failed (exitcode: %s) local_rank: %s", 2, 1)
+        agent.warning("Unable to shutdown process %s via %s, forcefully exiting via %s", 123, "SIGTERM", "SIGKILL")
+    finally:
+        for logger in (agent, procs):
+            logger.removeHandler(keep)
+    assert seen == ["failed (exitcode: 2) local_rank: 1",
+                    "Unable to shutdown process 123 via SIGTERM, forcefully exiting via SIGKILL"]

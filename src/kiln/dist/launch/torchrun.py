@@ -7,7 +7,8 @@ torchrun prints its own traceback and a summary in which every rank's error read
 see ...", well below the error the failing rank printed. Here a failure whose rank already printed its
 error (a `KilnError`: it wrote `record_error`'s file) ends with one line naming that rank; any other
 failure (a bug's traceback, a signal) with torchrun's summary, without torchrun's traceback. The exit
-code is the failing rank's (2 for a config error, as `kiln train` in one process), else 1.
+code is the failing rank's (2 for a config error, as `kiln train` in one process), else 1. Torchrun's log
+lines that kiln's own lines repeat (the signal passed to each worker) are dropped (`quiet_torch_notes`).
 
 A signal (SIGTERM from a scheduler, Ctrl-C, SIGHUP unless ignored as under nohup) makes torchrun pass it
 to every worker, wait for them to write their checkpoint and exit, then raise its SignalException: here that
@@ -281,6 +282,28 @@ def quiet_rendezvous_shutdown(handler_class=None) -> None:
     _wrap_agent(handler_class, "shutdown", wrap)
 
 
+
+# torchrun's log lines, by logger, that say what kiln's own lines say: the signal each worker announces as it
+# stops (or the rank whose failure stopped the others) and the job's end line
+TORCH_NOTES = {
+    "torch.distributed.elastic.agent.server.api": "Received %s death signal, shutting down workers",
+    "torch.distributed.elastic.multiprocessing.api": "Sending process %s closing signal %s",
+}
+
+
+def quiet_torch_notes() -> None:
+    """Drop TORCH_NOTES from torchrun's log (its other lines, errors included, stay)."""
+    import logging
+
+    for name, text in TORCH_NOTES.items():
+        logger = logging.getLogger(name)
+        if not any(getattr(f, "kiln", False) for f in logger.filters):  # once
+            def other_lines(record: logging.LogRecord, text: str = text) -> bool:
+                return record.msg != text
+
+            other_lines.kiln = True
+            logger.addFilter(other_lines)
+
 def lost_store(endpoint: str) -> str:
     """What to say when this node's torchrun loses the job's rendezvous store at `endpoint` mid-job."""
     return (f"kiln: this node lost the job's rendezvous store at {endpoint or 'the rendezvous endpoint'}: the torchrun "
@@ -315,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_barrier_on_signal()
     short_exit_barrier_after_a_stop()
     quiet_rendezvous_shutdown()
+    quiet_torch_notes()
     stop_with_parent()
     refuse_pause()
     os.environ[PARENT_PID] = str(os.getpid())  # the workers stop when this process dies
