@@ -109,12 +109,13 @@ class Watch:
             self._acknowledge()
 
     def _where(self, who: str, error: str) -> str:
-        """Why this rank stops, `who` ("rank R") having failed: on this node its error is above in the same log;
+        """Why this rank stops, `who` ("rank R") having failed: on this node its error follows in the same log (the
+        failed rank shows it once every rank has seen the failure, `record_failure`);
         on another node (nodes of LOCAL_WORLD_SIZE ranks) it is in that node's log only, so `error` is repeated."""
         per_node = max(1, env_int("LOCAL_WORLD_SIZE", self.world))
         failed = who.removeprefix("rank ")
         if not failed.isdigit() or int(failed) // per_node == self.rank // per_node:
-            return f"{who} failed (its error is above)"
+            return f"{who} failed (its error follows)"
         return f"{who}, on node {int(failed) // per_node}, failed: {error}"
 
     def _acknowledge(self, clock: Callable[[], float] = time.monotonic,

@@ -149,5 +149,5 @@ def test_a_rank_stopping_for_a_failure_on_another_node_repeats_its_error(capsys,
         assert stopped0.wait(10)
     assert "rank 0: stopping, because rank 1, on node 1, failed: ValueError: data.sources: /data/x.jsonl does not " \
            "exist" in capsys.readouterr().err
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # one node: the error is above
-    assert w0._where("rank 1", "ValueError: x") == "rank 1 failed (its error is above)"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # one node: the error follows in the same log
+    assert w0._where("rank 1", "ValueError: x") == "rank 1 failed (its error follows)"
