@@ -282,9 +282,8 @@ def quiet_rendezvous_shutdown(handler_class=None) -> None:
     _wrap_agent(handler_class, "shutdown", wrap)
 
 
-
-# torchrun's log lines, by logger, that say what kiln's own lines say: the signal each worker announces as it
-# stops (or the rank whose failure stopped the others) and the job's end line
+# torchrun's log lines (by logger) that kiln's own lines already say: each worker says the signal as it stops, and
+# the job's last line names the signal or the failed rank
 TORCH_NOTES = {
     "torch.distributed.elastic.agent.server.api": "Received %s death signal, shutting down workers",
     "torch.distributed.elastic.multiprocessing.api": "Sending process %s closing signal %s",
@@ -303,6 +302,7 @@ def quiet_torch_notes() -> None:
 
             other_lines.kiln = True
             logger.addFilter(other_lines)
+
 
 def lost_store(endpoint: str) -> str:
     """What to say when this node's torchrun loses the job's rendezvous store at `endpoint` mid-job."""
