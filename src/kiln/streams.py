@@ -5,11 +5,14 @@ later write of the job (the "SIGINT received" line, the console, torchrun's log)
 in the middle of the step or of the preemption checkpoint it was stopping to write; a closed terminal
 (EIO) likewise. `keep_writing()` wraps sys.stdout and sys.stderr so that the first such write points the
 stream's file descriptor at /dev/null (for every later writer, child processes included) and goes on.
+
+`drop_log_lines` drops a library's log lines that kiln's own lines already say, or that do not apply to it.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import sys
 
@@ -58,3 +61,17 @@ def keep_writing() -> None:
         stream = getattr(sys, name)
         if stream is not None and not isinstance(stream, Unbroken):
             setattr(sys, name, Unbroken(stream))
+
+
+def drop_log_lines(logger: str, text: str) -> None:
+    """Drop the records of the logger named `logger` whose message contains `text` (its other lines, errors
+    included, stay). Once per logger and text, however often called."""
+    log = logging.getLogger(logger)
+    if any(getattr(f, "kiln", None) == text for f in log.filters):
+        return
+
+    def other_lines(record: logging.LogRecord) -> bool:
+        return text not in str(record.msg)
+
+    other_lines.kiln = text
+    log.addFilter(other_lines)

@@ -35,3 +35,22 @@ def test_output_to_a_pipe_whose_reader_exited_is_dropped_and_the_process_goes_on
     assert proc.wait(timeout=60) == 0
     with os.fdopen(done_r, "rb") as done:
         assert done.read() == b"done"
+
+
+def test_drop_log_lines_drops_only_the_lines_named_once_each():
+    import logging
+
+    from kiln.streams import drop_log_lines
+
+    log = logging.getLogger("kiln.test.drop_log_lines")
+    for _ in range(2):
+        drop_log_lines(log.name, "death signal")
+        drop_log_lines(log.name, "closing signal")
+    assert len(log.filters) == 2
+
+    def passes(msg: str) -> bool:
+        return bool(log.filter(logging.LogRecord(log.name, logging.WARNING, __file__, 1, msg, None, None)))
+
+    assert not passes("Received %s death signal, shutting down workers")
+    assert not passes("Sending process %s closing signal %s")
+    assert passes("failed (exitcode: %s) local_rank: %s")

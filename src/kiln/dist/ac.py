@@ -12,11 +12,12 @@ Apply before `kiln.dist.compile.apply_compile`.
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from kiln.streams import drop_log_lines
 
 MODES = ("none", "selective", "full")
 
@@ -47,24 +48,15 @@ def _checkpointed(forward, mode: str, preserve_rng: bool = False):
     return wrapped
 
 
-class _QuietSelectiveWarning(logging.Filter):
-    """Drops torch.compile's warning that a selective policy's region must hold no in-place ops: the blocks' regions
-    hold none (tests/unit/dist/test_ac_compile.py checks the compiled gradients), and every rank printed it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
-
-
 def apply_ac(model: nn.Module, mode: str) -> nn.Module:
     """Checkpoint every block of `model.layers` in `mode` (none, selective, full). Returns the model."""
     if mode not in MODES:
         raise ValueError(f"activation checkpointing mode '{mode}' is not one of {', '.join(MODES)}")
     if mode == "none":
         return model
-    if mode == "selective":
-        wrap_log = logging.getLogger("torch._higher_order_ops.wrap")
-        if not any(isinstance(f, _QuietSelectiveWarning) for f in wrap_log.filters):
-            wrap_log.addFilter(_QuietSelectiveWarning())
+    if mode == "selective":  # torch.compile warns that the policy's regions must hold no in-place ops, on every
+        # rank: the blocks' regions hold none (tests/unit/dist/test_ac_compile.py checks the compiled gradients)
+        drop_log_lines("torch._higher_order_ops.wrap", "context_fn is passed to torch.utils.checkpoint")
     for block in model.layers:
         if getattr(block, "_kiln_ac", None):
             raise RuntimeError("activation checkpointing is already applied to this model")

@@ -292,16 +292,10 @@ TORCH_NOTES = {
 
 def quiet_torch_notes() -> None:
     """Drop TORCH_NOTES from torchrun's log (its other lines, errors included, stay)."""
-    import logging
+    from kiln.streams import drop_log_lines
 
     for name, text in TORCH_NOTES.items():
-        logger = logging.getLogger(name)
-        if not any(getattr(f, "kiln", False) for f in logger.filters):  # once
-            def other_lines(record: logging.LogRecord, text: str = text) -> bool:
-                return record.msg != text
-
-            other_lines.kiln = True
-            logger.addFilter(other_lines)
+        drop_log_lines(name, text)
 
 
 def lost_store(endpoint: str) -> str:
