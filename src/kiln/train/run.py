@@ -267,7 +267,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         return run_dir
     if auto is not None and mesh.rank == 0:  # after the resume: metrics.jsonl keeps the records up to its step
         trainer.notice("auto_batch", **auto)
-    first = (trainer.last_eval if resume_from is not None else None) or _first_evaluation(trainer, console)
+    first = trainer.last_eval or _first_evaluation(trainer, console)  # a resumed run's, else evaluated now
     if tcfg.early_stop.patience and trainer.val_loader is None:
         console.print(f"train.early_stop.patience={tcfg.early_stop.patience} has nothing to count: this run has no "
                       "validation split, so it trains to train.max_steps", highlight=False)
