@@ -7,7 +7,7 @@ Builds Kiln's `Transformer` of `--size` and `transformers.LlamaForCausalLM` of t
 same weights (the native model's, mapped by kiln.model.hf), wraps the latter in
 `kiln.model.hf_auto.HFCausalLM` (what `model.hf_class=auto` trains), and trains each on the same random
 packed rows (documents of random length, document masking on unless --no-doc-mask): AdamW (fused on
-CUDA), bf16 autocast on CUDA, `kiln.dist` activation checkpointing and per-block compile as asked. Each
+CUDA), bf16 autocast on CUDA, `kiln.parallel` activation checkpointing and per-block compile as asked. Each
 model does --warmup steps (compilation included), then --steps timed steps between two device
 synchronisations. Prints tokens/s, peak memory and the auto path's speed as a fraction of the native
 one's; the first losses agree (same function) as a check. Writes nothing.
@@ -45,8 +45,8 @@ def batches(vocab: int, batch: int, seq: int, n: int, doc_mask: bool, device: to
 
 
 def run(name: str, model: torch.nn.Module, data: list, args, device: torch.device) -> dict:
-    from kiln.dist.ac import apply_ac
-    from kiln.dist.compile import apply_compile
+    from kiln.parallel.ac import apply_ac
+    from kiln.parallel.compile import apply_compile
 
     apply_ac(model, args.ac)
     if args.compile:
@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="Timed steps.")
     ap.add_argument("--warmup", type=int, default=2, help="Untimed steps first (compilation included).")
     ap.add_argument("--vocab", type=int, default=None, help="Vocabulary (default: the size's, else 512).")
-    ap.add_argument("--compile", action="store_true", help="Per-block torch.compile on both (kiln.dist.compile).")
+    ap.add_argument("--compile", action="store_true", help="Per-block torch.compile on both (kiln.parallel.compile).")
     ap.add_argument("--ac", default="none", choices=["none", "selective", "full"], help="Activation checkpointing.")
     ap.add_argument("--no-doc-mask", dest="doc_mask", action="store_false", help="One sequence per row.")
     args = ap.parse_args()

@@ -32,11 +32,11 @@ from dataclasses import asdict, dataclass, field  # noqa: E402
 import torch  # noqa: E402
 
 from kiln.config import RunConfig  # noqa: E402
-from kiln.dist.ac import apply_ac  # noqa: E402
-from kiln.dist.compile import apply_compile, compiled_graph_count  # noqa: E402
 from kiln.model.llama import Transformer  # noqa: E402
 from kiln.model.registry import flops_per_token  # noqa: E402
 from kiln.monitor.meters import peak_flops  # noqa: E402
+from kiln.parallel.ac import apply_ac  # noqa: E402
+from kiln.parallel.compile import apply_compile, compiled_graph_count  # noqa: E402
 
 VOCAB = 32000
 REAL_BYTES = 400_000_000  # the corpus of benchmarks/real_run.py

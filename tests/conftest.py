@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest_plugins = ["pytester"]  # tests/unit/dist/test_ac_compile.py runs pytest on this conftest
+pytest_plugins = ["pytester"]  # tests/unit/parallel/test_ac_compile.py runs pytest on this conftest
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,7 +26,7 @@ def _isolated_home(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _restore_loss_kernel():
-    """`kiln.dist.compile.apply_compile` swaps a compiled kernel into `ChunkKernel` for the whole process;
+    """`kiln.parallel.compile.apply_compile` swaps a compiled kernel into `ChunkKernel` for the whole process;
     without this, every later test's loss would run (and compile) that kernel."""
     from kiln.model.loss import ChunkKernel
 

@@ -88,14 +88,14 @@ def train(
             cfg = load_config(config, overrides)
     except KilnError:
         if _rank() is not None and _env_number("LOCAL_RANK", 0) > 0:
-            # kiln.dist: every process of a node reads the same config and fails alike: its first one says so
-            from kiln.dist.launch.torchrun import wait_for_first_rank
+            # kiln.parallel: every process of a node reads the same config and fails alike: its first one says so
+            from kiln.parallel.launch.torchrun import wait_for_first_rank
 
             wait_for_first_rank()
             raise typer.Exit(2) from None
         raise
-    if nproc != 1 or max_restarts:  # kiln.dist: torchrun runs this same command in nproc processes
-        from kiln.dist.launch.local import relaunch
+    if nproc != 1 or max_restarts:  # kiln.parallel: torchrun runs this same command in nproc processes
+        from kiln.parallel.launch.local import relaunch
 
         # the config was checked here first: an error in it is shown once, not by every process of every restart
         raise typer.Exit(relaunch(nproc, max_restarts=max_restarts, cfg=cfg))
@@ -377,7 +377,7 @@ def plan(
     render(result, console)
 
 
-# --------------------------------------------------------------------------- launch (kiln.dist.launch)
+# --------------------------------------------------------------------------- launch (kiln.parallel.launch)
 
 launch_app = typer.Typer(no_args_is_help=True, help="Write a launch file that runs `kiln train` on a cluster: a "
                          "Kubeflow PyTorchJob (k8s) or an sbatch script (slurm).")
@@ -400,13 +400,13 @@ def launch_k8s(
 
     Example: kiln launch k8s gpu-1b --nodes 2 --gpus-per-node 8 --image ghcr.io/me/kiln:latest
     """
-    from kiln.dist.launch import k8s
+    from kiln.parallel.launch import k8s
 
     if config is not None and "=" in config:
         overrides, config = [config, *(overrides or [])], None
     text = k8s.manifest(config, list(overrides or []), nodes, gpus_per_node, image, name=name, claim=claim,
                         shm_gib=shm_gib)
-    from kiln.dist.launch.common import job_name, write_files
+    from kiln.parallel.launch.common import job_name, write_files
 
     path = Path(out or f"{job_name(config, name)}.yaml")
     write_files({path: text})
@@ -433,8 +433,8 @@ def launch_slurm(
     """
     import yaml
 
-    from kiln.dist.launch import slurm
-    from kiln.dist.launch.common import job_name, write_files
+    from kiln.parallel.launch import slurm
+    from kiln.parallel.launch.common import job_name, write_files
 
     if config is not None and "=" in config:
         overrides, config = [config, *(overrides or [])], None
@@ -450,7 +450,7 @@ def launch_slurm(
 
 def _env_number(name: str, default: int) -> int:
     """An integer environment variable of torchrun's; one that is not a number reads as `default` here (where
-    an error is being shown: kiln.dist.mesh says what is wrong with it when the run starts)."""
+    an error is being shown: kiln.parallel.mesh says what is wrong with it when the run starts)."""
     try:
         return int(os.environ.get(name) or default)
     except ValueError:
@@ -474,10 +474,10 @@ def main() -> None:
         if _state["debug"]:
             raise
         rank = _rank()
-        where = f"error (rank {rank}): " if rank is not None else "error: "  # kiln.dist: which process failed
+        where = f"error (rank {rank}): " if rank is not None else "error: "  # kiln.parallel: which process failed
         err_console.print(Text.assemble((where, "bold red"), str(e)), highlight=False)
-        if rank is not None:  # torchrun's summary of the failed job names this error (kiln.dist.launch.torchrun)
-            from kiln.dist.launch.torchrun import record_error
+        if rank is not None:  # torchrun's summary of the failed job names this error (kiln.parallel.launch.torchrun)
+            from kiln.parallel.launch.torchrun import record_error
 
             record_error(where + str(e))
         sys.exit(2)

@@ -4,7 +4,7 @@ one GPU at the same global sample with the losses of the run that kept its size 
 same over gloo: tests/integration/test_dist_train.py).
 
 Every run starts from the same weights, a random Llama saved by transformers (model.init_from): a random
-init would differ, since FSDP on GPUs draws its shards there (kiln.dist.materialize), and one GPU and DDP
+init would differ, since FSDP on GPUs draws its shards there (kiln.parallel.materialize), and one GPU and DDP
 draw on the host."""
 
 from __future__ import annotations

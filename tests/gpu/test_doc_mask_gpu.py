@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kiln.config import ModelConfig
-from kiln.dist.compile import apply_compile, compiled_graph_count
 from kiln.model.llama import Transformer
 from kiln.model.masks import attend, block_mask, dense_mask
+from kiln.parallel.compile import apply_compile, compiled_graph_count
 
 pytestmark = pytest.mark.gpu
 

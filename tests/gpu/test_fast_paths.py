@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from kiln.config import ModelConfig
-from kiln.dist.ac import apply_ac
-from kiln.dist.compile import apply_compile, compile_loss_kernel, compiled_graph_count
 from kiln.model.llama import Transformer
 from kiln.model.loss import CHUNK_ELEMENTS, linear_cross_entropy
+from kiln.parallel.ac import apply_ac
+from kiln.parallel.compile import apply_compile, compile_loss_kernel, compiled_graph_count
 
 pytestmark = pytest.mark.gpu
 

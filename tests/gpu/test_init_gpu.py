@@ -1,4 +1,4 @@
-"""kiln.dist.materialize on a GPU: an FSDP model's init is drawn on CUDA, one generator per parameter, holding
+"""kiln.parallel.materialize on a GPU: an FSDP model's init is drawn on CUDA, one generator per parameter, holding
 one full parameter at a time on the device, with the same weights on any world size (a fake process group
 of 2 ranks in this process: the shards it keeps are placed on the CPU, the draw itself is on the GPU)."""
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from kiln.config import RunConfig
-from kiln.dist.materialize import build_model, init_seeded, local_slices, materialize, param_seed
-from kiln.dist.mesh import Mesh
-from kiln.dist.parallelize import parallelize
 from kiln.model.llama import Transformer
 from kiln.model.registry import param_count
+from kiln.parallel.materialize import build_model, init_seeded, local_slices, materialize, param_seed
+from kiln.parallel.mesh import Mesh
+from kiln.parallel.parallelize import parallelize
 
 pytestmark = pytest.mark.gpu
 

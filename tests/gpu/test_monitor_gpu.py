@@ -29,7 +29,7 @@ def test_nvml_reads_the_training_gpu():
 
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_planned_peak_of_an_eager_bf16_step_is_within_10_percent(ac):
-    from kiln.dist.ac import apply_ac
+    from kiln.parallel.ac import apply_ac
 
     cfg = ModelConfig(d_model=1024, n_layers=6, n_heads=16, n_kv_heads=4, ffn_hidden=2816, vocab_size=8192,
                       max_seq_len=1024)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kiln.config import RunConfig
-from kiln.dist.mesh import Mesh
 from kiln.events import Callback
 from kiln.model.llama import Transformer
+from kiln.parallel.mesh import Mesh
 from kiln.train.autobatch import choose_micro_batch
 from kiln.train.trainer import Trainer
 

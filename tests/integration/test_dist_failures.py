@@ -41,7 +41,7 @@ if action == "signal_in_gather":  # SIGTERM to every rank as the final model is 
 
 if action == "signal_at_end":  # SIGTERM to rank 1 as it waits for rank 0 to finish the run (model/ save)
     import signal
-    from kiln.dist.mesh import Mesh
+    from kiln.parallel.mesh import Mesh
 
     close = Mesh.close
     def close_at_signal(self, clean=False):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.dist.launch.torchrun import TORCHRUN_ENV
+from kiln.parallel.launch.torchrun import TORCHRUN_ENV
 from kiln.state.rundir import checkpoints
 
 from .conftest import losses, stdlib_corpus, tiny_cpu_run
@@ -65,7 +65,7 @@ class Nodes:
         self.logs, port = logs, free_port()
         rdzv = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint",
                 f"127.0.0.1:{port}", "--rdzv_id", f"job{port}"]
-        command = [sys.executable, "-m", "kiln.dist.launch.torchrun", *rdzv, "-m", "kiln.cli", "train", *train_args]
+        command = [sys.executable, "-m", "kiln.parallel.launch.torchrun", *rdzv, "-m", "kiln.cli", "train", *train_args]
         self.agents = [subprocess.Popen(command, stdout=open(logs / f"node{n}.out", "w"),
                                         stderr=open(logs / f"node{n}.err", "w"), env=ENV) for n in range(2)]
 

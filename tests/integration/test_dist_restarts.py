@@ -97,7 +97,7 @@ def worker(root: int, rank: int) -> int | None:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        launcher = b"torch.distributed.run" in cmdline or b"kiln.dist.launch.torchrun" in cmdline
+        launcher = b"torch.distributed.run" in cmdline or b"kiln.parallel.launch.torchrun" in cmdline
         if f"RANK={rank}".encode() in env and b"kiln.cli" in cmdline and not launcher:
             return pid
     return None
@@ -203,7 +203,7 @@ def launcher(root: int) -> int | None:
     """The pid of the torchrun process below `root`."""
     for pid in descendants(root):
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"kiln.dist.launch.torchrun" in f.read():
+            if b"kiln.parallel.launch.torchrun" in f.read():
                 return pid
     return None
 

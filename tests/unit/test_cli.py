@@ -129,7 +129,7 @@ def test_an_error_is_shown_as_one_message_whatever_torchruns_variables_hold(monk
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(sys, "argv", ["kiln", "train", "train.lr=abc"])
-    monkeypatch.setattr("kiln.dist.launch.torchrun.wait_for_first_rank", lambda: None)
+    monkeypatch.setattr("kiln.parallel.launch.torchrun.wait_for_first_rank", lambda: None)
     with pytest.raises(SystemExit) as done:
         cli.main()
     assert done.value.code == 2

@@ -20,7 +20,7 @@ LAYERS: list[list[str]] = [
     ["kiln", "kiln.errors", "kiln.files", "kiln.events", "kiln.streams"],  # no imports of Kiln
     ["kiln.sizes", "kiln.config"],  # the validated config (named sizes are plain data)
     ["kiln.data", "kiln.model", "kiln.plan"],  # read, prepare and load data; the pure model; the planner
-    ["kiln.dist", "kiln.monitor", "kiln.state"],  # parallelism, sinks, checkpoints and the run directory
+    ["kiln.parallel", "kiln.monitor", "kiln.state"],  # parallelism, sinks, checkpoints and the run directory
     ["kiln.train", "kiln.evaluate"],  # the loop and `kiln train` end to end; `kiln eval` of any model
     ["kiln.cli"],  # the command
 ]
@@ -91,7 +91,8 @@ def test_the_config_loads_and_validates_without_the_model_or_torch():
 def test_a_training_process_loads_torchs_compiler_only_to_compile():
     """torch._dynamo takes 2 s to import: every kiln process would pay it at start (the launcher, each rank,
     `kiln generate`), though only a compiled model needs it."""
-    code = ("import sys, kiln.train.run, kiln.dist.launch.local, kiln.dist.launch.torchrun, kiln.state.weights; "
+    code = ("import sys, kiln.train.run, kiln.parallel.launch.local, kiln.parallel.launch.torchrun, "
+            "kiln.state.weights; "
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -99,7 +100,7 @@ def test_a_training_process_loads_torchs_compiler_only_to_compile():
 
 def test_kiln_train_nproc_on_the_cpu_checks_its_job_without_importing_torch():
     """The launcher only starts torchrun: torch's 2 s import would be paid again by torchrun and each process."""
-    code = ("import sys, kiln.config, kiln.dist.launch.local as local; "
+    code = ("import sys, kiln.config, kiln.parallel.launch.local as local; "
             "cfg = kiln.config.load_config(None, ['model.size=tiny', 'train.device=cpu']); "
             "local.under_torchrun(); local.check_world(cfg, 2); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

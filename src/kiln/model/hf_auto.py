@@ -169,7 +169,7 @@ def doc_positions(doc_ids: torch.Tensor) -> torch.Tensor:
 class HFCausalLM(nn.Module):
     """A transformers causal LM (or a PEFT model around one) with Kiln's model call.
 
-    `layers` are its decoder blocks (for activation checkpointing, compile and FSDP in kiln.dist);
+    `layers` are its decoder blocks (for activation checkpointing, compile and FSDP in kiln.parallel);
     `cfg` is the run's ModelConfig (its max_seq_len bounds generation)."""
 
     fullgraph = False  # transformers' blocks take keyword arguments and caches: compiled with graph breaks

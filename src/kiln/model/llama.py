@@ -199,7 +199,7 @@ class Transformer(nn.Module):
 
     def init_order(self) -> list[tuple[nn.Parameter, Callable[[torch.Tensor], torch.Tensor]]]:
         """Every parameter (a tied one once) with its initialiser, in the order they draw from the RNG.
-        kiln.dist initialises a sharded model from it one full-size parameter at a time."""
+        kiln.parallel initialises a sharded model from it one full-size parameter at a time."""
         std, out_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         normal, resid = functools.partial(nn.init.normal_, std=std), functools.partial(nn.init.normal_, std=out_std)
         order: list = [(self.embed_tokens.weight, normal)]
@@ -258,4 +258,4 @@ class Transformer(nn.Module):
         if targets is None:
             return self.lm_head(h)  # (B, T, V)
         # chunked: never holds the whole batch's logits; ignore_index=-100 marks positions with no loss
-        return loss.linear_cross_entropy(h, self.lm_head.weight, targets)  # kiln.dist.compile may wrap it
+        return loss.linear_cross_entropy(h, self.lm_head.weight, targets)  # kiln.parallel.compile may wrap it

@@ -9,7 +9,7 @@ at 32K tokens a step is 8 GiB saved. The backward pass only rescales the stored 
 
 Under autocast the two matrix products run in the autocast dtype (as `nn.Linear` would) while the
 softmax is always computed in fp32. The elementwise part is a plain function (`chunk_loss_and_grad`)
-that `kiln.dist.compile` may replace with a compiled, fused version.
+that `kiln.parallel.compile` may replace with a compiled, fused version.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, want_grad: 
 
 
 class ChunkKernel:
-    """The elementwise kernel used by every chunk; `kiln.dist.compile` swaps in a compiled one."""
+    """The elementwise kernel used by every chunk; `kiln.parallel.compile` swaps in a compiled one."""
 
     fn: Callable = staticmethod(chunk_loss_and_grad)
 
@@ -96,7 +96,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
     h: (..., d) hidden states; weight: (V, d) output projection; targets: (...) token ids.
     A batch whose targets are all -100 gives NaN, as `F.cross_entropy` does. A model compiled whole runs it
-    outside its graph (`kiln.dist.compile`): a loop of large kernels around a compiled one, nothing to fuse.
+    outside its graph (`kiln.parallel.compile`): a loop of large kernels around a compiled one, nothing to fuse.
     """
     h2, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     want_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)

@@ -93,7 +93,7 @@ def doc_mask(doc_ids: torch.Tensor | None, device: torch.device | None = None, w
     """doc_ids (B, T), on any device -> a mask `attend` understands on `device` (None: plain causal).
 
     window: a sliding window (None: none); T: the row length, needed only for a window without doc_ids.
-    A model compiled whole builds it outside its graph (`kiln.dist.compile`) and takes the mask as an input."""
+    A model compiled whole builds it outside its graph (`kiln.parallel.compile`) and takes the mask as an input."""
     if window is not None and (window >= (T if doc_ids is None else doc_ids.shape[1])):
         window = None  # the window reaches the start of every row: plain causal
     if doc_ids is None and window is None:

@@ -6,7 +6,7 @@ callbacks between two steps (evaluation, checkpoint saves, sinks). A thread watc
 - a step running longer than monitor.hang_factor x the median step time (the median of the last
   100 steps, once 5 have run, so compilation is not measured; never less than monitor.hang_min_s),
   or the time between steps longer than monitor.hang_between_s, writes the stack of every thread
-  (kiln.dist.watch.thread_stacks) to <run_dir>/hang-step<N>.txt and says so on stderr;
+  (kiln.parallel.watch.thread_stacks) to <run_dir>/hang-step<N>.txt and says so on stderr;
 - if there is still no progress monitor.hang_exit_s later, it writes an emergency checkpoint when
   the state is consistent (between steps, one process: kiln.state.preempt.emergency_checkpoint),
   and exits with code 124 and a message that says what happened and how to resume.
@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.config import MonitorConfig
-from kiln.dist.watch import thread_stacks
 from kiln.events import Callback
+from kiln.parallel.watch import thread_stacks
 
 EXIT_CODE = 124  # as timeout(1): the run stopped itself because it made no progress
 WARMUP_STEPS = 5  # steps before the median counts (compilation, allocator warm-up)

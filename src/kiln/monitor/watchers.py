@@ -19,7 +19,7 @@ class RunWatchers:
                  log: Callable[[str], None] = print):
         m = cfg.monitor
         self.resources = None
-        if m.resources and rank == 0:  # kiln.dist: rank 0 reports; its GPU stands for the others
+        if m.resources and rank == 0:  # kiln.parallel: rank 0 reports; its GPU stands for the others
             try:
                 sampler = Sampler(run_dir, cfg.data.cache_dir, gpu_reader(device, log))
                 self.resources = ResourceMonitor(m, sampler, checkpoint_bytes, log)

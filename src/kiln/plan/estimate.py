@@ -20,7 +20,7 @@ FRAGMENTATION = 0.05  # the caching allocator reserves a little more than the pe
 CONTEXT = 1 * GIB  # CUDA context, NCCL and cuBLAS workspaces: outside PyTorch's count
 CPU_SHARE = 0.8  # of the RAM, on the CPU: the rest for the OS, the loader and the checkpoint copy
 MAX_BATCH = 1 << 16
-DDP_FIT = 0.5  # kiln.dist.parallelize.FIT_FRACTION: 'auto' picks ddp when 16 N fits this share of a device
+DDP_FIT = 0.5  # kiln.parallel.parallelize.FIT_FRACTION: 'auto' picks ddp when 16 N fits this share of a device
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def _tokenizer_vocab(path: str | None) -> int | None:
 
 def layout_for(cfg: RunConfig, gpus: int, n_params: int, memory: int, strategy: str | None = None,
                offload: bool | None = None) -> Layout:
-    """The layout `kiln train` picks for `gpus` processes (kiln.dist.parallelize.choose_strategy)."""
+    """The layout `kiln train` picks for `gpus` processes (kiln.parallel.parallelize.choose_strategy)."""
     d = cfg.dist
     offload = d.cpu_offload if offload is None else offload
     if gpus <= 1:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kiln.dist.launch.torchrun import DUPLICATE_S, record_stop
+from kiln.parallel.launch.torchrun import DUPLICATE_S, record_stop
 
 
 class Preempted(Exception):
@@ -168,7 +168,7 @@ def resume_command(run_dir: Path) -> str:
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if world <= 1:
         return command
-    from kiln.dist.env import env_int
+    from kiln.parallel.env import env_int
 
     if env_int("LOCAL_WORLD_SIZE", world) == world:
         return f"{command} --nproc {world}"

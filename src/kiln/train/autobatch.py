@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from kiln.config import RunConfig
-from kiln.dist.mesh import Mesh
 from kiln.files import atomic_write_json
+from kiln.parallel.mesh import Mesh
 from kiln.state.rng import rng_state, set_rng_state
 from kiln.train.optim import build_optimizer
 

@@ -49,9 +49,9 @@ from typing import Any
 import torch
 
 from kiln.config import RecoveryConfig
-from kiln.dist.parallelize import reduce_mean
 from kiln.errors import TrainingError
 from kiln.events import Callback
+from kiln.parallel.parallelize import reduce_mean
 from kiln.state.parts import trainer_parts
 from kiln.state.snapshot import MemorySnapshots
 
@@ -63,7 +63,7 @@ def host_room(model: torch.nn.Module, copies: int, local_world: int, share: floa
     another: at 8B under FSDP on two GPUs that is 64 GB a process each."""
     per = 0
     for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p  # kiln.dist: an FSDP2 shard
+        local = p.to_local() if hasattr(p, "to_local") else p  # kiln.parallel: an FSDP2 shard
         n = local.numel() * local.element_size()
         per += 3 * n if p.requires_grad else n
     need = per * copies * local_world
@@ -121,7 +121,7 @@ class _FreshOptimizer:
 
 def host_read(values: torch.Tensor, mesh) -> list:
     """The mean over ranks of `values`, read back to the host: the one sync (and collective) of a check."""
-    return reduce_mean(values, mesh).tolist()  # kiln.dist: the same verdict on every rank
+    return reduce_mean(values, mesh).tolist()  # kiln.parallel: the same verdict on every rank
 
 
 class Rollback(Callback):

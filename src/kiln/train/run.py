@@ -12,10 +12,6 @@ from rich.console import Console
 from kiln.config import RunConfig, derive
 from kiln.data.build import build_data, data_position
 from kiln.data.prepare.token_bytes import token_byte_lengths
-from kiln.dist.materialize import build_model
-from kiln.dist.mesh import Mesh, check_same_config, init_mesh
-from kiln.dist.parallelize import full_model, parallelize, strategy_of
-from kiln.dist.watch import EXIT_CODE, Watch
 from kiln.errors import ConfigError, DataError, EmptySplit
 from kiln.events import RunEnd
 from kiln.model.generate import generate, start_ids
@@ -34,6 +30,10 @@ from kiln.monitor.plots import PlotAtEnd
 from kiln.monitor.profile import ProfileWindow
 from kiln.monitor.sinks import ConsoleSink, JsonlSink, enabled_sinks
 from kiln.monitor.watchers import RunWatchers
+from kiln.parallel.materialize import build_model
+from kiln.parallel.mesh import Mesh, check_same_config, init_mesh
+from kiln.parallel.parallelize import full_model, parallelize, strategy_of
+from kiln.parallel.watch import EXIT_CODE, Watch
 from kiln.plan.memory import checkpoint_bytes
 from kiln.state.callback import CheckpointEvery
 from kiln.state.checkpointer import Checkpointer
@@ -85,12 +85,12 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
     exit 130/143; the final model save: finished first, a second signal aborts).
     Under torchrun every process calls this; rank 0 alone writes the console and the run files."""
     console = console or Console()
-    mesh = init_mesh(cfg.train.device, cfg.dist, console.print)  # kiln.dist: process group, this rank's device
+    mesh = init_mesh(cfg.train.device, cfg.dist, console.print)  # kiln.parallel: process group, this rank's device
     watch = Watch(mesh.rank, mesh.world, cfg.dist.watchdog_s).start() if mesh.distributed else None
     try:
         if mesh.rank != 0:
             console = Console(quiet=True)
-        check_same_config(cfg, mesh)  # kiln.dist: every node started with rank 0's config
+        check_same_config(cfg, mesh)  # kiln.parallel: every node started with rank 0's config
         out = _run(cfg, console, resume, callbacks, mesh)
         # every rank finished: leave the group together; a signal now (rank 0 may still save model/) is noted, not
         # fatal: a rank it killed here broke the others' wait, with a traceback, though the run was complete
@@ -98,7 +98,7 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
             mesh.close(clean=True)
         return out
     except BaseException as e:
-        if watch is not None and not watch.report(e):  # kiln.dist: one rank's error stops all, shown once
+        if watch is not None and not watch.report(e):  # kiln.parallel: one rank's error stops all, shown once
             raise SystemExit(EXIT_CODE) from None  # by the rank whose failure came first
         raise
     finally:
@@ -196,7 +196,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         memory_params = -(-training_bytes(model) // 16)
         return memory_params
 
-    # kiln.dist: AC -> compile -> FSDP2 / DDP; under FSDP built on the meta device, each rank initialising its shard
+    # kiln.parallel: AC -> compile -> FSDP2 / DDP; under FSDP built on the meta device, each rank initialising its shard
     if cfg.model.hf_class == "auto":
         model = parallelize(model, cfg, mesh, memory_params, console.print)
     else:
@@ -212,7 +212,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         console.print(f"train.batch_size=auto: micro-batch {micro} ({auto['how']}; {auto['fit']} fit)")
     rows = tcfg.step_rows(mesh.world)
     g = rows * mesh.world
-    how = f"; {mesh.describe(strategy_of(model), cfg.dist)}" if mesh.distributed else ""  # kiln.dist
+    how = f"; {mesh.describe(strategy_of(model), cfg.dist)}" if mesh.distributed else ""  # kiln.parallel
     console.print(f"global batch: {g} sequences ({g * tcfg.seq_len:,} tokens) per step = {micro} per "
                   f"micro-batch x {-(-rows // micro)} accumulated x {mesh.world} data-parallel rank(s){how}")
 
@@ -231,7 +231,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
                           f"checkpoint's staging copy takes {need / 1e9:.0f} GB of host memory on this node, and "
                           f"{have / 1e9:.0f} GB are available; a non-finite loss stops the run instead",
                           highlight=False)
-    if cfg.logging.console and mesh.rank == 0:  # kiln.dist: rank 0 writes console and metrics
+    if cfg.logging.console and mesh.rank == 0:  # kiln.parallel: rank 0 writes console and metrics
         callbacks.append(ConsoleSink(console))
     if cfg.logging.jsonl and mesh.rank == 0:
         callbacks.append(JsonlSink(run_dir / "metrics.jsonl"))
@@ -294,7 +294,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         stops.during = "while gathering the final model"
         stops.then = (f"training is complete; `kiln train {run_dir}` writes model/ from its final checkpoint"
                       if cfg.checkpoint.save_final else "training is complete; no sample was made")
-        model = full_model(model, cfg, mesh)  # kiln.dist: every rank sends its shards; rank 0 gets the model
+        model = full_model(model, cfg, mesh)  # kiln.parallel: every rank sends its shards; rank 0 gets the model
         if model is None:
             return run_dir
     if cfg.checkpoint.save_final and not _save_final(model, cfg, tok, run_dir, console):

@@ -10,13 +10,13 @@ import torch
 from torch import nn
 
 from kiln.config import RunConfig
-from kiln.dist.mesh import Mesh, current_mesh
-from kiln.dist.parallelize import clip_grad_norm, grad_sync, optimizer_device, reduce_mean
-from kiln.dist.watch import beat
 from kiln.errors import TrainingError
 from kiln.events import Callback, Events
 from kiln.model.loss import IGNORE_INDEX
 from kiln.monitor.meters import Throughput
+from kiln.parallel.mesh import Mesh, current_mesh
+from kiln.parallel.parallelize import clip_grad_norm, grad_sync, optimizer_device, reduce_mean
+from kiln.parallel.watch import beat
 from kiln.train.oom import OomRetry
 from kiln.train.optim import build_optimizer, build_scheduler
 from kiln.train.rollback import SkipList, host_read, set_lr_scale
@@ -27,14 +27,14 @@ class Trainer:
                  callbacks: list[Callback] = (), flops_per_token: float = 0.0, mesh: Mesh | None = None,
                  micro_batch: int | None = None):
         self.cfg, self.model, self.device = cfg, model, device
-        self.mesh = mesh or current_mesh(device)  # kiln.dist: ranks whose metrics are reduced
+        self.mesh = mesh or current_mesh(device)  # kiln.parallel: ranks whose metrics are reduced
         self.train_loader, self.val_loader = train_loader, val_loader
         self.optimizer = build_optimizer(model, cfg.optim, cfg.train.lr, optimizer_device(cfg, device, model))
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.events = Events(list(callbacks))
         self.step, self.tokens_seen = 0, 0
         self.consistent = True  # False while a step is half done
-        # the global batch: this rank's rows per step x data-parallel ranks (kiln.dist); a step's rows come in
+        # the global batch: this rank's rows per step x data-parallel ranks (kiln.parallel); a step's rows come in
         # `loads` loader batches and train in micro-batches of `micro` rows (auto, or halved by kiln.train.oom)
         tcfg = cfg.train
         self.rows = tcfg.step_rows(self.mesh.world)
@@ -120,7 +120,7 @@ class Trainer:
         total = self.oom.run(self, lambda: self._accumulate(batch))
         clip = self.cfg.train.grad_clip
         # parameters without a gradient are skipped; max_norm=inf still measures the norm for the logs
-        gnorm = clip_grad_norm(self.model, clip if clip > 0 else float("inf"))  # kiln.dist: over every shard
+        gnorm = clip_grad_norm(self.model, clip if clip > 0 else float("inf"))  # kiln.parallel: over every shard
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -134,8 +134,8 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for lo in range(0, n, self.micro):
             hi = min(lo + self.micro, n)
-            beat()  # kiln.dist watchdog: this rank is making progress
-            with grad_sync(self.model, sync=hi == n):  # kiln.dist: no collective before the last
+            beat()  # kiln.parallel watchdog: this rank is making progress
+            with grad_sync(self.model, sync=hi == n):  # kiln.parallel: no collective before the last
                 with self.autocast():
                     loss = self.model(x[lo:hi], y[lo:hi], None if docs is None else docs[lo:hi]) / (n / (hi - lo))
                 loss.backward()
@@ -212,7 +212,7 @@ class Trainer:
                         sums[1] += loss * counted.sum()
                         sums[2] += (table[ys.clamp_min(0)] * counted).sum()
             self.model.train()
-            # kiln.dist: each rank read its own rows of each batch; the means over ranks give the batches' mean
+            # kiln.parallel: each rank read its own rows of each batch; the means over ranks give the batches' mean
             # loss, and the ratio of nats to bytes that of their sums
             total, nats, nbytes = reduce_mean(sums, self.mesh).tolist()  # the one host sync
         loss = total / n
@@ -242,7 +242,7 @@ class StepRead:
         local = t.meter.read(self.step, t.tokens_per_step // t.mesh.world)
         keys = sorted(local)
         rates = torch.tensor([float(local[k]) for k in keys], device=loss.device)
-        mean = host_read(torch.cat([values, loss[None], rates]), t.mesh)  # kiln.dist: the one all-reduce
+        mean = host_read(torch.cat([values, loss[None], rates]), t.mesh)  # kiln.parallel: the one all-reduce
         n = len(values)
         self.metrics = {"loss": mean[n], "grad_norm": gnorm, **dict(zip(keys, mean[n + 1:]))}
         return mean[:n]

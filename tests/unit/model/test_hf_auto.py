@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from kiln.config import LoraConfig, ModelConfig, OptimConfig
-from kiln.dist.ac import apply_ac
 from kiln.errors import ConfigError, StateError
 from kiln.model.hf_auto import auto_config, build_auto, decoder_layers, doc_positions
 from kiln.model.hf_import import resolve_init_from
+from kiln.parallel.ac import apply_ac
 from kiln.train.optim import build_optimizer
 
 transformers = pytest.importorskip("transformers")
@@ -258,7 +258,7 @@ def test_activation_checkpointing_replays_dropout(tmp_path):
 
 @pytest.mark.slow
 def test_compiled_blocks_match_eager(tmp_path):
-    from kiln.dist.compile import apply_compile
+    from kiln.parallel.compile import apply_compile
 
     cfg = model_cfg(hf_dir(tmp_path, "llama"))
     x, y, docs = torch.randint(0, 64, (2, 12)), torch.randint(0, 64, (2, 12)), torch.tensor([[0] * 5 + [1] * 7] * 2)

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from kiln.config import LoraConfig, ModelConfig, OptimConfig
-from kiln.dist.ac import apply_ac
 from kiln.errors import ConfigError
 from kiln.model.hf_import import import_hf
 from kiln.model.llama import Transformer
@@ -23,6 +22,7 @@ from kiln.model.lora import (
     trainable_summary,
 )
 from kiln.model.lora_peft import read_peft_adapters, write_peft_adapters
+from kiln.parallel.ac import apply_ac
 from kiln.state.parts import ModelState
 from kiln.train.optim import build_optimizer
 
@@ -214,7 +214,7 @@ def test_activation_checkpointing_replays_the_adapter_dropout(mode):
 
 @pytest.mark.slow
 def test_compiled_blocks_match_eager():
-    from kiln.dist.compile import apply_compile
+    from kiln.parallel.compile import apply_compile
 
     eager, _ = lora_model(targets=["all"])
     randomize_adapters(eager)

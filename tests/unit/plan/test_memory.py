@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kiln.config import ModelConfig, OptimConfig
-from kiln.dist.ac import apply_ac
 from kiln.model.llama import Transformer
 from kiln.model.registry import param_count
+from kiln.parallel.ac import apply_ac
 from kiln.plan.memory import Layout, act_per_layer_token, checkpoint_bytes, layer_params, peak_memory, state_bytes
 from kiln.train.optim import build_optimizer
 

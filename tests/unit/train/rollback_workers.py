@@ -15,11 +15,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from healing import Notices, Numerics, Samples, config  # noqa: E402
 
-from kiln.dist.materialize import build_model  # noqa: E402
-from kiln.dist.mesh import Mesh, init_mesh  # noqa: E402
-from kiln.dist.parallelize import unwrap  # noqa: E402
 from kiln.events import Callback  # noqa: E402
 from kiln.model.registry import param_count  # noqa: E402
+from kiln.parallel.materialize import build_model  # noqa: E402
+from kiln.parallel.mesh import Mesh, init_mesh  # noqa: E402
+from kiln.parallel.parallelize import unwrap  # noqa: E402
 from kiln.state.snapshot import MemorySnapshots  # noqa: E402
 from kiln.train.rollback import Rollback  # noqa: E402
 from kiln.train.trainer import Trainer  # noqa: E402
@@ -33,7 +33,7 @@ def counting_all_reduce(*args, **kwargs):
     return _all_reduce(*args, **kwargs)
 
 
-dist.all_reduce = counting_all_reduce  # kiln.dist.parallelize.reduce_mean calls dist.all_reduce
+dist.all_reduce = counting_all_reduce  # kiln.parallel.parallelize.reduce_mean calls dist.all_reduce
 
 
 class PerStep(Callback):

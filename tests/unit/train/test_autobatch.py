@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from kiln.config import load_config
-from kiln.dist.mesh import Mesh
 from kiln.errors import ConfigError
 from kiln.model.llama import Transformer
 from kiln.model.registry import param_count
+from kiln.parallel.mesh import Mesh
 from kiln.train import autobatch
 from kiln.train.autobatch import CACHE_FILE, choose_micro_batch, cpu_budget, even_cut, row_activation_bytes
 

@@ -1,4 +1,4 @@
-"""kiln.dist.launch.torchrun and the CLI under torchrun: a config error is printed by the first process of a
+"""kiln.parallel.launch.torchrun and the CLI under torchrun: a config error is printed by the first process of a
 node alone (the others wait, quiet, for torchrun to stop them), recorded in torchrun's error file, and the
 end of a failed job names the rank whose error is above instead of torchrun's traceback and summary."""
 
@@ -13,8 +13,8 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from kiln import cli
-from kiln.dist.launch import torchrun
-from kiln.dist.launch.local import torchrun_command
+from kiln.parallel.launch import torchrun
+from kiln.parallel.launch.local import torchrun_command
 
 
 def torchrun_env(monkeypatch, tmp_path, rank: int) -> None:
@@ -72,7 +72,7 @@ def test_any_other_failure_ends_with_torchruns_summary(tmp_path):
 
 
 def test_kiln_train_nproc_runs_torchrun_through_this_module():
-    assert torchrun_command(2, ["cfg.yaml"])[1:4] == ["-m", "kiln.dist.launch.torchrun", "--standalone"]
+    assert torchrun_command(2, ["cfg.yaml"])[1:4] == ["-m", "kiln.parallel.launch.torchrun", "--standalone"]
 
 
 def test_a_signal_ends_the_job_with_one_line_and_128_plus_its_number(monkeypatch, capsys):
@@ -162,7 +162,7 @@ def test_the_rank_that_printed_its_error_is_named_with_its_exit_code_though_torc
 
 
 # a process that asks for SIGTERM at its parent's death, says so, and waits
-ORPHAN = ("import sys, time; from kiln.dist.launch.torchrun import stop_with_parent; "
+ORPHAN = ("import sys, time; from kiln.parallel.launch.torchrun import stop_with_parent; "
           "print(stop_with_parent(), flush=True); time.sleep(60)")
 # a parent that starts it, tells its pid, and waits to be killed
 PARENT = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "

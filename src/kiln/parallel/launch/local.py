@@ -4,7 +4,7 @@
 the newest checkpoint by itself). SIGTERM to this process (a scheduler preempting the job; SIGINT and
 SIGHUP too) is passed to torchrun, which passes it to every worker; each writes its part of one checkpoint
 and exits. torchrun kills workers that take longer than its shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
-30 s by default); this sets it to SHUTDOWN_TIMEOUT_S (kiln.dist.launch.torchrun) unless the environment
+30 s by default); this sets it to SHUTDOWN_TIMEOUT_S (kiln.parallel.launch.torchrun) unless the environment
 already does, since a large model's preemption checkpoint can take longer than 30 s to write."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import signal
 import subprocess
 import sys
 
-from kiln.dist.launch.torchrun import PARENT_PID, TORCHRUN_ENV
 from kiln.errors import ConfigError, ResourceError
+from kiln.parallel.launch.torchrun import PARENT_PID, TORCHRUN_ENV
 
 PROCESS_BYTES = 1 << 29  # host memory one CPU training process takes at the least (torch and its threads: ~0.35 GiB)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # passed on to torchrun, which stops the job on them
@@ -23,7 +23,7 @@ LAUNCH_OPTIONS = ("--nproc", "--max-restarts")  # options of `kiln train` that t
 
 
 def under_torchrun() -> bool:
-    from kiln.dist.env import env_int
+    from kiln.parallel.env import env_int
 
     world = env_int("WORLD_SIZE", 1, "unset it for `kiln train --nproc N`, which starts torchrun")
     return "TORCHELASTIC_RUN_ID" in os.environ or world > 1
@@ -38,7 +38,7 @@ def cuda_available() -> bool:
 def check_world(cfg, nproc: int, log=print) -> None:
     """What `nproc` processes of `cfg` on this machine cannot do, found before torchrun starts any: one error,
     once, instead of one from every process (or an out-of-memory machine)."""
-    from kiln.dist.env import check_backend
+    from kiln.parallel.env import check_backend
 
     cfg.lora.require_base(cfg.model)  # else said by every process, and again at every restart
     cfg.train.loader_rows(nproc)  # a train.global_batch_tokens that nproc ranks cannot share (or batch_size cut)
@@ -93,9 +93,9 @@ def without_nproc(argv: list[str]) -> list[str]:
 def torchrun_command(nproc: int, train_args: list[str], max_restarts: int = 0) -> list[str]:
     """The torchrun command line of a one-machine run of `kiln train *train_args` on `nproc` processes."""
     restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
-    # torchrun itself, ending a failed job without burying the error a rank printed (kiln.dist.launch.torchrun)
-    return [sys.executable, "-m", "kiln.dist.launch.torchrun", "--standalone", f"--nproc_per_node={nproc}", *restarts,
-            "-m", "kiln.cli", "train", *train_args]
+    # torchrun itself, ending a failed job without burying the error a rank printed (kiln.parallel.launch.torchrun)
+    return [sys.executable, "-m", "kiln.parallel.launch.torchrun", "--standalone", f"--nproc_per_node={nproc}",
+            *restarts, "-m", "kiln.cli", "train", *train_args]
 
 
 def relaunch(nproc: int, argv: list[str] | None = None, max_restarts: int = 0, cfg=None) -> int:
@@ -129,7 +129,7 @@ def relaunch(nproc: int, argv: list[str] | None = None, max_restarts: int = 0, c
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    if code < 0:  # torchrun itself was killed; its workers are sent SIGTERM (kiln.dist.launch.torchrun)
+    if code < 0:  # torchrun itself was killed; its workers are sent SIGTERM (kiln.parallel.launch.torchrun)
         print(f"kiln: torchrun was killed by {signal.Signals(-code).name}; its workers are told to stop as on "
               "SIGTERM (their last lines say how to resume)", file=sys.stderr, flush=True)
         return 128 - code

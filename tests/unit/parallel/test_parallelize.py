@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kiln.config import RunConfig
-from kiln.dist.mesh import Mesh
-from kiln.dist.parallelize import choose_strategy, grad_sync, parallelize, strategy_of
+from kiln.parallel.mesh import Mesh
+from kiln.parallel.parallelize import choose_strategy, grad_sync, parallelize, strategy_of
 
 from .workers import STEPS, config, train_losses
 
@@ -88,7 +88,7 @@ def test_auto_is_the_one_process_path_in_one_process():
 
 
 def test_auto_picks_ddp_when_the_model_fits_and_fsdp_when_not(monkeypatch):
-    import kiln.dist.parallelize as par
+    import kiln.parallel.parallelize as par
 
     monkeypatch.setattr(par, "device_memory", lambda device, local_world: 80 << 30)
     logs: list[str] = []
@@ -110,7 +110,7 @@ def test_single_process_keeps_the_plain_model_and_gradient_sync_is_a_no_op():
 
 
 def test_whole_model_compile_is_kept_under_ddp_and_made_per_block_where_it_cannot_be(monkeypatch):
-    import kiln.dist.parallelize as par
+    import kiln.parallel.parallelize as par
     from kiln.model.llama import Transformer
 
     scopes: list[str] = []

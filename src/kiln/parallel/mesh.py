@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from kiln.config import DistConfig, dotted
-from kiln.dist.env import check_backend, env_int
 from kiln.errors import ConfigError, ResourceError
+from kiln.parallel.env import check_backend, env_int
 
 
 @dataclass
@@ -138,7 +138,7 @@ def init_mesh(device_name: str, cfg: DistConfig, log: Callable[[str], None] = pr
                 f"(or `torchrun --nproc_per_node {n} -m kiln.cli train CONFIG`)")
         return Mesh(device=device)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: stop (with a checkpoint) if it is killed
-        from kiln.dist.launch.torchrun import missing_env, stop_with_parent
+        from kiln.parallel.launch.torchrun import missing_env, stop_with_parent
 
         stop_with_parent()
         advice = missing_env()

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from kiln.cli import app
 from kiln.config import RunConfig
-from kiln.dist.launch.local import torchrun_command, without_nproc
 from kiln.errors import ConfigError
+from kiln.parallel.launch.local import torchrun_command, without_nproc
 
 runner = CliRunner()
 
@@ -35,7 +35,7 @@ def test_k8s_manifest_is_an_elastic_pytorchjob_with_shared_storage(tmp_path):
     pod = worker["template"]["spec"]
     (c,) = pod["containers"]
     assert c["name"] == "pytorch" and c["image"] == "ghcr.io/me/kiln:1"
-    assert c["command"] == ["python", "-m", "kiln.dist.launch.torchrun"]
+    assert c["command"] == ["python", "-m", "kiln.parallel.launch.torchrun"]
     assert c["args"] == ["-m", "kiln.cli", "train", "/etc/kiln/config.yaml"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
@@ -63,7 +63,7 @@ def test_slurm_script_starts_torchrun_on_every_node_with_the_first_as_rendezvous
     assert directives["nodes"] == "2" and directives["gpus-per-node"] == "8" and directives["ntasks-per-node"] == "1"
     assert directives["time"] == "1:00:00"
     command = text[text.index("srun"):].replace("\\\n", " ").split()
-    assert command[:5] == ["srun", "--kill-on-bad-exit=1", "python", "-m", "kiln.dist.launch.torchrun"]
+    assert command[:5] == ["srun", "--kill-on-bad-exit=1", "python", "-m", "kiln.parallel.launch.torchrun"]
     assert "--nproc_per_node=8" in command and "--rdzv_backend=c10d" in command
     assert '--rdzv_endpoint="$head_node:29500"' in command and '--nnodes="$SLURM_JOB_NUM_NODES"' in command
     assert "scontrol show hostnames" in text and "sed -n 1p" in text
@@ -163,11 +163,11 @@ def test_a_launch_file_that_cannot_be_written_is_a_config_error(tmp_path):
 def test_nproc_becomes_a_torchrun_command():
     assert without_nproc(["cfg.yaml", "--nproc", "4", "train.lr=1", "--nproc=2"]) == ["cfg.yaml", "train.lr=1"]
     cmd = torchrun_command(4, ["cfg.yaml"])
-    assert cmd[1:] == ["-m", "kiln.dist.launch.torchrun", "--standalone", "--nproc_per_node=4", "-m", "kiln.cli",
+    assert cmd[1:] == ["-m", "kiln.parallel.launch.torchrun", "--standalone", "--nproc_per_node=4", "-m", "kiln.cli",
                        "train", "cfg.yaml"]
     assert without_nproc(["cfg.yaml", "--max-restarts", "3", "--nproc=2", "--max-restarts=1"]) == ["cfg.yaml"]
     cmd = torchrun_command(2, ["cfg.yaml"], max_restarts=3)
-    assert cmd[1:] == ["-m", "kiln.dist.launch.torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=3",
+    assert cmd[1:] == ["-m", "kiln.parallel.launch.torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=3",
                        "-m", "kiln.cli", "train", "cfg.yaml"]
 
 
@@ -177,7 +177,7 @@ def test_max_restarts_passes_through_to_torchrun_and_sigterm_is_forwarded(monkey
     import signal
     import subprocess
 
-    from kiln.dist.launch import local
+    from kiln.parallel.launch import local
 
     started = {}
 
@@ -217,7 +217,7 @@ def test_a_sigint_or_sighup_sent_to_kiln_train_nproc_alone_reaches_torchrun(monk
     import signal
     import subprocess
 
-    from kiln.dist.launch import local
+    from kiln.parallel.launch import local
 
     got = []
 
@@ -250,7 +250,7 @@ def test_a_sigint_or_sighup_sent_to_kiln_train_nproc_alone_reaches_torchrun(monk
 
 @pytest.mark.parametrize("argv", [["--nproc", "0"]])
 def test_nproc_must_be_positive(argv, monkeypatch):
-    from kiln.dist.launch.local import relaunch
+    from kiln.parallel.launch.local import relaunch
 
     with pytest.raises(ConfigError, match="1 or more"):
         relaunch(0, ["train", *argv])
@@ -271,7 +271,7 @@ def test_kiln_train_nproc_checks_the_job_shape_before_starting_any_process(monke
     """Hybrid replicas that do not divide --nproc and nccl on the CPU used to fail in every process, after
     starting and building the model (the replicas one with gloo's C++ stack frames between the errors)."""
     from kiln.config import load_config
-    from kiln.dist.launch import local
+    from kiln.parallel.launch import local
 
     _no_launch(monkeypatch)
     hybrid = load_config(None, ["train.device=cpu", "dist.strategy=fsdp", "dist.sharding=hybrid", "dist.replicas=3"])
@@ -297,8 +297,8 @@ def test_more_cpu_processes_than_memory_holds_is_an_error_and_more_than_cores_a_
     import psutil
 
     from kiln.config import load_config
-    from kiln.dist.launch import local
     from kiln.errors import ResourceError
+    from kiln.parallel.launch import local
 
     _no_launch(monkeypatch)
     cfg = load_config(None, ["train.device=cpu"])
@@ -318,8 +318,8 @@ def test_a_gpu_run_with_more_processes_than_gpus_fails_before_starting(monkeypat
     import torch
 
     from kiln.config import load_config
-    from kiln.dist.launch import local
     from kiln.errors import ResourceError
+    from kiln.parallel.launch import local
 
     _no_launch(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -329,7 +329,7 @@ def test_a_gpu_run_with_more_processes_than_gpus_fails_before_starting(monkeypat
 
 
 def test_a_world_size_that_is_not_a_number_is_a_config_error(monkeypatch):
-    from kiln.dist.launch import local
+    from kiln.parallel.launch import local
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "abc")
@@ -400,7 +400,7 @@ def test_slurm_refuses_a_time_limit_or_partition_sbatch_would_reject(tmp_path, a
 
 @pytest.mark.parametrize("limit", ["90", "30:00", "12:00:00", "2-00", "1-12:00", "1-00:00:00", "UNLIMITED"])
 def test_slurm_accepts_its_time_formats(limit):
-    from kiln.dist.launch.slurm import check_options
+    from kiln.parallel.launch.slurm import check_options
 
     check_options(limit, "gpu,debug")
 
@@ -410,8 +410,8 @@ def test_one_named_gpu_for_several_processes_or_no_gpu_at_all_fails_before_start
     import torch
 
     from kiln.config import load_config
-    from kiln.dist.launch import local
     from kiln.errors import ResourceError
+    from kiln.parallel.launch import local
 
     _no_launch(monkeypatch)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)

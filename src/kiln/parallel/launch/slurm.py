@@ -1,6 +1,6 @@
 """`kiln launch slurm`: an sbatch script that starts torchrun on every node, rendezvous on the first.
 
-One Slurm task per node runs torchrun (as `kiln train --nproc` runs it: `kiln.dist.launch.torchrun`, which
+One Slurm task per node runs torchrun (as `kiln train --nproc` runs it: `kiln.parallel.launch.torchrun`, which
 does not restart a job whose error a restart would meet again, takes a signal delivered twice once, and
 stops its workers if it is killed) with `gpus_per_node` processes; the c10d rendezvous endpoint is
 the job's first node, so no port needs to be known beforehand on the others. `--max-restarts` lets
@@ -16,9 +16,9 @@ import re
 import shlex
 from pathlib import Path
 
-from kiln.dist.launch.common import check_shape, given_paths, job_name, resolved_config
-from kiln.dist.launch.torchrun import SHUTDOWN_TIMEOUT_S, TORCHRUN_ENV
 from kiln.errors import ConfigError
+from kiln.parallel.launch.common import check_shape, given_paths, job_name, resolved_config
+from kiln.parallel.launch.torchrun import SHUTDOWN_TIMEOUT_S, TORCHRUN_ENV
 
 PORT = 29500
 SIGNAL_S = SHUTDOWN_TIMEOUT_S + 30  # SIGTERM this long before the time limit: torchrun's shutdown timeout and a margin
@@ -94,7 +94,7 @@ def script(config: str | None, overrides: list[str], nodes: int, gpus_per_node: 
              'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
              "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
              *(f"export {k}=${{{k}:-{v}}}" for k, v in TORCHRUN_ENV.items()),
-             "srun --kill-on-bad-exit=1 python -m kiln.dist.launch.torchrun \\",
+             "srun --kill-on-bad-exit=1 python -m kiln.parallel.launch.torchrun \\",
              '  --nnodes="$SLURM_JOB_NUM_NODES" \\',
              f"  --nproc_per_node={gpus_per_node} \\",
              '  --rdzv_id="$SLURM_JOB_ID" \\',

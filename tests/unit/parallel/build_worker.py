@@ -1,6 +1,6 @@
 """Run in each process of the 2-process gloo build tests (started by torchrun from test_materialize.py).
 
-argv: OUT_DIR CONFIG_JSON [HF_DIR]. Builds the model with kiln.dist.materialize.build_model after the
+argv: OUT_DIR CONFIG_JSON [HF_DIR]. Builds the model with kiln.parallel.materialize.build_model after the
 one-process seed, gathers every parameter's full tensor, and rank 0 saves them (and the peak RSS growth
 of the build on each rank) to OUT_DIR/built.pt. With HF_DIR, the same job then builds the model again
 from those weights (model.init_from) into OUT_DIR/built_init_from.pt (its memory is not measured: the
@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from kiln.config import RunConfig
-from kiln.dist.materialize import build_model
-from kiln.dist.mesh import init_mesh
 from kiln.model.registry import param_count
+from kiln.parallel.materialize import build_model
+from kiln.parallel.mesh import init_mesh
 
 
 def peak_rss_bytes() -> int:

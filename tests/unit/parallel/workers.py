@@ -8,9 +8,9 @@ import sys
 import torch
 
 from kiln.config import RunConfig
-from kiln.dist.materialize import build_model
-from kiln.dist.mesh import Mesh
 from kiln.model.registry import param_count
+from kiln.parallel.materialize import build_model
+from kiln.parallel.mesh import Mesh
 from kiln.train.events import Callback
 from kiln.train.trainer import Trainer
 
@@ -83,7 +83,7 @@ def train_losses(cfg: RunConfig, mesh: Mesh) -> tuple[list[float], dict, str]:
 def run_cases(run) -> None:
     """The torchrun entry of a worker script: `run(case, mesh)` for each case of argv[2] (JSON), the results
     written by rank 0 to argv[1] (JSON, by case name)."""
-    from kiln.dist.mesh import init_mesh
+    from kiln.parallel.mesh import init_mesh
 
     out, cases = sys.argv[1], json.loads(sys.argv[2])
     mesh = init_mesh("cpu", RunConfig().dist)

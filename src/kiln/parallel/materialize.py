@@ -40,11 +40,11 @@ import torch
 from torch import nn
 
 from kiln.config import RunConfig
-from kiln.dist.mesh import Mesh
-from kiln.dist.parallelize import choose_strategy, parallelize
 from kiln.errors import StateError
 from kiln.model.hf_import import load_init_weights, read_hf_state_dict, weight_files
 from kiln.model.llama import Transformer
+from kiln.parallel.mesh import Mesh
+from kiln.parallel.parallelize import choose_strategy, parallelize
 
 
 def build_model(cfg: RunConfig, m: Mesh, n_params: int, log: Callable[[str], None] = print,

@@ -1,4 +1,4 @@
-"""kiln.dist.materialize: an FSDP model built on the meta device and initialised shard by shard holds the
+"""kiln.parallel.materialize: an FSDP model built on the meta device and initialised shard by shard holds the
 weights of a one-process run's seeded init (or of model.init_from, read slice by slice), without any
 process holding the whole model; one process and DDP skip the random init that init_from overwrites.
 The per-parameter seeded draw of CUDA runs is checked here on the CPU generator, under a fake process
@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from kiln.config import RunConfig
-from kiln.dist.materialize import build_model, init_seeded, local_slices, materialize, param_seed
-from kiln.dist.mesh import Mesh
-from kiln.dist.parallelize import parallelize
 from kiln.model.hf import to_hf_config_dict, to_hf_state_dict
 from kiln.model.llama import Transformer
 from kiln.model.registry import param_count
+from kiln.parallel.materialize import build_model, init_seeded, local_slices, materialize, param_seed
+from kiln.parallel.mesh import Mesh
+from kiln.parallel.parallelize import parallelize
 
 HERE = Path(__file__).parent
 
@@ -121,8 +121,8 @@ def test_one_process_with_init_from_skips_the_random_init(tmp_path):
 
 
 def test_a_safetensors_tensor_of_the_wrong_shape_is_a_state_error(tmp_path):
-    from kiln.dist.materialize import load_shards
     from kiln.errors import StateError
+    from kiln.parallel.materialize import load_shards
 
     cfg = RunConfig.model_validate(config(tie_embeddings=True))
     _, _, source = one_process(config(tie_embeddings=True, ffn_hidden=512))
@@ -224,7 +224,7 @@ def test_each_parameter_of_the_seeded_init_depends_on_its_seed_place_and_shape_o
 
 def test_the_global_stream_init_is_the_same_on_any_world_size_too():
     """The CPU path (build_model on a CPU run) under the fake group: the one-process weights, in 3 shards."""
-    from kiln.dist.materialize import init_shards
+    from kiln.parallel.materialize import init_shards
 
     cfg = config(tie_embeddings=False, n_layers=2)
     _, _, reference = one_process(cfg)

@@ -8,7 +8,7 @@ parameters into DTensors) or a `DistributedDataParallel` around it. State-dict k
 the plain model under every strategy (DCP's get_state_dict strips wrappers), so a checkpoint
 moves between strategies and world sizes.
 
-`kiln.dist.materialize.build_model` builds the model for it: under FSDP on the meta device, sharded
+`kiln.parallel.materialize.build_model` builds the model for it: under FSDP on the meta device, sharded
 here, then each process's shard materialised and initialised (drawn full-size one parameter at a time on
 the run's device: the same weights on any world size); one process and DDP get a model on the CPU, moved
 to the device here.
@@ -28,10 +28,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kiln.config import RunConfig
-from kiln.dist.ac import apply_ac
-from kiln.dist.compile import apply_compile
-from kiln.dist.mesh import Mesh
 from kiln.errors import ConfigError
+from kiln.parallel.ac import apply_ac
+from kiln.parallel.compile import apply_compile
+from kiln.parallel.mesh import Mesh
 
 BYTES_PER_PARAM = 16  # fp32 weights (4) + fp32 gradients (4) + AdamW's two fp32 moments (8)
 FIT_FRACTION = 0.5  # model + optimizer may take this share of a device; the rest is for activations
@@ -76,7 +76,7 @@ def choose_strategy(cfg: RunConfig, m: Mesh, n_params: int, log: Callable[[str],
 def parallelize(model: nn.Module, cfg: RunConfig, m: Mesh, n_params: int | None = None,
                 log: Callable[[str], None] = print, strategy: str | None = None) -> nn.Module:
     """Apply AC, compile and the run's strategy (`strategy`, else `choose_strategy`'s) to `model`, built
-    on the CPU (or, for fsdp, on the meta device: see kiln.dist.materialize). Returns what to train."""
+    on the CPU (or, for fsdp, on the meta device: see kiln.parallel.materialize). Returns what to train."""
     tcfg, d = cfg.train, cfg.dist
     if n_params is None:
         n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

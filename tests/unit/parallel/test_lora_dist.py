@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.dist.mesh import Mesh
+from kiln.parallel.mesh import Mesh
 
 from .lora_workers import lora_run
 from .test_parallelize import torchrun

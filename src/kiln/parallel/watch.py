@@ -29,7 +29,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from kiln.dist.env import env_int
+from kiln.parallel.env import env_int
 
 POLL_S = 0.5
 ACK_WAIT_S = 4 * POLL_S + 1.0  # how long a failing rank waits for the others to see its failure

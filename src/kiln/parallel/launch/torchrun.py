@@ -1,6 +1,6 @@
 """torchrun as `kiln train --nproc N` runs it, and what a kiln process tells torchrun when it fails.
 
-    python -m kiln.dist.launch.torchrun --standalone --nproc_per_node=2 -m kiln.cli train CONFIG
+    python -m kiln.parallel.launch.torchrun --standalone --nproc_per_node=2 -m kiln.cli train CONFIG
 
 is torchrun (`torch.distributed.run`, same arguments, same process) except at the end of a failed job:
 torchrun prints its own traceback and a summary in which every rank's error reads "To enable traceback

@@ -1,4 +1,4 @@
-"""kiln.dist.mesh: the environment torchrun describes, checked before a process group is joined; a backend that
+"""kiln.parallel.mesh: the environment torchrun describes, checked before a process group is joined; a backend that
 cannot drive the run's device and a MASTER_PORT another program holds are errors that say what to do."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import socket
 import pytest
 
 from kiln.config import DistConfig
-from kiln.dist.mesh import init_mesh, process_env
 from kiln.errors import ConfigError, ResourceError
+from kiln.parallel.mesh import init_mesh, process_env
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "TORCHELASTIC_RUN_ID")
@@ -81,7 +81,7 @@ def test_a_master_port_in_use_is_a_resource_error_naming_it(env):
 ])
 def test_the_start_of_a_run_says_how_the_model_is_spread(strategy, dist_cfg, expected):
     """An explicit dist.strategy used to be logged nowhere (only auto's choice was), nor the hybrid mesh."""
-    from kiln.dist.mesh import Mesh
+    from kiln.parallel.mesh import Mesh
 
     assert Mesh(world=8, local_world=4).describe(strategy, dist_cfg) == expected
 
@@ -92,7 +92,7 @@ def _check_configs(rank: int, port: int, out: str, overrides: list[list[str]]) -
     import torch.distributed as dist
 
     from kiln.config import load_config
-    from kiln.dist.mesh import Mesh, check_same_config
+    from kiln.parallel.mesh import Mesh, check_same_config
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

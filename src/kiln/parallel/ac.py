@@ -6,7 +6,7 @@
   share of the activation memory and cost little to redo.
 
 The block's `forward` is wrapped in place, so module names and state-dict keys do not change.
-Apply before `kiln.dist.compile.apply_compile`.
+Apply before `kiln.parallel.compile.apply_compile`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def apply_ac(model: nn.Module, mode: str) -> nn.Module:
     if mode == "none":
         return model
     if mode == "selective":  # torch.compile warns that the policy's regions must hold no in-place ops, on every
-        # rank: the blocks' regions hold none (tests/unit/dist/test_ac_compile.py checks the compiled gradients)
+        # rank: the blocks' regions hold none (tests/unit/parallel/test_ac_compile.py checks the compiled gradients)
         drop_log_lines("torch._higher_order_ops.wrap", "context_fn is passed to torch.utils.checkpoint")
     for block in model.layers:
         if getattr(block, "_kiln_ac", None):

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from kiln.dist.watch import ACK_WAIT_S, Watch
+from kiln.parallel.watch import ACK_WAIT_S, Watch
 
 
 def _watch(rank: int, store, watchdog_s: float = 0.0) -> tuple[Watch, threading.Event, list]:

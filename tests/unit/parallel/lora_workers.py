@@ -12,10 +12,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from workers import GlobalBatches, Losses, config, run_cases  # noqa: E402
 
 from kiln.config import LoraConfig  # noqa: E402
-from kiln.dist.mesh import Mesh  # noqa: E402
-from kiln.dist.parallelize import full_model, parallelize  # noqa: E402
 from kiln.model.llama import Transformer  # noqa: E402
 from kiln.model.lora import adapter_state_dict, apply_lora, is_adapter_key  # noqa: E402
+from kiln.parallel.mesh import Mesh  # noqa: E402
+from kiln.parallel.parallelize import full_model, parallelize  # noqa: E402
 from kiln.state.parts import ModelState  # noqa: E402
 from kiln.train.trainer import Trainer  # noqa: E402
 

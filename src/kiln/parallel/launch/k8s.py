@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import yaml
 
-from kiln.dist.launch.common import check_shape, given_paths, job_name, resolved_config
-from kiln.dist.launch.torchrun import SHUTDOWN_TIMEOUT_S, TORCHRUN_ENV
 from kiln.errors import ConfigError
+from kiln.parallel.launch.common import check_shape, given_paths, job_name, resolved_config
+from kiln.parallel.launch.torchrun import SHUTDOWN_TIMEOUT_S, TORCHRUN_ENV
 
 SHARED, CONFIG_DIR = "/shared", "/etc/kiln"
 GRACE_S = SHUTDOWN_TIMEOUT_S + 30  # the pod's time from SIGTERM to SIGKILL: torchrun's shutdown timeout and a margin
@@ -53,9 +53,9 @@ def manifest(config: str | None, overrides: list[str], nodes: int, gpus_per_node
         "name": "pytorch",  # the training operator looks for this container name
         "image": image,
         "imagePullPolicy": "IfNotPresent",
-        # torchrun as `kiln train --nproc` runs it (kiln.dist.launch.torchrun: same arguments, and torchrun's
+        # torchrun as `kiln train --nproc` runs it (kiln.parallel.launch.torchrun: same arguments, and torchrun's
         # parser reads nnodes, nproc_per_node and the rendezvous from the operator's PET_* variables)
-        "command": ["python", "-m", "kiln.dist.launch.torchrun"],
+        "command": ["python", "-m", "kiln.parallel.launch.torchrun"],
         "args": ["-m", "kiln.cli", "train", f"{CONFIG_DIR}/config.yaml"],
         "env": [{"name": "PYTHONUNBUFFERED", "value": "1"},
                 *({"name": k, "value": v} for k, v in TORCHRUN_ENV.items())],

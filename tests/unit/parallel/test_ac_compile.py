@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from kiln.config import ModelConfig
-from kiln.dist.ac import apply_ac
-from kiln.dist.compile import apply_compile, compiled_graph_count, restore_loss_kernel
 from kiln.model import loss as loss_module
 from kiln.model import masks
 from kiln.model.llama import Transformer
+from kiln.parallel.ac import apply_ac
+from kiln.parallel.compile import apply_compile, compiled_graph_count, restore_loss_kernel
 
 CFG = ModelConfig(size="tiny", vocab_size=256, max_seq_len=64)
 
@@ -70,7 +70,7 @@ def test_compiled_matches_eager_on_cpu(scope):
     before = compiled_graph_count()
     loss, g = _step("selective", compile=True, doc_ids=docs, scope=scope)
     assert compiled_graph_count() > before  # it really compiled
-    if scope == "model":  # the mask and the chunked loss run outside the graph (kiln.dist.compile.eager_parts)
+    if scope == "model":  # the mask and the chunked loss run outside the graph (kiln.parallel.compile.eager_parts)
         assert masks.doc_mask._torchdynamo_disable and loss_module.linear_cross_entropy._torchdynamo_disable
     assert abs(loss - loss0) < 1e-5 * abs(loss0)
     for n in g0:
@@ -93,7 +93,7 @@ def test_the_swap_does_not_leak_into_the_next_test(pytester):
     for the process), the second finds the plain kernel again."""
     pytester.makeconftest((Path(__file__).parents[2] / "conftest.py").read_text())
     pytester.makepyfile(test_two="""
-        from kiln.dist.compile import apply_compile
+        from kiln.parallel.compile import apply_compile
         from kiln.config import ModelConfig
         from kiln.model import loss
         from kiln.model.llama import Transformer
