@@ -18,7 +18,7 @@ ROOT = Path(kiln.__file__).parent
 # lowest first; a module belongs to the layer of the longest name here that it starts with
 LAYERS: list[list[str]] = [
     ["kiln", "kiln.errors", "kiln.files", "kiln.events", "kiln.streams"],  # no imports of Kiln
-    ["kiln.sizes", "kiln.config"],  # the validated config (named sizes are plain data)
+    ["kiln.sizes", "kiln.config", "kiln.docs_ref"],  # the validated config (named sizes are plain data), its docs
     ["kiln.data", "kiln.model", "kiln.plan"],  # read, prepare and load data; the pure model; the planner
     ["kiln.parallel", "kiln.monitor", "kiln.state"],  # parallelism, sinks, checkpoints and the run directory
     ["kiln.train", "kiln.evaluate"],  # the loop and `kiln train` end to end; `kiln eval` of any model
