@@ -111,7 +111,7 @@ def resolve_init_from(model: ModelConfig) -> ModelConfig:
         imported = from_hf_config_dict(read_hf_config(model.init_from))
     except StateError as e:
         raise StateError(f"model.init_from={model.init_from}: {e}. Set model.hf_class=auto to train it through "
-                         "transformers' AutoModelForCausalLM instead (slower; see the README)") from None
+                         "transformers' AutoModelForCausalLM instead (slower; see docs/huggingface.md)") from None
     clash = [f"model.{k}={getattr(model, k)!r} (the model has {getattr(imported, k)!r})"
              for k in sorted(model.model_fields_set - _FREE) if getattr(model, k) != getattr(imported, k)]
     if clash:

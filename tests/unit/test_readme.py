@@ -1,0 +1,44 @@
+"""The README stays a first visit: short, every preset named, and its links into docs/ lead somewhere."""
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+README = (REPO / "README.md").read_text(encoding="utf-8")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def test_the_readme_is_under_250_lines():
+    lines = len(README.splitlines())
+    assert lines < 250, f"README.md has {lines} lines: move the new material into its page in docs/"
+
+
+def test_every_preset_is_named():
+    presets = sorted(p.stem for p in (REPO / "src" / "kiln" / "configs").glob("*.yaml"))
+    assert len(presets) >= 6
+    missing = [p for p in presets if f"`{p}`" not in README]
+    assert not missing, f"presets the README does not name: {missing}"
+
+
+def _anchors(page: Path) -> set[str]:
+    """The ids MkDocs and GitHub give a page's headings (lower case, code and punctuation dropped, spaces to -)."""
+    out = set()
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            text = line.lstrip("#").strip().replace("`", "").lower()
+            out.add(re.sub(r"\s+", "-", re.sub(r"[^\w\s-]", "", text)).strip("-"))
+    return out
+
+
+def test_relative_links_lead_to_files_and_headings():
+    links = [t for t in LINK.findall(README) if not re.match(r"[a-z]+://", t)]
+    assert any(t.startswith("docs/") for t in links)
+    broken = []
+    for target in links:
+        path, _, anchor = target.partition("#")
+        file = REPO / path
+        if not file.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and anchor not in _anchors(file):
+            broken.append(f"{target}: no heading with that anchor")
+    assert not broken, "README links:\n" + "\n".join(broken)
