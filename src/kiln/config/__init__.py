@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from kiln.errors import ConfigError
 from kiln.sizes import SIZES
 
-PRESETS_DIR = Path(__file__).parent / "configs"
+PRESETS_DIR = Path(__file__).parents[1] / "configs"
 
 
 # a problem found by a cross-field check: (the fields it involves, relative to the section; the message)
