@@ -1,0 +1,136 @@
+"""`data:` what a run trains on (sources or a mixture) and how it is read and tokenized."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from kiln.config.base import Problem, Section
+
+
+class MixtureEntry(Section):
+    dataset: str | None = None
+    """A prepared dataset directory (made by `kiln prepare`); its tokenizer must be the run's."""
+    sources: list[str] | None = None
+    """Or raw input files, directories or globs, prepared here with the run's tokenizer and data settings."""
+    weight: float = Field(1.0, gt=0)
+    """Share of the samples drawn from this entry; weights are normalised to sum to one."""
+
+    def problems(self) -> list[Problem]:
+        if (self.dataset is None) == (self.sources is None):
+            return [(("dataset", "sources"),
+                     "a mixture entry needs exactly one of 'dataset' (a prepared directory) or 'sources'")]
+        return []
+
+
+class DataConfig(Section):
+    sources: list[str] = ["@stdlib"]
+    """Input files, directories, globs, fsspec URLs (s3://, gs://, memory://...), save_to_disk dataset
+    directories, or '@stdlib' (this Python's standard library source). .gz/.zst are decompressed."""
+
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _one_source(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v  # data.sources=corpus.jsonl means a list of one
+    format: Literal["auto", "text", "jsonl", "json", "parquet", "csv", "tsv", "arrow"] = "auto"
+    """Format of the source files; 'auto' goes by the file suffix (unknown suffixes read as text)."""
+    text_unit: Literal["file", "line", "paragraph"] = "file"
+    """For text files: a document per file, per non-blank line, or per blank-line-separated block
+    (lines end at \\n, \\r\\n or a lone \\r)."""
+    field: str = "text"
+    """The field (JSON) or column (parquet, CSV/TSV, arrow) that holds each document's text; 'meta.text'
+    reads key 'text' inside object or struct 'meta' (a key or column literally named 'meta.text' wins)."""
+    csv_quoting: bool = True
+    """.csv/.tsv fields may be quoted with '"' (as pandas, Python's csv module and spreadsheets write them,
+    so a field can hold the delimiter or a newline). Set false for files whose quotes are plain text, as in
+    tab-separated corpora where no field holds a tab or newline: with quoting on, a field that begins with
+    a quote there loses its quotes."""
+    dataset_split: str = "train"
+    """For a saved Hugging Face DatasetDict directory: the split to read."""
+    max_bytes: int | None = Field(8_000_000, ge=1)
+    """Read at most this many characters of documents (null: all of them). Left unset, it is 8 MB when
+    the sources are the built-in '@stdlib' (keeps the quickstart quick) and null for any other data."""
+    on_bad_record: Literal["error", "skip"] = "error"
+    """A record with a missing field, wrong type, invalid UTF-8, empty or over-long text: 'error' stops
+    with its file and line, 'skip' drops it and counts it in the prepare report."""
+    max_record_bytes: int = Field(16 << 20, ge=1)
+    """A record longer than this many bytes (16 MiB) is bad (too_long). It bounds the memory one record
+    may take: reading it, and encoding it, where the tokenizer library needs about 120 bytes per byte of
+    the document in each worker (2 GB for 16 MiB)."""
+    min_chars: int = Field(0, ge=0)
+    """Filter: drop documents shorter than this many characters (counted in the report)."""
+    max_chars: int | None = Field(None, ge=1)
+    """Filter: drop documents longer than this many characters (null: no limit)."""
+    dedup: bool = True
+    """Drop exact duplicate documents (same content hash), keeping the first."""
+    tokenizer: str | None = None
+    """A tokenizer.json or a local Hugging Face tokenizer directory; null trains a byte-level BPE on the sources."""
+    vocab_size: int = Field(4096, ge=1, le=1 << 31)
+    """Vocabulary size of a tokenizer trained here."""
+    tokenizer_train_bytes: int = Field(200_000_000, ge=1)
+    """A tokenizer trained here learns from at most this many bytes of the documents."""
+    eos_token: str = "auto"
+    """Token appended after every document; 'auto': the tokenizer's <|endoftext|>, <|end_of_text|>, </s> or <eos>."""
+    bos_token: str | None = None
+    """Token put before every document (null: none; 'auto': the tokenizer's <|begin_of_text|>, <s> or <bos>)."""
+    parse_special_tokens: bool = False
+    """Read special-token text inside documents (a literal '<|endoftext|>') as that special token; false
+    encodes it as plain text, so no document can inject an EOS or BOS."""
+    val_fraction: float = Field(0.02, ge=0, lt=1)
+    """Fraction of documents held out for validation, chosen by document hash."""
+    shard_tokens: int = Field(100_000_000, ge=1)
+    """Tokens per shard file; a shard is also the unit an interrupted prepare does not redo."""
+    workers: int | None = Field(None, ge=1)
+    """Processes that tokenize in `kiln prepare` (null: one per CPU core)."""
+    cache_dir: str = "~/.cache/kiln"
+    """Where tokenizers and prepared datasets are cached, keyed by their content hashes."""
+    mixture: list[MixtureEntry] = []
+    """Train on a weighted mix instead of data.sources: a list of {dataset: DIR or sources: [...], weight: W}."""
+    document_mask: bool = True
+    """Keep attention inside each document of a packed row, so no token attends across an EOS."""
+    shuffle: bool = True
+    """Visit packed rows in a new seeded order each epoch (streaming: the files); false keeps stream order."""
+    streaming: bool = False
+    """Read and tokenize the sources on the fly while training instead of preparing token shards first."""
+    prefetch: int = Field(2, ge=0)
+    """Batches made ahead in a background thread (0: made inside the training loop)."""
+    pin_memory: bool = True
+    """On CUDA, give batches in pinned memory so copies to the GPU overlap compute."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_max_bytes(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_bytes" not in data:
+            quickstart = data.get("sources", ["@stdlib"]) == ["@stdlib"] and not data.get("mixture")
+            data = {**data, "max_bytes": 8_000_000 if quickstart else None}
+        return data
+
+    @property
+    def trains_tokenizer(self) -> bool:
+        """True when a byte-level BPE of data.vocab_size is trained here (no tokenizer given or inherited
+        from a prepared dataset that comes first in the mixture)."""
+        return self.tokenizer is None and (not self.mixture or self.mixture[0].dataset is None)
+
+    def problems(self) -> list[Problem]:
+        out: list[Problem] = []
+        if self.mixture and "sources" in self.model_fields_set:
+            out.append((("sources", "mixture"), "give either data.sources or data.mixture, not both"))
+        if not self.mixture and not self.sources:
+            out.append((("sources", "mixture"),
+                        "data.sources is empty: name files, directories, globs or URLs (or '@stdlib')"))
+        if self.mixture and self.streaming:
+            out.append((("mixture", "streaming"), "data.streaming reads data.sources; it does not take a data.mixture"))
+        if self.max_chars is not None and self.max_chars < self.min_chars:
+            out.append((("max_chars", "min_chars"),
+                        f"data.max_chars={self.max_chars} is below data.min_chars={self.min_chars}"))
+        if self.trains_tokenizer:
+            eos = "<|endoftext|>" if self.eos_token == "auto" else self.eos_token  # as data/prepare/tokenizer.py
+            bos = None if self.bos_token is None else "<|startoftext|>" if self.bos_token == "auto" else self.bos_token
+            need = 256 + len({eos, bos} - {None})
+            if self.vocab_size < need:
+                out.append((("vocab_size", "tokenizer", "eos_token", "bos_token", "mixture"),
+                            f"data.vocab_size={self.vocab_size} is too small for the byte-level BPE trained here: it "
+                            f"needs at least {need} (256 bytes + {need - 256} special token(s)); raise it (4096 is the "
+                            "default) or set data.tokenizer"))
+        return out

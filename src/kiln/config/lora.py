@@ -1,0 +1,45 @@
+"""`lora:` low-rank adapters on a frozen base model (kiln.model.lora)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from kiln.config.base import Problem, Section
+from kiln.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kiln.config.model import ModelConfig
+
+
+class LoraConfig(Section):
+    """Low-rank adapters: the base model is frozen and only small matrices A (r x in) and B (out x r)
+    train, added to the chosen linear layers as W x + (alpha / r) * B A dropout(x)."""
+
+    rank: int = Field(0, ge=0)
+    """Rank r of each adapter (0: LoRA off, every weight trains)."""
+    alpha: float = Field(16.0, gt=0)
+    """Scale numerator: the adapter's output is multiplied by alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training."""
+    targets: list[str] = ["q", "k", "v", "o"]
+    """Layers that get adapters: any of q, k, v, o (attention) and gate, up, down (MLP); 'all' for every one."""
+    base_dtype: Literal["bf16", "fp32"] = "bf16"
+    """Dtype of the frozen base weights (bf16 halves their memory; the adapters train in fp32)."""
+
+    def problems(self) -> list[Problem]:
+        known = {"q", "k", "v", "o", "gate", "up", "down", "all"}
+        bad = [t for t in self.targets if t not in known]
+        if bad:
+            return [(("targets",), f"unknown LoRA target(s) {bad}; choose from {sorted(known)}")]
+        if self.rank and not self.targets:
+            return [(("targets",), "lora.targets is empty: name the layers that get adapters")]
+        return []
+
+    def require_base(self, model: ModelConfig) -> None:
+        """A ConfigError for LoRA without a base model to adapt (model.init_from), said when training starts (the
+        config itself may lack one: `kiln plan` sizes LoRA on a model shape alone)."""
+        if self.rank and not model.init_from:
+            raise ConfigError("lora.rank is set but model.init_from is not: LoRA adapts a trained base model; set "
+                              "model.init_from to its Hugging Face directory, or lora.rank=0 to train every weight")

@@ -1,0 +1,125 @@
+"""`model:` the network's size and shape, or the Hugging Face model it starts from."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from kiln.config.base import Problem, Section
+from kiln.sizes import SIZES
+
+
+class RopeScaling(Section):
+    type: Literal["llama3", "linear"] = "llama3"
+    """'llama3' (Llama 3.1: low frequencies divided by factor, a smooth band between) or 'linear' (all of them)."""
+    factor: float = 8.0
+    """How much longer the context is than the one the model was trained on."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_position_embeddings / low_freq_factor are divided by factor."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are left as they are."""
+    original_max_position_embeddings: int = 8192
+    """llama3: the context length the model was first trained with."""
+
+
+class ModelConfig(Section):
+    size: str | None = None
+    """Named size from the registry (tiny, 124m, 350m, 1b, 3b, 8b); fields set here override it."""
+    vocab_size: int | None = Field(None, ge=1, le=1 << 31)
+    """Vocabulary size; null takes the tokenizer's, rounded up to a multiple of 64."""
+    d_model: int = Field(256, ge=2)
+    """Width of the residual stream."""
+    n_layers: int = Field(4, ge=1)
+    """Number of transformer blocks."""
+    n_heads: int = Field(4, ge=1)
+    """Number of query heads; d_model must divide evenly by it."""
+    n_kv_heads: int | None = Field(None, ge=1)
+    """Number of key/value heads (grouped-query attention); null means n_heads."""
+    ffn_hidden: int | None = Field(None, ge=1)
+    """Hidden width of the SwiGLU MLP; null means 8/3 * d_model rounded up to a multiple of 64."""
+    max_seq_len: int = Field(2048, ge=1)
+    """Longest sequence the model is meant for (recorded in exports)."""
+    rope_theta: float = Field(10000.0, gt=0)
+    """Base of the rotary position embedding frequencies."""
+    norm_eps: float = Field(1e-5, gt=0, lt=1)
+    """Epsilon of the RMSNorm layers."""
+    tie_embeddings: bool = True
+    """Share the input embedding and output projection weights."""
+    init_std: float = Field(0.02, gt=0, le=1)
+    """Standard deviation of the normal initialisation of linear and embedding weights."""
+    # --- options of imported architectures (Llama 3.1, Mistral, Qwen2, Nemotron); the defaults are Llama's
+    head_size: int | None = Field(None, ge=2)
+    """Width of each attention head (Hugging Face's head_dim); null means d_model / n_heads."""
+    attention_bias: Literal["none", "qkv", "all"] = "none"
+    """Biases in attention: none (Llama, Mistral), on the q/k/v projections (Qwen2), or on all four."""
+    mlp_bias: bool = False
+    """Biases on the MLP's linear layers."""
+    mlp: Literal["swiglu", "relu2"] = "swiglu"
+    """MLP: 'swiglu' (gate, up, down projections) or 'relu2' (up, squared ReLU, down; Nemotron)."""
+    norm: Literal["rmsnorm", "layernorm1p"] = "rmsnorm"
+    """Normalisation: 'rmsnorm', or 'layernorm1p' (LayerNorm with bias whose scale is stored minus one; Nemotron)."""
+    rotary_fraction: float = Field(1.0, gt=0, le=1)
+    """Fraction of each head's dimensions that rotary embeddings rotate (the first ones; Nemotron: 0.5)."""
+    rope_scaling: RopeScaling | None = None
+    """Rotary frequency scaling for longer contexts (Llama 3.1 'llama3', or 'linear'); null: none."""
+    sliding_window: int | None = Field(None, ge=1)
+    """Each token attends to at most this many latest tokens, itself included (Mistral); null: no limit."""
+    hf_model_type: Literal["llama", "mistral", "qwen2", "nemotron"] | None = None
+    """Hugging Face architecture that `kiln export` writes (set by init_from); null: the simplest that fits."""
+    init_from: str | None = None
+    """A local Hugging Face model directory (config.json + safetensors) whose architecture, weights and
+    tokenizer the run starts from; its config sets the model fields (set only max_seq_len beside it)."""
+    hf_class: Literal["native", "auto"] = "native"
+    """'native': Kiln's own model (Llama, Mistral, Qwen2, Nemotron from init_from); 'auto': any other causal LM
+    of model.init_from through transformers' AutoModelForCausalLM (slower; see the README)."""
+    trust_remote_code: bool = False
+    """With hf_class 'auto': let transformers run the model code shipped in the init_from directory (off by
+    default, since that code runs with your permissions; turn it on only for a directory you trust)."""
+    allow_pickle: bool = False
+    """Let init_from load pickled weights (.bin/.pt) when it has no safetensors: loading a pickle can run code."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_size(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("size") is not None:
+            size = data["size"]
+            if size not in SIZES:
+                close = difflib.get_close_matches(str(size), list(SIZES), n=1)
+                hint = f" did you mean '{close[0]}'?" if close else ""
+                raise ValueError(f"unknown model size '{size}'; known: {', '.join(SIZES)}.{hint}")
+            data = {**SIZES[size], **data}
+        return data
+
+    def problems(self) -> list[Problem]:
+        out: list[Problem] = []
+        if self.head_size is None and self.d_model % self.n_heads:
+            out.append((("d_model", "n_heads"), f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}"))
+        elif self.head_dim % 2:
+            out.append((("d_model", "n_heads", "head_size"), f"head dimension {self.head_dim} must be even for "
+                                                              "rotary embeddings"))
+        elif int(self.head_dim * self.rotary_fraction) % 2:
+            out.append((("rotary_fraction",), f"rotary_fraction={self.rotary_fraction} must rotate an even number "
+                                              f"of the {self.head_dim} head dimensions"))
+        if self.n_heads % self.kv_heads:
+            out.append((("n_heads", "n_kv_heads"),
+                        f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"))
+        if self.hf_class == "auto" and not self.init_from:
+            out.append((("hf_class", "init_from"), "model.hf_class=auto trains a Hugging Face model directory: set "
+                                                   "model.init_from to it (or use hf_class native)"))
+        return out
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_size or self.d_model // self.n_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return -(-int(8 * self.d_model / 3) // 64) * 64

@@ -1,0 +1,58 @@
+"""`dist:` how a run of several processes spreads over its devices (kiln.parallel)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from kiln.config.base import Problem, Section
+
+
+class DistConfig(Section):
+    """How a run started under torchrun (several processes) spreads over its devices."""
+
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto"
+    """'ddp': every process holds the whole model, gradients are all-reduced (bucketed, overlapped with
+    the backward pass); 'fsdp': parameters, gradients and optimizer state are sharded (FSDP2); 'auto'
+    (one process trains as always; several pick ddp when the model, its gradients and AdamW state fit
+    one device with room for activations, else fsdp; the choice is logged)."""
+    sharding: Literal["full", "grad_op", "hybrid"] = "full"
+    """With fsdp: 'full' (ZeRO-3) gathers each block's parameters for its forward and backward and frees
+    them after; 'grad_op' (ZeRO-2) keeps them gathered from forward to backward (more memory, one
+    all-gather less); 'hybrid' (HSDP) shards inside each group of dist.replicas and replicates across."""
+    replicas: int | None = None
+    """With sharding 'hybrid': the number of replica groups (null: one per node); the processes of a group
+    shard the model between them, the groups all-reduce gradients."""
+    cpu_offload: bool = False
+    """With fsdp: keep parameters, gradients and optimizer state in CPU memory and run the optimizer step
+    on the CPU (FSDP2's CPUOffloadPolicy): fits a model too large for the GPUs, at a cost in speed."""
+    reduce_fp32: bool = True
+    """With bf16 precision under fsdp: reduce gradients in fp32 (exact sums); false reduces in bf16
+    (half the traffic). Parameters are gathered in bf16 for compute; the master weights stay fp32."""
+    bucket_mb: float = Field(25.0, gt=0)
+    """With ddp: gradients are all-reduced in buckets of about this many MB, each as soon as the backward pass
+    has made all of its gradients (smaller: the first starts sooner; larger: fewer, faster collectives)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective backend: 'auto' is nccl on GPUs and gloo on CPUs."""
+    timeout_s: int = 600
+    """Seconds a collective may wait for the other processes before the run stops with an error."""
+    watchdog_s: int = 0
+    """Stop every process when one has made no progress for this many seconds (stuck in I/O or a
+    collective), naming it and printing the stacks of its threads (0: off)."""
+
+    @model_validator(mode="after")
+    def _check_dist(self) -> DistConfig:
+        if self.replicas is not None and self.replicas < 1:
+            raise ValueError(f"dist.replicas must be at least 1, got {self.replicas}")
+        if self.timeout_s < 1 or self.watchdog_s < 0:
+            raise ValueError("dist.timeout_s must be positive and dist.watchdog_s 0 or more")
+        if self.cpu_offload and self.strategy == "ddp":
+            raise ValueError("dist.cpu_offload needs dist.strategy=fsdp (or auto); DDP keeps the model on the GPU")
+        return self
+
+    def problems(self) -> list[Problem]:
+        if self.replicas is not None and self.sharding != "hybrid":
+            return [(("replicas",), f"dist.replicas={self.replicas} applies to dist.sharding=hybrid only (it is "
+                                    f"{self.sharding}); remove dist.replicas or set dist.sharding=hybrid")]
+        return []

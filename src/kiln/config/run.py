@@ -1,0 +1,84 @@
+"""The whole run config: one field per section, and the checks that involve several sections."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from pydantic import model_validator
+
+from kiln.config.base import Problem, Section
+from kiln.config.checkpoint import CheckpointConfig
+from kiln.config.data import DataConfig
+from kiln.config.logging import LoggingConfig
+from kiln.config.lora import LoraConfig
+from kiln.config.model import ModelConfig
+from kiln.config.monitor import MonitorConfig, ProfileConfig
+from kiln.config.optim import OptimConfig
+from kiln.config.parallel import DistConfig
+from kiln.config.recovery import RecoveryConfig
+from kiln.config.train import TrainConfig
+
+
+class RunConfig(Section):
+    model: ModelConfig = ModelConfig()
+    """The network: size and shape."""
+    data: DataConfig = DataConfig()
+    """What to train on and how to tokenize it."""
+    train: TrainConfig = TrainConfig()
+    """Length, batch, schedule, evaluation and device of the run."""
+    optim: OptimConfig = OptimConfig()
+    """Optimizer hyperparameters."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """What is saved and when."""
+    logging: LoggingConfig = LoggingConfig()
+    """Where metrics go."""
+    recovery: RecoveryConfig = RecoveryConfig()
+    """Automatic micro-batch, out-of-memory retries and rollback of bad steps."""
+    profile: ProfileConfig = ProfileConfig()
+    """A torch.profiler trace of a few training steps (off unless profile.steps > 0)."""
+    monitor: MonitorConfig = MonitorConfig()
+    """Resource readings, warnings before things go wrong, and hang detection."""
+    dist: DistConfig = DistConfig()
+    """Several processes and devices (torchrun): DDP or FSDP2, sharding, offload, watchdog."""
+    lora: LoraConfig = LoraConfig()
+    """Low-rank adapters (off unless lora.rank > 0)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tokenizer_of_init_from(cls, data: Any) -> Any:
+        """With model.init_from and no data.tokenizer, the data is tokenized with the model's own tokenizer."""
+        if isinstance(data, dict):
+            model, dcfg = data.get("model"), data.get("data")
+            src = model.get("init_from") if isinstance(model, dict) else getattr(model, "init_from", None)
+            if src and isinstance(dcfg, dict | None) and not (dcfg or {}).get("tokenizer"):
+                data = {**data, "data": {**(dcfg or {}), "tokenizer": src}}
+            elif src and isinstance(dcfg, DataConfig) and not dcfg.tokenizer:
+                data = {**data, "data": dcfg.model_copy(update={"tokenizer": src})}
+        return data
+
+    def problems(self) -> list[Problem]:
+        """The checks across sections (each section checks its own fields: see `all_problems`)."""
+        out: list[Problem] = []
+        t, m = self.train, self.model
+        from_model = m.init_from and "max_seq_len" not in m.model_fields_set  # checked once init_from is read
+        if t.seq_len > m.max_seq_len and not from_model:
+            out.append((("train.seq_len", "model.max_seq_len"),
+                        f"train.seq_len={t.seq_len} is longer than model.max_seq_len={m.max_seq_len}; raise "
+                        "model.max_seq_len or shorten train.seq_len"))
+        return out
+
+    def all_problems(self) -> list[tuple[str, tuple[str, ...], str]]:
+        """Every cross-field problem of every section, as (where, full keys involved, message)."""
+        found = [(name, tuple(f"{name}.{k}" for k in keys), msg)
+                 for name in type(self).model_fields for keys, msg in getattr(self, name).problems()]
+        for i, entry in enumerate(self.data.mixture):
+            where = f"data.mixture.{i}"
+            found += [(where, tuple(f"{where}.{k}" for k in keys), msg) for keys, msg in entry.problems()]
+        return found + [("", keys, msg) for keys, msg in self.problems()]
+
+    def to_yaml(self) -> str:
+        data = self.model_dump(mode="json")
+        if self.data.mixture:  # the unused default sources would make the file name both (refused on load)
+            data["data"].pop("sources", None)
+        return yaml.safe_dump(data, sort_keys=False)

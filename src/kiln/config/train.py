@@ -1,0 +1,148 @@
+"""`train:` length, batch, schedule, evaluation and device of a run, and its early stopping."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from kiln.config.base import Problem, Section
+from kiln.errors import ConfigError
+
+
+class EarlyStopConfig(Section):
+    """Stop training when the validation loss stops improving (needs a validation split and train.eval_every)."""
+
+    patience: int = Field(0, ge=0)
+    """Stop after this many evaluations in a row without improvement (0: early stopping off)."""
+    min_delta: float = Field(0.0, ge=0)
+    """An evaluation improves only when its validation loss is below the best so far by more than this."""
+
+
+class TrainConfig(Section):
+    seq_len: int = Field(256, ge=1)
+    """Tokens per training sequence."""
+    batch_size: int | Literal["auto"] = 8
+    """Sequences per micro-batch on each device; 'auto' tries real training steps before the run and takes the
+    largest that fits with recovery.auto_batch_margin to spare (on the CPU: from a memory budget), needs
+    train.global_batch_tokens, and caches the result per model, sequence, precision, device and world size."""
+    grad_accum: int = Field(1, ge=1)
+    """Micro-batches accumulated per optimizer step (derived from train.global_batch_tokens when that is set)."""
+    global_batch_tokens: int | None = Field(None, ge=1)
+    """Tokens per optimizer step over all data-parallel ranks, a multiple of train.seq_len; the micro-batch
+    may change (auto, or halved after an out-of-memory error) while this stays. null: batch_size x
+    grad_accum x ranks x seq_len."""
+    max_steps: int = Field(300, ge=1)
+    """Optimizer steps to train for."""
+    lr: float = Field(2e-3, gt=0, le=1)
+    """Peak learning rate."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Final learning rate as a fraction of the peak."""
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    """Learning-rate schedule after warmup: cosine decay, warmup-stable-decay, or constant."""
+    warmup_steps: int = Field(30, ge=0)
+    """Linear warmup steps from zero to the peak learning rate."""
+    decay_fraction: float = Field(0.2, gt=0, le=1)
+    """For 'wsd': the fraction of steps, at the end, spent decaying to min_lr."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this value (0 disables clipping)."""
+    eval_every: int = Field(100, ge=0)
+    """Evaluate on the validation split every N steps (0: only at the end)."""
+    eval_batches: int = Field(8, ge=1)
+    """Validation batches per evaluation."""
+    seed: int = Field(1337, ge=0, lt=1 << 63)
+    """Seed of weight initialisation, data order and sampling."""
+    device: str = "auto"
+    """'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
+    threads: int | None = Field(None, ge=1, le=1024)
+    """CPU threads of PyTorch in each process of a run on the CPU (torch.set_num_threads; GPU runs keep
+    PyTorch's default). null: 1 for a model under 20M parameters, whose small matrix products lose more to
+    keeping threads in step than they gain (measured: benchmarks/threads.py), else PyTorch's default (one per
+    physical core, or OMP_NUM_THREADS)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """'bf16': autocast, with fp32 weights and optimizer state and a bf16 residual stream; 'fp32';
+    or 'auto' (bf16 on CUDA, fp32 on CPU)."""
+    compile: bool = False
+    """Compile the model and the loss kernel with torch.compile (fastest on GPU; slow to start on CPU)."""
+    compile_scope: Literal["blocks", "model"] = "blocks"
+    """With compile: 'blocks' compiles each transformer block (one graph for all, quick to compile);
+    'model' the whole forward pass up to the loss (1-2% faster at 124m, longer to compile; under DDP torch
+    splits that graph at the gradient buckets, so their reduction overlaps the backward pass; under FSDP it
+    is compiled per block, each block being a shard unit)."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in the backward pass to save memory: 'selective' keeps each block's matrix
+    product and attention outputs and recomputes its elementwise ops; 'full' recomputes whole blocks
+    (3b on an H100 at batch 8: 61 GiB and 54% MFU selective, 46 GiB and 45% MFU full)."""
+    peak_tflops: float | None = Field(None, gt=0)
+    """Peak dense bf16 TFLOP/s of one device for the MFU metric; null looks the GPU up in a table."""
+    run_dir: str | None = None
+    """Run directory; null makes runs/<timestamp>."""
+    sample_prompt: str = "def "
+    """Prompt of the sample printed at the end of training."""
+    sample_tokens: int = Field(80, ge=0)
+    """Tokens generated for that sample (0: no sample)."""
+    early_stop: EarlyStopConfig = EarlyStopConfig()
+    """Early stopping on validation loss: patience (evaluations) and min_delta; off unless patience > 0."""
+
+    @field_validator("batch_size", mode="plain")
+    @classmethod
+    def _batch_size(cls, v: Any) -> int | str:
+        if v == "auto":
+            return v
+        if isinstance(v, str) and v.strip().isdigit():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError("Input should be a whole number of sequences, or 'auto'")
+        if v < 1:
+            raise ValueError("Input should be greater than or equal to 1")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", v):
+            raise ValueError("not a device; use auto, cpu, cuda or cuda:N")
+        return v
+
+    def problems(self) -> list[Problem]:
+        out: list[Problem] = []
+        g = self.global_batch_tokens
+        if self.batch_size == "auto" and g is None:
+            out.append((("batch_size", "global_batch_tokens"), "train.batch_size=auto needs train.global_batch_tokens "
+                        "(the tokens of one optimizer step), so the batch the optimizer sees does not depend on "
+                        "the device; set it, e.g. train.global_batch_tokens=" f"{8 * self.seq_len * 8}"))
+        if g is not None and g % self.seq_len:
+            out.append((("global_batch_tokens", "seq_len"), f"train.global_batch_tokens={g} is not a multiple of "
+                        f"train.seq_len={self.seq_len}; use {max(1, g // self.seq_len) * self.seq_len}"))
+        elif g is not None and self.grad_accum != 1:  # 1, the default, is what a run's config.yaml records
+            out.append((("global_batch_tokens", "grad_accum"), "give train.global_batch_tokens or train.grad_accum, "
+                        "not both: the accumulation follows from the global batch and the micro-batch"))
+        if self.early_stop.patience and not self.eval_every:
+            out.append((("early_stop", "eval_every"), f"train.early_stop.patience={self.early_stop.patience} counts "
+                        "evaluations during training, and train.eval_every=0 makes none; set train.eval_every (or "
+                        "train.early_stop.patience=0)"))
+        return out
+
+    def step_rows(self, world: int) -> int:
+        """Sequences each of `world` data-parallel ranks trains on per optimizer step (ConfigError if the
+        global batch does not split evenly between them)."""
+        if self.global_batch_tokens is None:
+            return int(self.batch_size) * self.grad_accum
+        rows = self.global_batch_tokens // self.seq_len
+        if rows % world:
+            raise ConfigError(f"train.global_batch_tokens={self.global_batch_tokens} is {rows} sequences, which "
+                              f"{world} data-parallel ranks cannot share evenly; make it a multiple of "
+                              f"{world * self.seq_len}")
+        return rows // world
+
+    def loader_rows(self, world: int) -> int:
+        """Sequences in each batch a loader yields: the micro-batch, or with batch_size auto a whole step's."""
+        rows = self.step_rows(world)
+        if self.batch_size == "auto":
+            return rows
+        if rows % self.batch_size:
+            raise ConfigError(f"train.global_batch_tokens={self.global_batch_tokens} gives {rows} sequences per "
+                              f"rank per step, not a multiple of train.batch_size={self.batch_size}; choose a "
+                              "batch_size that divides it, or train.batch_size=auto")
+        return self.batch_size
