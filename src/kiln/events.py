@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # annotations only: the trainer is a higher layer
-    from kiln.train.trainer import Trainer
+Trainer = Any  # kiln.train.trainer.Trainer, a higher layer: callbacks get it without this layer importing it
 
 
 class Callback:

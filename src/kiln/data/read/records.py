@@ -19,15 +19,20 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from kiln.data.read import readers
 from kiln.errors import DataError
 
-if TYPE_CHECKING:
-    from kiln.data.read.sources import SourceFile
+
+class Source(Protocol):
+    """What a record check needs of the file it reads (kiln.data.read.sources.SourceFile)."""
+
+    url: str  # as the user wrote it (or a file it expanded to): named in messages
+    lenient: bool  # bad records are skipped whatever the policy
+
 
 REASONS = {
     "missing_field": "has no text field",
@@ -64,7 +69,7 @@ class RecordChecker:
     def from_config(cls, cfg) -> RecordChecker:
         return cls(cfg.on_bad_record, cfg.max_record_bytes, cfg.min_chars, cfg.max_chars)
 
-    def check(self, value: Any, sf: SourceFile, index: int, line: int | None) -> str | None:
+    def check(self, value: Any, sf: Source, index: int, line: int | None) -> str | None:
         """The record's text, or None if it is dropped (raises under the 'error' policy)."""
         if isinstance(value, bytes):
             if len(value) > self.limit:  # CSV fields and binary columns: the readers do not bound them
@@ -104,7 +109,7 @@ class RecordChecker:
             return self.drop("long", sf, index, line)
         return text
 
-    def drop(self, reason: str, sf: SourceFile | str, index: int | None, line: int | None) -> None:
+    def drop(self, reason: str, sf: Source | str, index: int | None, line: int | None) -> None:
         """Count a dropped record (or, with index None, a file) under `reason`."""
         self.dropped[reason] += 1
         ex = self.examples.setdefault(reason, [])
@@ -113,7 +118,7 @@ class RecordChecker:
             ex.append(url if index is None else where(url, index, line))
         return None
 
-    def damaged(self, sf: SourceFile, why: str) -> None:
+    def damaged(self, sf: Source, why: str) -> None:
         """A file that cannot be read to its end (truncated, corrupt, not its format): a DataError under the
         'error' policy; under 'skip' the file is counted (`damaged_file`) and its records read so far kept."""
         if self.policy == "error" and not sf.lenient:
@@ -123,7 +128,7 @@ class RecordChecker:
                             "on (the file is counted in the report)")
         self.drop("damaged_file", sf, None, None)
 
-    def _bad(self, reason: str, detail: str, sf: SourceFile, index: int, line: int | None) -> None:
+    def _bad(self, reason: str, detail: str, sf: Source, index: int, line: int | None) -> None:
         if self.policy == "error" and not sf.lenient:
             place = where(sf.url, index, line) if index >= 0 else f"{sf.url}:{line}"
             detail = f" ({detail})" if detail else ""
