@@ -48,3 +48,67 @@ def write_corpus(out: Path, files: int = 8) -> Path:
     for name in sorted(p.name for p in STDLIB.glob("*.py"))[:files]:
         (out / name).write_text((STDLIB / name).read_text(errors="replace"))
     return out
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+
+
+def llama_tokenizer():
+    """A BPE whose special tokens are Llama's (<unk> 0, <s> 1, </s> 2) and whose post-processor puts <s> first."""
+    from tokenizers import processors
+
+    from kiln.data.prepare.tokenizer import Tokenizer, train_bpe
+
+    texts = [(STDLIB / n).read_text() for n in ("argparse.py", "textwrap.py")]
+    tk = train_bpe(texts, VOCAB, ["<unk>", "<s>", "</s>"]).tk
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                      special_tokens=[("<s>", 1)])
+    return Tokenizer(tk)
+
+
+def dress(out: Path) -> Path:
+    """Give the model directory `out` what a published model has besides its weights: a Llama-style tokenizer
+    (BOS added by its post-processor) with its tokenizer_config.json (special tokens, a chat template, its
+    class), special_tokens_map.json, a generation_config.json with sampling settings and two stop tokens, and
+    the special token ids in config.json."""
+    import json
+
+    llama_tokenizer().save(out / "tokenizer.json")
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "pad_token": "<unk>", "add_bos_token": True, "add_eos_token": False, "model_max_length": 1000000,
+        "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False, "legacy": False}, indent=2))
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<unk>"}, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": 1, "eos_token_id": [1, 2], "pad_token_id": 0, "do_sample": True, "temperature": 0.6,
+        "top_p": 0.9, "max_length": 64}, indent=2))
+    config = json.loads((out / "config.json").read_text())
+    config.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def json_changes(src: Path, out: Path) -> dict[str, dict]:
+    """{file: {key: (source value, export value)}} for every JSON file of `src` whose content `out` does not
+    carry unchanged (a file missing from `out`: {file: {None: "missing"}}; tokenizer.json compared whole)."""
+    import json
+
+    changes: dict[str, dict] = {}
+    for f in sorted(src.glob("*.json")):
+        if f.name == "model.safetensors.index.json":  # the weights' own index, written anew by every save
+            continue
+        if not (out / f.name).is_file():
+            changes[f.name] = {None: "missing"}
+            continue
+        a, b = json.loads(f.read_text()), json.loads((out / f.name).read_text())
+        if f.name == "tokenizer.json":
+            if a != b:
+                changes[f.name] = {None: "different"}
+            continue
+        diff = {k: (a.get(k, "<absent>"), b.get(k, "<absent>")) for k in set(a) | set(b) if a.get(k) != b.get(k)
+                or (k in a) != (k in b)}
+        if diff:
+            changes[f.name] = diff
+    return changes

@@ -35,10 +35,14 @@ MAX_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained
 
 
 def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig, tokenizer: Tokenizer | None,
-              out: str | Path, dtype: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+              out: str | Path, dtype: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
+              source: Path | None = None) -> Path:
     """Write `model` (a Transformer or its state dict) and `tokenizer` to `out` in the Hugging Face layout;
-    `dtype` (fp32 or bf16) casts the floating-point weights, None keeps them as they are."""
+    `dtype` (fp32 or bf16) casts the floating-point weights, None keeps them as they are. `source`: the
+    Hugging Face directory the model came from (default: cfg.init_from), whose other files the export keeps
+    (kiln.state.hf_source)."""
     from kiln.model.hf import to_hf_config_dict, to_hf_state_dict
+    from kiln.state.hf_source import carry_files, same_tokenizer, source_config, written_tokenizer_config
 
     if dtype is not None and dtype not in DTYPES:
         raise StateError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
@@ -50,11 +54,55 @@ def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig
     specials = _special_ids(tokenizer)
     name = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     config = to_hf_config_dict(cfg, **specials, dtype=name, torch_dtype=name)
+    src = source if source is not None else _source_of(cfg)
+    keep_tokenizer = src is not None and same_tokenizer(src, tokenizer)
+    if src is not None:
+        before = read_hf_json(src / "config.json").get("max_position_embeddings")
+        config = source_config(src, cfg, name, config, keep_tokenizer)
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", {"_from_model_config": True, **specials})
     write_safetensors(tensors, out, max_shard_bytes)
+    if src is not None:
+        carry_files(src, out, keep_tokenizer)
+    if keep_tokenizer:
+        written_tokenizer_config(out, cfg.max_seq_len, before)
+        return out
+    _write_json(out / "generation_config.json", {"_from_model_config": True, **specials})
     if tokenizer is not None:
         write_tokenizer(tokenizer, out, cfg.max_seq_len)
+    return out
+
+
+def _source_of(cfg: ModelConfig) -> Path | None:
+    """cfg.init_from's directory, warning when it is gone (the export then has Kiln's own tokenizer files)."""
+    from kiln.state.hf_source import source_dir
+
+    src = source_dir(cfg)
+    if src is None and cfg.init_from:
+        warnings.warn(f"model.init_from={cfg.init_from} is not there any more, so the export cannot keep its "
+                      "tokenizer settings, chat template and generation config: it gets Kiln's own tokenizer files. "
+                      "Restore the directory and export again to keep them", stacklevel=3)
+    return src
+
+
+def read_hf_json(path: Path) -> dict[str, Any]:
+    from kiln.state.hf_source import read_json
+
+    return read_json(path)
+
+
+def finish_auto_export(out: Path, cfg: ModelConfig, tokenizer: Tokenizer | None) -> Path:
+    """After an auto-path model's save_pretrained into `out`: config.json as its source's (the weights' dtype
+    changed), and the source's tokenizer files and generation config (kiln.state.hf_source)."""
+    from kiln.state.hf_source import carry_files, same_tokenizer, source_config
+
+    src = _source_of(cfg)
+    if src is None:
+        return out
+    keep_tokenizer = same_tokenizer(src, tokenizer)
+    written = read_hf_json(out / "config.json")
+    dtype = next((written[k] for k in ("dtype", "torch_dtype") if isinstance(written.get(k), str)), None)
+    _write_json(out / "config.json", source_config(src, None, dtype, written, keep_tokenizer))
+    carry_files(src, out, keep_tokenizer)
     return out
 
 
@@ -142,23 +190,31 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
     if (p / "model_config.json").is_file() or model_saved(p / "model"):  # else a run's checkpoint (below)
         model, saved_tok = load_model(p)
         if model.cfg.hf_class == "auto":  # a transformers model: its own save_pretrained
-            return model.save_pretrained(to, tokenizer_writer(tok or saved_tok, model.cfg.max_seq_len),
-                                         dtype=DTYPES[_dtype(dtype)] if dtype else None)
+            return _export_auto(model, tok or saved_tok, to, dtype)
         return export_hf(model, model.cfg, tok or saved_tok, to, dtype, max_shard_bytes)
     if (p / "config.json").is_file():  # a Hugging Face directory: converted (e.g. to bf16, or re-sharded)
         from kiln.model.hf_import import import_hf
 
         cfg, state = import_hf(p)
-        return export_hf(state, cfg, tok or Tokenizer.load(p), to, dtype, max_shard_bytes)
+        return export_hf(state, cfg, tok or Tokenizer.load(p), to, dtype, max_shard_bytes, source=p)
     from kiln.state.rundir import checkpoint_of
 
     ckpt = p if (p / ".metadata").is_file() else checkpoint_of(p)
     if _run_config(ckpt).model.hf_class == "auto":
         model, found_tok = read_checkpoint_auto(ckpt)
-        return model.save_pretrained(to, tokenizer_writer(tok or found_tok, model.cfg.max_seq_len),
-                                     dtype=DTYPES[_dtype(dtype)] if dtype else None)
+        return _export_auto(model, tok or found_tok, to, dtype)
     cfg, state, found_tok = read_checkpoint_model(ckpt)
     return export_hf(state, cfg, tok or found_tok, to, dtype, max_shard_bytes)
+
+
+def _export_auto(model, tok: Tokenizer | None, to: str | Path, dtype: str | None) -> Path:
+    """An auto-path model through its own save_pretrained, then its source's files (finish_auto_export)."""
+    from kiln.state.hf_source import same_tokenizer, source_dir
+
+    src = source_dir(model.cfg)
+    writer = None if src is not None and same_tokenizer(src, tok) else tokenizer_writer(tok, model.cfg.max_seq_len)
+    out = model.save_pretrained(to, writer, dtype=DTYPES[_dtype(dtype)] if dtype else None)
+    return finish_auto_export(Path(out), model.cfg, tok)
 
 
 def _dtype(dtype: str) -> str:

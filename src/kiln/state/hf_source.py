@@ -1,0 +1,127 @@
+"""What an export keeps of the Hugging Face directory a model came from (model.init_from, or the directory
+`kiln export` converts): everything but the weights.
+
+    src = source_dir(cfg)                                   # None: from scratch, or the directory is gone
+    config = source_config(src, cfg, dtype="bfloat16")      # its config.json, with what Kiln changed
+    carry_files(src, out, tokenizer=True)                   # tokenizer files, generation config, ...
+
+A published model says much besides its tensors: its tokenizer's special tokens and class, a chat
+template, the stop tokens and sampling settings of generation_config.json, the special token ids of
+config.json. Training changes none of that, so an export copies those files unchanged and writes
+config.json as the source's, changed only where Kiln changed the model on purpose: the weights' dtype,
+and a context the run extended (model.max_seq_len with model.rope_scaling). When the run's tokenizer is
+not the source's (data.tokenizer or --tokenizer named another), the tokenizer files, the generation
+config and the special token ids are Kiln's instead.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from kiln.config import ModelConfig
+
+# files of a model directory an export never copies: its weights (written anew), their indexes, the model card
+# of another model, and config.json (merged: source_config)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt", ".pkl")
+NOT_CARRIED = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", "README.md",
+               "model_config.json", "adapter_config.json", "adapter_model.safetensors"}
+# the tokenizer's files (Kiln writes its own instead when the run's tokenizer is another)
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "spiece.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
+                   "chat_template.json"}
+# what the tokenizer decides in config.json and generation_config.json
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+DTYPE_KEYS = ("dtype", "torch_dtype")  # transformers 5 writes the first, 4.x the second
+
+
+def source_dir(cfg: ModelConfig) -> Path | None:
+    """The local directory of cfg.init_from, or None (from scratch, or no longer there)."""
+    if not cfg.init_from:
+        return None
+    p = Path(cfg.init_from).expanduser()
+    return p if (p / "config.json").is_file() else None
+
+
+def same_tokenizer(src: Path, tokenizer) -> bool:
+    """True when `tokenizer` (a kiln Tokenizer, or None: none given) is the one `src` ships."""
+    from kiln.data.prepare.tokenizer import Tokenizer
+    from kiln.errors import DataError
+
+    if tokenizer is None:
+        return True
+    try:
+        return Tokenizer.load(src, eos_token=None).hash == tokenizer.hash
+    except DataError:  # the source has no tokenizer (data.tokenizer named one): Kiln's is written
+        return False
+
+
+def carry_files(src: Path, out: Path, tokenizer: bool) -> list[str]:
+    """Copy the files of `src` an export keeps into `out` (the tokenizer's only if `tokenizer`); their names."""
+    copied = []
+    for f in sorted(src.iterdir()):
+        if (not f.is_file() or f.name.startswith(".") or f.name in NOT_CARRIED or f.suffix in WEIGHT_SUFFIXES
+                or (f.name in TOKENIZER_FILES and not tokenizer)):
+            continue
+        if not tokenizer and f.name == "generation_config.json":
+            continue
+        shutil.copyfile(f, out / f.name)
+        copied.append(f.name)
+    return copied
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def source_config(src: Path, cfg: ModelConfig | None, dtype: str | None, written: dict[str, Any],
+                  tokenizer: bool) -> dict[str, Any]:
+    """config.json of an export of `cfg` from `src`: the source's, with the weights' `dtype` (a torch dtype name),
+    a context the run extended (cfg.max_seq_len over the source's), and unless `tokenizer` (the source's is
+    kept) the special token ids of `written` (the config Kiln would write on its own). With `cfg` (None: an
+    auto-path model, whose architecture is the source's by construction), the result is checked to describe it."""
+    from kiln.model.hf import from_hf_config_dict
+
+    config = read_json(src / "config.json")
+    if dtype is not None:
+        keys = [k for k in DTYPE_KEYS if k in config] or ["torch_dtype"]
+        config.update({k: dtype for k in keys})
+    if not tokenizer:
+        for key in SPECIAL_IDS:
+            if key in written:
+                config[key] = written[key]
+            else:
+                config.pop(key, None)
+    if "max_position_embeddings" in written and written["max_position_embeddings"] != config.get(
+            "max_position_embeddings"):  # a context extended on purpose: its length and rotary scaling
+        for key in ("max_position_embeddings", "rope_scaling", "rope_parameters"):
+            if key in written and (key in config or key != "rope_scaling" or written[key] is not None):
+                config[key] = written[key]
+    if cfg is None:
+        return config
+    try:
+        same = _architecture(from_hf_config_dict(config)) == _architecture(cfg)
+    except Exception:  # a config Kiln's native model cannot read (an auto-path model): nothing to compare
+        same = True
+    return config if same else {**config, **written}  # never an architecture that is not the model's
+
+
+def _architecture(cfg: ModelConfig) -> dict[str, Any]:
+    return cfg.model_dump(exclude={"size", "init_from", "hf_class", "trust_remote_code", "allow_pickle", "init_std",
+                                   "hf_model_type"})
+
+
+def written_tokenizer_config(out: Path, max_len: int, before: int | None) -> None:
+    """With a context extended on purpose, the carried tokenizer_config.json's model_max_length follows it where
+    it was the model's context (`before`)."""
+    file = out / "tokenizer_config.json"
+    data = read_json(file)
+    if before is not None and data.get("model_max_length") == before and max_len != before:
+        data["model_max_length"] = max_len
+        file.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")

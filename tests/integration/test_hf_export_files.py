@@ -1,0 +1,85 @@
+"""An export of a model that came from a Hugging Face directory (model.init_from) carries what that directory
+says besides its weights: tokenizer files, special tokens, chat template, generation config, the special token
+ids of config.json. Every JSON file of the source is diffed against the export: only what Kiln changed on
+purpose (here the weights' dtype) differs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.config import load_config
+from kiln.data.prepare.tokenizer import Tokenizer
+from kiln.state.export import export_from
+from kiln.train.run import run
+
+from .hf_dirs import CHAT_TEMPLATE, dress, json_changes, tokenizer, write_corpus, write_hf_dir
+
+transformers = pytest.importorskip("transformers")
+
+
+def overrides(root: Path, src: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [f"model.init_from={src}", f"data.sources=[{root / 'corpus'}]", f"data.cache_dir={root / 'cache'}",
+            "data.workers=1", "data.val_fraction=0", "train.seq_len=32", "train.batch_size=4", "train.max_steps=4",
+            "train.eval_every=0", "train.lr=3e-3", "train.device=cpu", "train.precision=fp32",
+            "train.sample_tokens=0", f"train.run_dir={run_dir}", "checkpoint.every=4", "checkpoint.async_save=false",
+            "logging.console=false", "logging.plots=false", *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """A dressed Llama (native) and Gemma (hf_class=auto), each trained 4 steps."""
+    root = tmp_path_factory.mktemp("hffiles")
+    write_corpus(root / "corpus", 4)
+    for kind, extra in (("llama", ()), ("gemma", ("model.hf_class=auto",))):
+        dress(write_hf_dir(root / kind, kind))
+        run(load_config(None, overrides(root, root / kind, root / f"run-{kind}", *extra)))
+    return root
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+@pytest.mark.parametrize("what", ["run", "checkpoint"])
+def test_every_json_of_the_source_survives_export(runs, kind, what, tmp_path):
+    run_dir = runs / f"run-{kind}"
+    src = run_dir if what == "run" else sorted((run_dir / "checkpoints").iterdir())[-1]
+    out = export_from(src, tmp_path / "fp32")
+    assert json_changes(runs / kind, out) == {}
+    out = export_from(src, tmp_path / "bf16", dtype="bf16")
+    assert json_changes(runs / kind, out) == {"config.json": {"dtype": ("float32", "bfloat16")}}
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.chat_template) == ("<s>", "</s>", "<unk>", CHAT_TEMPLATE)
+    assert tok("def f")["input_ids"][0] == 1  # the post-processor's <s>
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<s>user: hi</s><s>assistant: "
+    gen = transformers.GenerationConfig.from_pretrained(out)
+    assert (gen.eos_token_id, gen.do_sample, gen.temperature, gen.top_p) == ([1, 2], True, 0.6, 0.9)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert (hf.config.bos_token_id, hf.config.eos_token_id, hf.config.pad_token_id) == (1, 2, 0)
+
+
+def test_another_tokenizer_is_written_as_kilns_own(runs, tmp_path):
+    other = tokenizer()  # not the source's: its specials and ids are others
+    other.save(tmp_path / "other.json")
+    out = export_from(runs / "run-llama", tmp_path / "out", tokenizer=tmp_path / "other.json")
+    assert Tokenizer.load(out).hash == other.hash
+    changes = json_changes(runs / "llama", out)
+    assert set(changes) == {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json",
+                            "special_tokens_map.json"}
+    assert changes["config.json"]["eos_token_id"] == (2, other.eos_id)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == other.eos_id
+
+
+def test_a_source_that_is_gone_is_said(runs, tmp_path):
+    moved = tmp_path / "moved"
+    shutil.copytree(runs / "run-llama", moved)
+    shutil.move(runs / "llama", tmp_path / "llama-away")
+    try:
+        with pytest.warns(UserWarning, match="is not there any more.*chat template"):
+            out = export_from(moved, tmp_path / "out")
+    finally:
+        shutil.move(tmp_path / "llama-away", runs / "llama")
+    assert "chat_template" not in json.loads((out / "tokenizer_config.json").read_text())
