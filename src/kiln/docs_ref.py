@@ -4,92 +4,21 @@
     python -m kiln.docs_ref --check     # exit 1 when that file is not what the schema gives
 
 A field is documented once, in the docstring under its declaration; this page and `kiln train --help-config`
-are drawn from it. `tests/unit/test_docs_ref.py` fails while the committed page is stale.
+are drawn from it through kiln.config.describe. `tests/unit/test_docs_ref.py` fails while the committed page is stale.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-import types
-import typing
 from pathlib import Path
-from typing import Any, Literal
 
 from pydantic import BaseModel
-from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
 
 from kiln.config import RunConfig
+from kiln.config.describe import bounds, default_text, keys, type_name
 
 COMMAND = "python -m kiln.docs_ref"
 PAGE = Path("docs") / "reference" / "config.md"
-
-_BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
-
-
-def _section_of(ann: Any) -> tuple[type[BaseModel] | None, str]:
-    """The section class a field holds, and how: 'one' (a section), 'optional' (a section or null), 'list'
-    (a list of entries); (None, '') for a value."""
-    if isinstance(ann, type) and issubclass(ann, BaseModel):
-        return ann, "one"
-    args = typing.get_args(ann)
-    if typing.get_origin(ann) is list and args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
-        return args[0], "list"
-    if typing.get_origin(ann) in (typing.Union, types.UnionType):
-        found = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
-        if found and all(a is type(None) or a in found for a in args):
-            return found[0], "optional"
-    return None, ""
-
-
-def type_name(ann: Any) -> str:
-    """A field's type in the words of its YAML: `int or null`, its literal choices, `list of str`."""
-    alternatives = _alternatives(ann)
-    return alternatives[0] if len(alternatives) == 1 else ", ".join(alternatives[:-1]) + " or " + alternatives[-1]
-
-
-def _alternatives(ann: Any) -> list[str]:
-    origin, args = typing.get_origin(ann), typing.get_args(ann)
-    if ann is type(None):
-        return ["null"]
-    if origin is Literal:
-        return [f"`{a if isinstance(a, str) else json.dumps(a)}`" for a in args]
-    if origin in (typing.Union, types.UnionType):  # the choices of every member, null last
-        return [x for a in args if a is not type(None) for x in _alternatives(a)] + ["null"] * (type(None) in args)
-    if origin is list:
-        return [f"list of {'entries (below)' if _section_of(ann)[0] else type_name(args[0])}" if args else "list"]
-    if origin is dict:
-        return [f"mapping of {type_name(args[0])} to {type_name(args[1])}" if args else "mapping"]
-    if isinstance(ann, type) and issubclass(ann, BaseModel):
-        return ["section (below)"]
-    return [getattr(ann, "__name__", str(ann).replace("typing.", ""))]
-
-
-def bounds(field: FieldInfo) -> str:
-    """The numeric limits a field's value must keep, as `>= 1, <= 2147483648`."""
-    return ", ".join(f"{op} {getattr(c, attr)}" for c in field.metadata for attr, op in _BOUNDS if hasattr(c, attr))
-
-
-def default_text(field: FieldInfo) -> str:
-    """A field's default as YAML writes it."""
-    if field.default is PydanticUndefined:
-        if field.default_factory is None:
-            return "required"
-        value = field.default_factory()  # type: ignore[call-arg]
-    else:
-        value = field.default
-    if value is None:
-        return "`null`"
-    if isinstance(value, bool):
-        return f"`{str(value).lower()}`"
-    if isinstance(value, str):
-        return f"`{value}`" if value else '`""`'
-    if isinstance(value, BaseModel):
-        return "(below)"
-    if isinstance(value, list | tuple | dict):
-        return f"`{json.dumps(value)}`"
-    return f"`{value!r}`"
 
 
 def _cell(text: str) -> str:
@@ -103,31 +32,27 @@ def _cell(text: str) -> str:
 
 def _table(cls: type[BaseModel], prefix: str) -> list[str]:
     rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-    for name, f in cls.model_fields.items():
-        kind = type_name(f.annotation)
-        limits = bounds(f)
-        if limits:
-            kind = f"{kind}, {limits}"
-        rows.append(f"| `{prefix}{name}` | {kind} | {_cell(default_text(f))} | "
-                    f"{_cell(f.description or '')} |")
+    for key in keys(cls, prefix):
+        kind = ", ".join(filter(None, (type_name(key.field.annotation, quote="`"), bounds(key.field))))
+        if key.section is not None:
+            kind += " (below)"
+        default = "(below)" if key.how == "one" else f"`{default_text(key.field)}`"
+        rows.append(f"| `{key.name}` | {kind} | {default} | {_cell(key.field.description or '')} |")
     return rows
 
 
-def _section(cls: type[BaseModel], key: str, doc: str, depth: int, how: str = "one") -> list[str]:
-    lines = [f"{'#' * depth} `{key}`", ""]
+def _section(cls: type[BaseModel], name: str, doc: str, depth: int, how: str = "one") -> list[str]:
+    lines = [f"{'#' * depth} `{name}`", ""]
     if doc:
         lines += [" ".join(doc.split()), ""]
     if how == "optional":
         lines += ["Null (the default) or a section with these keys:", ""]
-    prefix = f"{key}."
     if how == "list":
         lines += ["A list; each entry has these keys:", ""]
-        prefix = ""
-    lines += _table(cls, prefix) + [""]
-    for name, f in cls.model_fields.items():
-        sub, sub_how = _section_of(f.annotation)
-        if sub is not None:
-            lines += _section(sub, f"{key}.{name}", f.description or "", min(depth + 1, 4), sub_how)
+    lines += _table(cls, "" if how == "list" else f"{name}.") + [""]
+    for key in keys(cls, f"{name}."):
+        if key.section is not None:
+            lines += _section(key.section, key.name, key.field.description or "", min(depth + 1, 4), key.how)
     return lines
 
 
@@ -146,10 +71,9 @@ def config_reference() -> str:
         "Unknown keys and bad values are reported together, each with its full key path.",
         "",
     ]
-    for name, f in RunConfig.model_fields.items():
-        cls, how = _section_of(f.annotation)
-        assert cls is not None, f"RunConfig.{name} is not a section"
-        lines += _section(cls, name, f.description or "", 2, how)
+    for top in keys(RunConfig):
+        assert top.section is not None, f"RunConfig.{top.name} is not a section"
+        lines += _section(top.section, top.name, top.field.description or "", 2, top.how)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -50,7 +50,7 @@ def test_a_row_gives_type_bounds_and_default_as_yaml_writes_them():
     assert rows["model.n_kv_heads"][:2] == ["int or null, >= 1", "`null`"]
     assert rows["model.tie_embeddings"][:2] == ["bool", "`true`"]
     assert rows["data.sources"][:2] == ["list of str", '`["@stdlib"]`']
-    assert rows["model.rope_scaling"][:2] == ["section (below) or null", "`null`"]
+    assert rows["model.rope_scaling"][:2] == ["section or null (below)", "`null`"]
     assert rows["weight"][0] == "float, > 0"  # an entry of data.mixture, under its own heading
     # token names are text, not HTML tags; a pipe inside a cell does not end it
     assert "tokenizer's &lt;\\|endoftext\\|&gt;, &lt;\\|end_of_text\\|&gt;, &lt;/s&gt;" in rows["data.eos_token"][2]

@@ -13,13 +13,15 @@ all valid, so a typo in one section never hides a wrong value in another.
 
 One module per section (`model`, `data`, `train`, `optim`, `checkpoint`, `recovery`, `logging`,
 `monitor`, `parallel` for `dist:`, `lora`), `run` for the whole config and its checks across sections,
-and `load` for files, presets, overrides and `derive`.
+`load` for files, presets, overrides and `derive`, and `describe` for what `kiln train --help-config` and the
+config reference page say of each key.
 """
 
 from kiln.config.base import Problem, Section
 from kiln.config.checkpoint import CheckpointConfig
 from kiln.config.data import DataConfig, MixtureEntry
-from kiln.config.load import PRESETS_DIR, derive, describe_fields, dotted, load_config, resolve_config_path
+from kiln.config.describe import describe_fields
+from kiln.config.load import PRESETS_DIR, derive, dotted, load_config, resolve_config_path
 from kiln.config.logging import LoggingConfig
 from kiln.config.lora import LoraConfig
 from kiln.config.model import ModelConfig, RopeScaling

@@ -252,17 +252,3 @@ def _describe(err: dict[str, Any]) -> str:
     if "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
         return f"{key}: {msg} (got {err['input']!r})"
     return f"{key}: {msg}"
-
-
-def describe_fields() -> str:
-    """Every config key with its type, default and doc, for `kiln train --help-config`."""
-    lines = []
-    for sname, sfield in RunConfig.model_fields.items():
-        section = sfield.annotation
-        lines.append(f"{sname}: {sfield.description or ''}")
-        for name, f in section.model_fields.items():  # type: ignore[union-attr]
-            ann = getattr(f.annotation, "__name__", None) or str(f.annotation).replace("typing.", "")
-            bounds = "".join(f", {op} {getattr(c, attr)}" for c in f.metadata for attr, op in
-                             (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")) if hasattr(c, attr))
-            lines.append(f"  {sname}.{name} ({ann}{bounds}, default {f.default!r}): {f.description or ''}")
-    return "\n".join(lines)
