@@ -73,7 +73,7 @@ class ModelConfig(Section):
     tokenizer the run starts from; its config sets the model fields (set only max_seq_len beside it)."""
     hf_class: Literal["native", "auto"] = "native"
     """'native': Kiln's own model (Llama, Mistral, Qwen2, Nemotron from init_from); 'auto': any other causal LM
-    of model.init_from through transformers' AutoModelForCausalLM (slower; see the README)."""
+    of model.init_from through transformers' AutoModelForCausalLM (slower; see docs/huggingface.md)."""
     trust_remote_code: bool = False
     """With hf_class 'auto': let transformers run the model code shipped in the init_from directory (off by
     default, since that code runs with your permissions; turn it on only for a directory you trust)."""
