@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -22,6 +22,40 @@ class MixtureEntry(Section):
             return [(("dataset", "sources"),
                      "a mixture entry needs exactly one of 'dataset' (a prepared directory) or 'sources'")]
         return []
+
+
+class ScheduleStage(Section):
+    at: int = Field(ge=0)
+    """Where this stage begins, in data.schedule.unit (optimizer steps or tokens trained); the first is 0."""
+    weights: list[Annotated[float, Field(ge=0, allow_inf_nan=False)]]
+    """One weight per data.mixture entry, in its order; normalised to sum to one. A zero leaves that entry
+    out of this stage."""
+    blend: bool = False
+    """false: these weights take over at `at`. true: the weights move linearly from the previous stage's,
+    beginning where it begins, and reach these at `at` (a linear blend between two mixtures)."""
+
+
+class ScheduleConfig(Section):
+    unit: Literal["steps", "tokens"] = "steps"
+    """What each stage's `at` counts: optimizer steps, or tokens trained (a stage then begins at the first
+    sample after that many tokens)."""
+    stages: list[ScheduleStage] = Field(min_length=1)
+    """The stages, in the order they begin: [{at: 0, weights: [...]}, {at: N, weights: [...], blend: B}, ...]."""
+
+    def problems(self) -> list[Problem]:
+        out: list[Problem] = []
+        if self.stages[0].at != 0:
+            out.append((("stages",), f"data.schedule.stages: the first stage must have at: 0, not {self.stages[0].at}"))
+        if self.stages[0].blend:
+            out.append((("stages",), "data.schedule.stages: the first stage cannot blend (there is none before it)"))
+        ats = [st.at for st in self.stages]
+        if any(b <= a for a, b in zip(ats, ats[1:])):
+            out.append((("stages",), f"data.schedule.stages must begin at increasing {self.unit}, got at: {ats}"))
+        for i, st in enumerate(self.stages):
+            if not any(w > 0 for w in st.weights):
+                out.append((("stages",), f"data.schedule.stages.{i}: its weights {st.weights} are all zero; give "
+                                         "at least one entry a positive weight"))
+        return out
 
 
 class DataConfig(Section):
@@ -87,6 +121,11 @@ class DataConfig(Section):
     """Where tokenizers and prepared datasets are cached, keyed by their content hashes."""
     mixture: list[MixtureEntry] = []
     """Train on a weighted mix instead of data.sources: a list of {dataset: DIR or sources: [...], weight: W}."""
+    schedule: ScheduleConfig | None = None
+    """A curriculum over data.mixture: weights that change at given steps or token counts, or blend
+    linearly from one mixture to another ({unit: steps, stages: [{at: 0, weights: [1, 0]}, {at: 500,
+    weights: [0.5, 0.5], blend: true}]}). The stages' weights replace the entries' `weight`; validation
+    reads the last stage's mix."""
     document_mask: bool = True
     """Keep attention inside each document of a packed row, so no token attends across an EOS."""
     shuffle: bool = True
@@ -112,6 +151,20 @@ class DataConfig(Section):
         from a prepared dataset that comes first in the mixture)."""
         return self.tokenizer is None and (not self.mixture or self.mixture[0].dataset is None)
 
+    def _schedule_problems(self, schedule: ScheduleConfig) -> list[Problem]:
+        if len(self.mixture) < 2:
+            return [(("schedule", "mixture"), "data.schedule weighs the entries of data.mixture: list at least two "
+                                              "datasets there (data.mixture: [{dataset: ...}, {sources: [...]}])")]
+        out: list[Problem] = [(tuple(f"schedule.{k}" for k in keys), msg) for keys, msg in schedule.problems()]
+        for i, st in enumerate(schedule.stages):
+            if len(st.weights) != len(self.mixture):
+                out.append((("schedule", "mixture"), f"data.schedule.stages.{i} has {len(st.weights)} weights for "
+                                                     f"the {len(self.mixture)} entries of data.mixture; give one each"))
+        if any("weight" in e.model_fields_set for e in self.mixture):
+            out.append((("schedule", "mixture"), "data.mixture entries' 'weight' is unused under data.schedule, whose "
+                                                 "stages give the weights: remove it from the entries"))
+        return out
+
     def problems(self) -> list[Problem]:
         out: list[Problem] = []
         if self.mixture and "sources" in self.model_fields_set:
@@ -121,6 +174,8 @@ class DataConfig(Section):
                         "data.sources is empty: name files, directories, globs or URLs (or '@stdlib')"))
         if self.mixture and self.streaming:
             out.append((("mixture", "streaming"), "data.streaming reads data.sources; it does not take a data.mixture"))
+        if self.schedule is not None:
+            out += self._schedule_problems(self.schedule)
         if self.max_chars is not None and self.max_chars < self.min_chars:
             out.append((("max_chars", "min_chars"),
                         f"data.max_chars={self.max_chars} is below data.min_chars={self.min_chars}"))

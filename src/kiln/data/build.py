@@ -123,17 +123,27 @@ def build_data(cfg: RunConfig, device: torch.device, rank: int | None = None, wo
 
     datasets = prepare_all(d, console)
     weights = [e.weight for e in d.mixture] or [1.0]
+    schedule = None
+    if d.schedule is not None:  # a curriculum; validation reads its last stage's mix
+        from kiln.data.load.schedule import stages_in_samples
+
+        schedule = stages_in_samples(d.schedule.stages, d.schedule.unit, t.seq_len, t.step_rows(world) * world)
+        weights = list(d.schedule.stages[-1].weights)
     train = PackedLoader.from_datasets(datasets, "train", t.seq_len, rows, weights=weights, rank=rank,
-                                       world=world, shuffle=d.shuffle, **common)
-    with_val = [(ds, w) for ds, w in zip(datasets, weights) if _split_tokens(ds, "val") > t.seq_len]
+                                       world=world, shuffle=d.shuffle, schedule=schedule, **common)
+    with_val = [(ds, w) for ds, w in zip(datasets, weights) if w > 0 and _split_tokens(ds, "val") > t.seq_len]
     val = None
     if with_val:
         val = PackedLoader.from_datasets([ds for ds, _ in with_val], "val", t.seq_len, rows,
                                          weights=[w for _, w in with_val], rank=rank, world=world,
                                          **{**common, "prefetch": 0})
     lines = [f"data: {ds.path} ({_split_tokens(ds, 'train'):,} train / {_split_tokens(ds, 'val'):,} val tokens"
-             + (f", weight {w / sum(weights):.3f})" if len(datasets) > 1 else ")")
+             + (f", weight {w / sum(weights):.3f})" if len(datasets) > 1 and schedule is None else ")")
              for ds, w in zip(datasets, weights)]
+    if schedule is not None:
+        lines.append("schedule: " + "; ".join(
+            f"{'blend to' if st.blend else 'from'} {d.schedule.unit[:-1]} {st.at}: {st.weights}"
+            for st in d.schedule.stages))
     if val is None:
         lines.append(f"validation: none, no run is evaluated (no 'val' split holds train.seq_len + 1 = "
                      f"{t.seq_len + 1} tokens; raise data.val_fraction, now {d.val_fraction}, to evaluate)")

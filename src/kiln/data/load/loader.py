@@ -9,7 +9,8 @@ visited in a seeded permutation of [0, N)
 (seed, dataset, k). Inputs are the first T tokens of a row, targets the last T.
 
 Mixtures. Global sample g comes from dataset `Mixture.sources(g)`, a pure function of (seed, g);
-the loader counts the samples taken from each dataset.
+the loader counts the samples taken from each dataset. A curriculum (`schedule`, a list of
+kiln.data.load.schedule.Stage) changes the weights with g, still a pure function of (seed, g).
 
 Ranks. A global batch is samples g .. g + B*world - 1; rank r takes the r-th slice of B. The state
 holds the global position (next global sample, samples taken per dataset), identical on every
@@ -43,6 +44,7 @@ from kiln.data.format.shards import TokenStream
 from kiln.data.load.mixture import Mixture
 from kiln.data.load.order import permute, round_keys
 from kiln.data.load.prefetch import Prefetcher
+from kiln.data.load.schedule import Schedule, Stage
 from kiln.errors import ConfigError, DataError
 
 CHUNK = 4096  # row positions permuted at a time
@@ -122,7 +124,7 @@ class PackedRows:
 
     def __init__(self, streams: Sequence[TokenStream], seq_len: int, batch_size: int, *, weights=None,
                  seed: int = 0, rank: int = 0, world: int = 1, document_mask: bool = True, shuffle: bool = True,
-                 pin_memory: bool = False, per_step: int = 1):
+                 pin_memory: bool = False, per_step: int = 1, schedule: Sequence[Stage] | None = None):
         if not streams:
             raise DataError("the loader got no datasets to read")
         if not 0 <= rank < world:
@@ -136,7 +138,12 @@ class PackedRows:
         dtypes = {s.dtype for s in streams}
         self.dtype = np.result_type(*dtypes)
         self.layouts = [RowLayout(s, seq_len, seed, shuffle) for s in streams]
-        self.mixture = Mixture(weights if weights is not None else [1.0] * len(streams), seed)
+        if schedule:
+            self.mixture: Mixture | Schedule = Schedule(schedule, seed)
+            if len(self.mixture) != len(streams):
+                raise DataError(f"the schedule weighs {len(self.mixture)} datasets but the loader reads {len(streams)}")
+        else:
+            self.mixture = Mixture(weights if weights is not None else [1.0] * len(streams), seed)
         self.sample = 0  # next global sample index
         self.taken = np.zeros(len(streams), dtype=np.int64)  # samples taken from each dataset so far
 
@@ -210,18 +217,20 @@ class PackedRows:
 class PackedLoader:
     """Iterator of (tokens, targets, doc_ids) batches over one dataset or a weighted mixture.
 
-    streams: one TokenStream per dataset (its `name` keys the saved position). prefetch: batches
-    made ahead in a background thread (0: made in `__next__`).
+    streams: one TokenStream per dataset (its `name` keys the saved position). weights: a fixed
+    mixture; schedule: a curriculum instead. prefetch: batches made ahead in a background thread (0:
+    made in `__next__`).
     """
 
     def __init__(self, streams: TokenStream | Sequence[TokenStream], seq_len: int, batch_size: int, *,
                  weights: Sequence[float] | None = None, seed: int = 0, rank: int = 0, world: int = 1,
                  document_mask: bool = True, shuffle: bool = True, prefetch: int = 2, pin_memory: bool = False,
-                 per_step: int = 1):
+                 per_step: int = 1, schedule: Sequence[Stage] | None = None):
         if isinstance(streams, TokenStream):
             streams = [streams]
         self.rows = PackedRows(streams, seq_len, batch_size, weights=weights, seed=seed, rank=rank, world=world,
-                               document_mask=document_mask, shuffle=shuffle, pin_memory=pin_memory, per_step=per_step)
+                               document_mask=document_mask, shuffle=shuffle, pin_memory=pin_memory, per_step=per_step,
+                               schedule=schedule)
         self._prefetch = Prefetcher(self.rows, prefetch) if prefetch > 0 else None
         self._start = self.rows.state_dict()
         self._state = self._start
