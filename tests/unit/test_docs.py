@@ -1,4 +1,5 @@
-"""The README stays a first visit: short, every preset named, and its links into docs/ lead somewhere."""
+"""The README stays a first visit: short, every preset named, and its links into docs/ lead somewhere; the
+files and scripts the README and the docs/ pages name exist (MkDocs checks the links between pages)."""
 
 import re
 from pathlib import Path
@@ -6,6 +7,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text(encoding="utf-8")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+# a path of the repository in code (`benchmarks/results/plan.md`, `src/kiln/configs/`), or a benchmark run as
+# `python benchmarks/x.py` or `python -m benchmarks.x`
+REPO_PATH = re.compile(r"`((?:benchmarks|src|tests|scripts|docs)/[^`\s*]*)`")
+SCRIPT = re.compile(r"python3? (?:-m (benchmarks(?:\.\w+)+)|(benchmarks/[\w/]+\.py))")
 
 
 def test_the_readme_is_under_250_lines():
@@ -42,3 +48,18 @@ def test_relative_links_lead_to_files_and_headings():
         elif anchor and anchor not in _anchors(file):
             broken.append(f"{target}: no heading with that anchor")
     assert not broken, "README links:\n" + "\n".join(broken)
+
+
+def test_the_paths_and_scripts_the_pages_name_exist():
+    missing = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for path in REPO_PATH.findall(text):
+            if not (REPO / path).exists():
+                missing.append(f"{page.relative_to(REPO)}: {path}")
+        for module, script in SCRIPT.findall(text):
+            path = script or module.replace(".", "/") + ".py"
+            if not (REPO / path).exists() and not (REPO / module.replace(".", "/")).is_dir():
+                missing.append(f"{page.relative_to(REPO)}: python {'-m ' + module if module else script}")
+    assert len(PAGES) > 10
+    assert not missing, "named in the docs, not in the repository:\n" + "\n".join(missing)
