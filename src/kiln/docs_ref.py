@@ -36,7 +36,8 @@ def _table(cls: type[BaseModel], prefix: str) -> list[str]:
         kind = ", ".join(filter(None, (type_name(key.field.annotation, quote="`"), bounds(key.field))))
         if key.section is not None:
             kind += " (below)"
-        default = "(below)" if key.how == "one" else f"`{default_text(key.field)}`"
+        default = ("(below)" if key.how == "one" else "required" if key.field.is_required()
+                   else f"`{default_text(key.field)}`")
         rows.append(f"| `{key.name}` | {kind} | {default} | {_cell(key.field.description or '')} |")
     return rows
 

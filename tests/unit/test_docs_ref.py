@@ -52,6 +52,7 @@ def test_a_row_gives_type_bounds_and_default_as_yaml_writes_them():
     assert rows["data.sources"][:2] == ["list of str", '`["@stdlib"]`']
     assert rows["model.rope_scaling"][:2] == ["section or null (below)", "`null`"]
     assert rows["weight"][0] == "float, > 0"  # an entry of data.mixture, under its own heading
+    assert rows["weights"][:2] == ["list of float >= 0", "required"]  # of a data.schedule stage: no default
     # token names are text, not HTML tags; a pipe inside a cell does not end it
     assert "tokenizer's &lt;\\|endoftext\\|&gt;, &lt;\\|end_of_text\\|&gt;, &lt;/s&gt;" in rows["data.eos_token"][2]
 

@@ -10,7 +10,7 @@ import json
 import types
 import typing
 from collections.abc import Iterator
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -65,6 +65,9 @@ def _alternatives(ann: Any, quote: str) -> list[str]:
     origin, args = typing.get_origin(ann), typing.get_args(ann)
     if ann is type(None):
         return ["null"]
+    if origin is Annotated:  # a type with limits of its own (list[Annotated[float, Field(ge=0)]])
+        limits = ", ".join(_limits(m) for m in args[1:] if _limits(m))
+        return [f"{x} {limits}".rstrip() for x in _alternatives(args[0], quote)]
     if origin is Literal:
         return [f"{quote}{a if isinstance(a, str) else json.dumps(a)}{quote}" for a in args]
     if origin in (typing.Union, types.UnionType):  # the choices of every member, null last
@@ -81,7 +84,14 @@ def _alternatives(ann: Any, quote: str) -> list[str]:
 
 def bounds(field: FieldInfo) -> str:
     """The limits a field's value must keep, as `>= 1, <= 2147483648` ('' for none)."""
-    return ", ".join(f"{op} {getattr(c, attr)}" for c in field.metadata for attr, op in _BOUNDS if hasattr(c, attr))
+    return ", ".join(filter(None, (_limits(c) for c in field.metadata)))
+
+
+def _limits(constraint: Any) -> str:
+    """`>= 0` of one constraint (annotated_types' Ge(0), or a Field(ge=0) inside an Annotated)."""
+    if isinstance(constraint, FieldInfo):
+        return ", ".join(filter(None, (_limits(c) for c in constraint.metadata)))
+    return ", ".join(f"{op} {getattr(constraint, attr)}" for attr, op in _BOUNDS if hasattr(constraint, attr))
 
 
 def default_text(field: FieldInfo) -> str:
@@ -118,7 +128,9 @@ def _describe(cls: type[BaseModel], prefix: str, indent: str) -> list[str]:
     lines = []
     for key in keys(cls, prefix):
         facts = [type_name(key.field.annotation), bounds(key.field)]
-        if key.how != "one":  # a section's default is its keys' defaults, listed below it
+        if key.field.is_required():
+            facts.append("required")
+        elif key.how != "one":  # a section's default is its keys' defaults, listed below it
             facts.append(f"default {default_text(key.field)}")
         doc = " ".join((key.field.description or "").split())
         lines.append(f"{indent}{key.name} ({', '.join(filter(None, facts))}): {doc}")

@@ -42,3 +42,9 @@ def test_type_name_quotes_choices_on_request():
     assert type_name(schedule.annotation) == "cosine, wsd or constant"
     assert type_name(schedule.annotation, quote="`") == "`cosine`, `wsd` or `constant`"
     assert default_text(train.model_fields["global_batch_tokens"]) == "null"
+
+
+def test_limits_inside_a_list_and_keys_without_a_default():
+    text = describe_fields()
+    assert _line(text, "weights").strip().startswith("weights (list of float >= 0, required): ")  # data.schedule
+    assert _line(text, "at").strip().startswith("at (int, >= 0, required): ")
