@@ -136,12 +136,12 @@ def open_eval_data(data: list[str], tok, run_cfg: RunConfig | None, tmp: Path, s
         return ds, split
     base = run_cfg.data if run_cfg is not None else DataConfig()
     given = {k: v for k, v in data_fields.items() if v is not None}
-    try:
+    fields = {"on_bad_record": base.on_bad_record, "eos_token": base.eos_token, "bos_token": base.bos_token,
+              "format": base.format, "field": base.field, "text_unit": base.text_unit,
+              "csv_quoting": base.csv_quoting, "parse_special_tokens": base.parse_special_tokens}
+    try:  # the options given on the command line win over the run's own data settings
         dcfg = DataConfig(sources=list(data), tokenizer=None, val_fraction=0.0, dedup=False, min_chars=0,
-                          max_chars=None, max_bytes=None, on_bad_record=base.on_bad_record, cache_dir=str(tmp),
-                          eos_token=base.eos_token, bos_token=base.bos_token, format=base.format, field=base.field,
-                          text_unit=base.text_unit, csv_quoting=base.csv_quoting,
-                          parse_special_tokens=base.parse_special_tokens, **given)
+                          max_chars=None, max_bytes=None, cache_dir=str(tmp), **{**fields, **given})
     except ValueError as e:
         raise ConfigError(f"kiln eval: {e}") from None
     ds = prepare(dcfg, None, progress=False, tokenizer=tok)
@@ -157,9 +157,18 @@ def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(name)
+        dev = torch.device(name)
     except RuntimeError:
         raise ConfigError(f"--device {name}: not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: CUDA is not available on this machine (torch {torch.__version__}); "
+                          "use --device cpu or auto")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                          f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    if dev.type not in ("cpu", "cuda") and not getattr(getattr(torch, dev.type, None), "is_available", bool)():
+        raise ConfigError(f"--device {name}: no such device on this machine; use auto, cpu, cuda or cuda:N")
+    return dev
 
 
 @torch.no_grad()

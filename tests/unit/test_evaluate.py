@@ -1,0 +1,68 @@
+"""`kiln eval` on source files: the data options (--format, --field, --text-unit) choose how the sources are read,
+and a device that is not there is a clear error."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.config import ModelConfig
+from kiln.data.prepare.tokenizer import train_bpe
+from kiln.errors import ConfigError
+from kiln.evaluate import evaluate
+from kiln.model.llama import Transformer
+from kiln.state.weights import save_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A model/ folder of the tiny model with a BPE tokenizer of 300 tokens trained on stdlib source."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    tok = train_bpe([(stdlib / "textwrap.py").read_text()], 300)
+    cfg = ModelConfig(size="tiny", vocab_size=tok.vocab_size)
+    torch.manual_seed(0)
+    return save_model(Transformer(cfg), cfg, tok, tmp_path_factory.mktemp("eval") / "model")
+
+
+def write_jsonl(path: Path, field: str) -> Path:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    lines = (stdlib / "shlex.py").read_text().splitlines()
+    with path.open("w") as f:
+        for i in range(0, len(lines), 20):
+            f.write(json.dumps({field: "\n".join(lines[i:i + 20]), "id": i}) + "\n")
+    return path
+
+
+def test_field_and_format_read_the_named_field_of_json_records(model_dir, tmp_path):
+    data = write_jsonl(tmp_path / "held-out.txt", "body")  # JSON lines under a .txt suffix
+    as_text = evaluate(model_dir, [str(data)], seq_len=16, batch_size=2, device="cpu")
+    as_json = evaluate(model_dir, [str(data)], seq_len=16, batch_size=2, device="cpu", format="jsonl", field="body")
+    raw = data.read_text()
+    assert as_text["bytes"] > as_json["bytes"]  # read as text, the JSON syntax is text too
+    bodies = "".join(json.loads(line)["body"] for line in raw.splitlines())
+    assert as_json["bytes"] <= len(bodies.encode())  # only the field's text is evaluated
+
+
+def test_text_unit_changes_how_a_text_file_is_split_into_documents(model_dir, tmp_path):
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    (tmp_path / "a.txt").write_text((stdlib / "shlex.py").read_text())
+    whole = evaluate(model_dir, [str(tmp_path / "a.txt")], seq_len=16, batch_size=2, device="cpu")
+    lines = evaluate(model_dir, [str(tmp_path / "a.txt")], seq_len=16, batch_size=2, device="cpu", text_unit="line")
+    assert lines["tokens"] != whole["tokens"]  # one EOS per line against one per file
+
+
+def test_an_unknown_format_is_a_config_error(model_dir, tmp_path):
+    data = write_jsonl(tmp_path / "x.jsonl", "text")
+    with pytest.raises(ConfigError, match="format"):
+        evaluate(model_dir, [str(data)], seq_len=16, device="cpu", format="xml")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_cuda_without_cuda_is_a_config_error(model_dir, tmp_path):
+    data = write_jsonl(tmp_path / "x.jsonl", "text")
+    with pytest.raises(ConfigError, match="--device cuda"):
+        evaluate(model_dir, [str(data)], seq_len=16, device="cuda")
