@@ -184,11 +184,14 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
                          "directory (checkpoints/step_...) or a Hugging Face model directory")
     if dtype is not None and dtype not in DTYPES:
         raise StateError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
+    _check_destination(p, Path(to).expanduser())
     if adapters:
         return _export_adapters(p, to, dtype)
     tok = Tokenizer.load(tokenizer) if tokenizer is not None else None
     if (p / "model_config.json").is_file() or model_saved(p / "model"):  # else a run's checkpoint (below)
         model, saved_tok = load_model(p)
+        if tok is not None:
+            check_tokenizer(tok, tokenizer, saved_tok, int(model.cfg.vocab_size))
         if model.cfg.hf_class == "auto":  # a transformers model: its own save_pretrained
             return _export_auto(model, tok or saved_tok, to, dtype)
         return export_hf(model, model.cfg, tok or saved_tok, to, dtype, max_shard_bytes)
@@ -196,14 +199,20 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
         from kiln.model.hf_import import import_hf
 
         cfg, state = import_hf(p)
+        if tok is not None:
+            check_tokenizer(tok, tokenizer, _own_tokenizer(p), state["embed_tokens.weight"].shape[0])
         return export_hf(state, cfg, tok or Tokenizer.load(p), to, dtype, max_shard_bytes, source=p)
     from kiln.state.rundir import checkpoint_of
 
     ckpt = p if (p / ".metadata").is_file() else checkpoint_of(p)
     if _run_config(ckpt).model.hf_class == "auto":
-        model, found_tok = read_checkpoint_auto(ckpt)
+        model, found_tok = read_checkpoint_auto(ckpt, need_tokenizer=tok is None)
+        if tok is not None:
+            check_tokenizer(tok, tokenizer, found_tok, int(model.cfg.vocab_size))
         return _export_auto(model, tok or found_tok, to, dtype)
-    cfg, state, found_tok = read_checkpoint_model(ckpt)
+    cfg, state, found_tok = read_checkpoint_model(ckpt, need_tokenizer=tok is None)
+    if tok is not None:
+        check_tokenizer(tok, tokenizer, found_tok, state["embed_tokens.weight"].shape[0])
     return export_hf(state, cfg, tok or found_tok, to, dtype, max_shard_bytes)
 
 
@@ -215,6 +224,44 @@ def _export_auto(model, tok: Tokenizer | None, to: str | Path, dtype: str | None
     writer = None if src is not None and same_tokenizer(src, tok) else tokenizer_writer(tok, model.cfg.max_seq_len)
     out = model.save_pretrained(to, writer, dtype=DTYPES[_dtype(dtype)] if dtype else None)
     return finish_auto_export(Path(out), model.cfg, tok)
+
+
+def _check_destination(src: Path, to: Path) -> None:
+    """--to must be a directory (new or existing) other than the source."""
+    if to.exists() and not to.is_dir():
+        raise StateError(f"--to {to}: a file of that name exists; give a directory to write the model into")
+    if to.exists() and to.resolve() == src.resolve():
+        raise StateError(f"--to {to} is the source itself; give another directory")
+
+
+def _own_tokenizer(directory: Path) -> Tokenizer | None:
+    """The tokenizer a Hugging Face model directory ships, None where it has none Kiln can read."""
+    from kiln.errors import KilnError
+
+    if not any((directory / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    try:
+        return Tokenizer.load(directory)
+    except (KilnError, ValueError, OSError):
+        return None
+
+
+def check_tokenizer(tok: Tokenizer, given: str | Path, own: Tokenizer | None, rows: int) -> None:
+    """Refuse `--tokenizer given` where the model would decode garbage with it: ids beyond its embedding, a
+    vocabulary other than that of the tokenizer it was trained with (`own`, where it is known), or, with none
+    known, a vocabulary that covers less than half of its embedding rows (a model pads its embedding by a
+    little, not by half)."""
+    where = f"--tokenizer {given}"
+    if tok.vocab_size > rows:
+        raise StateError(f"{where} has ids up to {tok.vocab_size - 1}, but the model embeds only {rows} tokens: it "
+                         "is not this model's tokenizer. Leave out --tokenizer to ship the model's own")
+    if own is not None and own.tk.get_vocab(with_added_tokens=True) != tok.tk.get_vocab(with_added_tokens=True):
+        raise StateError(f"{where} maps tokens to other ids than the tokenizer the model was trained with "
+                         f"({tok.vocab_size} against {own.vocab_size} ids; hashes {tok.hash} and {own.hash}), so the "
+                         "exported model would decode garbage. Leave out --tokenizer to ship the model's own")
+    if own is None and tok.vocab_size * 2 < rows:
+        raise StateError(f"{where} has {tok.vocab_size} tokens for a model that embeds {rows}: it is not the "
+                         "tokenizer this model was trained with. Give the model's own tokenizer")
 
 
 def _dtype(dtype: str) -> str:
@@ -246,9 +293,10 @@ def _load_dcp_model(ckpt: Path, state: dict[str, torch.Tensor]) -> None:
         raise StateError(f"{ckpt}: the model weights cannot be read ({e}); `kiln inspect {ckpt}` checks it") from None
 
 
-def read_checkpoint_auto(ckpt: Path):
+def read_checkpoint_auto(ckpt: Path, need_tokenizer: bool = True):
     """(HFCausalLM, tokenizer) of a checkpoint of a `model.hf_class=auto` run: the architecture of its
-    model.init_from (and, under LoRA, its frozen base weights), the checkpoint's weights."""
+    model.init_from (and, under LoRA, its frozen base weights), the checkpoint's weights; the tokenizer is None
+    where it is not found and not `need_tokenizer`."""
     from kiln.model.hf_auto import build_auto
     from kiln.state.verify import read_meta
 
@@ -257,11 +305,13 @@ def read_checkpoint_auto(ckpt: Path):
     state = dict(model.state_dict())
     _load_dcp_model(ckpt, state)
     model.load_state_dict(state)
-    return model.eval(), _checkpoint_tokenizer(ckpt, run_cfg, read_meta(ckpt))
+    return model.eval(), _checkpoint_tokenizer(ckpt, run_cfg, read_meta(ckpt), need_tokenizer)
 
 
-def read_checkpoint_model(ckpt: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
-    """The model config, model weights and (where it can be found) tokenizer of a checkpoint directory.
+def read_checkpoint_model(ckpt: Path, need_tokenizer: bool = True
+                          ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
+    """The model config, model weights and tokenizer of a checkpoint directory (None where it is not found and
+    not `need_tokenizer`; else not found is an error).
 
     Reads only the "model" key of the DCP files through `torch.distributed.checkpoint`'s public load,
     in this one process: a sharded checkpoint of any world size is gathered whole."""
@@ -283,7 +333,7 @@ def read_checkpoint_model(ckpt: Path) -> tuple[ModelConfig, dict[str, torch.Tens
         base = Transformer(cfg)
         load_init_weights(base, cfg)
         state = merge_state_dict({**base.state_dict(), **state}, run_cfg.lora)
-    return cfg, state, _checkpoint_tokenizer(ckpt, run_cfg, meta)
+    return cfg, state, _checkpoint_tokenizer(ckpt, run_cfg, meta, need_tokenizer)
 
 
 def _checkpoint_tensors(ckpt: Path) -> tuple[Any, dict, dict[str, torch.Tensor]]:
@@ -329,7 +379,7 @@ def _export_adapters(p: Path, to: str | Path, dtype: str | None) -> Path:
     return write_peft_adapters(state, run_cfg.model, run_cfg.lora, run_cfg.model.init_from, to, cast)
 
 
-def _checkpoint_tokenizer(ckpt: Path, run_cfg, meta: dict) -> Tokenizer | None:
+def _checkpoint_tokenizer(ckpt: Path, run_cfg, meta: dict, required: bool = True) -> Tokenizer | None:
     """The run's tokenizer: its final model/, data.tokenizer, or the prepared dataset the checkpoint names."""
     run_dir = ckpt.parent.parent
     want = (meta.get("fingerprints") or {}).get("tokenizer")
@@ -344,5 +394,7 @@ def _checkpoint_tokenizer(ckpt: Path, run_cfg, meta: dict) -> Tokenizer | None:
             tok = Tokenizer.load(place, run_cfg.data.eos_token, run_cfg.data.bos_token)
             if want is None or tok.hash == want:
                 return tok
+    if not required:
+        return None
     raise StateError(f"the tokenizer of {ckpt} was not found (looked in {', '.join(map(str, places))}); give it "
                      "with --tokenizer PATH")

@@ -150,3 +150,36 @@ def test_pickled_weights_are_refused_unless_allowed(tokenizer, tmp_path):
         import_hf(tmp_path)
     _, loaded = import_hf(tmp_path, allow_pickle=True)
     assert torch.equal(loaded["embed_tokens.weight"], model.embed_tokens.weight)
+
+
+def test_export_to_an_existing_file_is_refused_with_the_reason(tokenizer, tmp_path):
+    model = random_model("llama")
+    save_model(model, model.cfg, tokenizer, tmp_path / "run" / "model")
+    (tmp_path / "out").write_text("notes")
+    with pytest.raises(StateError, match="--to .*out: a file of that name exists"):
+        export_from(tmp_path / "run", tmp_path / "out")
+    assert (tmp_path / "out").read_text() == "notes"
+
+
+def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tokenizer, tmp_path):
+    """The issue's case: a 4096-row model given a tokenizer of ~300 entries; and one with ids past the embedding."""
+    text = Path(sysconfig.get_paths()["stdlib"], "textwrap.py").read_text()
+    small = train_bpe(text.split("\n\n"), 300, ["<|endoftext|>"])
+    small.save(tmp_path / "small.json")
+    torch.manual_seed(0)
+    big = Transformer(ModelConfig(**{**BASE, "vocab_size": 4096}))
+    save_model(big, big.cfg, None, tmp_path / "big")  # no tokenizer of its own: the sizes decide
+    with pytest.raises(StateError, match="300 tokens for a model that embeds 4096"):
+        export_from(tmp_path / "big", tmp_path / "out", tokenizer=tmp_path / "small.json")
+    model = random_model("llama")  # 320 rows, trained with `tokenizer`
+    save_model(model, model.cfg, tokenizer, tmp_path / "run" / "model")
+    with pytest.raises(StateError, match="other ids than the tokenizer the model was trained with"):
+        export_from(tmp_path / "run", tmp_path / "out", tokenizer=tmp_path / "small.json")
+    wide = train_bpe(text.split("\n\n"), 400, ["<|endoftext|>"])
+    wide.save(tmp_path / "wide.json")
+    with pytest.raises(StateError, match="ids up to 399, but the model embeds only 320"):
+        export_from(tmp_path / "run", tmp_path / "out", tokenizer=tmp_path / "wide.json")
+    assert not (tmp_path / "out").exists()
+    tokenizer.save(tmp_path / "own.json")  # its own tokenizer, given explicitly: accepted
+    export_from(tmp_path / "run", tmp_path / "out", tokenizer=tmp_path / "own.json")
+    assert Tokenizer.load(tmp_path / "out").hash == tokenizer.hash
