@@ -197,7 +197,10 @@ def generate(
         ids = start_ids(tok, prompt)
     except ValueError as e:
         raise ConfigError(f"--prompt: {e}; give a prompt") from None
-    out = sample(model, ids, max_new_tokens, temperature, top_k or None, seed, vocab_size=tok.vocab_size)
+    try:
+        out = sample(model, ids, max_new_tokens, temperature, top_k or None, seed, vocab_size=tok.vocab_size)
+    except ValueError as e:
+        raise ConfigError(f"kiln generate {run_dir}: {e}") from None
     print(prompt + tok.decode(out))
 
 

@@ -116,6 +116,15 @@ def test_generate_greedy_with_threads(model_dir):
     assert again.stdout == r.stdout  # greedy: the seed does not matter
 
 
+def test_generate_at_a_vanishing_temperature_is_greedy_and_nan_is_refused(model_dir):
+    greedy = kiln("generate", str(model_dir), "--prompt", "def ", "-n", "5", "--temperature", "0")
+    tiny = kiln("generate", str(model_dir), "--prompt", "def ", "-n", "5", "--temperature", "1e-40")
+    assert tiny.returncode == 0 and "Traceback" not in tiny.stderr, tiny.stderr
+    assert tiny.stdout == greedy.stdout
+    r = kiln("generate", str(model_dir), "--prompt", "def ", "--temperature", "nan")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--temperature" in r.stderr
+
+
 def test_generate_help_says_zero_is_greedy():
     r = kiln("generate", "--help")
     assert r.returncode == 0 and "greedy" in r.stdout and "--threads" in r.stdout

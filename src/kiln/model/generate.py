@@ -27,7 +27,7 @@ def generate(model: nn.Module, ids: list[int], max_new_tokens: int, temperature:
     temperature 0 is greedy (the most likely token); top_k None or 0 samples among all tokens.
     `vocab_size`: the tokenizer's; ids from there up to the model's (padded) vocabulary are never
     produced, as the tokenizer cannot decode them."""
-    if temperature < 0:
+    if not temperature >= 0:  # NaN too
         raise ValueError(f"temperature must be 0 (greedy) or more, got {temperature}")
     if top_k is not None and top_k < 0:
         raise ValueError(f"top_k must be 0 or more (0 or None: all tokens), got {top_k}")
@@ -42,10 +42,13 @@ def generate(model: nn.Module, ids: list[int], max_new_tokens: int, temperature:
         logits = model(tokens[:, -ctx_len:])[:, -1, :].float()  # (1, V)
         if vocab_size is not None and vocab_size < logits.shape[-1]:
             logits = logits[:, :vocab_size]  # (1, V_tok): the padding rows are no tokens
+        if not bool(torch.isfinite(logits).all()):
+            raise ValueError("the model's logits are not finite (NaN or infinite weights): it diverged or its file "
+                             "is damaged")
         if temperature == 0:
             nxt = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
+        else:  # shifted so the largest is 0: a tiny temperature gives 0 and -inf (greedy), never inf - inf = NaN
+            logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

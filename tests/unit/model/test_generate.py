@@ -35,7 +35,15 @@ def test_temperature_zero_is_greedy_whatever_the_seed(padded_model):
     assert a == b
 
 
+def test_a_vanishing_temperature_is_greedy():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(size="tiny", vocab_size=PADDED)).eval()
+    greedy = generate(model, [5, 6], 8, temperature=0)
+    assert generate(model, [5, 6], 8, temperature=1e-40, seed=3) == greedy
+
+
 @pytest.mark.parametrize("kwargs,message", [({"temperature": -0.5}, "temperature must be 0"),
+                                            ({"temperature": float("nan")}, "temperature must be 0"),
                                             ({"top_k": -1}, "top_k must be 0 or more")])
 def test_bad_sampling_arguments_are_refused(padded_model, kwargs, message):
     with pytest.raises(ValueError, match=message):
