@@ -85,11 +85,35 @@ def describe_checkpoint(path: Path, compare: dict[str, Any] | None = None, check
     return "\n".join(lines)
 
 
+def _saved_config(cfg_file: Path) -> tuple[dict[str, Any], str | None]:
+    """(the run's config.yaml as a dict, None), or ({}, what is wrong with it) for a damaged or hand-edited file:
+    inspecting a run shows its checkpoints whatever its config holds."""
+    if not cfg_file.is_file():
+        return {}, None
+    try:
+        saved = yaml.safe_load(cfg_file.read_text(errors="replace"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{cfg_file}:{mark.line + 1}" if mark is not None else str(cfg_file)
+        return {}, f"{where}: not valid YAML ({getattr(e, 'problem', None) or e})"
+    except OSError as e:
+        return {}, f"{cfg_file}: cannot be read ({e.strerror or e})"
+    if saved is None:
+        return {}, f"{cfg_file} is empty"
+    if not isinstance(saved, dict):
+        return {}, f"{cfg_file} holds a {type(saved).__name__}, not a config mapping"
+    if not isinstance(saved.get("checkpoint", {}), dict):
+        return {**saved, "checkpoint": {}}, f"{cfg_file}: its checkpoint section is not a mapping"
+    return saved, None
+
+
 def describe_run(run_dir: Path, compare: dict[str, Any] | None = None, check: bool = True) -> str:
-    cfg_file = run_dir / "config.yaml"
-    saved = yaml.safe_load(cfg_file.read_text()) if cfg_file.is_file() else {}
-    ccfg = (saved or {}).get("checkpoint", {})
+    saved, problem = _saved_config(run_dir / "config.yaml")
+    ccfg = saved.get("checkpoint", {})
     lines = [f"run {run_dir}"]
+    if problem:
+        lines.append(f"config: {problem}; the settings read from it show as '?' (each checkpoint's meta.json "
+                     "holds the config it was saved with)")
     found = checkpoints(run_dir)
     lines.append(f"on disk ({run_dir / CHECKPOINTS}, keep_last={ccfg.get('keep_last', '?')}): "
                  f"{len(found)} checkpoint(s)" + ("" if found else " - nothing to resume from"))

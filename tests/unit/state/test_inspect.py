@@ -60,3 +60,22 @@ def test_inspect_streaming_run_has_no_manifest_and_one_hash_status(trainer_facto
     assert "step_00000002" in out and "hashes: ok" in out and "not verified" not in out
     unchecked = describe(tmp_path / "run", check=False)
     assert "hashes: not verified" in unchecked and " ok" not in unchecked
+
+
+def test_inspect_of_a_run_whose_config_yaml_is_broken_still_lists_its_checkpoints(trainer_factory, tmp_path):
+    t = trainer_factory()
+    ck = Checkpointer(t.cfg.train.run_dir, t.cfg, PRINTS, print)
+    run_steps(t, 2)
+    ck.save(t)
+    ck.close()
+    cfg_file = tmp_path / "run" / "config.yaml"
+    for text, problem in [("train:\n  lr: [0.1\n", "config.yaml:3: not valid YAML"),
+                          ("- a\n- b\n", "holds a list, not a config mapping"), ("", "config.yaml is empty"),
+                          ("checkpoint: 3\n", "its checkpoint section is not a mapping")]:
+        cfg_file.write_text(text)
+        out = describe(tmp_path / "run")
+        assert problem in out and "1 checkpoint(s)" in out and "step_00000002" in out, out
+    cfg_file.write_text("train:\n  lr: [0.1\n")
+    done = subprocess.run([sys.executable, "-m", "kiln.cli", "inspect", str(tmp_path / "run")], capture_output=True,
+                          text=True, env={**os.environ, "COLUMNS": "400"})
+    assert done.returncode == 0 and "Traceback" not in done.stderr and "not valid YAML" in done.stdout
