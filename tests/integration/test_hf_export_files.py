@@ -83,3 +83,32 @@ def test_a_source_that_is_gone_is_said(runs, tmp_path):
     finally:
         shutil.move(tmp_path / "llama-away", runs / "llama")
     assert "chat_template" not in json.loads((out / "tokenizer_config.json").read_text())
+
+
+def test_a_context_extended_on_purpose_is_written_out(runs, tmp_path):
+    """model.max_seq_len over the model's 64 positions, with linear rope scaling: the export advertises 128 positions
+    and the scaling, and transformers' logits over 100 tokens are Kiln's."""
+    from kiln.state.weights import load_model
+
+    extend = ("model.max_seq_len=128", "model.rope_scaling.type=linear", "model.rope_scaling.factor=2")
+    run_dir = run(load_config(None, overrides(runs, runs / "llama", tmp_path / "run", *extend)))
+    out = export_from(run_dir, tmp_path / "out")
+    changes = json_changes(runs / "llama", out)
+    assert set(changes) == {"config.json"}
+    assert changes["config.json"]["max_position_embeddings"] == (64, 128)
+    assert changes["config.json"]["rope_parameters"][1] == {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    assert set(changes["config.json"]) <= {"max_position_embeddings", "rope_parameters", "rope_scaling"}
+    model, _ = load_model(run_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    x = torch.randint(0, 320, (1, 100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(input_ids=x).logits - model(x)).abs().max() < 1e-5
+
+
+def test_a_longer_context_without_saying_so_is_a_config_error(runs, tmp_path):
+    from kiln.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="longer than the 64 positions"):
+        run(load_config(None, overrides(runs, runs / "llama", tmp_path / "a", "model.max_seq_len=128")))
+    with pytest.raises(ConfigError, match="train.seq_len=96 is longer than the 64 positions"):
+        run(load_config(None, overrides(runs, runs / "llama", tmp_path / "b", "train.seq_len=96")))

@@ -50,7 +50,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         shape = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")  # way (overrides of its fields win)
         data["model"] = {k: v for k, v in data["model"].items() if k not in shape}
     if "model.init_from" in keys and isinstance(data.get("model"), dict):  # its config.json is the architecture:
-        keep = ("init_from", "max_seq_len", "init_std", "allow_pickle", "hf_class", "trust_remote_code")
+        keep = ("init_from", "max_seq_len", "rope_scaling", "init_std", "allow_pickle", "hf_class",
+                "trust_remote_code")
         # the file's other model fields give way to it
         data["model"] = {k: v for k, v in data["model"].items() if k in keep}
     for item in overrides:
@@ -219,6 +220,8 @@ def _section_at(loc: tuple) -> type[BaseModel] | None:
         ann = field.annotation if field else None
         if typing.get_origin(ann) is list:  # list[Section]
             ann = typing.get_args(ann)[0]
+        elif typing.get_origin(ann) in (typing.Union, types.UnionType):  # Section | None (model.rope_scaling)
+            ann = next((a for a in typing.get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)), None)
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return None
         cls = ann

@@ -40,7 +40,8 @@ class ModelConfig(Section):
     ffn_hidden: int | None = Field(None, ge=1)
     """Hidden width of the SwiGLU MLP; null means 8/3 * d_model rounded up to a multiple of 64."""
     max_seq_len: int = Field(2048, ge=1)
-    """Longest sequence the model is meant for (recorded in exports)."""
+    """Longest sequence the model is meant for (its context, recorded in exports as max_position_embeddings).
+    With init_from it is the model's own: set it only to extend that context on purpose, with rope_scaling."""
     rope_theta: float = Field(10000.0, gt=0)
     """Base of the rotary position embedding frequencies."""
     norm_eps: float = Field(1e-5, gt=0, lt=1)
@@ -70,7 +71,8 @@ class ModelConfig(Section):
     """Hugging Face architecture that `kiln export` writes (set by init_from); null: the simplest that fits."""
     init_from: str | None = None
     """A local Hugging Face model directory (config.json + safetensors) whose architecture, weights and
-    tokenizer the run starts from; its config sets the model fields (set only max_seq_len beside it)."""
+    tokenizer the run starts from; its config sets the model fields and the context (beside it, only
+    max_seq_len with rope_scaling, to extend the context on purpose)."""
     hf_class: Literal["native", "auto"] = "native"
     """'native': Kiln's own model (Llama, Mistral, Qwen2, Nemotron from init_from); 'auto': any other causal LM
     of model.init_from through transformers' AutoModelForCausalLM (slower; see docs/huggingface.md)."""

@@ -61,7 +61,7 @@ class RunConfig(Section):
         """The checks across sections (each section checks its own fields: see `all_problems`)."""
         out: list[Problem] = []
         t, m = self.train, self.model
-        from_model = m.init_from and "max_seq_len" not in m.model_fields_set  # checked once init_from is read
+        from_model = bool(m.init_from)  # checked once init_from is read: the model's context is its own
         if t.seq_len > m.max_seq_len and not from_model:
             out.append((("train.seq_len", "model.max_seq_len"),
                         f"train.seq_len={t.seq_len} is longer than model.max_seq_len={m.max_seq_len}; raise "

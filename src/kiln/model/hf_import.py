@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kiln.config import ModelConfig
+from kiln.config import ModelConfig, RopeScaling
 from kiln.errors import ConfigError, StateError
 from kiln.model.hf import from_hf_config_dict, from_hf_state_dict
 
@@ -104,22 +104,49 @@ def import_hf(path: str | Path, allow_pickle: bool = False) -> tuple[ModelConfig
 
 
 def resolve_init_from(model: ModelConfig) -> ModelConfig:
-    """The ModelConfig of a run with `model.init_from`: the directory's architecture, with the run's
-    max_seq_len where it sets one. ConfigError if the run also sets a field the directory decides."""
+    """The ModelConfig of a run with `model.init_from`: the directory's architecture and context. ConfigError if
+    the run also sets a field the directory decides, or a context that is not the model's (see `_context`)."""
     assert model.init_from is not None
     try:
         imported = from_hf_config_dict(read_hf_config(model.init_from))
     except StateError as e:
         raise StateError(f"model.init_from={model.init_from}: {e}. Set model.hf_class=auto to train it through "
-                         "transformers' AutoModelForCausalLM instead (slower; see docs/huggingface.md)") from None
+                         "transformers' AutoModelForCausalLM instead (slower; see the README)") from None
+    max_seq_len, scaling = _context(model, imported.max_seq_len, imported.rope_scaling)
+    free = _FREE | ({"rope_scaling"} if scaling != imported.rope_scaling else set())
     clash = [f"model.{k}={getattr(model, k)!r} (the model has {getattr(imported, k)!r})"
-             for k in sorted(model.model_fields_set - _FREE) if getattr(model, k) != getattr(imported, k)]
+             for k in sorted(model.model_fields_set - free) if getattr(model, k) != getattr(imported, k)]
     if clash:
         raise ConfigError(f"model.init_from={model.init_from} sets the architecture from its config.json, but the "
                           f"config also sets {'; '.join(clash)}: remove those fields")
-    keep = {k: getattr(model, k) for k in ("init_from", "allow_pickle", "max_seq_len", "trust_remote_code")
-            if k in model.model_fields_set or k != "max_seq_len"}
-    return imported.model_copy(update=keep)
+    keep = {k: getattr(model, k) for k in ("init_from", "allow_pickle", "trust_remote_code")}
+    return imported.model_copy(update={**keep, "max_seq_len": max_seq_len, "rope_scaling": scaling})
+
+
+def _context(model: ModelConfig, context: int, scaling: RopeScaling | None) -> tuple[int, RopeScaling | None]:
+    """(max_seq_len, rope_scaling) of a run from a model of `context` positions and rotary `scaling`.
+
+    The model's context is its own: train.seq_len is how long the rows it trains on are. model.max_seq_len
+    beside init_from may only extend it on purpose, with the model.rope_scaling that makes the longer context
+    (an export then writes both out); a shorter one, or a longer one without scaling, is a ConfigError."""
+    fields = model.model_fields_set
+    want = model.max_seq_len if "max_seq_len" in fields else context
+    new_scaling = "rope_scaling" in fields and model.rope_scaling != scaling
+    where = f"model.init_from={model.init_from}"
+    if want < context:
+        raise ConfigError(f"model.max_seq_len={want} is shorter than the {context} positions of {where} (its "
+                          "config.json max_position_embeddings): the model's context is its own and its export keeps "
+                          "it. Remove model.max_seq_len; train.seq_len sets how long the training rows are")
+    if want > context and not new_scaling:
+        raise ConfigError(f"model.max_seq_len={want} is longer than the {context} positions of {where}, which the "
+                          "model was not trained for. Remove model.max_seq_len (train.seq_len sets how long the "
+                          "training rows are), or extend the context on purpose: set model.rope_scaling too (e.g. "
+                          f"model.rope_scaling.type=linear model.rope_scaling.factor={-(-want // context)}); the "
+                          "export then writes both out")
+    if new_scaling and want == context:
+        raise ConfigError(f"model.rope_scaling beside {where} extends the model's context: set model.max_seq_len "
+                          f"above its {context} positions too (or remove model.rope_scaling)")
+    return want, model.rope_scaling if new_scaling else scaling
 
 
 def load_init_weights(model: torch.nn.Module, cfg: ModelConfig) -> None:

@@ -62,7 +62,8 @@ def with_init_from(cfg: RunConfig) -> RunConfig:
         model = resolve_init_from(cfg.model)
     if cfg.train.seq_len > model.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} is longer than the {model.max_seq_len} positions of "
-                          f"{cfg.model.init_from}; shorten train.seq_len or set model.max_seq_len")
+                          f"{cfg.model.init_from}; shorten train.seq_len, or extend the model's context on purpose "
+                          "(model.max_seq_len with model.rope_scaling)")
     return cfg.model_copy(update={"model": model})  # a new config; the given one is unchanged
 
 

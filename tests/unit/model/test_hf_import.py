@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kiln.config import ModelConfig
+from kiln.config import ModelConfig, RopeScaling
 from kiln.errors import ConfigError, StateError
 from kiln.model.hf import to_hf_config_dict
 from kiln.model.hf_import import resolve_init_from, weight_files
@@ -19,12 +19,38 @@ def hf_dir(tmp_path):
     return tmp_path
 
 
-def test_init_from_sets_the_architecture_and_keeps_max_seq_len(hf_dir):
+def test_init_from_sets_the_architecture_and_the_context(hf_dir):
     cfg = resolve_init_from(ModelConfig(init_from=str(hf_dir)))
     assert (cfg.vocab_size, cfg.attention_bias, cfg.hf_model_type, cfg.max_seq_len) == (128, "qkv", "qwen2", 4096)
-    assert cfg.init_from == str(hf_dir)
-    shorter = resolve_init_from(ModelConfig(init_from=str(hf_dir), max_seq_len=512))
-    assert shorter.max_seq_len == 512
+    assert cfg.init_from == str(hf_dir) and cfg.rope_scaling is None
+    assert resolve_init_from(ModelConfig(init_from=str(hf_dir), max_seq_len=4096)).max_seq_len == 4096
+
+
+def test_the_models_context_is_its_own_unless_extended_on_purpose(hf_dir):
+    with pytest.raises(ConfigError, match="max_seq_len=512 is shorter than the 4096 positions.*train.seq_len sets"):
+        resolve_init_from(ModelConfig(init_from=str(hf_dir), max_seq_len=512))
+    with pytest.raises(ConfigError, match="max_seq_len=16384 is longer than the 4096 positions.*rope_scaling.factor=4"):
+        resolve_init_from(ModelConfig(init_from=str(hf_dir), max_seq_len=16384))
+    with pytest.raises(ConfigError, match="rope_scaling beside .* set model.max_seq_len above its 4096"):
+        resolve_init_from(ModelConfig(init_from=str(hf_dir), rope_scaling=RopeScaling(type="linear", factor=4)))
+    longer = resolve_init_from(ModelConfig(init_from=str(hf_dir), max_seq_len=16384,
+                                           rope_scaling=RopeScaling(type="linear", factor=4)))
+    assert (longer.max_seq_len, longer.rope_scaling.type, longer.rope_scaling.factor) == (16384, "linear", 4.0)
+    hf = to_hf_config_dict(longer)
+    assert hf["max_position_embeddings"] == 16384 and hf["rope_scaling"]["factor"] == 4.0
+
+
+def test_the_cpt_preset_keeps_a_long_context(tmp_path):
+    """cpt-8b-4gpu trains 8192-token rows; a Llama-3.1 of 131072 positions stays one (it used to become 8192)."""
+    from kiln.config import load_config
+
+    llama31 = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, max_seq_len=131072, rope_theta=5e5,
+                          rope_scaling=RopeScaling(), tie_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps(to_hf_config_dict(llama31)))
+    cfg = load_config("cpt-8b-4gpu", [f"model.init_from={tmp_path}"])
+    model = resolve_init_from(cfg.model)
+    assert (cfg.train.seq_len, model.max_seq_len, model.rope_scaling) == (8192, 131072, RopeScaling())
+    assert to_hf_config_dict(model)["max_position_embeddings"] == 131072
 
 
 def test_fields_that_contradict_init_from_are_a_config_error(hf_dir):
