@@ -17,7 +17,7 @@ from kiln.data.prepare.tokenizer import Tokenizer
 from kiln.state.export import export_from
 from kiln.train.run import run
 
-from .hf_dirs import CHAT_TEMPLATE, dress, json_changes, tokenizer, write_corpus, write_hf_dir
+from .hf_dirs import CHAT_TEMPLATE, dress, json_changes, llama_tokenizer, write_corpus, write_hf_dir
 
 transformers = pytest.importorskip("transformers")
 
@@ -62,15 +62,17 @@ def test_every_json_of_the_source_survives_export(runs, kind, what, tmp_path):
 
 
 def test_another_tokenizer_is_written_as_kilns_own(runs, tmp_path):
-    other = tokenizer()  # not the source's: its specials and ids are others
+    other = llama_tokenizer()  # the same ids, without the post-processor's <s>: not the source's tokenizer
+    other.tk.post_processor = None
+    other = Tokenizer(other.tk, eos_token="</s>")
     other.save(tmp_path / "other.json")
     out = export_from(runs / "run-llama", tmp_path / "out", tokenizer=tmp_path / "other.json")
     assert Tokenizer.load(out).hash == other.hash
     changes = json_changes(runs / "llama", out)
     assert set(changes) == {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json",
                             "special_tokens_map.json"}
-    assert changes["config.json"]["eos_token_id"] == (2, other.eos_id)
-    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == other.eos_id
+    assert changes["config.json"]["bos_token_id"] == (1, None)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
 
 
 def test_a_source_that_is_gone_is_said(runs, tmp_path):
