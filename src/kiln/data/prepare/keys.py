@@ -1,14 +1,18 @@
 """The settings that name cached work: every cache key of the data pipeline derives from `read_settings`.
 
     read_settings(cfg)                 what decides the documents read from given source bytes
-    dataset_settings(cfg, tokenizer)   + what decides the shards made of them (a dataset's id)
+    read_forms(files)                  how each source file is read: its format and compression, which
+                                       data.format=auto infers from the file's name
+    dataset_settings(cfg, tokenizer, files)   + what decides the shards made of them (a dataset's id)
     tokenizer_key(cfg, sources)        a BPE trained on the sources: its cache key
 
 A setting that changes which documents come out of the sources (a reader's version, the format,
 the field, a length filter, data.on_bad_record, ...) is added once, in `read_settings`, and so
 changes the prepared dataset's id, the key of a tokenizer trained by `kiln prepare` and that of
 one trained for streaming alike: no cache can be reused by a run whose settings would have made
-something else.
+something else. The same bytes under another name can be read another way (JSON lines in
+`corpus.txt` are one text document, in `corpus.jsonl` a record each): what a file's name decides
+is in `read_forms`, beside each file's content hash.
 """
 
 from __future__ import annotations
@@ -37,11 +41,18 @@ def read_settings(cfg) -> dict:
             "on_bad_record": cfg.on_bad_record}
 
 
-def dataset_settings(cfg, tokenizer) -> dict:
-    """Everything besides the inputs and the tokenizer that changes the prepared tokens."""
-    return {**read_settings(cfg), "max_bytes": cfg.max_bytes, "dedup": cfg.dedup, "val_fraction": cfg.val_fraction,
-            "shard_tokens": cfg.shard_tokens, "parse_special_tokens": cfg.parse_special_tokens,
-            "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id}
+def read_forms(files) -> list[str]:
+    """How each source file (a kiln.data.read.sources.SourceFile) is read, in order: 'jsonl', 'text+gzip',
+    'text!lenient' (bad records skipped whatever the policy)."""
+    return [sf.format + (f"+{sf.compression}" if sf.compression else "") + ("!lenient" if sf.lenient else "")
+            for sf in files]
+
+
+def dataset_settings(cfg, tokenizer, files) -> dict:
+    """Everything besides the source bytes and the tokenizer that changes the prepared tokens."""
+    return {**read_settings(cfg), "reads": read_forms(files), "max_bytes": cfg.max_bytes, "dedup": cfg.dedup,
+            "val_fraction": cfg.val_fraction, "shard_tokens": cfg.shard_tokens,
+            "parse_special_tokens": cfg.parse_special_tokens, "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id}
 
 
 def train_chars(cfg) -> int:
@@ -57,8 +68,8 @@ def special_tokens(cfg) -> tuple[str, str | None, list[str]]:
 
 
 def tokenizer_key(cfg, sources) -> str:
-    """Cache key (16 hex digits) of a BPE trained for `cfg` on `sources` (what names their content: their
-    sha256s, or for streaming their names and sizes)."""
+    """Cache key (16 hex digits) of a BPE trained for `cfg` on `sources` (what names their content and how it is
+    read: their sha256s with their read_forms, or for streaming their names and sizes)."""
     return digest({"sources": sources, "read": read_settings(cfg), "train_chars": train_chars(cfg),
                    "vocab_size": cfg.vocab_size, "specials": special_tokens(cfg)[2],
                    "trainer": TRAINER_VERSION})[:16]

@@ -50,7 +50,7 @@ from kiln.data.format.dataset import FORMAT, PreparedDataset, open_dataset
 from kiln.data.prepare.bpe import sigterm_interrupts
 from kiln.data.prepare.cache import INPUTS, cache_errors, open_cache, remove_stale, write_inputs
 from kiln.data.prepare.encode import Encoder
-from kiln.data.prepare.keys import dataset_settings, digest, train_chars
+from kiln.data.prepare.keys import dataset_settings, digest, read_forms, train_chars
 from kiln.data.prepare.progress import PrepareBar
 from kiln.data.prepare.report import build_report, print_report
 from kiln.data.prepare.tokenizer import Tokenizer, load_or_train
@@ -178,12 +178,13 @@ def _prepare(cfg, cache: Path, console, progress: bool, tokenizer: Tokenizer | N
     if tokenizer is None and cfg.tokenizer:
         tokenizer = Tokenizer.load(cfg.tokenizer, cfg.eos_token, cfg.bos_token)
     elif tokenizer is None:  # a BPE trained on the sources is cached under their hashes
-        tokenizer = load_or_train(cfg, _train_texts(cfg, files), [s["sha256"] for s in hashes.all()], cache,
+        content = [[s["sha256"], form] for s, form in zip(hashes.all(), read_forms(files))]
+        tokenizer = load_or_train(cfg, _train_texts(cfg, files), content, cache,
                                   console if progress else None)
     if tokenizer.eos_id is None:
         raise DataError("the tokenizer has no end-of-text token (tried <|endoftext|>, <|end_of_text|>, </s>, <eos>); "
                         "name one with data.eos_token")
-    settings = dataset_settings(cfg, tokenizer)
+    settings = dataset_settings(cfg, tokenizer, files)
     datasets = cache / "datasets"
     tokenizer_json = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()  # cheaper than tokenizer.hash
     sizes = datasets / ("sizes-" + digest({"format": FORMAT, "bytes": [sf.size for sf in files],
