@@ -94,7 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     if args:
         path = Path(args[0])
     else:
-        root = source_root()
+        root, here = source_root(), Path.cwd().resolve()
+        if (here / "mkdocs.yml").is_file() and root != here:
+            # kiln installed from another checkout: its schema is not this tree's, nor is its docs/ this one
+            print(f"{COMMAND}: kiln is imported from {Path(__file__).parent}, not from this tree's src/: "
+                  f"run `PYTHONPATH=src {COMMAND}` here", file=sys.stderr)
+            return 2
         if root is None:
             print(f"{COMMAND}: no source tree around {Path(__file__).parent} (mkdocs.yml beside src/): "
                   "name the page to write, e.g. docs/reference/config.md", file=sys.stderr)

@@ -19,6 +19,17 @@ def test_the_committed_config_reference_is_current():
         f"run `{COMMAND}` from the repository's root and commit the page")
 
 
+def test_the_page_of_another_tree_is_never_written(tmp_path, monkeypatch, capsys):
+    """Run from a checkout whose src/ is not the kiln imported (one installed from elsewhere), the default
+    would write the other tree's page from the other tree's schema: refused, saying how to run it here."""
+    (tmp_path / "mkdocs.yml").write_text("site_name: x\n")
+    monkeypatch.chdir(tmp_path)
+    before = (REPO / PAGE).stat().st_mtime_ns
+    assert main([]) == 2
+    assert f"PYTHONPATH=src {COMMAND}" in capsys.readouterr().err
+    assert (REPO / PAGE).stat().st_mtime_ns == before and not (tmp_path / "docs").exists()
+
+
 def _keys(cls: type[BaseModel], prefix: str) -> list[tuple[str, object]]:
     out = []
     for name, f in cls.model_fields.items():
