@@ -107,7 +107,9 @@ class DataConfig(Section):
     eos_token: str = "auto"
     """Token appended after every document; 'auto': the tokenizer's <|endoftext|>, <|end_of_text|>, </s> or <eos>."""
     bos_token: str | None = None
-    """Token put before every document (null: none; 'auto': the tokenizer's <|begin_of_text|>, <s> or <bos>)."""
+    """Token put before every document (null: none; 'auto': the tokenizer's <|begin_of_text|>, <s> or <bos>;
+    'tokenizer': the one the tokenizer's own post-processor puts first, if any: the default with model.init_from,
+    so the data starts as the model's inputs do at inference)."""
     parse_special_tokens: bool = False
     """Read special-token text inside documents (a literal '<|endoftext|>') as that special token; false
     encodes it as plain text, so no document can inject an EOS or BOS."""
@@ -179,6 +181,10 @@ class DataConfig(Section):
         if self.max_chars is not None and self.max_chars < self.min_chars:
             out.append((("max_chars", "min_chars"),
                         f"data.max_chars={self.max_chars} is below data.min_chars={self.min_chars}"))
+        if self.trains_tokenizer and self.bos_token == "tokenizer":
+            out.append((("bos_token", "tokenizer"),
+                        "data.bos_token=tokenizer follows a given tokenizer's post-processor, and a BPE trained here "
+                        "has none: set data.bos_token to auto, a token, or null"))
         if self.trains_tokenizer:
             eos = "<|endoftext|>" if self.eos_token == "auto" else self.eos_token  # as data/prepare/tokenizer.py
             bos = None if self.bos_token is None else "<|startoftext|>" if self.bos_token == "auto" else self.bos_token

@@ -47,14 +47,22 @@ class RunConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _tokenizer_of_init_from(cls, data: Any) -> Any:
-        """With model.init_from and no data.tokenizer, the data is tokenized with the model's own tokenizer."""
+        """With model.init_from and no data.tokenizer, the data is tokenized with the model's own tokenizer; with
+        no data.bos_token, each document starts as that tokenizer's post-processor starts a text."""
         if isinstance(data, dict):
             model, dcfg = data.get("model"), data.get("data")
             src = model.get("init_from") if isinstance(model, dict) else getattr(model, "init_from", None)
-            if src and isinstance(dcfg, dict | None) and not (dcfg or {}).get("tokenizer"):
-                data = {**data, "data": {**(dcfg or {}), "tokenizer": src}}
-            elif src and isinstance(dcfg, DataConfig) and not dcfg.tokenizer:
-                data = {**data, "data": dcfg.model_copy(update={"tokenizer": src})}
+            if src and isinstance(dcfg, dict | None):
+                given = dict(dcfg or {})
+                if not given.get("tokenizer"):
+                    given["tokenizer"] = src
+                given.setdefault("bos_token", "tokenizer")
+                data = {**data, "data": given}
+            elif src and isinstance(dcfg, DataConfig):
+                update = {} if dcfg.tokenizer else {"tokenizer": src}
+                if "bos_token" not in dcfg.model_fields_set:
+                    update["bos_token"] = "tokenizer"
+                data = {**data, "data": dcfg.model_copy(update=update)}
         return data
 
     def problems(self) -> list[Problem]:

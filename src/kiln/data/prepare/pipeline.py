@@ -53,7 +53,7 @@ from kiln.data.prepare.encode import Encoder
 from kiln.data.prepare.keys import dataset_settings, digest, read_forms, train_chars
 from kiln.data.prepare.progress import PrepareBar
 from kiln.data.prepare.report import build_report, print_report
-from kiln.data.prepare.tokenizer import Tokenizer, load_or_train
+from kiln.data.prepare.tokenizer import Tokenizer, describe_specials, load_or_train
 from kiln.data.prepare.writer import ShardWriter, completed_shards
 from kiln.data.read.records import Deduplicator, RecordChecker, is_val
 from kiln.data.read.sources import SourceFile, expand, file_sha256, iter_documents
@@ -342,7 +342,8 @@ def _build(cfg, hashes: SourceHashes, tokenizer: Tokenizer, settings: dict, part
     report = build_report(partial, splits, checker, files=len(files), input_bytes=sum(s["bytes"] for s in sources),
                           read_documents=read, seconds=time.perf_counter() - start,
                           resumed_shards=sum(len(done[s]) for s in SPLITS), passed_over=files.passed_over,
-                          max_bytes=cfg.max_bytes if cfg.max_bytes is not None and chars >= cfg.max_bytes else None)
+                          max_bytes=cfg.max_bytes if cfg.max_bytes is not None and chars >= cfg.max_bytes else None,
+                          specials=describe_specials(tokenizer, cfg.bos_token))
     (partial / "report.json").write_text(json.dumps(report, indent=2))
     manifest = {
         "format": FORMAT, "id": ds_id, "dtype": np.dtype(dtype).name, "vocab_size": tokenizer.vocab_size,

@@ -26,7 +26,7 @@ def doc_lengths(root: Path, shards: list[dict], cap: int = 10_000_000) -> np.nda
 
 def build_report(root: Path, splits: dict[str, list[dict]], checker: RecordChecker, *, files: int,
                  input_bytes: int, read_documents: int, seconds: float, resumed_shards: int,
-                 max_bytes: int | None = None, passed_over: list[str] = ()) -> dict:
+                 max_bytes: int | None = None, passed_over: list[str] = (), specials: str | None = None) -> dict:
     """The report of a prepared dataset; `passed_over`: files in source directories not read (see `expand`)."""
     lengths = doc_lengths(root, [s for shards in splits.values() for s in shards])
     out = {s: {"documents": sum(x["documents"] for x in v), "tokens": sum(x["tokens"] for x in v),
@@ -43,7 +43,7 @@ def build_report(root: Path, splits: dict[str, list[dict]], checker: RecordCheck
         "files": files, "files_passed_over": len(passed_over), "passed_over_examples": list(passed_over[:EXAMPLES]),
         "input_bytes": input_bytes, "documents_read": read_documents,
         "stopped_at_max_bytes": max_bytes,
-        "documents": docs, "tokens": tokens, "splits": out,
+        "documents": docs, "tokens": tokens, "splits": out, "special_tokens": specials,
         "dropped": dropped, "dropped_examples": {k: checker.examples[k] for k in dropped},
         "duplicates_removed": dropped.get("duplicate", 0),
         "document_tokens": pct, "seconds": round(seconds, 2),
@@ -73,6 +73,8 @@ def print_report(report: dict, console, path: Path, reused: bool = False) -> Non
                           if report.get("stopped_at_max_bytes") else ""))
     if report.get("files_passed_over"):
         t.add_row("passed over", passed_over_text(report["files_passed_over"], report["passed_over_examples"]))
+    if report.get("special_tokens"):
+        t.add_row("each document", report["special_tokens"])
     for name, s in report["splits"].items():
         t.add_row(name, f"{s['documents']:,} documents, {s['tokens']:,} tokens, {s['shards']} shard(s)")
     d = report["document_tokens"]

@@ -6,7 +6,8 @@ byte-level BPE on the sources.
     tok.encode_batch(texts), tok.eos_id, tok.bos_id, tok.hash
 
 BOS/EOS are explicit: `eos_token` (appended after every document; 'auto' finds the usual
-end-of-text token) and `bos_token` (prepended; None: no BOS; 'auto' finds the usual one). The
+end-of-text token) and `bos_token` (prepended; None: no BOS; 'auto' finds the usual one;
+'tokenizer': the one the tokenizer's own post-processor puts before a text, if any). The
 content hash is taken over the canonical JSON of the tokenizer, so a changed vocabulary, merge
 or normaliser gives a new hash; prepared datasets and checkpoints record it.
 """
@@ -44,13 +45,35 @@ def _special(tk, name: str | None, candidates: tuple[str, ...], what: str) -> in
     return None
 
 
+def post_processor_bos(tk) -> int | None:
+    """The id the tokenizer's post-processor puts before a single text (Llama's <s>, Llama 3's
+    <|begin_of_text|>, Gemma's <bos>), or None where it puts none (Qwen2, GPT-2, a BPE trained here)."""
+    plain = tk.encode("a", add_special_tokens=False).ids
+    full = tk.encode("a", add_special_tokens=True).ids
+    if len(full) > len(plain) and full[1:1 + len(plain)] == plain:
+        return full[0]
+    return None
+
+
+def describe_specials(tok: Tokenizer, bos_token: str | None) -> str:
+    """What a prepare did around each document, for its report: the BOS put first (and why), the EOS put last."""
+    name = tok.tk.id_to_token
+    eos = f"{name(tok.eos_id)} after" if tok.eos_id is not None else "no EOS after"
+    if tok.bos_id is not None:
+        why = "as the tokenizer's own post-processor puts it first" if bos_token == "tokenizer" else \
+            f"data.bos_token={bos_token}"
+        return f"{name(tok.bos_id)} before ({why}), {eos}"
+    why = "the tokenizer's own post-processor puts none first" if bos_token == "tokenizer" else "data.bos_token=null"
+    return f"no BOS before ({why}), {eos}"
+
+
 class Tokenizer:
     """A Hugging Face `tokenizers.Tokenizer` with a content hash and explicit BOS/EOS ids."""
 
     def __init__(self, tk, eos_token: str | None = "auto", bos_token: str | None = None):
         self.tk = tk
         self.eos_id = _special(tk, eos_token, EOS_NAMES, "eos")
-        self.bos_id = _special(tk, bos_token, BOS_NAMES, "bos")
+        self.bos_id = post_processor_bos(tk) if bos_token == "tokenizer" else _special(tk, bos_token, BOS_NAMES, "bos")
         if bos_token == "auto" and self.bos_id is None:
             raise DataError(f"data.bos_token=auto: the tokenizer has none of {', '.join(BOS_NAMES)}; name its "
                             "BOS token or set data.bos_token=null")

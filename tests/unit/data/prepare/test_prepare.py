@@ -584,3 +584,29 @@ def test_new_readers_make_a_new_dataset(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(keys, "READERS_VERSION", keys.READERS_VERSION + 1)
     second = prepare(config(corpus, tmp_path))
     assert second.path != first.path and second.manifest["settings"]["readers"] == keys.READERS_VERSION
+
+
+def test_init_from_data_starts_each_document_as_its_tokenizer_does(corpus, tmp_path):
+    """A model whose tokenizer's post-processor puts <s> first gets <s> before every document of its CPT data (it
+    used to get none), and the report says so; data.bos_token=null still leaves it out."""
+    from tokenizers import processors
+
+    from kiln.config import load_config
+
+    d, texts = corpus
+    model = tmp_path / "model"
+    model.mkdir()
+    tk = train_bpe(texts[:20], 400, ["<unk>", "<s>", "</s>"]).tk
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tk.save(str(model / "tokenizer.json"))
+    base = [f"model.init_from={model}", f"data.sources=[{d / 'a.jsonl'}]", f"data.cache_dir={tmp_path / 'c'}",
+            "data.workers=1", "data.val_fraction=0"]
+    for extra, bos in (((), 1), (("data.bos_token=null",), None)):
+        ds = prepare(load_config(None, [*base, *extra]).data)
+        tokens = np.concatenate([np.fromfile(b, dtype=ds.dtype) for b, _, _ in ds.shards("train")])
+        docs = ds.split("train")["documents"]
+        assert (int((tokens == 1).sum()), int((tokens == 2).sum())) == ((docs if bos else 0), docs)
+        assert ds.manifest["bos_id"] == bos
+        said = ds.manifest["report"]["special_tokens"]
+        assert said == ("<s> before (as the tokenizer's own post-processor puts it first), </s> after" if bos else
+                        "no BOS before (data.bos_token=null), </s> after")

@@ -9,7 +9,7 @@ import pytest
 from kiln.config import DataConfig
 from kiln.data.prepare.encode import encode_texts
 from kiln.data.prepare.tokenizer import Tokenizer, load_or_train, train_bpe
-from kiln.errors import DataError
+from kiln.errors import ConfigError, DataError
 
 CORPUS = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int\n    y: int\n"] * 20
 
@@ -94,3 +94,34 @@ def test_trained_tokenizer_is_cached(tmp_path):
     assert load_or_train(cfg, iter(CORPUS), "key1", tmp_path).hash == a.hash
     with pytest.raises(DataError, match="too small"):
         load_or_train(cfg.model_copy(update={"vocab_size": 100}), iter(CORPUS), "key2", tmp_path)
+
+
+def _with_template(single: str | None):
+    """A BPE with Llama's specials (<unk>, <s>, </s>) whose post-processor is `single` (None: none)."""
+    from tokenizers import processors
+
+    tk = train_bpe(CORPUS, 300, ["<unk>", "<s>", "</s>"]).tk
+    if single is not None:
+        tk.post_processor = processors.TemplateProcessing(single=single, special_tokens=[("<s>", 1), ("</s>", 2)])
+    return tk
+
+
+def test_bos_follows_the_tokenizers_post_processor():
+    assert Tokenizer(_with_template("<s> $A"), bos_token="tokenizer").bos_id == 1
+    assert Tokenizer(_with_template("<s> $A </s>"), bos_token="tokenizer").bos_id == 1
+    assert Tokenizer(_with_template("$A </s>"), bos_token="tokenizer").bos_id is None
+    assert Tokenizer(_with_template(None), bos_token="tokenizer").bos_id is None
+    assert Tokenizer(_with_template("<s> $A"), bos_token=None).bos_id is None  # the setting still overrides
+
+
+def test_init_from_defaults_bos_to_the_tokenizers_own(tmp_path):
+    from kiln.config import RunConfig, load_config
+
+    cfg = load_config(None, [f"model.init_from={tmp_path}"])
+    assert (cfg.data.tokenizer, cfg.data.bos_token) == (str(tmp_path), "tokenizer")
+    assert load_config(None, [f"model.init_from={tmp_path}", "data.bos_token=null"]).data.bos_token is None
+    assert load_config(None, []).data.bos_token is None  # from scratch: none, as before
+    given = RunConfig.model_validate({"model": {"init_from": str(tmp_path)}, "data": DataConfig(bos_token="<s>")})
+    assert given.data.bos_token == "<s>"
+    with pytest.raises(ConfigError, match="bos_token=tokenizer follows a given tokenizer"):
+        load_config(None, ["data.bos_token=tokenizer"])
