@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from .conftest import stdlib_corpus, tiny_cpu_run
+
 pytestmark = pytest.mark.slow
 
 
@@ -67,3 +69,20 @@ def test_data_without_a_validation_split_trains_without_evaluation(tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in records if x["event"] == "train"] == [3, 6]
     assert not [x for x in records if x["event"] == "eval"]
+
+
+def test_a_run_whose_output_goes_to_a_file_logs_a_progress_line_every_logging_step(tmp_path):
+    """`kiln train > run.log` (Slurm, kubectl logs, nohup): a line per logging step, not the bar's last state."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    stdlib_corpus(corpus, 30)
+    log = tmp_path / "run.log"
+    with open(log, "w") as out:
+        r = subprocess.run([sys.executable, "-m", "kiln.cli", "train",
+                            *tiny_cpu_run(tmp_path / "cache", corpus, 24, 0, "logging.every=4", "logging.console=true",
+                                          f"train.run_dir={tmp_path / 'run'}", batch_size=4, vocab_size=300)],
+                           stdout=out, stderr=subprocess.PIPE, text=True, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [line for line in log.read_text().splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == [f"{s}/24" for s in range(4, 25, 4)], log.read_text()
+    assert all("loss " in line and " tok/s" in line and "eta " in line and "mem host " in line for line in lines)

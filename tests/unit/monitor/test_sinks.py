@@ -101,3 +101,25 @@ def test_the_console_says_each_notice_once():
     trainer.events.emit("on_train_end", trainer, {})
     text = out.getvalue()
     assert text.count("waited for data 50% of the time") == 1 and text.count("rolled back to step 0") == 1
+
+
+def test_a_console_that_is_not_a_terminal_gets_a_plain_line_per_logging_step():
+    """Written to a file (Slurm, kubectl logs, nohup), a progress bar shows only its end: a line per logging step
+    instead, with the step of the total, loss, lr, tokens/s, time left and memory."""
+    out = io.StringIO()
+    console = Console(file=out, width=80)  # a file: not a terminal
+    assert not console.is_terminal
+    trainer = SimpleNamespace(step=0, cfg=load_config(None, ["train.max_steps=40"]))
+    sink = ConsoleSink(console)
+    sink.on_train_start(trainer)
+    for step in range(1, 41):
+        trainer.step = step
+        metrics = {"step": step, "loss": 5.0 - step / 100, "lr": 1e-3, "tokens_per_s": 2530.0,
+                   "sys/rss_gib": 0.42} if step % 10 == 0 else None
+        sink.on_step_end(trainer, metrics)
+    sink.on_train_end(trainer, {})
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("step ")]
+    assert len(lines) == 4, out.getvalue()
+    assert lines[1].startswith("step 20/40 (50%)  loss 4.8000  lr 1.00e-03  2,530 tok/s  eta ")
+    assert lines[1].endswith("mem host 0.42 GiB") and lines[-1].split("  ")[4] == "eta 0s"
+    assert all(len(line) > 80 for line in lines)  # never wrapped at the console's width

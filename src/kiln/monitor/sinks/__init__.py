@@ -14,10 +14,13 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kiln.events import Sink
 from kiln.files import atomic_write
+from kiln.monitor.progress import ProgressLines
 
 
 class ConsoleSink(Sink):
-    """A rich progress bar (step, loss, lr, tokens/s, ETA) plus a line per evaluation."""
+    """A rich progress bar (step, loss, lr, tokens/s, ETA) plus a line per evaluation. When the console is not a
+    terminal (a log file), a plain line per logging step instead (`kiln.monitor.progress`): a bar is drawn
+    there only once, at its end."""
 
     name = "console"
 
@@ -25,8 +28,14 @@ class ConsoleSink(Sink):
         self.console = console or Console()
         self.progress: Progress | None = None
         self.task = None
+        self.lines: ProgressLines | None = None
 
     def on_train_start(self, trainer) -> None:
+        if not self.console.is_terminal:
+            self.lines = ProgressLines(lambda s: self.console.print(s, markup=False, highlight=False, soft_wrap=True),
+                                       trainer.cfg.train.max_steps)
+            self.lines.begin(trainer.step)
+            return
         self.progress = Progress(
             TextColumn("step {task.completed}/{task.total}"), BarColumn(),
             TextColumn("loss {task.fields[loss]}  lr {task.fields[lr]}  {task.fields[tps]} tok/s"),
@@ -37,6 +46,10 @@ class ConsoleSink(Sink):
                                            loss="-", lr="-", tps="-")
 
     def on_step_end(self, trainer, metrics: dict[str, Any] | None) -> None:
+        if self.lines is not None:
+            if metrics:
+                self.lines(trainer.step, metrics)
+            return
         fields = {}
         if metrics:
             fields = dict(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
@@ -56,6 +69,7 @@ class ConsoleSink(Sink):
     def on_train_end(self, trainer, metrics: dict[str, Any]) -> None:
         if self.progress:
             self.progress.stop()
+            self.progress = None
 
     def on_run_end(self, trainer, status: str) -> None:
         self.on_train_end(trainer, {})  # a stopped run leaves its bar where it stopped
