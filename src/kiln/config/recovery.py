@@ -22,9 +22,10 @@ class RecoveryConfig(Section):
     is halved (more accumulation, same samples in the same order) and the step runs again; one more stops the
     run with a ResourceError and an emergency checkpoint (0: the first one stops it). One process only."""
     rollback: bool = True
-    """Roll back a bad step (non-finite loss or gradient norm, or a loss spike): restore the newest in-memory
-    snapshot, pass over the step's samples (recorded, so a resume passes over them too) and go on. Costs one
-    copy of the state in host memory and a host read of the loss every step."""
+    """Roll back a bad step (non-finite loss or gradient norm, a loss above max_loss, a loss spike of one batch, a
+    divergence): restore the newest good state (the in-memory snapshot, or a newer complete checkpoint), pass
+    over the step's samples (recorded, so a resume passes over them too) and go on. Costs one copy of the state
+    in host memory and a host read of the loss every step."""
     snapshot_every: int = Field(50, ge=1)
     """Steps between the in-memory snapshots a rollback restores, when checkpoint.snapshot_every is 0
     (that cadence wins when set); the first is taken at the start."""
@@ -32,7 +33,12 @@ class RecoveryConfig(Section):
     """A step whose loss is this many standard deviations above the mean of the last spike_window good steps
     is a spike (0: spikes are not checked, only non-finite values)."""
     spike_window: int = Field(50, ge=2)
-    """Good steps the spike check compares against; no step is called a spike before there are this many."""
+    """Good steps the spike check compares against; no step is called a spike before there are this many. A spike
+    whose rise persists over the next steps while the model still fits a batch it learnt before is a change of
+    data, not a divergence: training goes on, and the window starts again (kiln.train.spikes)."""
+    max_loss: float | None = Field(None, gt=0)
+    """A step whose loss is above this is bad from the first step on (the spike check needs a full window first);
+    null: twice the loss of a uniform guess over the vocabulary, 2 ln(vocab size)."""
     max_rollbacks: int = Field(3, ge=0)
     """Rollbacks allowed within rollback_window steps; one more bad step stops the run with a TrainingError
     (the last good state saved as an emergency checkpoint, the offending samples named)."""

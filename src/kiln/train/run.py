@@ -48,6 +48,7 @@ from kiln.state.weights import save_model
 from kiln.train.early_stop import EarlyStop
 from kiln.train.events import EvalEvery
 from kiln.train.rollback import Rollback, host_room
+from kiln.train.spikes import loss_bound
 from kiln.train.threads import apply_threads
 from kiln.train.trainer import Trainer
 
@@ -226,7 +227,8 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     if cfg.recovery.rollback:  # kiln.train.rollback: bad steps undone from the memory snapshots
         fits, need, have = host_room(model, 2 if cfg.checkpoint.async_save else 1, mesh.local_world)
         if fits:
-            callbacks.insert(0, Rollback(cfg.recovery, checkpointer.snapshots, cfg.checkpoint.snapshot_every))
+            callbacks.insert(0, Rollback(cfg.recovery, checkpointer.snapshots, cfg.checkpoint.snapshot_every,
+                                         checkpointer, loss_bound(cfg.recovery, cfg.model.vocab_size)))
         else:
             console.print(f"recovery.rollback is off for this run: its snapshot of the training state beside the "
                           f"checkpoint's staging copy takes {need / 1e9:.0f} GB of host memory on this node, and "

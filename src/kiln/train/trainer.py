@@ -50,6 +50,7 @@ class Trainer:
         self.verify_pending = None
         self.step_start: dict = {}  # the loader's position before this step's rows, and their global samples
         self.step_samples = (0, 0)
+        self.batch = None  # this rank's rows of the step just trained: (tokens, targets, doc_ids), on the device
         self.lr_scale, self._base_lrs = 1.0, list(self.scheduler.base_lrs)
         peak = cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops else None
         self.meter = Throughput(flops_per_token, device, peak)
@@ -116,7 +117,7 @@ class Trainer:
         rows (halved, and the step run again, on an out-of-memory error: kiln.train.oom).
         Returns (loss, grad norm) on the device."""
         with self.meter.waiting_for_data():
-            batch = self._step_batch()  # (N, T) each
+            self.batch = batch = self._step_batch()  # (N, T) each
         total = self.oom.run(self, lambda: self._accumulate(batch))
         clip = self.cfg.train.grad_clip
         # parameters without a gradient are skipped; max_norm=inf still measures the norm for the logs

@@ -3,6 +3,7 @@ memory snapshot and passed over; the weights come out exactly as those of a run 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -191,10 +192,10 @@ def test_no_device_value_is_read_by_kiln_between_check_points(tmp_path, monkeypa
     checked: list[int] = []  # the number of steps each check reads
     real_verify = Rollback.verify
 
-    def verify(self, trainer, *read):
+    def verify(self, trainer, *read, **wait):
         if self.pending:
             checked.append(len(self.pending))
-        return real_verify(self, trainer, *read)
+        return real_verify(self, trainer, *read, **wait)
 
     monkeypatch.setattr(Rollback, "verify", verify)
 
@@ -298,3 +299,43 @@ def test_when_the_check_cannot_read_the_device_no_checkpoint_of_unchecked_steps_
     assert t.step == 3 and len(t.events.callbacks[0].pending) == 3  # still unchecked
     assert any("no emergency checkpoint: the steps since the last check" in m for m in said)
     assert not (d / "checkpoints").exists() or not any((d / "checkpoints").iterdir())
+
+
+def test_a_spike_after_a_resume_is_rolled_back_as_in_an_uninterrupted_run(tmp_path):
+    """The spike window is saved with the run's counters (under the key "rollback"): a resumed run judges its first
+    steps against the steps before the checkpoint, not against an empty window that needs spike_window steps."""
+    d = tmp_path / "resumed"
+    first, _ = run(tmp_path, "resumed", steps=8, scale=200.0)
+    first.train()
+    ck = Checkpointer(d, first.cfg, {}, lambda m: None)
+    path = ck.save(first, blocking=True)
+    saved = json.loads((path / "state.json").read_text())["trainer"]
+    assert [s for s, _ in saved["rollback"]["window"]] == [4, 5, 6, 7, 8]  # the last spike_window good steps
+    # the resumed run: sample 38 (step 10: samples 36..39) makes its loss spike
+    again, log = run(tmp_path, "resumed", steps=16, poison=[38], scale=200.0)
+    Checkpointer(d, again.cfg, {}, lambda m: None).load(again, path)
+    assert list(again.events.callbacks[0].window) == list(first.events.callbacks[0].window)
+    again.train()
+    [(_, info)] = [n for n in log.notices if n[0] == "rollback"]
+    assert info["bad_step"] == 10 and info["to_step"] == 8 and "spike" in info["reason"]
+    assert again.step == 16 and again.skips.state_dict() == [[36, 40, 10]]
+
+
+def test_a_rollback_goes_to_a_newer_checkpoint_on_disk_than_the_snapshot(tmp_path):
+    """Snapshots every 8 steps, checkpoints every 4: step 7 goes bad and the run goes back to step 4's checkpoint
+    (not to the snapshot of step 0), with the weights of a run that never held step 7's samples."""
+    from kiln.state.callback import CheckpointEvery
+
+    d = tmp_path / "disk"
+    t, log = run(tmp_path, "disk", poison=[26], steps=10, snapshot_every=8, checkpoint={"every": 4})
+    ck = Checkpointer(d, t.cfg, {}, lambda m: None)
+    t.events.callbacks[0] = Rollback(t.cfg.recovery, ck.snapshots, checkpointer=ck)
+    t.events.callbacks.append(CheckpointEvery(ck))
+    t.train()
+    [(_, info)] = [n for n in log.notices if n[0] == "rollback"]
+    assert info["bad_step"] == 7 and info["to_step"] == 4 and info["skipped"] == [24, 28]
+    assert ck.snapshots.snapshot.step == 8  # snapshotted from the checkpoint, then again at step 8
+    clean, _ = run(tmp_path, "clean", poison=[26], steps=10, skip=(24, 28, 7), rollback=False)
+    clean.train()
+    a, b = weights(t), weights(clean)
+    assert all(torch.equal(a[k], b[k]) for k in a)
