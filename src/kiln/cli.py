@@ -252,9 +252,17 @@ def inspect(
 def eval_(
     target: str = typer.Argument(..., help="A run directory (its model/, else its newest checkpoint), a model/ "
                                            "folder, a checkpoint directory or a Hugging Face model directory."),
-    data: list[str] = typer.Option(..., "--data", "-d", help="Source files, directories or globs (any format "
-                                   "`kiln prepare` reads; repeat the option for more), or one prepared dataset "
-                                   "directory made with the model's tokenizer."),
+    data: list[str] | None = typer.Option(None, "--data", "-d", help="Source files, directories or globs (any "
+                                          "format `kiln prepare` reads; repeat the option for more), or one "
+                                          "prepared dataset directory made with the model's tokenizer."),
+    tasks: str | None = typer.Option(None, "--tasks", help="Instead of --data: lm-evaluation-harness tasks, "
+                                     "comma-separated (hellaswag,arc_easy); needs the lm-eval extra."),
+    include_path: list[str] | None = typer.Option(None, "--include-path", help="With --tasks: a directory of "
+                                                  "task YAML files (yours, or a local copy of lm-eval's)."),
+    limit: int | None = typer.Option(None, "--limit", min=1, help="With --tasks: at most this many examples "
+                                     "per task (default: all)."),
+    num_fewshot: int | None = typer.Option(None, "--num-fewshot", min=0, help="With --tasks: examples shown "
+                                           "before each question (default: each task's own)."),
     more: list[str] | None = typer.Argument(None, help="More sources (a glob the shell expanded after --data)."),
     split: str | None = typer.Option(None, "--split", help="Split of a prepared dataset (default: val if it "
                                      "has one, else train)."),
@@ -263,7 +271,8 @@ def eval_(
     batch_size: int | None = typer.Option(None, "--batch-size", min=1, help="Rows per batch (default: the run's "
                                           "train.batch_size, else 8)."),
     seq_len: int | None = typer.Option(None, "--seq-len", min=1, help="Tokens per row (default: the run's "
-                                       "train.seq_len, else up to 1024)."),
+                                       "train.seq_len, else up to 1024); with --tasks the longest input "
+                                       "(default: the model's context)."),
     device: str = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N."),
     seed: int | None = typer.Option(None, "--seed", min=0, help="Seed of the row order (default: the run's "
                                     "train.seed, as its validation reads them; else 0)."),
@@ -275,18 +284,40 @@ def eval_(
     text_unit: str | None = typer.Option(None, "--text-unit", help="Text files: a document per file, line or "
                                          "paragraph (as data.text_unit)."),
 ) -> None:
-    """Loss, perplexity and bits per byte of a model on any data, printed and written as JSON.
+    """Loss, perplexity and bits per byte of a model on any data (--data), or its scores on
+    lm-evaluation-harness benchmarks (--tasks), printed and written as JSON.
 
     Bits per byte do not depend on the tokenizer, so models with different tokenizers compare on
     the same text. Documents are packed and masked as in training.
 
-    Example: kiln eval runs/20261126-101500 --data held-out/*.jsonl --max-tokens 1000000
+    Examples: kiln eval runs/20261126-101500 --data held-out/*.jsonl --max-tokens 1000000;
+    kiln eval runs/20261126-101500 --tasks hellaswag,arc_easy --limit 500
     """
     from rich.table import Table
 
     from kiln.evaluate import evaluate, write_result
 
-    result = evaluate(target, [*data, *(more or [])], split=split, max_tokens=max_tokens, batch_size=batch_size,
+    if (data is None) == (tasks is None):
+        raise ConfigError("kiln eval: give --data (loss and bits per byte on text) or --tasks (lm-eval benchmarks)")
+    if tasks is not None:
+        from kiln.eval.score import score_target
+
+        names = [t.strip() for t in tasks.split(",") if t.strip()]
+        result = score_target(target, names, include_path=include_path or (), limit=limit, num_fewshot=num_fewshot,
+                              batch_size=batch_size or 16, device=device, max_length=seq_len)
+        path = write_result(result, out)
+        table = Table(title=f"kiln eval {result['target']}", title_justify="left")
+        for name in ("task", "metric", "value", "examples"):
+            table.add_column(name, justify="left" if name in ("task", "metric") else "right")
+        for key, value in result["scores"].items():
+            task, metric = key.split("/", 1)
+            if not metric.endswith("_stderr"):
+                table.add_row(task, metric, f"{value:.4f}", str(result["n_samples"].get(task, "")))
+        console.print(table)
+        console.print(f"written to {path}", highlight=False)
+        return
+
+    result = evaluate(target, [*(data or []), *(more or [])], split=split, max_tokens=max_tokens, batch_size=batch_size,
                       seq_len=seq_len, device=device, seed=seed, format=fmt, field=field, text_unit=text_unit)
     path = write_result(result, out)
     table = Table(title=f"kiln eval {result['target']}", title_justify="left")

@@ -12,7 +12,7 @@ those checks deferred, sets aside the values that failed, and runs every check w
 all valid, so a typo in one section never hides a wrong value in another.
 
 One module per section (`model`, `data`, `train`, `optim`, `checkpoint`, `recovery`, `logging`,
-`monitor`, `parallel` for `dist:`, `lora`), `run` for the whole config and its checks across sections,
+`monitor`, `parallel` for `dist:`, `lora`, `eval`), `run` for the whole config and its checks across sections,
 `load` for files, presets, overrides and `derive`, and `describe` for what `kiln train --help-config` and the
 config reference page say of each key.
 """
@@ -21,6 +21,7 @@ from kiln.config.base import Problem, Section
 from kiln.config.checkpoint import CheckpointConfig
 from kiln.config.data import DataConfig, MixtureEntry
 from kiln.config.describe import describe_fields
+from kiln.config.eval import EvalConfig
 from kiln.config.load import PRESETS_DIR, derive, dotted, load_config, resolve_config_path
 from kiln.config.logging import LoggingConfig
 from kiln.config.lora import LoraConfig
@@ -33,7 +34,8 @@ from kiln.config.run import RunConfig
 from kiln.config.train import EarlyStopConfig, TrainConfig
 
 __all__ = [
-    "PRESETS_DIR", "CheckpointConfig", "DataConfig", "DistConfig", "EarlyStopConfig", "LoggingConfig", "LoraConfig",
+    "PRESETS_DIR", "CheckpointConfig", "DataConfig", "DistConfig", "EarlyStopConfig", "EvalConfig", "LoggingConfig",
+    "LoraConfig",
     "MixtureEntry", "ModelConfig", "MonitorConfig", "OptimConfig", "Problem", "ProfileConfig", "RecoveryConfig",
     "RopeScaling", "RunConfig", "Section", "TrainConfig", "derive", "describe_fields", "dotted", "load_config",
     "resolve_config_path",

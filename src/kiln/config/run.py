@@ -10,6 +10,7 @@ from pydantic import model_validator
 from kiln.config.base import Problem, Section
 from kiln.config.checkpoint import CheckpointConfig
 from kiln.config.data import DataConfig
+from kiln.config.eval import EvalConfig
 from kiln.config.logging import LoggingConfig
 from kiln.config.lora import LoraConfig
 from kiln.config.model import ModelConfig
@@ -43,6 +44,8 @@ class RunConfig(Section):
     """Several processes and devices (torchrun): DDP or FSDP2, sharding, offload, watchdog."""
     lora: LoraConfig = LoraConfig()
     """Low-rank adapters (off unless lora.rank > 0)."""
+    eval: EvalConfig = EvalConfig()
+    """Benchmark tasks (lm-evaluation-harness) at the run's evaluations (off unless eval.tasks is set)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -39,7 +39,7 @@ MODES = ("auto", "never", "force")
 FREE = ("train.run_dir", "train.device", "train.compile", "train.activation_checkpointing", "train.peak_tflops",
         "train.eval_every", "train.eval_batches", "train.sample_prompt", "train.sample_tokens", "data.sources",
         "data.tokenizer", "data.cache_dir", "data.workers", "data.prefetch", "data.pin_memory", "optim.fused",
-        "logging.", "checkpoint.", "dist.", "profile.", "monitor.")
+        "logging.", "checkpoint.", "dist.", "profile.", "monitor.", "eval.")
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any], all_keys: bool = False) -> list[str]:

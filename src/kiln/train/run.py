@@ -224,6 +224,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     plain = partial(console.print, markup=False, highlight=False)  # a message may hold brackets ('kiln[gpu]')
     watchers = RunWatchers(cfg, run_dir, device, checkpoint_bytes(n_params), mesh.rank, plain)
     extra, callbacks = list(callbacks), [*watchers.first, EvalEvery(tcfg.eval_every)]
+    if cfg.eval.tasks:  # kiln.eval: benchmark scores join each evaluation's metrics, before the sinks see them
+        from kiln.eval.callback import TasksAtEval
+
+        callbacks.append(TasksAtEval(cfg.eval, tok, plain if mesh.rank == 0 else None))
     if cfg.recovery.rollback:  # kiln.train.rollback: bad steps undone from the memory snapshots
         fits, need, have = host_room(model, 2 if cfg.checkpoint.async_save else 1, mesh.local_world)
         if fits:

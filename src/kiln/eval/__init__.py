@@ -1,0 +1,1 @@
+"""Evaluation of a model on benchmarks: the lm-evaluation-harness adapter and the tasks it runs."""

@@ -1,0 +1,64 @@
+"""`eval.tasks`: lm-evaluation-harness tasks at a training run's evaluations, a callback of the loop.
+
+At every `eval.every`-th evaluation, and at the last, each task runs on the model being trained (at
+most `eval.limit` examples each) and its scores (hellaswag/acc, ...) join the evaluation's metrics,
+before the sinks see them: metrics.jsonl, the console, TensorBoard, W&B, MLflow. Every process runs
+the same requests, so a model sharded over them (FSDP) takes part whole; rank 0's sinks write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kiln.config import EvalConfig
+from kiln.errors import ConfigError
+from kiln.events import Callback
+
+
+def require_lm_eval() -> None:
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise ConfigError("eval.tasks needs lm-evaluation-harness: pip install 'kiln[lm-eval]' (or lm-eval)") from None
+
+
+class TasksAtEval(Callback):
+    """Runs `cfg.tasks` on the trainer's model at its evaluations and adds the scores to their metrics."""
+
+    def __init__(self, cfg: EvalConfig, tokenizer, log: Callable[[str], None] | None = None):
+        require_lm_eval()
+        from kiln.eval.tasks import check_tasks, manager_for
+
+        self.cfg, self.tokenizer, self.log = cfg, tokenizer, log
+        self.manager = manager_for(cfg.tasks, cfg.include_path)
+        check_tasks(self.manager, cfg.tasks)  # before training starts: a typo costs nothing
+        self.evals = 0
+
+    def on_train_start(self, trainer) -> None:
+        if trainer.val_loader is None and self.log is not None:
+            self.log(f"eval.tasks ({', '.join(self.cfg.tasks)}) run at evaluations, and this run has no validation "
+                     "split to evaluate: raise data.val_fraction to run them")
+
+    def on_eval_end(self, trainer, metrics: dict[str, Any]) -> None:
+        self.evals += 1
+        last = trainer.step >= trainer.cfg.train.max_steps or trainer.stop_reason is not None
+        if self.evals % self.cfg.every and not last:
+            return
+        from kiln.eval.harness import KilnLM
+        from kiln.eval.tasks import run_tasks
+
+        lm = KilnLM(trainer.model, self.tokenizer, batch_size=self.cfg.batch_size,
+                    max_length=trainer.cfg.train.seq_len, autocast=trainer.autocast)
+        was_training = trainer.model.training
+        trainer.model.eval()
+        try:
+            with trainer.meter.paused():  # not counted in training tokens/s
+                scores = run_tasks(lm, self.cfg.tasks, limit=self.cfg.limit, num_fewshot=self.cfg.num_fewshot,
+                                   manager=self.manager)["scores"]
+        finally:
+            trainer.model.train(was_training)
+        metrics.update(scores)
+        if self.log is not None and scores:
+            self.log(f"tasks step {metrics.get('step', trainer.step)}: "
+                     + "  ".join(f"{k} {v:.4f}" for k, v in scores.items()))
