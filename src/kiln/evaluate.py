@@ -100,14 +100,18 @@ def load_target(target: str | Path) -> Target:
         return Target(_transformer(cfg, state), tok, "hf", p, None,
                       default_out=p.with_name(p.name + ".eval.json"))
     ckpt = checkpoint_of(p)
-    from kiln.state.export import read_checkpoint_model
+    from kiln.state.export import read_checkpoint_auto, read_checkpoint_model
     from kiln.state.verify import read_meta
 
-    cfg, state, tok = read_checkpoint_model(ckpt)
     meta = read_meta(ckpt)
     run_cfg = RunConfig.model_validate(meta["config"])
+    if run_cfg.model.hf_class == "auto":  # a transformers model (kiln.model.hf_auto)
+        model, tok = read_checkpoint_auto(ckpt)
+    else:
+        cfg, state, tok = read_checkpoint_model(ckpt)
+        model = _transformer(cfg, state)
     run_dir = ckpt.parent.parent
-    return Target(_transformer(cfg, state), tok, "checkpoint", ckpt, run_cfg, step=int(meta["step"]),
+    return Target(model, tok, "checkpoint", ckpt, run_cfg, step=int(meta["step"]),
                   default_out=run_dir / f"eval-{ckpt.name}.json")
 
 

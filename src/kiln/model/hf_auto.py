@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -123,8 +124,9 @@ def build_auto(cfg: ModelConfig, lora: LoraConfig | None = None, weights: bool =
     trust = cfg.trust_remote_code
     try:
         if weights:
-            hf = tr.AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=dtype, trust_remote_code=trust,
-                                                         use_safetensors=safetensors)
+            hf, info = tr.AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=dtype, trust_remote_code=trust,
+                                                               use_safetensors=safetensors, output_loading_info=True)
+            check_loaded(cfg.init_from, info)
         else:
             conf = tr.AutoConfig.from_pretrained(cfg.init_from, trust_remote_code=trust)
             hf = tr.AutoModelForCausalLM.from_config(conf, dtype=dtype, trust_remote_code=trust)
@@ -135,8 +137,23 @@ def build_auto(cfg: ModelConfig, lora: LoraConfig | None = None, weights: bool =
     if use_lora:
         import peft
 
-        hf = peft.get_peft_model(hf, _peft_config(lora))  # freezes the base; adapters in fp32
+        with warnings.catch_warnings():  # PEFT asks transformers' deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            hf = peft.get_peft_model(hf, _peft_config(lora))  # freezes the base; adapters in fp32
     return HFCausalLM(hf, cfg)
+
+
+def check_loaded(path: str | Path, info: dict[str, Any]) -> None:
+    """StateError if from_pretrained left weights of the model unread (transformers then initialises them at
+    random and only logs it): the files in `path` are not this architecture's, or hold only part of it."""
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        unexpected = sorted(info.get("unexpected_keys") or ())
+        also = (f"; the files hold {len(unexpected)} tensors the model does not have (e.g. "
+                f"{', '.join(unexpected[:3])})") if unexpected else ""
+        raise StateError(f"{path}: {len(missing)} weights of the model are not in its files (e.g. "
+                         f"{', '.join(missing[:3])}){also}. They would start at random: give the directory whose "
+                         "weights match its config.json")
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -258,9 +275,11 @@ def load_auto(path: Path, cfg: ModelConfig) -> HFCausalLM:
     """The saved final model of an auto run (`<run>/model`, written by `HFCausalLM.save_pretrained`)."""
     tr = _transformers()
     try:
-        hf = tr.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, use_safetensors=True,
-                                                     trust_remote_code=cfg.trust_remote_code)
+        hf, info = tr.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, use_safetensors=True,
+                                                           trust_remote_code=cfg.trust_remote_code,
+                                                           output_loading_info=True)
     except (ValueError, OSError, KeyError) as e:
         raise StateError(f"{path}: transformers cannot load the saved model ({type(e).__name__}: {e})") from None
+    check_loaded(path, info)
     return HFCausalLM(hf, cfg)
 

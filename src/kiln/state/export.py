@@ -280,32 +280,30 @@ def _run_config(ckpt: Path):
         raise StateError(f"{ckpt}: its meta.json has no valid config ({e})") from None
 
 
-def _load_dcp_model(ckpt: Path, state: dict[str, torch.Tensor]) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-
-    try:
-        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is meant
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": state}, checkpoint_id=str(ckpt), planner=DefaultLoadPlanner(allow_partial_load=True),
-                     no_dist=True)
-    except Exception as e:  # DCP wraps storage and planning errors in its own types
-        raise StateError(f"{ckpt}: the model weights cannot be read ({e}); `kiln inspect {ckpt}` checks it") from None
-
-
 def read_checkpoint_auto(ckpt: Path, need_tokenizer: bool = True):
     """(HFCausalLM, tokenizer) of a checkpoint of a `model.hf_class=auto` run: the architecture of its
     model.init_from (and, under LoRA, its frozen base weights), the checkpoint's weights; the tokenizer is None
     where it is not found and not `need_tokenizer`."""
-    from kiln.model.hf_auto import build_auto
     from kiln.state.verify import read_meta
 
     run_cfg = _run_config(ckpt)
-    model = build_auto(run_cfg.model, run_cfg.lora, weights=run_cfg.lora.rank > 0)
-    state = dict(model.state_dict())
-    _load_dcp_model(ckpt, state)
-    model.load_state_dict(state)
-    return model.eval(), _checkpoint_tokenizer(ckpt, run_cfg, read_meta(ckpt), need_tokenizer)
+    return load_checkpoint_auto(ckpt, run_cfg), _checkpoint_tokenizer(ckpt, run_cfg, read_meta(ckpt), need_tokenizer)
+
+
+def load_checkpoint_auto(ckpt: Path, run_cfg, base_weights: bool = True):
+    """The HFCausalLM a checkpoint of an auto run saved: every weight that trains, and the buffers, from the
+    checkpoint; under LoRA the frozen base from model.init_from (`base_weights` False: left as initialised,
+    for the adapters alone)."""
+    from kiln.model.hf_auto import build_auto
+    from kiln.state.dcp_read import read_part
+    from kiln.state.parts import ModelState
+
+    model = build_auto(run_cfg.model, run_cfg.lora, weights=base_weights and run_cfg.lora.rank > 0)
+    part = ModelState(model)
+    state = part.state_dict()
+    read_part(ckpt, "model", state, f"the {type(model.base).__name__} of {run_cfg.model.init_from}")
+    part.load_state_dict(state)
+    return model.eval()
 
 
 def read_checkpoint_model(ckpt: Path, need_tokenizer: bool = True
@@ -341,6 +339,7 @@ def _checkpoint_tensors(ckpt: Path) -> tuple[Any, dict, dict[str, torch.Tensor]]
     from kiln.config import RunConfig
     from kiln.model.llama import Transformer
     from kiln.model.lora import adapter_state_dict, apply_lora
+    from kiln.state.dcp_read import read_part
     from kiln.state.verify import read_meta
 
     meta = read_meta(ckpt)
@@ -353,9 +352,13 @@ def _checkpoint_tensors(ckpt: Path) -> tuple[Any, dict, dict[str, torch.Tensor]]
         model = apply_lora(Transformer(cfg), run_cfg.lora)
     live = adapter_state_dict(model) if run_cfg.lora.rank else model.state_dict()
     state = {k: torch.empty_like(v, device="cpu") for k, v in live.items()}
-    if cfg.tie_embeddings:
+    tied = cfg.tie_embeddings and "lm_head.weight" in state
+    if tied:  # saved under both names, or the embedding's alone
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    read_part(ckpt, "model", state, "a Kiln model of its config" + (" (LoRA adapters)" if run_cfg.lora.rank else ""),
+              optional=frozenset({"lm_head.weight"} if tied else ()))
+    if tied:
         state.pop("lm_head.weight", None)
-    _load_dcp_model(ckpt, state)
     return run_cfg, meta, state
 
 
@@ -366,17 +369,55 @@ def _export_adapters(p: Path, to: str | Path, dtype: str | None) -> Path:
 
     cast = DTYPES[dtype] if dtype else None
     for saved in (p / "adapters", p / "model" / "adapters"):  # a finished run's model/ keeps them
+        if (saved / CONFIG).is_file() and _saved_by_auto(saved.parent):
+            return _copy_peft(saved, Path(to).expanduser(), cast)
         if (saved / CONFIG).is_file():
             return save_peft(*read_peft_adapters(saved), to, cast)
     ckpt = p if (p / ".metadata").is_file() else (checkpoints(p) or [None])[-1]
     if ckpt is None:
         raise StateError(f"{p} holds no LoRA adapters: give the directory of a `kiln train` run with lora.rank > 0, "
                          "its model/ folder or one of its checkpoints")
-    run_cfg, _, state = _checkpoint_tensors(ckpt)
+    run_cfg = _run_config(ckpt)
     if not run_cfg.lora.rank:
         raise StateError(f"{ckpt} was trained without LoRA (lora.rank=0), so it has no adapters; export the whole "
                          "model without --adapters")
+    if run_cfg.model.hf_class == "auto":  # PEFT's own adapters on the transformers model
+        model = load_checkpoint_auto(ckpt, run_cfg, base_weights=False)
+        for adapter in model.hf.peft_config.values():
+            adapter.base_model_name_or_path = run_cfg.model.init_from
+        out = Path(to).expanduser()
+        (model.hf.to(cast) if cast else model.hf).save_pretrained(str(out), safe_serialization=True)
+        return out
+    _, _, state = _checkpoint_tensors(ckpt)
     return write_peft_adapters(state, run_cfg.model, run_cfg.lora, run_cfg.model.init_from, to, cast)
+
+
+def _saved_by_auto(model_dir: Path) -> bool:
+    """Whether the final model/ directory holds a transformers model (an auto run), by its model_config.json."""
+    try:
+        return json.loads((model_dir / "model_config.json").read_text()).get("hf_class") == "auto"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _copy_peft(saved: Path, out: Path, cast: torch.dtype | None) -> Path:
+    """PEFT's adapter directory `saved` (written by PEFT itself) into `out`, its tensors cast to `cast`."""
+    from safetensors.torch import load_file, save_file
+
+    from kiln.files import atomic_write_json, replace_file
+    from kiln.model.lora_peft import CONFIG, WEIGHTS
+
+    try:
+        tensors = load_file(str(saved / WEIGHTS))
+        config = json.loads((saved / CONFIG).read_text())
+    except Exception as e:  # safetensors raises its own error type on a damaged file
+        raise StateError(f"the LoRA adapters in {saved} cannot be read ({e})") from None
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (WEIGHTS + ".tmp")
+    save_file({k: v.to(cast or v.dtype).contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    replace_file(tmp, out / WEIGHTS)
+    atomic_write_json(out / CONFIG, config, indent=2)
+    return out
 
 
 def _checkpoint_tokenizer(ckpt: Path, run_cfg, meta: dict, required: bool = True) -> Tokenizer | None:

@@ -130,6 +130,17 @@ def test_pickled_weights_are_refused(tmp_path):
     assert build_auto(cfg.model_copy(update={"allow_pickle": True}), weights=True).param_count() > 0
 
 
+def test_weights_the_files_do_not_hold_are_refused_not_left_random(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = hf_dir(tmp_path, "llama")
+    state = load_file(str(path / "model.safetensors"))  # the same tensors under another model's names
+    save_file({k.replace("model.", "decoder."): v for k, v in state.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(StateError, match=r"weights of the model are not in its files .* tensors the model does not"):
+        build_auto(model_cfg(path))
+
+
 REMOTE_CONFIG = '''
 from transformers import PretrainedConfig
 
