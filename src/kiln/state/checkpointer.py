@@ -42,6 +42,7 @@ from kiln import __version__
 from kiln.config import RunConfig
 from kiln.errors import KilnError, StateError
 from kiln.state import staging
+from kiln.state.dcp_read import SafeLoadPlanner
 from kiln.state.parts import KEYS, RANK_KEYS, SMALL_KEYS, TENSOR_KEYS, as_parts
 from kiln.state.policy import CheckpointPolicy
 from kiln.state.resume import verified
@@ -386,12 +387,18 @@ class Checkpointer:
             self._rank0_check(lambda: verified(path))
         meta = read_meta(path)
         tensors = {k: parts[k].state_dict() for k in TENSOR_KEYS if k in keys}  # the live layout DCP reads into
+        reader = ParallelFileSystemReader(path, self.ccfg.write_threads)
         try:
-            dcp.load(tensors, storage_reader=ParallelFileSystemReader(path, self.ccfg.write_threads),
-                     process_group=self.group, no_dist=not self.distributed)
+            reader.read_metadata()  # a refused or damaged .metadata says so (kiln.state.dcp_read), not DCP's wrap
+            dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self.group,
+                     no_dist=not self.distributed)
             for key in tensors:
                 parts[key].load_state_dict(tensors[key])
+        except StateError:
+            raise
         except (Exception, dcp.CheckpointException) as e:
+            if isinstance(_innermost(e), StateError):  # a crafted value refused by SafeLoadPlanner
+                raise _innermost(e) from None
             why = _errno_of(e) or _innermost(e)
             raise StateError(f"checkpoint {path} does not fit this model and optimizer: {why}. Resume with the "
                              "model settings it was saved with (see `kiln inspect`).") from None

@@ -7,7 +7,8 @@
   quietly (no thread tracebacks on the console) and the checkpointer reports the error once.
 - `ParallelFileSystemReader`: a checkpoint holds `checkpoint.write_threads` data files per process;
   the stock reader reads them one after the other. Each file's requests go through the stock
-  reader's own `read_data`, so the format stays DCP's; only the files are spread over threads.
+  reader's own `read_data`, so the format stays DCP's; only the files are spread over threads. Its
+  `.metadata` is read without running code (`kiln.state.dcp_read.SafeFileSystemReader`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.futures import Future
+
+from kiln.state.dcp_read import SafeFileSystemReader
 
 
 class _HashingStream:
@@ -102,7 +105,7 @@ def hashing_writer(path, threads: int, fsync: bool) -> dcp.FileSystemWriter:
     return writer
 
 
-class ParallelFileSystemReader(dcp.FileSystemReader):
+class ParallelFileSystemReader(SafeFileSystemReader):
     def __init__(self, path, threads: int = 8):
         super().__init__(path)
         self.threads = threads
