@@ -166,3 +166,22 @@ def test_kiln_export_adapters_on_the_command_line(trained, tmp_path):
     assert adapters.keys() == expected.keys()
     assert all(adapters[k].dtype == torch.bfloat16 and torch.equal(adapters[k], v.bfloat16())
                for k, v in expected.items())
+
+
+def test_one_step_exports_one_model_over_a_bf16_training_base(hf_llama, tmp_path):
+    """With the default lora.base_dtype=bf16 over a base stored in fp32, the final model/ and the last checkpoint
+    export the same model (they were 0.168 apart in logits: model/ was merged onto the bf16 training copy), and it
+    is the adapters on the base as the user brought it, as PEFT computes it in fp32."""
+    run_dir = run(config(hf_llama, tmp_path / "run", "lora.base_dtype=bf16", "train.max_steps=4"))
+    x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for name, src in {"run": run_dir, "checkpoint": checkpoints(run_dir)[-1]}.items():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(export_from(src, tmp_path / f"out-{name}"), dtype=torch.float32)
+        with torch.no_grad():
+            logits[name] = hf.eval()(input_ids=x).logits
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_llama / "model", dtype=torch.float32)
+    with_peft = peft.PeftModel.from_pretrained(base, export_from(run_dir, tmp_path / "a", adapters=True)).eval()
+    with torch.no_grad():
+        truth = with_peft(input_ids=x).logits
+    torch.testing.assert_close(logits["run"], logits["checkpoint"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits["run"], truth, rtol=0, atol=1e-5)

@@ -313,14 +313,10 @@ def read_checkpoint_model(ckpt: Path, need_tokenizer: bool = True
 
     Reads only the "model" key of the DCP files through `torch.distributed.checkpoint`'s public load,
     in this one process: a sharded checkpoint of any world size is gathered whole."""
-    from kiln.model.llama import Transformer
-
     run_cfg, meta, state = _checkpoint_tensors(ckpt)
     cfg = run_cfg.model
     if run_cfg.lora.rank:  # adapters only: the base comes from init_from, checked against the recorded hash
-        from kiln.model.hf_import import load_init_weights
-        from kiln.model.lora import merge_state_dict
-        from kiln.state.lora_base import base_hash, check_base
+        from kiln.state.lora_base import base_hash, check_base, merged_model
 
         current = base_hash(cfg.init_from, cfg.allow_pickle) if cfg.init_from and Path(cfg.init_from).exists() \
             else None
@@ -328,9 +324,7 @@ def read_checkpoint_model(ckpt: Path, need_tokenizer: bool = True
             raise StateError(f"{ckpt} holds LoRA adapters only, and their base model.init_from={cfg.init_from} is "
                              "not there: restore it, or export the adapters alone with --adapters")
         check_base(meta.get("fingerprints") or {}, current, f"checkpoint {ckpt}", cfg.init_from)
-        base = Transformer(cfg)
-        load_init_weights(base, cfg)
-        state = merge_state_dict({**base.state_dict(), **state}, run_cfg.lora)
+        state = merged_model(cfg, run_cfg.lora, state).state_dict()
     return cfg, state, _checkpoint_tokenizer(ckpt, run_cfg, meta, need_tokenizer)
 
 

@@ -5,6 +5,11 @@ from model.init_from at every start and resume. Its identity is the sha256 of it
 (`base_hash`), recorded in each checkpoint's fingerprints under "base_model"; a resume or an export
 whose init_from hashes differently is refused (`check_base`): adapters trained on one base mean
 nothing on another.
+
+Merged, a LoRA run is its adapters on that base as the user brought it (`merged_model`): the weights read
+again from model.init_from at their stored precision, not the training copy (bf16 under the default
+lora.base_dtype, which would round even the weights no adapter touches). The final model/ and an export of
+any checkpoint are merged the same way, so one step gives one model.
 """
 
 from __future__ import annotations
@@ -12,9 +17,14 @@ from __future__ import annotations
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.errors import StateError
+
+if TYPE_CHECKING:
+    import torch
+
+    from kiln.config import LoraConfig, ModelConfig
 from kiln.files import sha256_file
 
 KEY = "base_model"  # under a checkpoint's fingerprints
@@ -50,3 +60,26 @@ def check_base(saved: dict[str, Any], current: str | None, where: str, init_from
                          f"{recorded[:16]}..., but model.init_from={init_from} hashes to {current[:16]}...: the "
                          "base changed. Point model.init_from at the base the run started from (adapters mean "
                          "nothing on another base), or start a new run with --resume never")
+
+
+def merged_model(cfg: ModelConfig, lora: LoraConfig, adapters: dict[str, torch.Tensor]):
+    """A plain Transformer (CPU, fp32) of `adapters` (a LoRA model's adapter tensors) merged onto the base of
+    cfg.init_from as stored: W + (alpha / r) B A, every sum in fp32."""
+    import torch
+
+    from kiln.model.hf import from_hf_state_dict
+    from kiln.model.hf_import import read_hf_state_dict
+    from kiln.model.llama import Transformer
+    from kiln.model.lora import merge_state_dict
+
+    base = from_hf_state_dict(read_hf_state_dict(cfg.init_from, cfg.allow_pickle), cfg.tie_embeddings)
+    state = merge_state_dict({**base, **{k: v.detach().to("cpu", torch.float32) for k, v in adapters.items()}}, lora)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise StateError(f"the weights in {cfg.init_from} do not fit the run's model: {e}") from None
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model

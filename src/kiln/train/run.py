@@ -20,7 +20,6 @@ from kiln.model.lora import (
     adapter_state_dict,
     apply_lora,
     lora_flops_per_token,
-    merge_lora,
     trainable_count,
     trainable_summary,
     training_bytes,
@@ -38,7 +37,7 @@ from kiln.plan.memory import checkpoint_bytes
 from kiln.state.callback import CheckpointEvery
 from kiln.state.checkpointer import Checkpointer
 from kiln.state.lora_base import KEY as BASE_KEY
-from kiln.state.lora_base import base_hash, check_base
+from kiln.state.lora_base import base_hash, check_base, merged_model
 from kiln.state.parts import KEYS
 from kiln.state.preempt import SignalGuard, StopSignals, resume_command, train_guarded
 from kiln.state.resume import check_compatible, choose_checkpoint, fingerprints, run_directory
@@ -336,7 +335,10 @@ def _save_final(model, cfg: RunConfig, tok, run_dir: Path, console: Console) -> 
 
                 write_peft_adapters(adapter_state_dict(model), cfg.model, cfg.lora, cfg.model.init_from,
                                     run_dir / "model" / "adapters")
-            out = save_model(merge_lora(model), cfg.model, tok, run_dir / "model")  # LoRA: merged, plain
+            # LoRA: merged onto the base as stored in init_from (as an export of a checkpoint is), not the
+            # training copy, rounded to lora.base_dtype
+            merged = merged_model(cfg.model, cfg.lora, adapter_state_dict(model)) if cfg.lora.rank else model
+            out = save_model(merged, cfg.model, tok, run_dir / "model")
     console.print(f"model saved: {out}")
     if saving.received:
         console.print(f"stopped by {saving.received} after the model save; the run is complete", highlight=False)
