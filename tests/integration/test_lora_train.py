@@ -176,7 +176,8 @@ def test_one_step_exports_one_model_over_a_bf16_training_base(hf_llama, tmp_path
     x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     logits = {}
     for name, src in {"run": run_dir, "checkpoint": checkpoints(run_dir)[-1]}.items():
-        hf = transformers.AutoModelForCausalLM.from_pretrained(export_from(src, tmp_path / f"out-{name}"), dtype=torch.float32)
+        out = export_from(src, tmp_path / f"out-{name}")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
         with torch.no_grad():
             logits[name] = hf.eval()(input_ids=x).logits
     base = transformers.AutoModelForCausalLM.from_pretrained(hf_llama / "model", dtype=torch.float32)
