@@ -63,3 +63,25 @@ def test_the_paths_and_scripts_the_pages_name_exist():
                 missing.append(f"{page.relative_to(REPO)}: python {'-m ' + module if module else script}")
     assert len(PAGES) > 10
     assert not missing, "named in the docs, not in the repository:\n" + "\n".join(missing)
+
+
+def test_lists_tables_and_code_blocks_start_where_mkdocs_sees_them():
+    """MkDocs' Markdown (Python-Markdown) reads a list or a table that follows a line of text without a blank
+    line as more of that text, and a code fence indented under a list item as text: both pass `mkdocs build
+    --strict` and render wrong on the site, though GitHub shows them right."""
+    found = []
+    for page in PAGES[1:]:
+        lines = page.read_text(encoding="utf-8").splitlines()
+        fenced = False
+        for i, line in enumerate(lines):
+            if line.lstrip().startswith("```"):
+                if line.startswith(" "):
+                    found.append(f"{page.relative_to(REPO)}:{i + 1}: a code fence inside a list item")
+                fenced = not fenced
+                continue
+            starts = line.startswith(("- ", "| ", "* ")) or re.match(r"\d+\. ", line)
+            before = lines[i - 1] if i else ""
+            if not fenced and starts and before.strip() and not before.startswith(("- ", "* ", "| ", "  ")) \
+                    and not re.match(r"\d+\. ", before):
+                found.append(f"{page.relative_to(REPO)}:{i + 1}: no blank line before this list or table")
+    assert not found, "\n".join(found)
