@@ -7,6 +7,13 @@ reason is printed and written to metrics.jsonl as an `early_stop` event. Its sta
 step, evaluations since) is saved in checkpoints under the trainer's key "early_stop", so a resumed
 run counts on; resuming a run that stopped early stops it again at once, unless the config now allows
 more patience (or turns early stopping off with patience 0).
+
+With `restore_best` (train.early_stop.restore_best, on by default) the weights of each new best evaluation are
+copied to host memory (one copy, its buffers reused; under FSDP each process its shard), and after a stop
+`restore` loads them back into the model: model/ and the sample are those of the best step, while the final
+checkpoint keeps the last step's whole state (a resume goes on from there). A resumed run that stops again at
+once has no copy in memory: the checkpoint of the best step is read instead, when one is kept
+(checkpoint.keep_best holds it); without one, model/ keeps the last weights, and the run says so.
 """
 
 from __future__ import annotations
@@ -18,14 +25,18 @@ from pathlib import Path
 from typing import Any
 
 from kiln.events import Callback
+from kiln.state.rundir import checkpoints, step_of
 
 
 class EarlyStop(Callback):
     state_key = "early_stop"
 
     def __init__(self, patience: int, min_delta: float = 0.0, log: Callable[[str], None] | None = print,
-                 metrics_path: Path | None = None):
+                 metrics_path: Path | None = None, restore_best: bool = False):
         self.patience, self.min_delta, self.log, self.metrics_path = patience, min_delta, log, metrics_path
+        self.restore_best = restore_best
+        self.kept: int | None = None  # the step whose weights `_stager` holds
+        self._stager = None
         self.best: float | None = None
         self.best_step: int | None = None
         self.since = 0  # evaluations since the best one
@@ -53,6 +64,8 @@ class EarlyStop(Callback):
         self.last_step = step
         if self.best is None or loss < self.best - self.min_delta:
             self.best, self.best_step, self.since = loss, step, 0
+            if self.restore_best:
+                self._keep(trainer, step)
             return
         self.since += 1
         if self.since >= self.patience and step < trainer.cfg.train.max_steps and trainer.stop_reason is None:
@@ -68,3 +81,48 @@ class EarlyStop(Callback):
                       "best_val_loss": self.best, "best_step": self.best_step}
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+    def _keep(self, trainer, step: int) -> None:
+        from kiln.state import staging
+        from kiln.state.parts import ModelState
+
+        self._stager = self._stager or staging.CpuStaging()
+        self._stager, _ = staging.stage(self._stager, ModelState(trainer.model).state_dict(),
+                                        self.log or (lambda m: None))
+        self.kept = step
+
+    def restore(self, trainer, checkpointer) -> int | None:
+        """After an early stop with restore_best: load the best evaluation's weights into the model (from host
+        memory, else from the checkpoint of its step through `checkpointer`). Returns that step; None when the
+        run did not stop early, the model has them already, or they are not kept anywhere."""
+        if not (self.restore_best and (trainer.stop_reason or "").startswith("early stop")) \
+                or self.best_step is None or self.best_step == trainer.step:
+            return None
+        from kiln.state.parts import ModelState
+        from kiln.state.staging import clone_tree
+
+        if self.kept == self.best_step and self._stager is not None:
+            ModelState(trainer.model).load_state_dict(clone_tree(self._stager.buffers))
+            return self.best_step
+        saved = [p for p in checkpoints(checkpointer.run_dir) if step_of(p) == self.best_step]
+        if not saved:
+            return None
+        checkpointer.load(trainer, saved[0], keys=("model",))
+        return self.best_step
+
+    def choose_weights(self, trainer, checkpointer) -> None:
+        """After training, before model/ is written: after an early stop with restore_best, load the best
+        evaluation's weights, and say (console and every sink: an `on_notice` "model_step") which step model/
+        takes its weights from."""
+        if not (self.restore_best and (trainer.stop_reason or "").startswith("early stop")):
+            return
+        best = self.restore(trainer, checkpointer)  # the final checkpoint keeps the last step's state
+        if best is not None:
+            kept = f"the weights of step {best}, the best validation loss ({self.best:.4f})"
+        else:
+            kept = f"the weights of the last step, {trainer.step}" + (
+                f": those of the best, step {self.best_step}, were not kept (no checkpoint of it)"
+                if self.best_step not in (None, trainer.step) else ", the best")
+        trainer.notice("model_step", step=best if best is not None else trainer.step, best_step=self.best_step,
+                       message=f"model/ takes {kept}; the final checkpoint keeps step {trainer.step} "
+                               "(train.early_stop.restore_best)")

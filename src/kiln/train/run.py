@@ -241,9 +241,12 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         callbacks.append(ConsoleSink(console))
     if cfg.logging.jsonl and mesh.rank == 0:
         callbacks.append(JsonlSink(run_dir / "metrics.jsonl"))
+    early = None
     if tcfg.early_stop.patience:  # after the sinks: its note follows the evaluation that decided it
-        callbacks.append(EarlyStop(tcfg.early_stop.patience, tcfg.early_stop.min_delta, console.print,
-                                   run_dir / "metrics.jsonl" if cfg.logging.jsonl and mesh.rank == 0 else None))
+        early = EarlyStop(tcfg.early_stop.patience, tcfg.early_stop.min_delta, console.print,
+                          run_dir / "metrics.jsonl" if cfg.logging.jsonl and mesh.rank == 0 else None,
+                          tcfg.early_stop.restore_best)
+        callbacks.append(early)
     if cfg.logging.plots and cfg.logging.jsonl and mesh.rank == 0:
         callbacks.append(PlotAtEnd(run_dir, console.print))
     if cfg.profile.steps and mesh.rank == 0:
@@ -262,6 +265,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         meta = checkpointer.load(trainer, resume_from, check_hashes=False,
                                  keys=("model", "trainer") if finished else KEYS)
         console.print(f"resumed from {resume_from} (step {meta['step']}, {meta['tokens_seen']:,} tokens)")
+    started = trainer.step
     if process_rank()[0] == 0:
         write_config(run_dir, cfg)  # once the start or the resume has succeeded: a failed one leaves the old
     if finished:  # the model save of a finished run did not complete: write it from the final checkpoint
@@ -291,6 +295,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
                                                        if "val_bpb" in final else ""))
     if trainer.stop_reason:
         console.print(f"stopped at step {trainer.step} of {tcfg.max_steps}: {trainer.stop_reason}", highlight=False)
+    # a resume that trained no step (stopped early again at once) leaves the model/ its first stop saved
+    keep_model = trainer.step == started and resume_from is not None and model_saved(run_dir / "model")
+    if early is not None and cfg.checkpoint.save_final and not keep_model:
+        early.choose_weights(trainer, checkpointer)  # the best evaluation's, with restore_best
     dropped = getattr(train_loader, "dropped", None)  # streaming: prepare's report shows them otherwise
     if dropped:
         console.print("streaming skipped records (first epoch read): "
@@ -303,7 +311,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         model = full_model(model, cfg, mesh)  # kiln.parallel: every rank sends its shards; rank 0 gets the model
         if model is None:
             return run_dir
-    if cfg.checkpoint.save_final and not _save_final(model, cfg, tok, run_dir, console):
+    if keep_model:
+        console.print(f"model/ is kept as it was saved: no step was trained since (step {trainer.step})",
+                      highlight=False)
+    elif cfg.checkpoint.save_final and not _save_final(model, cfg, tok, run_dir, console):
         return run_dir  # a signal came during the save: stop here, as it asked
     if tcfg.sample_tokens:
         stops.during, stops.then = "while sampling", "training and the model save are complete"

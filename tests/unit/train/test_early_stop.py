@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+from kiln.config import load_config
 from kiln.train.early_stop import EarlyStop
 
 
@@ -62,3 +63,51 @@ def test_state_survives_a_resume_and_a_stopped_run_stops_again_at_once():
     t4 = fake_trainer()
     more.on_train_start(t4)
     assert t4.stop_reason is None
+
+
+def test_after_a_stop_the_model_takes_the_best_evaluations_weights(tmp_path):
+    import torch
+
+    from kiln.state.checkpointer import Checkpointer
+
+    t = fake_trainer()
+    t.model = torch.nn.Linear(3, 2)
+    cb = EarlyStop(patience=2, log=None, restore_best=True)
+    weights = {}
+    for loss in (3.0, 2.0, 2.5, 2.6):  # best at step 20; the stop at step 40
+        t.step += 10
+        with torch.no_grad():
+            t.model.weight.add_(1.0)
+        weights[t.step] = t.model.weight.detach().clone()
+        cb.on_eval_end(t, {"step": t.step, "val_loss": loss})
+    assert t.stop_reason and t.step == 40
+    assert cb.restore(t, Checkpointer(tmp_path, load_config(None, []), {})) == 20
+    assert torch.equal(t.model.weight, weights[20])
+    off = EarlyStop(patience=2, log=None, restore_best=False)
+    off.load_state_dict(cb.state_dict())
+    assert off.restore(t, None) is None  # restore_best off: the last weights stay
+
+
+def test_a_resumed_stop_reads_the_best_weights_from_its_checkpoint_or_says_it_cannot(tmp_path):
+    import torch
+
+    from kiln.state.checkpointer import Checkpointer
+
+    from .healing import Samples, config, trainer, weights
+
+    cfg = config(tmp_path, steps=100)
+    t = trainer(cfg, Samples(4))
+    ck = Checkpointer(tmp_path, cfg, {}, lambda m: None)
+    t.step = 20
+    ck.save(t, blocking=True)  # the checkpoint of the best step, as checkpoint.keep_best keeps it
+    best = weights(t)
+    resumed = EarlyStop(patience=1, log=None, restore_best=True)
+    resumed.load_state_dict({"best": 2.0, "best_step": 20, "since": 1, "last_step": 30})  # no copy in memory
+    with torch.no_grad():
+        t.model.embed_tokens.weight.add_(1.0)
+    t.step = 30
+    resumed.on_train_start(t)  # it stops again at once
+    assert resumed.restore(t, ck) == 20
+    assert all(torch.equal(best[k], v) for k, v in weights(t).items())
+    resumed.best_step = 10  # a best step without a checkpoint: nothing to read
+    assert resumed.restore(t, ck) is None
