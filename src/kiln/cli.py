@@ -357,7 +357,7 @@ def runs_(
     directory: str = typer.Argument("runs", help="Directory holding run directories (default: runs)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (one object per run) instead of a table."),
 ) -> None:
-    """List the runs under a directory: name, status (running, finished, stopped, crashed), steps,
+    """List the runs under a directory: name, status (running, finished, stopped, failed, killed), steps,
     tokens, best validation loss, last checkpoint and wall time.
 
     Example: kiln runs runs/
@@ -373,9 +373,11 @@ def runs_(
     if not found:
         console.print(f"no runs in {directory}", highlight=False)
         return
-    console.print(runs_table(found, f"runs in {directory}"))
+    # a file or a pipe gets the whole table, however wide (rich fits it to 80 columns there, cutting its cells)
+    out = console if console.is_terminal else Console(width=1000, soft_wrap=True)  # fits its widest cell
+    out.print(runs_table(found, f"runs in {directory}"))
     for r in found:
-        if r.note and r.status in ("stopped", "crashed"):
+        if r.note and r.status not in ("running", "finished"):
             console.print(f"{r.name}: {r.status} ({r.note})", highlight=False)
 
 

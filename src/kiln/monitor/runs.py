@@ -1,12 +1,17 @@
 """`kiln runs [DIR]`: the run directories under DIR, one line each, from their files alone.
 
-Status of a run:
+Status of a run, told by its lock, then by how its last process ended (the `start` and `end` records each
+process writes to metrics.jsonl), then by its newest checkpoint:
 - running: a `kiln train` holds its lock (the OS lock of kiln.state.rundir.hold_run_dir, which dies with
   its process, so a killed run is never taken for a running one);
-- stopped: its newest checkpoint was written by a stop: early stopping (its stop_reason) or a signal
-  (SIGTERM/SIGINT: reason "preempt"); `kiln train RUN` resumes a signalled one;
-- finished: its final model is saved, or its final checkpoint reached train.max_steps;
-- crashed: anything else (killed, failed, or interrupted before its first checkpoint).
+- stopped: early stopping stopped it (its checkpoint's stop_reason), or a signal (SIGTERM/SIGINT) did, its
+  checkpoint written; `kiln train RUN` resumes a signalled one;
+- finished: its last process ended its training and saved the model, at the train.max_steps of the run's
+  config.yaml (a run extended with `--resume force` is finished again only when it reaches its new end);
+- failed: its last process stopped on an error (an emergency checkpoint is written when the state allowed);
+- killed: its last process started and never wrote its end: killed (SIGKILL, out of host memory, a node lost);
+- crashed: one of the last two, when the run's metrics.jsonl cannot tell (written without start and end
+  records, or logging.jsonl off).
 
 Wall time: the time the run's processes ran, from metrics.jsonl: each process's span from its `start` record
 to its last record (its `end`), added up; the days between a stop and its resume do not count.
@@ -61,15 +66,17 @@ def _number(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
-def _metrics(run_dir: Path) -> tuple[dict | None, float | None, float | None]:
-    """(last train record, best val_loss, wall time) of metrics.jsonl. The wall time is the sum of the spans its
-    processes ran: each from its `start` record to its last record (its `end`), so the pauses between a stop and
-    its resume are left out; records before the first `start` (a file written before them) are one span."""
-    last, best, spans, span = None, None, [], None
+def _metrics(run_dir: Path) -> tuple[dict | None, float | None, float | None, str | None]:
+    """(last train record, best val_loss, wall time, how the last process ended) of metrics.jsonl. The wall time
+    is the sum of the spans its processes ran: each from its `start` record to its last record (its `end`), so
+    the pauses between a stop and its resume are left out; records before the first `start` (a file written
+    before them) are one span. The last process's end: the status of its `end` record, "killed" when it has
+    none, None when the file has no `start` record."""
+    last, best, spans, span, ended = None, None, [], None, None
     try:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     except OSError:
-        return None, None, None
+        return None, None, None, None
     for line in lines:
         try:
             rec = json.loads(line)
@@ -77,6 +84,8 @@ def _metrics(run_dir: Path) -> tuple[dict | None, float | None, float | None]:
             continue
         if not isinstance(rec, dict):
             continue
+        if rec.get("event") in ("start", "end"):
+            ended = "killed" if rec["event"] == "start" else str(rec.get("status"))
         t = rec.get("time")
         if _number(t):
             if rec.get("event") == "start" or span is None:
@@ -91,11 +100,51 @@ def _metrics(run_dir: Path) -> tuple[dict | None, float | None, float | None]:
         val = rec.get("val_loss") if rec.get("event") == "eval" else None
         if _number(val) and (best is None or val < best):
             best = val
-    return last, best, sum(b - a for a, b in spans) if spans else None
+    return last, best, sum(b - a for a, b in spans) if spans else None, ended
+
+
+def _max_steps(run_dir: Path, meta: dict | None) -> int | None:
+    """train.max_steps of the run now: its config.yaml (written by each start, a forced resume's included), else
+    its newest checkpoint's."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        steps = cfg["train"]["max_steps"]
+        if isinstance(steps, int):
+            return steps
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        pass
+    return ((meta or {}).get("config") or {}).get("train", {}).get("max_steps")
+
+
+def _status(run_dir: Path, meta: dict | None, ended: str | None, steps: int | None) -> tuple[str, str]:
+    from kiln.state.rundir import model_saved
+
+    max_steps = _max_steps(run_dir, meta)
+    reached = steps is not None and max_steps is not None and steps >= max_steps
+    reason = (meta or {}).get("reason")
+    if _held(run_dir):
+        return "running", ""
+    if ended in (None, "finished", "stopped") and meta is not None and meta.get("stop_reason"):
+        return "stopped", str(meta["stop_reason"])
+    if ended == "stopped" or (ended is None and reason == "preempt"):
+        return "stopped", "by a signal; resume with kiln train RUN"
+    if ended == "finished" or (ended is None and reached and (reason == "final" or model_saved(run_dir / "model"))):
+        if reached or max_steps is None:
+            return "finished", ""
+        return "killed", f"ended at step {steps} of {max_steps} without a word; resume with kiln train RUN"
+    emergency = "; an emergency checkpoint is written" if reason == "emergency" else ""
+    if ended == "failed":
+        return "failed", f"stopped on an error{emergency}; its log says which"
+    if ended is not None:
+        return "killed", (f"its process ended without a word after step {steps} (killed, out of memory, a node "
+                          "lost); resume with kiln train RUN")
+    return "crashed", emergency[2:]
 
 
 def summarize(run_dir: str | Path) -> RunSummary:
-    from kiln.state.rundir import checkpoints, model_saved
+    from kiln.state.rundir import checkpoints
     from kiln.state.verify import read_meta
 
     run_dir = Path(run_dir)
@@ -106,25 +155,11 @@ def summarize(run_dir: str | Path) -> RunSummary:
             meta = read_meta(ckpts[-1])
         except StateError:
             meta = None
-    last, best, wall = _metrics(run_dir)
+    last, best, wall, ended = _metrics(run_dir)
     steps = max([s for s in ((last or {}).get("step"), (meta or {}).get("step")) if s is not None], default=None)
     tokens = max([t for t in ((last or {}).get("tokens"), (meta or {}).get("tokens_seen")) if t is not None],
                  default=None)
-    max_steps = ((meta or {}).get("config") or {}).get("train", {}).get("max_steps")
-    note = ""
-    if _held(run_dir):
-        status = "running"
-    elif meta is not None and meta.get("stop_reason"):
-        status, note = "stopped", str(meta["stop_reason"])
-    elif meta is not None and meta.get("reason") == "preempt":
-        status, note = "stopped", "by a signal; resume with kiln train RUN"
-    elif model_saved(run_dir / "model") or (meta is not None and meta.get("reason") == "final"
-                                            and max_steps is not None and meta["step"] >= max_steps):
-        status = "finished"
-    else:
-        status = "crashed"
-        if meta is not None and meta.get("reason") == "emergency":
-            note = "emergency checkpoint written"
+    status, note = _status(run_dir, meta, ended, steps)
     return RunSummary(run_dir.name, run_dir, status, steps, tokens, best, ckpts[-1].name if ckpts else None, wall,
                       note)
 
@@ -151,11 +186,12 @@ def runs_table(runs: list[RunSummary], title: str):
     """A rich Table of the runs."""
     from rich.table import Table
 
-    colours = {"running": "cyan", "finished": "green", "stopped": "yellow", "crashed": "red"}
+    colours = {"running": "cyan", "finished": "green", "stopped": "yellow", "crashed": "red", "failed": "red",
+               "killed": "red"}
     table = Table(title=title, title_justify="left")
     for name, justify in (("name", "left"), ("status", "left"), ("steps", "right"), ("tokens", "right"),
                           ("best val loss", "right"), ("last checkpoint", "left"), ("wall time", "right")):
-        table.add_column(name, justify=justify)
+        table.add_column(name, justify=justify, no_wrap=name != "name")
     for r in runs:
         table.add_row(r.name, f"[{colours[r.status]}]{r.status}[/]", f"{r.steps:,}" if r.steps is not None else "-",
                       f"{r.tokens:,}" if r.tokens is not None else "-",

@@ -1,7 +1,9 @@
 """Early stopping on validation loss, a callback of the training loop (train.early_stop).
 
-An evaluation improves when its val_loss is below the best so far by more than `min_delta`. After
-`patience` evaluations in a row without improvement the callback sets `trainer.stop_reason`: the loop
+An evaluation improves when its val_loss is below the last improvement's by more than `min_delta`. After
+`patience` evaluations in a row without improvement the callback sets `trainer.stop_reason`; the best it names
+is the lowest validation loss of the run (one that improved by less than min_delta included), as `kiln runs`
+shows it: the loop
 ends after that step, the final checkpoint and model are saved as at the end of any run, and the
 reason is printed and written to metrics.jsonl as an `early_stop` event. Its state (best loss, its
 step, evaluations since) is saved in checkpoints under the trainer's key "early_stop", so a resumed
@@ -37,16 +39,19 @@ class EarlyStop(Callback):
         self.restore_best = restore_best
         self.kept: int | None = None  # the step whose weights `_stager` holds
         self._stager = None
-        self.best: float | None = None
+        self.best: float | None = None  # the lowest validation loss so far, and its step
         self.best_step: int | None = None
-        self.since = 0  # evaluations since the best one
+        self.mark: float | None = None  # the loss of the last improvement by more than min_delta
+        self.since = 0  # evaluations since that improvement
         self.last_step = -1  # the step of the last evaluation counted (a resume may evaluate a step again)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "best_step": self.best_step, "since": self.since, "last_step": self.last_step}
+        return {"best": self.best, "best_step": self.best_step, "mark": self.mark, "since": self.since,
+                "last_step": self.last_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best, self.best_step = state.get("best"), state.get("best_step")
+        self.mark = state.get("mark", self.best)
         self.since, self.last_step = int(state.get("since", 0)), int(state.get("last_step", -1))
 
     def reason(self) -> str:
@@ -62,12 +67,14 @@ class EarlyStop(Callback):
         if loss is None or step <= self.last_step:
             return
         self.last_step = step
-        if self.best is None or loss < self.best - self.min_delta:
-            self.best, self.best_step, self.since = loss, step, 0
+        if self.mark is None or loss < self.mark - self.min_delta:
+            self.mark, self.since = loss, 0
+        else:
+            self.since += 1
+        if self.best is None or loss < self.best:
+            self.best, self.best_step = loss, step
             if self.restore_best:
                 self._keep(trainer, step)
-            return
-        self.since += 1
         if self.since >= self.patience and step < trainer.cfg.train.max_steps and trainer.stop_reason is None:
             self._stop(trainer)
 

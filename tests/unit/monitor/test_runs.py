@@ -154,3 +154,29 @@ def test_cli_table_and_json(tmp_path):
     assert [(r["name"], r["status"]) for r in json.loads(res.output)] == [("a", "finished"), ("b", "stopped")]
     res = cli.invoke(app, ["runs", str(tmp_path / "nope")])
     assert res.exit_code != 0
+
+
+def test_an_extended_run_killed_before_its_new_end_is_killed_and_a_failed_one_failed(tmp_path, monkeypatch):
+    """A run finished at step 60, extended with --resume force to 100 (config.yaml says so) and killed at step 75
+    is not finished, though its first finish left a model/; a process that stopped on an error is failed."""
+    clock = Clock(1_000_000.0)
+    monkeypatch.setattr(sinks, "time", clock)
+    run = make_run(tmp_path, "extended", ckpt={"step": 70, "reason": "periodic"}, model=True, max_steps=100)
+    process(run / "metrics.jsonl", clock, 0, range(10, 61, 10), "finished")
+    process(run / "metrics.jsonl", clock, 60, range(65, 76, 5), None)  # killed: no end record
+    failed = make_run(tmp_path, "failed", ckpt={"step": 20, "reason": "emergency"})
+    process(failed / "metrics.jsonl", clock, 0, range(10, 31, 10), "failed")
+    done = make_run(tmp_path, "finished", ckpt={"step": 100, "reason": "final"}, model=True, max_steps=100)
+    process(done / "metrics.jsonl", clock, 0, range(50, 101, 50), "finished")
+    runs = {r.name: r for r in list_runs(tmp_path)}
+    assert {n: r.status for n, r in runs.items()} == {"extended": "killed", "failed": "failed",
+                                                      "finished": "finished"}
+    assert "after step 75" in runs["extended"].note and "emergency checkpoint" in runs["failed"].note
+
+
+def test_a_table_written_to_a_file_keeps_every_cell_whole(tmp_path):
+    make_run(tmp_path, "a-rather-long-run-name-from-a-sweep", ckpt={"step": 12345678, "reason": "final"},
+             model=True)
+    res = CliRunner().invoke(app, ["runs", str(tmp_path)], env={"COLUMNS": "60"})  # not a terminal
+    assert res.exit_code == 0, res.output
+    assert "step_12345678" in res.output and "a-rather-long-run-name-from-a-sweep" in res.output

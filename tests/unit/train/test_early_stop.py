@@ -26,12 +26,13 @@ def feed(cb, trainer, losses, every=10):
 def test_stops_after_patience_evaluations_without_enough_improvement(tmp_path):
     logs, path = [], tmp_path / "metrics.jsonl"
     cb, t = EarlyStop(patience=2, min_delta=0.05, log=logs.append, metrics_path=path), fake_trainer()
-    # 3.0 best; 2.97 is not better by more than 0.05; 2.5 is; then two that are not
+    # 3.0 best; 2.97 is not better by more than 0.05; 2.5 is; then two that are not, the first of them the lowest:
+    # the best named is the run's lowest validation loss, as `kiln runs` shows it beside the reason
     assert feed(cb, t, [3.0, 2.97, 2.5, 2.49, 2.6, 1.0]) == 50
-    assert "best 2.5000 at step 30" in t.stop_reason and "patience=2" in t.stop_reason
+    assert "best 2.4900 at step 40" in t.stop_reason and "patience=2" in t.stop_reason
     assert logs and "stopping early at step 50" in logs[0]
     (record,) = [json.loads(line) for line in path.read_text().splitlines()]
-    assert record["event"] == "early_stop" and record["step"] == 50 and record["best_step"] == 30
+    assert record["event"] == "early_stop" and record["step"] == 50 and record["best_step"] == 40
 
 
 def test_an_evaluation_of_the_same_step_again_is_not_counted_twice():
