@@ -14,6 +14,10 @@ of retries: on a machine without a network, or with no API key, the sink says wh
 into the same run id (`wandb sync` uploads it later), and training goes on. W&B's own console lines are
 quieted (the sink prints the run's URL): the account lookups it makes for them wait 5 s each without a
 network. WANDB_MODE=offline in the environment logs offline whatever logging.wandb_mode says.
+
+Offline, W&B writes what it was given to the run's .wandb file every FLUSH_S seconds (its own default is 15 s,
+and a process killed before that left a 7-byte file), and a resumed run continues the same offline run
+through kiln.monitor.sinks.wandb_offline: the newest offline folder holds every process's history.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from kiln.monitor.sinks.base import MetricSink, require, run_files
 ID_FILE = "wandb_id.txt"
 STEP = "step"  # the x axis of the charts: the optimizer step, which a resume or rollback may take back
 INIT_TIMEOUT_S = 20.0  # how long an online run may take to start before the sink logs offline instead
+FLUSH_S = 2.0  # how often W&B writes what it was given to the run's .wandb file (what a killed process keeps)
 
 
 class WandbSink(MetricSink):
@@ -42,7 +47,9 @@ class WandbSink(MetricSink):
         super().__init__()
         self.wandb = require("wandb", "wandb", "logging.wandb")
         self.cfg, self.run_dir, self.log = cfg, Path(run_dir), log
-        self.run = None
+        self.run = self.mode = None
+        self.predecessors: list[Path] = []  # offline folders of earlier processes whose history this one logged
+        self.replayed = 0
 
     def run_id(self) -> str:
         """This run directory's W&B id: the one saved by an earlier process, else a new one (saved)."""
@@ -72,7 +79,22 @@ class WandbSink(MetricSink):
         self.run.define_metric(STEP)
         for kind in ("train", "eval"):
             self.run.define_metric(f"{kind}/*", step_metric=STEP)
+        self.mode = mode
+        if mode == "offline":
+            self._continue_offline()
         self.log(f"W&B run {self.run.id} ({mode})" + (f": {self.run.url}" if self.run.url else ""))
+
+    def _continue_offline(self) -> None:
+        """Log again the history of the earlier processes' offline folders of this run (wandb_offline)."""
+        from kiln.monitor.sinks import wandb_offline
+
+        folder = Path(self.run.dir).parent  # wandb/offline-run-<time>-<id>; run.dir is its files/
+        history, self.predecessors = wandb_offline.resolved_history(folder.parent, self.run.id, exclude=folder)
+        if history:
+            wandb_offline.mark_replaying(folder, len(history))
+            for row in history:
+                self.run.log(row)
+            self.replayed = len(history)
 
     @staticmethod
     def _timeout() -> float:
@@ -86,6 +108,8 @@ class WandbSink(MetricSink):
         lcfg = self.cfg.logging
         tags = [f"{k}:{v}" for k, v in lcfg.tags.items()]
         settings = {"quiet": True}  # quiet: no account lookups for the "logged in as" line (5 s each offline)
+        if "x_transaction_log_flush_interval" in getattr(self.wandb.Settings, "model_fields", {}):
+            settings["x_transaction_log_flush_interval"] = FLUSH_S
         if mode == "online":
             settings["init_timeout"] = self._timeout()
         return self.wandb.init(
@@ -107,4 +131,15 @@ class WandbSink(MetricSink):
             self.run.save(str(copy), base_path=self.run.dir, policy="now", glob=False)
         if status == "stopped":
             self.run.mark_preempting()  # W&B shows it as preempted, to be resumed
+        folder = Path(self.run.dir).parent
+        offline = self.mode == "offline"
         self.run.finish(exit_code=0 if status == "finished" else 1)
+        if offline and self.predecessors:
+            from kiln.monitor.sinks import wandb_offline
+
+            self.wandb.teardown()  # W&B's service writes the end of the log after finish(): this waits for it
+            _, rows = wandb_offline.read_folder(folder)
+            if len(rows) >= self.replayed:  # this folder holds the whole run: the earlier ones are not synced
+                wandb_offline.set_aside(self.predecessors)
+        if offline:
+            self.log(f"W&B offline run {self.run.id}: upload it with `wandb sync {folder}`")

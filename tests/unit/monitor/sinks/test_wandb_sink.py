@@ -99,18 +99,19 @@ def test_a_resumed_run_continues_the_same_wandb_run_and_keeps_replayed_steps(tmp
         trainer.step = s
         trainer.events.emit("on_step_end", trainer, {"step": s, "loss": 1.0 / s})
     trainer.events.emit("on_run_end", trainer, "stopped")
-    drive(WandbSink(cfg, tmp_path, log=print), cfg, range(3, 6), start=2)  # resumed from the checkpoint at 2
-    first, second = offline_run(tmp_path, 0), offline_run(tmp_path, 1)
-    assert first[0] == second[0] == (tmp_path / ID_FILE).read_text().strip()
-    def steps(rows):  # the optimizer step of each train row (before W&B's own step was freed from it, _step)
-        return [row.get("step", row["_step"]) for row in rows if "train/loss" in row]
+    first = offline_run(tmp_path)
+
+    def steps(rows):  # the optimizer step of each train row
+        return [row["step"] for row in rows if "train/loss" in row]
 
     assert steps(first[1]) == [1, 2, 3, 4, 3, 4]
     assert [row["train/loss"] for row in first[1] if "train/loss" in row][-2:] == [pytest.approx(1 / 3), 0.25]
-    assert steps(second[1]) == [3, 4, 5]
-    for run in (first, second):
-        w_steps = [row["_step"] for row in run[1]]
-        assert w_steps == sorted(set(w_steps))  # W&B's own step only grows
+    drive(WandbSink(cfg, tmp_path, log=print), cfg, range(3, 6), start=2)  # resumed from the checkpoint at 2
+    whole = offline_run(tmp_path)  # the one offline folder left: the earlier process's history, then this one's
+    assert whole[0] == first[0] == (tmp_path / ID_FILE).read_text().strip()
+    assert steps(whole[1]) == [1, 2, 3, 4, 3, 4, 3, 4, 5]
+    w_steps = [row["_step"] for row in whole[1]]
+    assert w_steps == sorted(set(w_steps))  # W&B's own step only grows
 
 
 @pytest.fixture
@@ -145,11 +146,11 @@ def test_online_without_a_network_or_a_key_says_so_and_logs_offline_at_once(tmp_
     run_id, history, *_ = offline_run(tmp_path)
     assert run_id == (tmp_path / ID_FILE).read_text().strip()
     assert [row["step"] for row in history if "train/loss" in row] == [1, 2, 3]
-    said, started = logged
+    said, started, upload = logged
     assert said.startswith("W&B could not start the online run (") and f"wandb sync {tmp_path / 'wandb'}" in said
     assert ("No API key" in said) if case == "no API key" else ("CommError" in said and "127.0.0.1" in said)
     assert "An online run gets 1 s to start (WANDB_INIT_TIMEOUT)" in said
-    assert started == f"W&B run {run_id} (offline)"
+    assert started == f"W&B run {run_id} (offline)" and upload.startswith(f"W&B offline run {run_id}: upload it")
 
 
 def test_wandb_mode_offline_in_the_environment_logs_offline_without_trying_the_server(tmp_path, drive, config,
@@ -160,7 +161,90 @@ def test_wandb_mode_offline_in_the_environment_logs_offline_without_trying_the_s
     logged = []
     drive(WandbSink(cfg, tmp_path, log=logged.append), cfg, range(1, 3))
     run_id, history, *_ = offline_run(tmp_path)
-    assert logged == [f"W&B run {run_id} (offline)"]
+    assert logged[0] == f"W&B run {run_id} (offline)" and len(logged) == 2
     assert [row["step"] for row in history if "train/loss" in row] == [1, 2]
     with pytest.raises(BlockingIOError):
         no_server.accept()  # nothing connected to the server
+
+
+KILLED_CHILD = """
+import sys, time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from kiln.config import load_config
+from kiln.events import Events
+from kiln.monitor.sinks.wandb_sink import WandbSink
+
+cfg = load_config(None, ["logging.wandb=true", "logging.wandb_mode=offline"])
+events = Events([WandbSink(cfg, Path(sys.argv[1]), log=print)], log=print)
+trainer = SimpleNamespace(step=0, cfg=cfg, device=torch.device("cpu"), events=events)
+events.emit("on_train_start", trainer)
+for s in range(1, 11):
+    trainer.step = s
+    events.emit("on_step_end", trainer, {"step": s, "loss": 10.0 / s})
+print("logged", flush=True)
+time.sleep(600)
+"""
+
+
+def kill_after_logging(run_dir: Path) -> None:
+    """Run a process that logs steps 1-10 offline, then kill it and W&B's service with it (SIGKILL to its
+    process group, as a scheduler ends a job) once W&B has had the time to write them (wandb_sink.FLUSH_S)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, str(run_dir)], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        for line in child.stdout:
+            if line.startswith("logged"):
+                break
+        time.sleep(wandb_sink.FLUSH_S * 2 + 1)
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+
+
+def test_a_killed_and_resumed_run_is_one_offline_run_that_sync_uploads_whole(tmp_path, drive, config):
+    """W&B's 15 s default flush left a killed process's .wandb at 7 bytes, and the resumed process wrote a
+    second folder of the same id whose history began again at _step 0, which `wandb sync` uploads over the
+    first. Now the killed process keeps what it logged, and the newest folder holds the whole run."""
+    kill_after_logging(tmp_path)
+    [killed] = tmp_path.glob("wandb/offline-run-*")
+    assert [row["step"] for row in offline_run(tmp_path)[1] if "train/loss" in row] == list(range(1, 11))
+    cfg = config("logging.wandb=true", "logging.wandb_mode=offline")
+    logged = []
+    drive(WandbSink(cfg, tmp_path, log=logged.append), cfg, range(6, 13), start=5)  # resumed from step 5
+    [newest] = tmp_path.glob("wandb/offline-run-*")  # the one folder `wandb sync wandb/offline-run-*` uploads
+    assert newest != killed and (tmp_path / "wandb" / "superseded" / killed.name).is_dir()
+    run_id, history, *_ = offline_run(tmp_path)
+    assert run_id == (tmp_path / ID_FILE).read_text().strip()
+    train = [(row["step"], row["train/loss"]) for row in history if "train/loss" in row]
+    assert train == [(s, pytest.approx(10.0 / s)) for s in [*range(1, 11), *range(6, 13)]]  # replayed steps kept
+    assert [row["_step"] for row in history] == list(range(len(history)))
+    assert logged[-1] == f"W&B offline run {run_id}: upload it with `wandb sync {newest}`"
+    drive(WandbSink(cfg, tmp_path, log=print), cfg, range(13, 15), start=12)  # a third process: all three
+    train = [row["step"] for row in offline_run(tmp_path)[1] if "train/loss" in row]
+    assert train == [*range(1, 11), *range(6, 15)] and len(list(tmp_path.glob("wandb/offline-run-*"))) == 1
+
+
+def test_a_process_killed_while_it_copied_its_predecessors_history_adds_nothing(tmp_path, drive, config):
+    from kiln.monitor.sinks.wandb_offline import REPLAYED, resolved_history
+
+    cfg = config("logging.wandb=true", "logging.wandb_mode=offline")
+    drive(WandbSink(cfg, tmp_path, log=print), cfg, range(1, 5), status="stopped")
+    sink = WandbSink(cfg, tmp_path, log=print)
+    drive(sink, cfg, range(5, 7), start=4, status="stopped")
+    [second] = tmp_path.glob("wandb/offline-run-*")
+    (second / REPLAYED).write_text('{"rows": 1000}')  # as if it was killed before its copy was written
+    first = next((tmp_path / "wandb" / "superseded").iterdir())
+    first.rename(tmp_path / "wandb" / first.name)  # (its end would have left the first folder in place)
+    history, used = resolved_history(tmp_path / "wandb", sink.run.id)
+    assert [row["step"] for row in history if "train/loss" in row] == [1, 2, 3, 4]
+    assert sorted(used) == sorted([tmp_path / "wandb" / first.name, second])
