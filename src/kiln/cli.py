@@ -352,6 +352,46 @@ def plot(
     console.print(f"wrote {paths['png']} and {paths['html']}", highlight=False)
 
 
+@app.command()
+def sweep(
+    config: str | None = typer.Argument(None, help="YAML config file or preset name each trial trains with."),
+    overrides: list[str] | None = typer.Argument(None, help="Dotted KEY=VALUE overrides for every trial."),
+    space: str = typer.Option(..., "--space", help="YAML search space: params (config keys and their domains), "
+                              "search (grid, random, tpe), metric, mode, asha."),
+    trials: int = typer.Option(4, "--trials", min=1, help="Trials to sample (with grid params: times the grid)."),
+    out: str = typer.Option("sweeps/sweep", "--out", "-o", help="Directory of the sweep: trials/, results.csv, "
+                            "best.yaml."),
+    search: str | None = typer.Option(None, "--search", help="grid, random or tpe (default: the space's)."),
+    address: str | None = typer.Option(None, "--address", help="An existing Ray cluster (auto, or ray://HOST:10001); "
+                                       "default: Ray on this machine."),
+    cpus: float = typer.Option(1, "--cpus-per-trial", min=0, help="CPUs each trial takes."),
+    gpus: float = typer.Option(0, "--gpus-per-trial", min=0, help="GPUs each trial takes (0.5: two share one)."),
+    concurrent: int | None = typer.Option(None, "--concurrent", min=1, help="At most this many trials at once."),
+) -> None:
+    """Hyperparameter search on Ray Tune: each trial is a `kiln train` run in OUT/trials/<id>; ASHA stops
+    poor trials early; the results table and the best config are written to OUT.
+
+    Example: kiln sweep my.yaml --space space.yaml --trials 8 --gpus-per-trial 1
+    """
+    from rich.table import Table
+
+    from kiln.sweep.tune import sweep as run_sweep
+
+    result = run_sweep(config, space, trials, out, list(overrides or []), search=search, address=address,
+                       cpus_per_trial=cpus, gpus_per_trial=gpus, concurrent=concurrent,
+                       log=lambda m: console.print(m, highlight=False))
+    rows = result["rows"]
+    table = Table(title=f"kiln sweep {out}", title_justify="left")
+    for name in rows[0]:
+        if name != "run_dir":
+            table.add_column(name, justify="left" if name in ("trial", "status") else "right")
+    for r in rows:
+        table.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in r.items() if k != "run_dir"])
+    console.print(table)
+    console.print(f"best: trial {result['best']['trial']} ({result['best']['run_dir']}); its config: "
+                  f"{result['best_config']}; every trial: {result['results']}", highlight=False)
+
+
 @app.command("runs")
 def runs_(
     directory: str = typer.Argument("runs", help="Directory holding run directories (default: runs)."),

@@ -21,7 +21,8 @@ LAYERS: list[list[str]] = [
     ["kiln.sizes", "kiln.config", "kiln.docs_ref"],  # the validated config (named sizes are plain data), its docs
     ["kiln.data", "kiln.model", "kiln.plan"],  # read, prepare and load data; the pure model; the planner
     ["kiln.parallel", "kiln.monitor", "kiln.state"],  # parallelism, sinks, checkpoints and the run directory
-    ["kiln.train", "kiln.evaluate", "kiln.eval"],  # the loop and `kiln train` end to end; `kiln eval` of any model
+    # the loop and `kiln train` end to end; `kiln eval` of any model, benchmarks; sweeps of runs
+    ["kiln.train", "kiln.evaluate", "kiln.eval", "kiln.sweep"],
     ["kiln.cli"],  # the command
 ]
 
