@@ -140,7 +140,10 @@ def open_eval_data(data: list[str], tok, run_cfg: RunConfig | None, tmp: Path, s
         return ds, split
     base = run_cfg.data if run_cfg is not None else DataConfig()
     given = {k: v for k, v in data_fields.items() if v is not None}
-    fields = {"on_bad_record": base.on_bad_record, "eos_token": base.eos_token, "bos_token": base.bos_token,
+    bos = base.bos_token
+    if bos == "tokenizer":  # the BOS the model's tokenizer put first in training, by name: `tok` is given, not trained
+        bos = tok.tk.id_to_token(tok.bos_id) if tok.bos_id is not None else None
+    fields = {"on_bad_record": base.on_bad_record, "eos_token": base.eos_token, "bos_token": bos,
               "format": base.format, "field": base.field, "text_unit": base.text_unit,
               "csv_quoting": base.csv_quoting, "parse_special_tokens": base.parse_special_tokens}
     try:  # the options given on the command line win over the run's own data settings
