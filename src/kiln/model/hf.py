@@ -8,6 +8,11 @@ Four architectures map onto the native model (`kiln.model.llama.Transformer`):
     qwen2       Qwen2ForCausalLM      attention_bias='qkv', tied embeddings in the small ones
     nemotron    NemotronForCausalLM   mlp='relu2' (no gate), norm='layernorm1p', rotary_fraction
 
+A model trained from scratch exports as the first of Llama, Mistral, Nemotron and Qwen2 that holds it (q/k/v
+biases as Llama's attention biases with a zero o_proj bias: transformers would load a Qwen2 directory's
+tokenizer as its own Qwen2Tokenizer, not the tokenizer.json Kiln trained); a shape none holds is said before
+training (`export_problem`).
+
 Kiln's modules carry HF's names without the `model.` prefix and use the same rotary layout, so the
 weights map one to one with no permutation. Only `hf_config` imports transformers (an optional extra).
 """
@@ -27,28 +32,44 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
 
 
 def hf_model_type(cfg: ModelConfig) -> str:
-    """The Hugging Face model_type that holds `cfg`: the one it was imported from, else the simplest that fits."""
+    """The Hugging Face model_type that holds `cfg`: the one it was imported from (or model.hf_model_type names),
+    else the first of llama, mistral, nemotron, qwen2 that can. StateError if none can (`export_problem`)."""
     if cfg.hf_model_type is not None:
-        kind = cfg.hf_model_type
-    elif cfg.norm == "layernorm1p" or cfg.mlp == "relu2":
-        kind = "nemotron"
-    elif cfg.attention_bias == "qkv":
-        kind = "qwen2"
-    elif cfg.sliding_window is not None:
-        kind = "mistral"
-    else:
-        kind = "llama"
-    problems = _unsupported(cfg, kind)
-    if problems:
-        raise StateError(f"{ARCHITECTURES[kind]} cannot hold this model: {', '.join(problems)}; set "
-                         "model.hf_model_type to one that can, or leave it null")
-    return kind
+        problems = _unsupported(cfg, cfg.hf_model_type)
+        if problems:
+            raise StateError(f"{ARCHITECTURES[cfg.hf_model_type]} cannot hold this model: {', '.join(problems)}; set "
+                             "model.hf_model_type to one that can, or leave it null")
+        return cfg.hf_model_type
+    problem = export_problem(cfg)
+    if problem is not None:
+        raise StateError(problem)
+    return next(kind for kind in FROM_SCRATCH if not _unsupported(cfg, kind))
+
+
+# a model trained from scratch exports as the first of these that holds it: Llama before Qwen2 for q/k/v biases
+# (a zero o_proj bias), since transformers loads a Qwen2 directory's tokenizer as Qwen2Tokenizer, built from
+# the vocabulary with Qwen2's own pre-tokenizer, instead of the tokenizer.json Kiln trained
+FROM_SCRATCH = ("llama", "mistral", "nemotron", "qwen2")
+
+
+def export_problem(cfg: ModelConfig) -> str | None:
+    """Why no Hugging Face class can hold `cfg` (None: one can), said to a user before training: `kiln export`
+    will not be able to write the model."""
+    kinds = [cfg.hf_model_type] if cfg.hf_model_type is not None else list(FROM_SCRATCH)
+    problems = {kind: _unsupported(cfg, kind) for kind in kinds}
+    if any(not p for p in problems.values()):
+        return None
+    why = "; ".join(f"{ARCHITECTURES[k]} cannot have {', '.join(p)}" for k, p in problems.items())
+    return (f"no Hugging Face class holds this model shape ({why}), so `kiln export` will not be able to write it "
+            "(training, checkpoints, kiln eval and kiln generate work). To export it, use a shape one of them holds: "
+            "rmsnorm with swiglu (Llama; Mistral for a sliding window, without rope_scaling or biases), layernorm1p "
+            "with relu2 (Nemotron)")
 
 
 def _unsupported(cfg: ModelConfig, kind: str) -> list[str]:
     wants = {  # option: value each architecture needs (None: any)
         "llama": dict(norm="rmsnorm", mlp="swiglu", sliding_window=None, rotary_fraction=1.0,
-                      attention_bias=("none", "all")),
+                      attention_bias=("none", "qkv", "all")),  # qkv: written with a zero o_proj bias
         "mistral": dict(norm="rmsnorm", mlp="swiglu", attention_bias=("none",), mlp_bias=False,
                         rotary_fraction=1.0, rope_scaling=None),
         "qwen2": dict(norm="rmsnorm", mlp="swiglu", attention_bias=("qkv",), mlp_bias=False, rotary_fraction=1.0),
@@ -98,7 +119,7 @@ def to_hf_config_dict(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
     else:
         out["rms_norm_eps"] = cfg.norm_eps
     if kind in ("llama", "nemotron"):
-        out.update(attention_bias=cfg.attention_bias == "all", mlp_bias=cfg.mlp_bias)
+        out.update(attention_bias=cfg.attention_bias != "none", mlp_bias=cfg.mlp_bias)
     if kind == "mistral":
         out["sliding_window"] = cfg.sliding_window  # written even when null: Mistral's default is 4096
     if kind == "qwen2":
@@ -180,14 +201,23 @@ def from_hf_config_dict(hf: dict[str, Any]) -> ModelConfig:
     )
 
 
-def to_hf_state_dict(state: dict[str, torch.Tensor], tie_embeddings: bool) -> dict[str, torch.Tensor]:
-    """Kiln state dict -> Hugging Face state dict (tied: lm_head.weight left out, as HF saves it)."""
+def to_hf_state_dict(state: dict[str, torch.Tensor], tie_embeddings: bool, zero_o_bias: bool = False
+                     ) -> dict[str, torch.Tensor]:
+    """Kiln state dict -> Hugging Face state dict (tied: lm_head.weight left out, as HF saves it). `zero_o_bias`:
+    a zero o_proj bias beside each o_proj weight (q/k/v biases written as Llama's attention_bias)."""
     out = {}
     for key, value in state.items():
         if key == "lm_head.weight" and tie_embeddings:
             continue
         out[key if key.startswith(_TOP_LEVEL) else f"model.{key}"] = value
+        if zero_o_bias and key.endswith("o_proj.weight"):
+            out[f"model.{key.removesuffix('weight')}bias"] = value.new_zeros(value.shape[0])
     return out
+
+
+def zero_o_bias(cfg: ModelConfig) -> bool:
+    """True when `cfg` exports with a zero o_proj bias: q/k/v biases held by an architecture with all four."""
+    return cfg.attention_bias == "qkv" and hf_model_type(cfg) in ("llama", "nemotron")
 
 
 def from_hf_state_dict(state: dict[str, torch.Tensor], tie_embeddings: bool) -> dict[str, torch.Tensor]:

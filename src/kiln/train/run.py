@@ -108,8 +108,23 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
         mesh.close()
 
 
+def check_exportable(model, say) -> None:
+    """Before training from scratch: a ConfigError if model.hf_model_type names a Hugging Face class that cannot
+    hold the model (that export was asked for), else a warning (`say`) if no class can: `kiln export` would fail
+    at the end of the run."""
+    from kiln.model.hf import export_problem
+
+    problem = export_problem(model)
+    if problem is not None and model.hf_model_type is not None:
+        raise ConfigError(f"model.hf_model_type={model.hf_model_type}: {problem}")
+    if problem is not None:
+        say(f"warning: {problem}", markup=False, highlight=False)
+
+
 def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: Mesh) -> Path:
     cfg.lora.require_base(cfg.model)
+    if not cfg.model.init_from:
+        check_exportable(cfg.model, console.print)
     if cfg.model.init_from:  # the architecture comes from the Hugging Face directory's config.json
         cfg = with_init_from(cfg)
     run_dir, may_resume = run_directory(cfg, resume, console.print)

@@ -5,10 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.model.hf import from_hf_config_dict, from_hf_state_dict, hf_model_type, to_hf_config_dict
+from kiln.config import ModelConfig, RopeScaling
+from kiln.errors import StateError
+from kiln.model.hf import (
+    export_problem,
+    from_hf_config_dict,
+    from_hf_state_dict,
+    hf_config,
+    hf_model_type,
+    to_hf_config_dict,
+    to_hf_state_dict,
+)
 from kiln.model.llama import Transformer
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 ARCHS = ["llama", "llama3.1", "llama-bias", "mistral", "qwen2", "nemotron"]  # conftest.ARCHS
 
 
@@ -75,3 +85,34 @@ def test_sliding_window_with_document_mask(hf_model):
     unwindowed = Transformer(whole).eval()
     unwindowed.load_state_dict(kiln.state_dict())
     assert not torch.allclose(unwindowed(tokens[:, 13:])[0], packed, atol=1e-3)  # the window is in effect
+
+
+@pytest.mark.parametrize("shape, why", [
+    (dict(mlp="relu2"), "model.norm=rmsnorm"),
+    (dict(rotary_fraction=0.5), "model.rotary_fraction=0.5"),
+    (dict(sliding_window=8, rope_scaling=RopeScaling()), "model.sliding_window=8"),
+])
+def test_shapes_no_hf_class_holds_are_said(shape, why):
+    cfg = ModelConfig(vocab_size=96, d_model=64, n_heads=4, **shape)
+    problem = export_problem(cfg)
+    assert problem is not None and why in problem and "kiln export` will not be able to write it" in problem
+    with pytest.raises(StateError, match="no Hugging Face class holds this model shape"):
+        hf_model_type(cfg)
+
+
+def test_qkv_biases_from_scratch_export_as_llama(hf_model):
+    """q/k/v biases (with or without MLP biases) from scratch: Llama with a zero o_proj bias, equal logits."""
+    for mlp_bias in (False, True):
+        cfg = ModelConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, attention_bias="qkv", mlp_bias=mlp_bias,
+                          tie_embeddings=False)
+        assert export_problem(cfg) is None and hf_model_type(cfg) == "llama"
+        torch.manual_seed(0)
+        kiln = Transformer(cfg).eval()
+        with torch.no_grad():
+            for p in kiln.parameters():
+                p.copy_(torch.randn_like(p) * 0.1)
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config(cfg)).eval()
+        hf.load_state_dict(to_hf_state_dict(kiln.state_dict(), cfg.tie_embeddings, zero_o_bias=True))
+        x = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            torch.testing.assert_close(hf(input_ids=x).logits, kiln(x), rtol=0, atol=1e-5)

@@ -29,7 +29,8 @@ ARCHS = {
     "llama": dict(tie_embeddings=False),
     "llama3.1": dict(rope_theta=500000.0, rope_scaling=RopeScaling(original_max_position_embeddings=16)),
     "mistral": dict(sliding_window=8, head_size=48, tie_embeddings=False),
-    "qwen2": dict(attention_bias="qkv", rope_theta=1e6),
+    "qwen2": dict(attention_bias="qkv", rope_theta=1e6, hf_model_type="qwen2"),
+    "qkv": dict(attention_bias="qkv", mlp_bias=True),  # from scratch: Llama, with a zero o_proj bias
     "nemotron": dict(mlp="relu2", norm="layernorm1p", rotary_fraction=0.5, attention_bias="all", tie_embeddings=False),
 }
 
@@ -78,7 +79,7 @@ def test_transformers_loads_export_with_equal_logits(arch, tokenizer, tmp_path):
     export_hf(model, model.cfg, tokenizer, tmp_path)
     hf, tok, messages = load_quietly(tmp_path)
     assert messages == [], messages
-    kind = {"llama3.1": "llama"}.get(arch, arch)
+    kind = {"llama3.1": "llama", "qkv": "llama"}.get(arch, arch)
     assert hf.config.model_type == kind and type(hf).__name__ == ARCHITECTURES[kind]
     tokens = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -183,3 +184,15 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tokenizer, tmp_path)
     tokenizer.save(tmp_path / "own.json")  # its own tokenizer, given explicitly: accepted
     export_from(tmp_path / "run", tmp_path / "out", tokenizer=tmp_path / "own.json")
     assert Tokenizer.load(tmp_path / "out").hash == tokenizer.hash
+
+
+def test_a_qkv_bias_model_from_scratch_ships_the_tokenizer_kiln_trained(tokenizer, tmp_path):
+    """transformers loads a Qwen2 directory's tokenizer as Qwen2Tokenizer, rebuilt with Qwen2's pre-tokenizer
+    (3,510 tokens against Kiln's 3,350 on one file): a q/k/v-bias model trained here exports as a class whose
+    tokenizer is the tokenizer.json written, and a file counts the same tokens both ways."""
+    model = random_model("qkv")
+    export_hf(model, model.cfg, tokenizer, tmp_path)
+    _, tok, _ = load_quietly(tmp_path)
+    text = Path(sysconfig.get_paths()["stdlib"], "csv.py").read_text()
+    assert len(tok(text, add_special_tokens=False)["input_ids"]) == len(tokenizer.encode(text))
+    assert tok(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text)
