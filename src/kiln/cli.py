@@ -456,7 +456,8 @@ def plan(
 # --------------------------------------------------------------------------- launch (kiln.parallel.launch)
 
 launch_app = typer.Typer(no_args_is_help=True, help="Write a launch file that runs `kiln train` on a cluster: a "
-                         "Kubeflow PyTorchJob (k8s) or an sbatch script (slurm).")
+                         "Kubeflow PyTorchJob (k8s), an sbatch script (slurm) or a SageMaker training job "
+                         "(sagemaker); or run it on a Ray cluster (ray).")
 app.add_typer(launch_app, name="launch")
 
 
@@ -522,6 +523,61 @@ def launch_slurm(
     note = slurm.make_log_dir(yaml.safe_load(cfg_yaml)["train"]["run_dir"])  # as the script resolved it
     console.print(f"wrote {script_path} and {config_path}; submit with: sbatch {shlex.quote(str(script_path))}"
                   + (f"\n{note}" if note else ""), highlight=False)
+
+
+@launch_app.command("sagemaker")
+def launch_sagemaker(
+    config: str | None = typer.Argument(None, help="YAML config file or preset name."),
+    overrides: list[str] | None = typer.Argument(None, help="Dotted KEY=VALUE overrides."),
+    instance_type: str = typer.Option(..., "--instance-type", help="e.g. ml.p5.48xlarge."),
+    instance_count: int = typer.Option(1, "--instance-count", help="Instances (nodes)."),
+    image: str = typer.Option(..., "--image", help="ECR URI of an image with kiln installed."),
+    role: str = typer.Option(..., "--role", help="IAM role ARN the job runs as."),
+    output: str = typer.Option(..., "--output", help="S3 prefix for the job's config, output and checkpoints."),
+    checkpoint_s3: str | None = typer.Option(None, "--checkpoint-s3", help="S3 prefix SageMaker syncs the run "
+                                             "directory to (default OUTPUT/JOB/checkpoints)."),
+    spot: bool = typer.Option(False, "--spot", help="Managed spot training: resumes from its checkpoints."),
+    max_run: int = typer.Option(86400, "--max-run", help="Seconds of training at most."),
+    max_wait: int | None = typer.Option(None, "--max-wait", help="With --spot: seconds of waiting plus training "
+                                        "(default twice --max-run)."),
+    gpus_per_instance: int | None = typer.Option(None, "--gpus-per-instance", help="Default: the instance type's."),
+    inputs: list[str] | None = typer.Option(None, "--input", help="A data channel NAME=s3://..., at "
+                                            "/opt/ml/input/data/NAME in the job (repeat for more)."),
+    name: str | None = typer.Option(None, "--name", help="Job name prefix (default kiln-<config name>)."),
+    out: str | None = typer.Option(None, "--out", "-o", help="JSON file to write (default JOB.json); the config "
+                                   "goes beside it as JOB.config.yaml."),
+    submit: bool = typer.Option(False, "--submit", help="Upload the config and create the job (boto3)."),
+    region: str | None = typer.Option(None, "--region", help="AWS region for --submit (default: your AWS config)."),
+) -> None:
+    """Write (and with --submit, create) a SageMaker training job: torchrun on every instance, the run directory
+    synced to S3 for spot recovery, metrics parsed from Kiln's log lines.
+
+    Example: kiln launch sagemaker gpu-1b --instance-type ml.p5.48xlarge --instance-count 2 --spot --image
+    123456789012.dkr.ecr.us-east-1.amazonaws.com/kiln:latest --role arn:aws:iam::123456789012:role/sm
+    --output s3://my-bucket/kiln
+    """
+    import json
+
+    from kiln.parallel.launch import sagemaker
+    from kiln.parallel.launch.common import write_files
+
+    if config is not None and "=" in config:
+        overrides, config = [config, *(overrides or [])], None
+    request, cfg_yaml = sagemaker.training_job(
+        config, list(overrides or []), instance_type=instance_type, instance_count=instance_count, image=image,
+        role=role, output_s3=output, checkpoint_s3=checkpoint_s3, spot=spot, max_run_s=max_run, max_wait_s=max_wait,
+        name=name, gpus_per_instance=gpus_per_instance, inputs=list(inputs or []))
+    path = Path(out or f"{request['TrainingJobName']}.json")
+    config_path = path.with_name(path.name.rsplit(".", 1)[0] + ".config.yaml")
+    write_files({path: json.dumps(request, indent=1) + "\n", config_path: cfg_yaml})
+    console.print(f"wrote {path} (the CreateTrainingJob request) and {config_path}", highlight=False)
+    if submit:
+        arn = sagemaker.submit(request, cfg_yaml, region)
+        console.print(f"created {arn}", highlight=False)
+    else:
+        console.print(f"submit: kiln launch sagemaker ... --submit, or upload {config_path} as config.yaml under "
+                      f"{request['InputDataConfig'][0]['DataSource']['S3DataSource']['S3Uri']} and run aws "
+                      f"sagemaker create-training-job --cli-input-json file://{path}", highlight=False)
 
 
 def _env_number(name: str, default: int) -> int:
