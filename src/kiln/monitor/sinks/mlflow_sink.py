@@ -67,14 +67,14 @@ class MlflowSink(MetricSink):
     def open(self, trainer) -> None:
         uri = self.tracking_uri()
         try:
-            self._open(uri)
+            self._open(uri, trainer.step)
         except Exception as e:  # a store that cannot be written or reached: say which one and where it is set
             where = "logging.mlflow_tracking_uri" if self.cfg.logging.mlflow_tracking_uri else "the default store"
             raise ResourceError(f"MLflow tracking URI {uri} ({where}) cannot be used ({type(e).__name__}: {e}); "
                                 "check it (a server, a database, a writable directory) or turn logging.mlflow "
                                 "off") from e
 
-    def _open(self, uri: str) -> None:
+    def _open(self, uri: str, step: int = 0) -> None:
         from mlflow.entities import Param, RunTag
 
         lcfg = self.cfg.logging
@@ -83,8 +83,7 @@ class MlflowSink(MetricSink):
         if exp is not None:
             exp_id = exp.experiment_id
         else:
-            local = (self.run_dir / "mlartifacts").resolve().as_uri() if not lcfg.mlflow_tracking_uri else None
-            exp_id = self.client.create_experiment(lcfg.mlflow_experiment, artifact_location=local)
+            exp_id = self.client.create_experiment(lcfg.mlflow_experiment, artifact_location=self.artifact_location())
         run = self._saved_run(exp_id)
         tags = {"kiln.run_dir": str(self.run_dir.resolve()), "mlflow.source.name": "kiln", **lcfg.tags}
         if run is None:
@@ -94,12 +93,48 @@ class MlflowSink(MetricSink):
             self.client.update_run(run.info.run_id, status="RUNNING")
         self.run_id = run.info.run_id
         self.highest = self._highest(run)
-        known = run.data.params  # params cannot change in MLflow: a resume adds only the new ones
-        params = [Param(k, v) for k, v in flatten(self.cfg.model_dump(mode="json")).items() if k not in known]
+        params, changed = self._params(run.data.params, step)
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
-            self.client.log_batch(self.run_id, params=params[i:i + 100])
+            self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in params[i:i + 100]])
+        if changed:
+            tags["kiln.config_changes"] = f"at step {step}: " + "; ".join(changed)
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
         self.log(f"MLflow run {self.run_id} in experiment '{lcfg.mlflow_experiment}' at {uri}")
+
+    def artifact_location(self) -> str | None:
+        """Where a new experiment keeps its artifacts. The default store: <run_dir>/mlartifacts; another SQLite
+        database: mlartifacts beside it; a server (http, databricks) or a file store: None, its own artifact
+        store. MLflow's default for a database without a server is ./mlruns of the current directory, which
+        would scatter artifacts over the places runs are launched from: another database gets
+        <run_dir>/mlartifacts."""
+        uri = self.cfg.logging.mlflow_tracking_uri
+        if not uri:
+            return (self.run_dir / "mlartifacts").resolve().as_uri()
+        scheme = uri.split(":", 1)[0].split("+", 1)[0].lower() if "://" in uri else ""
+        if scheme == "sqlite":
+            db = uri.split("://", 1)[1]  # sqlite:///relative.db or sqlite:////absolute.db
+            db = db[1:] if db.startswith("/") else db
+            return (Path(db).expanduser().resolve().parent / "mlartifacts").as_uri() if db else None
+        if scheme in ("postgresql", "mysql", "mssql"):
+            return (self.run_dir / "mlartifacts").resolve().as_uri()
+        return None
+
+    def _params(self, known: dict[str, str], step: int) -> tuple[list[tuple[str, str]], list[str]]:
+        """(params to log, the changes they record). MLflow never changes a param's value, so a value that a
+        resume (`--resume force`) changed is logged as '<key>/from_step_<step>', beside the first one, and the
+        changes are kept in the tag kiln.config_changes (tags can change)."""
+        out, changed = [], []
+        for k, v in flatten(self.cfg.model_dump(mode="json")).items():
+            if k not in known:
+                out.append((k, v))
+                continue
+            latest = max((p for p in known if p.startswith(f"{k}/from_step_")),
+                         key=lambda p: int(p.rsplit("_", 1)[1]), default=k)
+            if known[latest] != v:
+                if f"{k}/from_step_{step}" not in known:  # (a second change at the same step: in the tag only)
+                    out.append((f"{k}/from_step_{step}", v))
+                changed.append(f"{k} {known[latest]} -> {v}")
+        return out, changed
 
     def _saved_run(self, exp_id: str):
         """The MLflow run an earlier process of this run directory made, if the store still has it."""

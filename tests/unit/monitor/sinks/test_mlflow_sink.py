@@ -62,7 +62,41 @@ def test_a_stopped_run_is_killed_and_its_resume_continues_the_same_mlflow_run(tm
     replayed = c.get_metric_history(run_id, "replay/train/loss")
     assert [(m.step, m.value) for m in replayed] == [(3, pytest.approx(10 / 3))]
     assert [m.step for m in c.get_metric_history(run_id, "eval/val_loss")] == [0, 2, 5]
-    assert runs[0].data.params["train.max_steps"] == "300"  # MLflow params never change: the first run's
+    params = runs[0].data.params
+    assert params["train.max_steps"] == "300"  # MLflow params never change: the first run's, and beside it
+    assert params["train.max_steps/from_step_2"] == "500"  # the value the resume changed it to, from its step
+    assert runs[0].data.tags["kiln.config_changes"] == "at step 2: train.max_steps 300 -> 500"
+    assert not any(k.endswith("from_step_2") for k in params if not k.startswith("train.max_steps"))
+    again = config("logging.mlflow=true", "train.max_steps=700")  # resumed again: the latest value is compared
+    drive(MlflowSink(again, tmp_path, log=print), again, range(6, 8), start=5)
+    params = c.get_run(run_id).data.params
+    assert params["train.max_steps/from_step_5"] == "700" and params["train.max_steps/from_step_2"] == "500"
+    assert c.get_run(run_id).data.tags["kiln.config_changes"] == "at step 5: train.max_steps 500 -> 700"
+    drive(MlflowSink(again, tmp_path, log=print), again, range(8, 9), start=7)  # unchanged: nothing new
+    assert c.get_run(run_id).data.params == params
+
+
+def test_artifacts_of_a_custom_local_store_go_beside_it_not_to_the_launch_directory(tmp_path, drive, config,
+                                                                                   monkeypatch):
+    """With logging.mlflow_tracking_uri=sqlite:///..., MLflow's default artifact root is ./mlruns of the directory
+    the run was launched from."""
+    launch = tmp_path / "launch"
+    launch.mkdir()
+    monkeypatch.chdir(launch)
+    store = tmp_path / "tracking" / "store.db"
+    store.parent.mkdir()
+    cfg = config("logging.mlflow=true", f"logging.mlflow_tracking_uri=sqlite:///{store}")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    drive(MlflowSink(cfg, run_dir, log=print), cfg, range(1, 3), sample="text")
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(f"sqlite:///{store}")
+    run = c.get_run((run_dir / ID_FILE).read_text().strip())
+    assert run.info.artifact_uri.startswith((store.parent / "mlartifacts").as_uri())
+    assert {a.path for a in c.list_artifacts(run.info.run_id)} >= {"config.yaml", "samples"}
+    assert (store.parent / "mlartifacts").is_dir() and list(launch.iterdir()) == []
 
 
 def test_steps_a_rollback_trains_again_are_logged_once_under_their_names_and_again_under_replay(tmp_path, drive,
