@@ -18,25 +18,26 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]  # benchmarks/ has scripts named like standard modules (as tokenize.py was): don't shadow them
+if not __package__:  # python benchmarks/throughput.py: import the folder as the package, as python -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+import argparse
+import contextlib
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
 
-import torch  # noqa: E402
+import torch
 
-from kiln.config import RunConfig  # noqa: E402
-from kiln.model.llama import Transformer  # noqa: E402
-from kiln.model.registry import flops_per_token  # noqa: E402
-from kiln.monitor.meters import peak_flops  # noqa: E402
-from kiln.parallel.ac import apply_ac  # noqa: E402
-from kiln.parallel.compile import apply_compile, compiled_graph_count  # noqa: E402
+from benchmarks.common import free, hf_rows, hf_step_clock, peak_gib, run_info, sync, table, write_json
+from benchmarks.synthetic import random_loader
+from kiln.config import RunConfig
+from kiln.model.llama import Transformer
+from kiln.model.registry import flops_per_token
+from kiln.monitor.meters import peak_flops
+from kiln.parallel.ac import apply_ac
+from kiln.parallel.compile import apply_compile, compiled_graph_count
 
 VOCAB = 32000
 REAL_BYTES = 400_000_000  # the corpus of benchmarks/real_run.py
@@ -57,52 +58,6 @@ class Result:
     extra: dict = field(default_factory=dict)
 
 
-class RandomTokens:
-    """An endless loader of (tokens, targets, doc_ids) with random ids, pinned, like Kiln's PackedLoader."""
-
-    def __init__(self, batch: int, seq: int, vocab: int, docs: int = 0, n: int = 8, seed: int = 0):
-        g = torch.Generator().manual_seed(seed)
-        rows = torch.randint(0, vocab, (n, batch, seq + 1), generator=g)
-        self.batches = []
-        for r in rows:
-            doc_ids = None
-            if docs:  # `docs` documents of random lengths per row
-                cuts = torch.sort(torch.randint(1, seq, (batch, docs - 1), generator=g), dim=1).values
-                doc_ids = (torch.arange(seq)[None, None, :] >= cuts[:, :, None]).sum(1).int()
-            pin = torch.cuda.is_available()
-            self.batches.append(tuple(t.pin_memory() if pin and t is not None else t
-                                      for t in (r[:, :-1].contiguous(), r[:, 1:].contiguous(), doc_ids)))
-        self.i = 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        self.i += 1
-        return self.batches[self.i % len(self.batches)]
-
-    def rows(self):
-        """All token rows (for the HF Trainer's dataset)."""
-        return torch.cat([b[0] for b in self.batches])
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _free():
-    gc.collect()
-    torch._dynamo.reset()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _peak_gib() -> float:
-    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-
-
 def _sdpa_backend(name: str):
     if name == "default":
         return contextlib.nullcontext()
@@ -117,12 +72,14 @@ def run_kiln(size: str, batch: int, seq: int, warmup: int, steps: int, compile: 
              precision: str = "bf16", profile: bool = False, data: str = "random", mask: bool = True,
              prefetch: int = 2, mode: str | None = None) -> Result:
     """precision: 'bf16' (autocast over fp32 weights) or 'bf16-params' (bf16 weights and AdamW state).
-    data: 'random' tokens, or 'real': Kiln's loader over the corpus of benchmarks/real_run.py
+    data: 'random' tokens (in rows of `docs` documents on average, with document masking; 0: one causal
+    row), or 'real' ones; either way through Kiln's loader (benchmarks.synthetic) with `prefetch` batches
+    made ahead in a background thread. 'real' reads over the corpus of benchmarks/real_run.py
     (prepared with the same settings, so an earlier `real_run.py --prepare-only` is reused), with
-    document masking `mask` and `prefetch` batches made ahead in a background thread."""
+    document masking `mask`."""
     from kiln.train.trainer import Trainer
 
-    _free()
+    free()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = RunConfig.model_validate({
         "model": {"size": size, "vocab_size": VOCAB, "max_seq_len": max(seq, 2048)},
@@ -139,56 +96,61 @@ def run_kiln(size: str, batch: int, seq: int, warmup: int, steps: int, compile: 
     if compile:
         apply_compile(model, scope=scope, mode=mode)
     fpt = flops_per_token(cfg.model, seq)
-    if data == "real":
-        loader, val = _real_loaders(cfg, mask, prefetch, device)
-    else:
-        loader = val = RandomTokens(batch, seq, VOCAB, docs=docs)
-    trainer = Trainer(cfg, model, loader, val, device, [], flops_per_token=fpt)
-    if mode == "reduce-overhead":  # CUDA graphs: tell the graph trees where each step begins
-        step = trainer.train_step
-        trainer.train_step = lambda: (torch.compiler.cudagraph_mark_step_begin(), step())[1]
-    res = Result(name, size, batch, seq)
-    with _sdpa_backend(attention):
-        losses = []
-        for _ in range(warmup):
-            losses.append(trainer.train_step()[0])
-        _sync()
-        graphs = compiled_graph_count()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            losses.append(trainer.train_step()[0])
-        _sync()
-        dt = time.perf_counter() - t0
-    res.tokens_per_s = steps * batch * seq / dt
-    res.mfu = res.tokens_per_s * fpt / (peak_flops(device) or float("inf"))
-    res.peak_gib = _peak_gib()
-    res.first_loss, res.last_loss = losses[0].item(), losses[-1].item()
-    recompiles = compiled_graph_count() - graphs
-    if profile:
-        _profile(trainer, attention)
+    with tempfile.TemporaryDirectory() as tmp:
+        if data == "real":
+            loader = _real_loader(cfg, mask, prefetch, device)
+        else:
+            loader = random_loader(tmp, batch, seq, VOCAB, docs_per_row=docs, prefetch=prefetch)
+        try:
+            trainer = Trainer(cfg, model, loader, None, device, [], flops_per_token=fpt)
+            res = _time_kiln(Result(name, size, batch, seq), trainer, fpt, warmup, steps, attention, mode, profile)
+        finally:
+            loader.close()
     res.notes = (f"compile={compile} ac={ac} attn={attention} scope={scope} mode={mode} {precision}"
                  + (f" docs={docs}" if docs else ""))
     if data == "real":
         res.notes += f" real data mask={mask} prefetch={prefetch}"
-    res.extra = {"recompiles_after_warmup": recompiles, "step_ms": 1000 * dt / steps}
-    del trainer, model
     return res
 
 
-def _real_loaders(cfg: RunConfig, mask: bool, prefetch: int, device: torch.device):
-    import importlib.util
+def _time_kiln(res: Result, trainer, fpt: float, warmup: int, steps: int, attention: str, mode: str | None,
+               profile: bool) -> Result:
+    """`res` measured: `warmup` steps of Kiln's Trainer, then `steps` timed between two device synchronisations."""
+    if mode == "reduce-overhead":  # CUDA graphs: tell the graph trees where each step begins
+        step = trainer.train_step
+        trainer.train_step = lambda: (torch.compiler.cudagraph_mark_step_begin(), step())[1]
+    with _sdpa_backend(attention):
+        losses = []
+        for _ in range(warmup):
+            losses.append(trainer.train_step()[0])
+        sync()
+        graphs = compiled_graph_count()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            losses.append(trainer.train_step()[0])
+        sync()
+        dt = time.perf_counter() - t0
+    res.tokens_per_s = steps * trainer.tokens_per_step / dt
+    res.mfu = res.tokens_per_s * fpt / (peak_flops(trainer.device) or float("inf"))
+    res.peak_gib = peak_gib()
+    res.first_loss, res.last_loss = losses[0].item(), losses[-1].item()
+    recompiles = compiled_graph_count() - graphs
+    if profile:
+        _profile(trainer, attention)
+    res.extra = {"recompiles_after_warmup": recompiles, "step_ms": 1000 * dt / steps}
+    return res
 
+
+def _real_loader(cfg: RunConfig, mask: bool, prefetch: int, device: torch.device):
+    """Kiln's loader over the corpus of benchmarks/real_run.py (prepared there, or here the first time)."""
+    from benchmarks.real_run import data_overrides
     from kiln.config import load_config
     from kiln.data.build import build_data
 
-    spec = importlib.util.spec_from_file_location("real_run", Path(__file__).with_name("real_run.py"))
-    real_run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(real_run)
-    overrides = real_run.data_overrides(REAL_BYTES, ".kiln-cache")
+    overrides = data_overrides(REAL_BYTES, ".kiln-cache")
     overrides += [f"data.document_mask={str(mask).lower()}", f"data.prefetch={prefetch}"]
     data_cfg = load_config(None, overrides).data
-    built = build_data(cfg.model_copy(update={"data": data_cfg}), device)
-    return built.train, built.val
+    return build_data(cfg.model_copy(update={"data": data_cfg}), device).train
 
 
 def _profile(trainer, attention: str, steps: int = 3) -> None:
@@ -198,70 +160,42 @@ def _profile(trainer, attention: str, steps: int = 3) -> None:
     with _sdpa_backend(attention), profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             trainer.train_step()
-        _sync()
+        sync()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
 
 
-def run_hf_trainer(size: str, batch: int, seq: int, warmup: int, steps: int) -> Result:
-    """transformers.Trainer on LlamaForCausalLM of the same shape: bf16, adamw_torch_fused, as users run it."""
-    import tempfile
-
-    from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+def run_hf_trainer(size: str, batch: int, seq: int, warmup: int, steps: int, name: str = "hf-trainer") -> Result:
+    """transformers.Trainer on LlamaForCausalLM of the same shape: bf16, adamw_torch_fused, as users run it, on
+    rows of the same random tokens."""
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
     from kiln.config import ModelConfig
     from kiln.model.hf import hf_config
 
-    _free()
+    free()
     mcfg = ModelConfig(size=size, vocab_size=VOCAB, max_seq_len=max(seq, 2048))
     torch.manual_seed(0)
     model = LlamaForCausalLM(hf_config(mcfg))
-    rows = RandomTokens(batch, seq, VOCAB).rows()
-
-    class Rows(torch.utils.data.Dataset):
-        def __len__(self):
-            return 10**6
-
-        def __getitem__(self, i):
-            r = rows[i % len(rows)]
-            return {"input_ids": r, "labels": r}
-
-    marks: dict[str, float] = {}
-    losses: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            if state.global_step == warmup:
-                _sync()
-                marks["t0"] = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            if state.global_step == warmup + steps:
-                _sync()
-                marks["t1"] = time.perf_counter()
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "loss" in logs:
-                losses.append(logs["loss"])
-
+    with tempfile.TemporaryDirectory() as tmp:
+        loader = random_loader(tmp, batch, seq, VOCAB, prefetch=0)
+        rows = torch.cat([next(loader)[0] for _ in range(8)])
+    clock = hf_step_clock(warmup, warmup + steps)
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out, per_device_train_batch_size=batch, max_steps=warmup + steps, bf16=True,
             optim="adamw_torch_fused", learning_rate=3e-4, warmup_steps=2, logging_steps=warmup + steps - 1,
             save_strategy="no", report_to="none", disable_tqdm=True, dataloader_pin_memory=True,
             dataloader_num_workers=2, seed=0, use_cpu=not torch.cuda.is_available())
-        trainer = Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[Clock()])
-        trainer.train()
-    dt = marks["t1"] - marks["t0"]
-    res = Result("hf-trainer", size, batch, seq)
-    res.tokens_per_s = steps * batch * seq / dt
+        Trainer(model=model, args=args, train_dataset=hf_rows(rows), callbacks=[clock]).train()
+    res = Result(name, size, batch, seq)
+    res.tokens_per_s = steps * batch * seq / clock.seconds
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     res.mfu = res.tokens_per_s * flops_per_token(mcfg, seq) / (peak_flops(dev) or float("inf"))
-    res.peak_gib = _peak_gib()
-    if losses:
-        res.first_loss, res.last_loss = losses[0], losses[-1]
+    res.peak_gib = peak_gib()
+    if clock.losses:
+        res.first_loss, res.last_loss = clock.losses[0], clock.losses[-1]
     res.notes = "transformers.Trainer bf16 adamw_torch_fused sdpa"
-    res.extra = {"step_ms": 1000 * dt / steps}
-    del trainer, model
+    res.extra = {"step_ms": 1000 * clock.seconds / steps}
     return res
 
 
@@ -295,41 +229,36 @@ def main(argv: list[str] | None = None) -> list[Result]:
         for variant in ([] if a.no_default else [""]) + a.variant:
             kw = _parse_variant(variant)
             kw.setdefault("name", "kiln" + (f"[{variant}]" if variant else ""))
-            try:
-                results.append(run_kiln(size, batch, a.seq, a.warmup, a.steps, **kw))
-            except torch.OutOfMemoryError:
-                results.append(Result(kw["name"], size, batch, a.seq, notes="out of memory"))
-            except Exception as e:  # noqa: BLE001 (one failing variant must not lose the others' results)
-                results.append(Result(kw["name"], size, batch, a.seq, notes=f"failed: {type(e).__name__}: {e}"[:300]))
-            print(json.dumps(asdict(results[-1])), flush=True)
+            results.append(_measure(run_kiln, size, batch, a.seq, a.warmup, a.steps, **kw))
         if a.hf_trainer:
-            try:
-                results.append(run_hf_trainer(size, batch, a.seq, a.warmup, a.steps))
-            except torch.OutOfMemoryError:
-                results.append(Result("hf-trainer", size, batch, a.seq, notes="out of memory"))
-            print(json.dumps(asdict(results[-1])), flush=True)
+            results.append(_measure(run_hf_trainer, size, batch, a.seq, a.warmup, a.steps, name="hf-trainer"))
 
-    env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "python": platform.python_version(),
-           "torch": torch.__version__,
-           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()}
-    try:
-        import transformers
-
-        env["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"env": env, "argv": argv, "results": [asdict(r) for r in results]}, f, indent=1)
+    env = run_info(packages=["transformers"])
+    write_json(a.json, {"env": env, "argv": argv, "results": [asdict(r) for r in results]})
     print(f"\n{env}")
     base = {r.size: r.tokens_per_s for r in results if r.name == "hf-trainer" and r.tokens_per_s}
-    print(f"{'run':<34} {'model':>5} {'seq':>5} {'batch':>5} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>8} "
-          f"{'vs HF':>6} {'loss':>6}")
-    for r in results:
-        ratio = f"{r.tokens_per_s / base[r.size]:.2f}x" if r.size in base and r.tokens_per_s else "-"
-        print(f"{r.name[:34]:<34} {r.size:>5} {r.seq:>5} {r.batch:>5} {r.tokens_per_s:>10,.0f} {r.mfu:>6.1%} "
-              f"{r.peak_gib:>8.1f} {ratio:>6} {r.last_loss:>6.3f} {r.notes if not r.tokens_per_s else ''}")
+    print(table([asdict(r) for r in results], [
+        ("run", lambda r: r["name"][:34]), ("model", "size"), ("seq", "seq"), ("batch", "batch"),
+        ("tokens/s", "tokens_per_s", ",.0f"), ("MFU", "mfu", ".1%"), ("peak GiB", "peak_gib", ".1f"),
+        ("vs HF", lambda r: r["tokens_per_s"] / base[r["size"]] if r["size"] in base and r["tokens_per_s"] else None,
+         "{:.2f}x"),
+        ("loss", "last_loss", ".3f"), ("notes", lambda r: "" if r["tokens_per_s"] else r["notes"])]))
+    failed = [r.name for r in results if r.notes.startswith("failed")]
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
     return results
+
+
+def _measure(run, size: str, batch: int, seq: int, warmup: int, steps: int, name: str, **kw) -> Result:
+    """`run`'s result, or one that says why it has none: one failing run must not lose the others' results."""
+    try:
+        res = run(size, batch, seq, warmup, steps, name=name, **kw)
+    except torch.OutOfMemoryError:
+        res = Result(name, size, batch, seq, notes="out of memory")
+    except Exception as e:  # noqa: BLE001 (reported in the table, and the script's exit status)
+        res = Result(name, size, batch, seq, notes=f"failed: {type(e).__name__}: {e}"[:300])
+    print(json.dumps(asdict(res)), flush=True)
+    return res
 
 
 if __name__ == "__main__":
