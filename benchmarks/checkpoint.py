@@ -19,55 +19,26 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# run as a script, this folder comes first on sys.path; keep its files from shadowing the stdlib
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
+if not __package__:  # python benchmarks/checkpoint.py: import the folder as the package, as python -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
 import json
 import os
-import platform
 import shutil
+import tempfile
 import time
 
 import torch
 
+from benchmarks.common import device as pick_device
+from benchmarks.common import run_info, sync, timed, write_json
+from benchmarks.synthetic import random_loader
 from kiln.config import RunConfig
 from kiln.model.llama import Transformer
 from kiln.model.registry import param_count
 from kiln.state.checkpointer import Checkpointer
 from kiln.train.trainer import Trainer
-
-
-class Positions:
-    """A loader with a real, resumable position: batches are a function of it."""
-
-    def __init__(self, vocab: int, batch: int, seq: int):
-        self.vocab, self.batch, self.seq, self.i = vocab, batch, seq, 0
-
-    def __next__(self):
-        g = torch.Generator().manual_seed(self.i)
-        self.i += 1
-        x = torch.randint(0, self.vocab, (self.batch, self.seq + 1), generator=g)
-        return x[:, :-1], x[:, 1:], None
-
-    def state_dict(self) -> dict:
-        return {"sample": self.i * self.batch}
-
-    def load_state_dict(self, s: dict) -> None:
-        self.i = s["sample"] // self.batch
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, device):
-    sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    sync(device)
-    return time.perf_counter() - t0, out
 
 
 def fsync_file(path: Path) -> None:
@@ -84,7 +55,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args()
 
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    device = pick_device(args.device)
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
@@ -95,8 +66,9 @@ def main() -> None:
     })
     torch.manual_seed(0)
     model = Transformer(cfg.model).to(device)
-    loader = Positions(cfg.model.vocab_size, 1, 128)
-    trainer = Trainer(cfg, model, loader, loader, device)
+    data = tempfile.TemporaryDirectory()
+    loader = random_loader(data.name, 1, 128, cfg.model.vocab_size, docs_per_row=2)  # Kiln's loader: a real position
+    trainer = Trainer(cfg, model, loader, None, device)
     trainer.train_step()  # real AdamW moments
     trainer.step, trainer.tokens_seen = 1, 128
     sync(device)
@@ -104,13 +76,10 @@ def main() -> None:
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     state_bytes += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                        if isinstance(v, torch.Tensor))
-    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine()
-    r: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": name,
-               "cpu_count": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-               "size": args.size, "params": param_count(cfg.model), "state_gb": round(state_bytes / 1e9, 2),
-               "write_threads": args.threads, "command": "python " + " ".join(sys.argv)}
-    print(f"{args.size}: {r['params'] / 1e9:.2f}B parameters, {r['state_gb']} GB of model + AdamW state on {name}",
-          flush=True)
+    r = run_info(device, size=args.size, params=param_count(cfg.model), state_gb=round(state_bytes / 1e9, 2),
+                 write_threads=args.threads)
+    print(f"{args.size}: {r['params'] / 1e9:.2f}B parameters, {r['state_gb']} GB of model + AdamW state on "
+          f"{r['device']}", flush=True)
     probe = next(iter(model.parameters())).detach().flatten()[:1000].clone()
 
     # --- baseline: torch.save / torch.load of the same state
@@ -128,7 +97,7 @@ def main() -> None:
     base.unlink()
     print(f"torch.save {r['torch_save_s']:.2f} s (+fsync {r['torch_save_fsync_s']:.2f} s), "
           f"torch.load {r['torch_load_s']:.2f} s", flush=True)
-    dump(r, args.json)
+    write_json(args.json, r)
 
     # --- Kiln: sync saves (first allocates the reusable staging buffers), fsync on (the default)
     ck = Checkpointer(cfg.train.run_dir, cfg, {"bench": True}, print)
@@ -153,7 +122,7 @@ def main() -> None:
     assert torch.equal(next(iter(model.parameters())).detach().flatten()[:1000], probe), "load lost the weights"
     print(f"kiln load {r['kiln_load_s']:.2f} s (with hash check {r['kiln_load_verified_s']:.2f} s)", flush=True)
     ck.close()  # its staging buffers go with it
-    dump(r, args.json)
+    write_json(args.json, r)
 
     # --- Kiln: async saves; the loop blocks only for the copy to CPU memory. As in training, the
     # pinned buffers are allocated in the background after the first step (warm_up).
@@ -171,6 +140,8 @@ def main() -> None:
           f"(buffers allocated in the background in {r['kiln_warm_up_s']:.2f} s); background write "
           f"{r['kiln_async_background_s']:.2f} s", flush=True)
     ck.close()
+    loader.close()
+    data.cleanup()
     shutil.rmtree(root, ignore_errors=True)
 
     r["ratio_sync_vs_torch_save"] = r["torch_save_s"] / r["kiln_sync_nofsync_s"]
@@ -181,13 +152,7 @@ def main() -> None:
           f"{r['ratio_sync_fsync_vs_torch_save_fsync']:.2f}x (both with fsync); "
           f"over torch.load: {r['ratio_load_vs_torch_load']:.2f}x; async blocking {r['kiln_async_blocking_s']:.2f} s")
     print(json.dumps(r))
-    dump(r, args.json)
-
-
-def dump(results: dict, path: str | None) -> None:
-    """Write what is measured so far (a run cut short still leaves its numbers)."""
-    if path:
-        Path(path).write_text(json.dumps(results, indent=1))
+    write_json(args.json, r)
 
 
 if __name__ == "__main__":

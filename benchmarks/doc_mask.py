@@ -9,48 +9,38 @@ SDPA boolean mask. Rows hold documents of web-like lengths (log-normal, median ~
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
+from pathlib import Path
 
-import numpy as np
+if not __package__:  # python benchmarks/doc_mask.py: import the folder as the package, as python -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse
+import contextlib
+import json
+
 import torch
 
+from benchmarks.common import device_name, run_info, seconds_per_call
+from benchmarks.synthetic import doc_ids
 from kiln.config import ModelConfig
 from kiln.model.llama import Transformer
 
 
-def doc_ids(B: int, T: int, median: float, seed: int = 0) -> torch.Tensor:
-    rng = np.random.default_rng(seed)
-    out = np.zeros((B, T), np.int32)
-    for b in range(B):
-        pos, d = 0, 0
-        while pos < T:
-            n = max(1, int(rng.lognormal(np.log(median), 1.0)))
-            out[b, pos:pos + n] = d
-            pos, d = pos + n, d + 1
-    return torch.from_numpy(out)
-
-
 def step_time(model, x, y, ids, steps: int, device) -> float:
-    cuda = device.type == "cuda"
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
-    for i in range(steps + 3):
-        if i == 3:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-        with ctx:
+    """Seconds of a forward and backward pass (bf16 autocast on CUDA), after 3 untimed ones."""
+    ctx = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else contextlib.nullcontext
+
+    def step():
+        with ctx():
             loss = model(x, y, ids)
         loss.backward()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps
+
+    return seconds_per_call(step, steps, warmup=3, dev=device)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="124m")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -68,15 +58,14 @@ def main() -> None:
     causal = step_time(model, x, y, None, args.steps, device)
     masked = step_time(model, x, y, ids, args.steps, device)
     causal2 = step_time(model, x, y, None, args.steps, device)  # again: drift check
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    name = device_name(device)
     docs = float((ids[:, -1] + 1).float().mean())
     print(f"{name}, torch {torch.__version__}, {args.size}, B={B}, T={T}, {docs:.1f} documents per row")
     print(f"  causal (no mask)   {causal * 1e3:8.1f} ms/step  (again: {causal2 * 1e3:.1f})")
     print(f"  document mask      {masked * 1e3:8.1f} ms/step")
     print(f"  ratio masked / causal: {masked / min(causal, causal2):.3f}")
-    print(json.dumps({"device": name, "torch": torch.__version__, "size": args.size, "B": B, "T": T,
-                      "docs_per_row": docs, "causal_ms": min(causal, causal2) * 1e3, "masked_ms": masked * 1e3,
-                      "command": " ".join(["python", *sys.argv])}))
+    print(json.dumps(run_info(device, size=args.size, B=B, T=T, docs_per_row=docs,
+                               causal_ms=min(causal, causal2) * 1e3, masked_ms=masked * 1e3)))
 
 
 if __name__ == "__main__":

@@ -16,45 +16,38 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]  # benchmarks/ has scripts named like standard modules: don't shadow them
+if not __package__:  # python benchmarks/threads.py: import the folder as the package, as python -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import argparse  # noqa: E402
-import os  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+import argparse
+import os
+import statistics
+import tempfile
+import time
 
-import torch  # noqa: E402
+import torch
 
-from kiln.config import RunConfig  # noqa: E402
-from kiln.model.generate import generate  # noqa: E402
-from kiln.model.llama import Transformer  # noqa: E402
-from kiln.model.registry import param_count  # noqa: E402
-from kiln.train.trainer import Trainer  # noqa: E402
-
-
-def random_batches(vocab: int, batch: int, seq: int, docs_per_row: int = 4):
-    gen = torch.Generator().manual_seed(0)
-    doc_ids = (torch.arange(seq) * docs_per_row // seq).expand(batch, seq).contiguous()  # (B, T)
-    while True:
-        tokens = torch.randint(vocab, (batch, seq + 1), generator=gen)
-        yield tokens[:, :-1], tokens[:, 1:], doc_ids
+from benchmarks.common import seconds_per_call
+from benchmarks.synthetic import random_loader
+from kiln.config import RunConfig
+from kiln.model.generate import generate
+from kiln.model.llama import Transformer
+from kiln.model.registry import param_count
+from kiln.train.trainer import Trainer
 
 
-def build(d: int, layers: int, seq: int, batch: int) -> Trainer:
+def build(d: int, layers: int, seq: int, batch: int, data: str) -> Trainer:
+    """Kiln's Trainer of a DxL model over Kiln's loader of random tokens (4 documents a row) written under `data`."""
     cfg = RunConfig.model_validate({"model": {"d_model": d, "n_layers": layers, "n_heads": 4, "vocab_size": 4096},
                                     "train": {"seq_len": seq, "batch_size": batch}})
     torch.manual_seed(0)
     model = Transformer(cfg.model)
-    return Trainer(cfg, model, random_batches(4096, batch, seq), None, torch.device("cpu"))
+    loader = random_loader(data, batch, seq, 4096, docs_per_row=4, prefetch=0)
+    return Trainer(cfg, model, loader, None, torch.device("cpu"))
 
 
 def time_steps(trainer: Trainer, steps: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        loss, _ = trainer.train_step()
-    float(loss)
-    return (time.perf_counter() - t0) / steps
+    return seconds_per_call(lambda: float(trainer.train_step()[0]), steps)
 
 
 def time_generate(trainer: Trainer, tokens: int) -> float:
@@ -78,7 +71,8 @@ def main() -> None:
           f"load average before {os.getloadavg()}")
     for spec in args.models.split(","):
         d, layers = (int(x) for x in spec.split("x"))
-        trainer = build(d, layers, args.seq, args.batch)
+        data = tempfile.TemporaryDirectory()
+        trainer = build(d, layers, args.seq, args.batch, data.name)
         n = param_count(trainer.model.cfg)
         step: dict[int, list[float]] = {c: [] for c in counts}
         tok: dict[int, list[float]] = {c: [] for c in counts}
@@ -100,6 +94,7 @@ def main() -> None:
             print(f"  {c} thread(s): train step {ms:8.1f} ms (x{rel_s:.2f} vs {base})   "
                   f"generate {gs:6.2f} ms/token (x{rel_g:.2f} vs {base})   "
                   f"step min/max {min(step[c]) * 1e3:.0f}/{max(step[c]) * 1e3:.0f} ms")
+        data.cleanup()
     print(f"load average after {os.getloadavg()}")
 
 
