@@ -98,9 +98,8 @@ def _cell(value: Any, spec: str) -> str:
 
 def table(rows: Sequence[dict], columns: Sequence[tuple], markdown: bool = False) -> str:
     """`rows` as a table: one column per (title, key or function of the row, format spec) in `columns`; a spec
-    with braces is a format string ("{:.2f}x").
-    Columns with numbers are right-aligned, those of text alone left-aligned; a missing value (None, NaN) shows as '-'. `markdown`: a
-    Markdown table, else aligned plain text."""
+    with braces is a format string ("{:.2f}x"). Columns with numbers are right-aligned, those of text alone
+    left-aligned; a missing value (None, NaN) shows as '-'. `markdown`: a Markdown table, else plain text."""
     values = [[col[1](r) if callable(col[1]) else r.get(col[1]) for col in columns] for r in rows]
     cells = [[_cell(v, col[2] if len(col) > 2 else "") for v, col in zip(row, columns)] for row in values]
     numeric = [any(isinstance(row[i], int | float) for row in values) for i in range(len(columns))]

@@ -15,37 +15,23 @@ core does, whatever else shares the machine); wall-clock rates are printed besid
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import sys
+from pathlib import Path
+
+if not __package__:  # python benchmarks/loader.py: import the folder as the package, as python -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from kiln.data.format.shards import TokenStream, write_shard
+from benchmarks.common import run_info, write_json
+from benchmarks.synthetic import random_shards
+from kiln.data.format.shards import TokenStream
 from kiln.data.load.loader import PackedLoader
-
-
-def synthetic_shards(root: Path, tokens: int, mean_doc: float, shard_tokens: int = 20_000_000):
-    """uint16 shards of random tokens in documents of log-normal length (median ~ mean_doc / 1.6)."""
-    rng = np.random.default_rng(0)
-    shards, made, s = [], 0, 0
-    while made < tokens:
-        docs, n = [], 0
-        while n < min(shard_tokens, tokens - made):
-            length = max(2, int(rng.lognormal(np.log(mean_doc / 1.6), 1.0)))
-            doc = rng.integers(1, 50_000, length, dtype=np.uint16)
-            doc[-1] = 0  # EOS
-            docs.append(doc)
-            n += length
-        entry = write_shard(root, f"train/{s:05d}", docs, np.uint16)
-        shards.append((root / "train" / f"{s:05d}.bin", root / "train" / f"{s:05d}.idx", entry["tokens"]))
-        made, s = made + n, s + 1
-    return shards
 
 
 def nanogpt_batches(data: np.ndarray, T: int, B: int, seed: int = 0):
@@ -89,7 +75,7 @@ def main() -> None:
             ds = open_dataset(args.dataset)
             cases = {"dataset": (ds.shards("train"), ds.dtype)}
         else:
-            cases = {f"docs~{m}": (synthetic_shards(Path(tmp) / f"m{m}", args.tokens, m), np.uint16)
+            cases = {f"docs~{m}": (random_shards(Path(tmp) / f"m{m}", args.tokens, 50_000, m), np.uint16)
                      for m in (1000, 100)}
         for name, (shards, dtype) in cases.items():
             stream = TokenStream(shards, dtype, name=name)
@@ -109,11 +95,7 @@ def main() -> None:
             print(f"  ratio kiln (doc ids) / nanoGPT: {row['kiln (doc ids)'] / row['nanoGPT get_batch']:.2f}x")
             slow += [f"{name}, {k}: {v / 1e6:.1f} M tokens/s" for k, v in row.items()
                      if k.startswith("kiln") and v < args.min_rate]
-    meta = {"date": time.strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(),
-            "python": sys.version.split()[0], "numpy": np.__version__, "torch": torch.__version__,
-            "command": " ".join(["python", *sys.argv]), "seq_len": T, "batch_size": B, "results": results}
-    if args.out:
-        Path(args.out).write_text(json.dumps(meta, indent=2))
+    write_json(args.out, run_info(torch.device("cpu"), ["numpy"], seq_len=T, batch_size=B, results=results))
     if slow:
         sys.exit(f"FAILED: the loader is under the goal of {args.min_rate / 1e6:.0f} M tokens/s per core "
                  f"(numpy {np.__version__}):\n  " + "\n  ".join(slow))

@@ -13,14 +13,20 @@ library source files as JSON records, each record made unique, so deduplication 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # python benchmarks/prepare_memory.py: import the folder as the package, as python -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import json
 import os
-import platform
+import shutil
 import subprocess
-import sys
 import time
-from pathlib import Path
+
+from benchmarks.common import run_info
 
 CHILD = """
 import sys, json
@@ -102,6 +108,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=os.cpu_count())
     ap.add_argument("--dir", default="/tmp/kiln-bench-mem")
     ap.add_argument("--format", choices=["jsonl", "json"], default="jsonl")
+    ap.add_argument("--vocab", type=int, default=32000, help="size of the BPE trained for both runs")
     args = ap.parse_args()
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -109,14 +116,12 @@ def main() -> None:
     make_input(big, int(args.gb * 1e9))
     make_input(small, int(args.gb * 1e9 / 16))
     cache = d / "cache"
-    import shutil
-
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir()
     from kiln.data.prepare.tokenizer import train_bpe
     from kiln.data.read.sources import stdlib_files
 
-    train_bpe((p.read_text(errors="replace") for p in stdlib_files()[:400]), 32000).save(cache / "tokenizer.json")
+    train_bpe((p.read_text(errors="replace") for p in stdlib_files()[:400]), args.vocab).save(cache / "tokenizer.json")
     results = [run(small, cache, args.workers), run(big, cache, args.workers)]
     for r in results:
         print(f"{r['file_bytes'] / 1e9:6.2f} GB input: peak RSS {r['peak_rss_bytes'] / 2**20:7.1f} MiB "
@@ -124,11 +129,8 @@ def main() -> None:
     ratio = results[1]["peak_rss_bytes"] / results[0]["peak_rss_bytes"]
     print(f"input size ratio {results[1]['file_bytes'] / results[0]['file_bytes']:.1f}x, "
           f"peak RSS ratio {ratio:.2f}x")
-    print(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(),
-                      "cores": os.cpu_count(), "python": platform.python_version(), "workers": args.workers,
-                      "format": args.format,
-                      "command": "python benchmarks/prepare_memory.py " + " ".join(sys.argv[1:]),
-                      "runs": results, "rss_ratio": round(ratio, 3)}, indent=1))
+    print(json.dumps(run_info(None, workers=args.workers, format=args.format, runs=results,
+                              rss_ratio=round(ratio, 3)), indent=1))
 
 
 if __name__ == "__main__":

@@ -21,15 +21,20 @@ equal. Prints seconds per side and the ratios.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # python benchmarks/tokenize_speed.py: import the folder as the package, as python -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import json
 import os
-import platform
 import shutil
-import sys
 import tempfile
 import time
-from pathlib import Path
+
+from benchmarks.common import run_info, write_json
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process per core on both sides
 
@@ -118,12 +123,8 @@ def main() -> None:
     ap.add_argument("--corpus", help="a directory of .py files to use instead of this Python's standard library")
     args = ap.parse_args()
 
-    import datasets
     import numpy as np
-    import tokenizers
-    import transformers
 
-    import kiln
     from kiln.data.prepare.tokenizer import train_bpe
 
     files = corpus(args.corpus)
@@ -154,19 +155,15 @@ def main() -> None:
     ratio, ratio_fast = best["hf"] / best["kiln"], best["hf-fast"] / best["kiln"]
     print(f"kiln {best['kiln']:.2f} s | hf datasets + transformers {best['hf']:.2f} s -> {ratio:.2f}x | "
           f"hf datasets + tokenizers fast {best['hf-fast']:.2f} s -> {ratio_fast:.2f}x")
-    result = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": "python " + " ".join(sys.argv),
-        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-        "cores_allowed": len(os.sched_getaffinity(0)), "workers": args.workers,
-        "python": platform.python_version(), "kiln": kiln.__version__, "datasets": datasets.__version__,
-        "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
-        "corpus_files": len(files), "corpus_bytes": size, "tokens": len(outputs["kiln"]),
-        "identical_tokens": bool(same), "seconds": {k: round(v, 2) for k, v in best.items()},
-        "speedup_vs_hf": round(ratio, 2), "speedup_vs_hf_fast": round(ratio_fast, 2),
-    }
+    import torch
+
+    result = run_info(torch.device("cpu"), ["datasets", "transformers", "tokenizers"],
+                      cores_allowed=len(os.sched_getaffinity(0)), workers=args.workers, corpus_files=len(files),
+                      corpus_bytes=size, tokens=len(outputs["kiln"]), identical_tokens=bool(same),
+                      seconds={k: round(v, 2) for k, v in best.items()}, speedup_vs_hf=round(ratio, 2),
+                      speedup_vs_hf_fast=round(ratio_fast, 2))
     print(json.dumps(result, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     shutil.rmtree(work, ignore_errors=True)
     if not same:
         sys.exit("token streams differ: the comparison is not like for like")
