@@ -16,7 +16,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
+if not __package__:  # python benchmarks/plan_check.py: import the folder as the package, as python -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
 import gc
@@ -24,6 +25,8 @@ import json
 import statistics
 import tempfile
 import time
+
+from benchmarks.common import device_name, table, write_json
 
 
 class _Done(Exception):
@@ -43,23 +46,25 @@ def measure(preset: str, steps: int, extra: list[str], root: Path) -> dict:
                  "train.sample_tokens=0", "logging.every=5", "checkpoint.every=0", "checkpoint.on_signal=false",
                  "checkpoint.save_final=false", *extra]
     cfg = load_config(preset, overrides)
-    gpu, _ = local_device(None, "cuda")
+    gpu, _ = local_device(None, cfg.train.device)
     plan = make_plan(cfg, 1, gpu)
     seen: dict = {"tps": [], "step_peaks": []}
+    cuda = torch.cuda.is_available()  # on the CPU (a check of the script) no memory is measured
 
     class Probe(Callback):
         def on_step_end(self, trainer, metrics):
             if metrics and trainer.step > steps // 3:
                 seen["tps"].append(metrics["tokens_per_s"])
-            if trainer.step <= 3:  # the first steps apart (compilation, the optimizer's state appearing)
+            if trainer.step <= 3 and cuda:  # the first steps apart (compilation, the optimizer's state appearing)
                 seen["step_peaks"].append(round(torch.cuda.max_memory_allocated() / 2**30, 2))
                 seen["first_peak"] = max(seen.get("first_peak", 0), torch.cuda.max_memory_allocated())
                 torch.cuda.reset_peak_memory_stats()
 
         def on_train_end(self, trainer, metrics):
-            seen["steady"] = torch.cuda.max_memory_allocated()  # steps 4 to the end
-            seen["allocated"] = max(seen["steady"], seen.get("first_peak", 0))
-            seen["reserved"] = torch.cuda.max_memory_reserved()
+            if cuda:
+                seen["steady"] = torch.cuda.max_memory_allocated()  # steps 4 to the end
+                seen["allocated"] = max(seen["steady"], seen.get("first_peak", 0))
+                seen["reserved"] = torch.cuda.max_memory_reserved()
             raise _Done
 
     t0 = time.perf_counter()
@@ -69,26 +74,23 @@ def measure(preset: str, steps: int, extra: list[str], root: Path) -> dict:
         pass
     wall = time.perf_counter() - t0
     gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     tps = statistics.median(seen["tps"])
+    gib = {k: seen[k] / 2**30 if k in seen else None for k in ("allocated", "reserved", "steady")}
     return {"preset": preset, "batch": cfg.train.batch_size, "ac": cfg.train.activation_checkpointing,
-            "predicted_gib": plan.memory.peak / 2**30, "allocated_gib": seen["allocated"] / 2**30,
-            "reserved_gib": seen["reserved"] / 2**30, "predicted_tps": plan.tokens_per_s, "tps": tps,
-            "mem_error": plan.memory.peak / seen["allocated"] - 1, "tps_error": plan.tokens_per_s / tps - 1,
-            "max_batch": plan.max_batch, "wall_s": round(wall, 1), "first_step_peaks_gib": seen["step_peaks"],
-            "steady_gib": seen["steady"] / 2**30}
+            "predicted_gib": plan.memory.peak / 2**30, "allocated_gib": gib["allocated"],
+            "reserved_gib": gib["reserved"], "predicted_tps": plan.tokens_per_s, "tps": tps,
+            "mem_error": plan.memory.peak / seen["allocated"] - 1 if "allocated" in seen else None,
+            "tps_error": plan.tokens_per_s / tps - 1 if plan.tokens_per_s else None, "max_batch": plan.max_batch,
+            "wall_s": round(wall, 1), "first_step_peaks_gib": seen["step_peaks"], "steady_gib": gib["steady"]}
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| preset | batch | AC | peak predicted GiB | allocated GiB | reserved GiB | error | tokens/s predicted "
-             "| tokens/s measured | error | plan's largest batch |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        lines.append(f"| {r['preset']} | {r['batch']} | {r['ac']} | {r['predicted_gib']:.1f} "
-                     f"| {r['allocated_gib']:.1f} | {r['reserved_gib']:.1f} | {r['mem_error']:+.1%} "
-                     f"| {r['predicted_tps']:,.0f} | {r['tps']:,.0f} | {r['tps_error']:+.1%} | {r['max_batch']} |")
-    return "\n".join(lines)
+COLUMNS = [("preset", "preset"), ("batch", "batch"), ("AC", "ac"), ("peak predicted GiB", "predicted_gib", ".1f"),
+           ("allocated GiB", "allocated_gib", ".1f"), ("reserved GiB", "reserved_gib", ".1f"),
+           ("error", "mem_error", "+.1%"), ("tokens/s predicted", "predicted_tps", ",.0f"),
+           ("tokens/s measured", "tps", ",.0f"), ("error", "tps_error", "+.1%"), ("plan's largest batch", "max_batch")]
 
 
 def main() -> None:
@@ -101,7 +103,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    card = torch.cuda.get_device_name()
+    card = device_name()
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,8 +113,9 @@ def main() -> None:
             rows.append(measure(preset, args.steps, extra, Path(tmp) / str(k)))
             rows[-1]["preset"] = spec
             print(json.dumps(rows[-1]), flush=True)
-    text = table(rows)
-    ok = all(abs(r["mem_error"]) <= 0.10 and abs(r["tps_error"]) <= 0.15 for r in rows)
+    text = table(rows, COLUMNS, markdown=True)
+    ok = all(abs(r["mem_error"] if r["mem_error"] is not None else 1) <= 0.10
+             and abs(r["tps_error"] if r["tps_error"] is not None else 1) <= 0.15 for r in rows)
     print(text)
     print("goal (peak within 10%, tokens/s within 15%):", "met" if ok else "NOT met")
     if args.out:
@@ -122,8 +125,7 @@ def main() -> None:
                     f"{torch.__version__}; `kiln train` of each preset in one process; peak = "
                     "torch.cuda.max_memory_allocated over the training steps; tokens/s = median logged after the "
                     f"first third of the steps\n- goal met: {'yes' if ok else 'no'}\n\n{text}\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"card": card, "date": date, "rows": rows}, indent=1))
+    write_json(args.json, {"card": card, "date": date, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -14,24 +14,26 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]  # benchmarks/ has scripts named like standard modules: don't shadow them
+if not __package__:  # python benchmarks/real_run.py: import the folder as the package, as python -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sysconfig  # noqa: E402
-import time  # noqa: E402
+import argparse
+import json
+import statistics
+import subprocess
+import sysconfig
+import time
+
+KILN = [sys.executable, "-m", "kiln.cli"]  # the `kiln` command, of the kiln this Python imports
 
 
-def data_overrides(max_bytes: int, cache: str) -> list[str]:
+def data_overrides(max_bytes: int, cache: str, vocab: int = 32000) -> list[str]:
     std = sysconfig.get_paths()["stdlib"]
     site = sysconfig.get_paths()["purelib"]
     sources = [f"{std}/**/*.py"]
     if not Path(site).resolve().is_relative_to(Path(std).resolve()):  # a venv's packages live elsewhere
         sources.append(f"{site}/**/*.py")
-    return [f"data.sources={json.dumps(sources)}", f"data.max_bytes={max_bytes}", "data.vocab_size=32000",
+    return [f"data.sources={json.dumps(sources)}", f"data.max_bytes={max_bytes}", f"data.vocab_size={vocab}",
             "data.tokenizer_train_bytes=50000000", "data.on_bad_record=skip", "data.val_fraction=0.01",
             f"data.cache_dir={cache}"]
 
@@ -55,16 +57,18 @@ def summarise(run_dir: Path, wall_s: float) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="gpu-124m", help="the preset (or YAML file) trained")
     p.add_argument("--out", default="runs/real124m", help="run directory")
     p.add_argument("--cache", default=".kiln-cache", help="data.cache_dir (prepared data is reused from here)")
     p.add_argument("--max-bytes", type=int, default=400_000_000, help="characters of source to read")
     p.add_argument("--steps", type=int, default=2000)  # the tokens of the 16-row preset's 4000
+    p.add_argument("--vocab", type=int, default=32000, help="size of the BPE trained on the corpus")
     p.add_argument("--prepare-only", action="store_true")
     p.add_argument("extra", nargs="*", help="more KEY=VALUE overrides for kiln train")
     a = p.parse_args()
-    data = data_overrides(a.max_bytes, a.cache)
+    data = data_overrides(a.max_bytes, a.cache, a.vocab)
     t = time.perf_counter()
-    subprocess.run(["kiln", "prepare", "gpu-124m", *data], check=True)
+    subprocess.run([*KILN, "prepare", a.config, *data], check=True)
     print(f"prepare: {time.perf_counter() - t:.0f} s", flush=True)
     if a.prepare_only:
         return
@@ -72,7 +76,7 @@ def main() -> None:
              f"train.run_dir={a.out}", "checkpoint.every=1000", "checkpoint.keep_last=2", "logging.every=50",
              "logging.console=false", *a.extra]
     t = time.perf_counter()
-    subprocess.run(["kiln", "train", "gpu-124m", *data, *train], check=True)
+    subprocess.run([*KILN, "train", a.config, *data, *train], check=True)
     summary = summarise(Path(a.out), time.perf_counter() - t)
     (Path(a.out) / "summary.json").write_text(json.dumps(summary, indent=1))
     curve = summary.pop("val_curve")

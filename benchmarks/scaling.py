@@ -7,7 +7,7 @@ A run is NPROC:STRATEGY[:KEY=VALUE;KEY=VALUE] (overrides of that run alone; an u
 NCCL_MAX_NCHANNELS, is set in that run's environment instead); STRATEGY `solo` starts NPROC independent
 one-GPU jobs at once and adds their rates (the machine's own limit, without communication).
 `--profile S` records steps S to S+2 of every run (rank 0) and prints where their GPU time went
-(benchmarks/trace_summary.py), each run beside the first. `--repeat R` runs the list R times in rounds and
+(benchmarks.trace_summary), each run beside the first. `--repeat R` runs the list R times in rounds and
 gives each run's median: the one-GPU baseline moves by a few percent between runs.
 
 Each run is a real `kiln train` (torchrun started by `--nproc N` when N > 1) on the preset's data, with
@@ -22,8 +22,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# run as a script, this folder comes first on sys.path; keep its files from shadowing the stdlib
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
+if not __package__:  # python benchmarks/scaling.py: import the folder as the package, as python -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
 import json
@@ -34,6 +34,8 @@ import statistics
 import subprocess
 import tempfile
 import time
+
+from benchmarks.common import run_info, write_json
 
 
 class RunFailed(Exception):
@@ -102,9 +104,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # a time limit: `run` stops its job
     import torch
 
-    info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "gpus": torch.cuda.device_count(), "config": args.config, "steps": args.steps}
+    info = run_info(gpus=torch.cuda.device_count(), config=args.config, steps=args.steps)
     if args.profile:
         args.set += [f"profile.start={args.profile}", "profile.steps=3"]
     results = []
@@ -126,8 +126,10 @@ def main() -> None:
                 profile(results[0], results[-1])
     print(json.dumps(info))
     rows = table(results, len(specs), args.base, args.set)
-    if args.json:
-        Path(args.json).write_text(json.dumps({**info, "results": results, "table": rows}, indent=1))
+    write_json(args.json, {**info, "results": results, "table": rows})
+    failed = [r for r in results if "error" in r]
+    if failed:
+        sys.exit(f"{len(failed)} of {len(results)} runs failed")
 
 
 def table(results: list[dict], n_specs: int, base: float | None, common: list[str]) -> list[dict]:
@@ -165,18 +167,20 @@ def table(results: list[dict], n_specs: int, base: float | None, common: list[st
 
 
 def profile(first: dict, r: dict) -> None:
-    """Summary of run `r`'s trace (rank 0) beside the first run's (benchmarks/trace_summary.py)."""
-    here = Path(__file__).parent
+    """Summary of run `r`'s trace (rank 0) beside the first run's (benchmarks.trace_summary)."""
+    from benchmarks.trace_summary import report, summarize
+
     traces = [next(iter(sorted(Path(x["run_dir"]).glob("profile/*.trace.json"))), None) if "run_dir" in x else None
               for x in (first, r)]
     if None in traces:
         print(f"no trace for {r['nproc']} x {r['strategy']} {' '.join(r['extra'])}")
         return
     print(f"\n### {r['nproc']} x {r['strategy']} {' '.join(r['extra'])} (beside the first run)")
-    out = subprocess.run([sys.executable, str(here / "trace_summary.py"), *map(str, traces)],
-                         capture_output=True, text=True)
-    print(out.stdout + out.stderr[-2000:], flush=True)
-    r["profile"] = out.stdout
+    try:
+        r["profile"] = report([summarize(str(t)) for t in traces])
+    except SystemExit as e:  # a trace without GPU kernels (a CPU run)
+        r["profile"] = str(e)
+    print(r["profile"], flush=True)
 
 
 if __name__ == "__main__":

@@ -165,22 +165,25 @@ def deltas(a: dict, b: dict, key: str = "kernels_ms", top: int = 12) -> str:
     return "\n".join(lines)
 
 
+def report(rows: list[dict]) -> str:
+    """The summaries side by side; with two or more, the kernels and host operators of the first two whose time
+    changed most; then each trace's idle GPU time by the kernel that ends it."""
+    parts = [table(rows)]
+    if len(rows) >= 2:
+        parts += [deltas(rows[0], rows[1]), deltas(rows[0], rows[1], "host_ms")]
+    for r in rows:
+        parts.append(f"{Path(r['trace']).parent.parent.name}: idle GPU time (ms per step) before the kernel that "
+                     "ends it\n" + "\n".join(f"  {v:7.3f}  {name}" for name, v in r["idle_before_ms"].items()))
+    return "\n\n".join(parts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--json", default=None, help="write the summaries (without per-kernel times) here")
     args = ap.parse_args()
     rows = [summarize(t) for t in args.traces]
-    print(table(rows))
-    if len(rows) >= 2:
-        print()
-        print(deltas(rows[0], rows[1]))
-        print()
-        print(deltas(rows[0], rows[1], "host_ms"))
-    for r in rows:
-        print(f"\n{Path(r['trace']).parent.parent.name}: idle GPU time (ms per step) before the kernel that ends it")
-        for name, v in r["idle_before_ms"].items():
-            print(f"  {v:7.3f}  {name}")
+    print(report(rows))
     if args.json:
         slim = [{k: v for k, v in r.items() if k not in ("kernels_ms", "host_ms")} for r in rows]
         Path(args.json).write_text(json.dumps(slim, indent=1) + "\n")

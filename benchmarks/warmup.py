@@ -16,8 +16,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# run as a script, this folder comes first on sys.path; keep its files from shadowing the stdlib
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
+if not __package__:  # python benchmarks/warmup.py: import the folder as the package, as python -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
 import collections
