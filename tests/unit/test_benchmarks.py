@@ -1,11 +1,13 @@
-"""Every script in benchmarks/ starts both ways a user runs it: `python benchmarks/X.py` and
-`python -m benchmarks.X` (from the repository root), here with --help, which needs no GPU.
+"""Every script in benchmarks/ runs: a smoke run of each on the CPU, of a few seconds, through its real code path
+(both sides where it compares Kiln with a baseline) to its table, so a benchmark that no longer runs fails the
+suite; and each starts both ways a user runs it, `python benchmarks/X.py` and `python -m benchmarks.X` (from
+the repository root), with --help.
 
-One fresh interpreter imports torch (the bulk of every start) once, then forks a child per start; each
-child sets sys.argv and sys.path[0] as the interpreter would (the script's folder, or the current
-folder for -m) and runs the script as __main__ the way `python` does (runpy). A script named like a
-module imported before the fork would shadow it in a real script start without the fork showing it, so
-the test fails on such a name first."""
+One fresh interpreter imports torch and transformers (the bulk of every start) once, then forks a child per
+start, two at a time; each child sets sys.argv, sys.path[0] and the working directory as the interpreter
+would (the script's folder, or the current folder for -m) and runs the script as __main__ the way `python`
+does (runpy). A script named like a module imported before the fork would shadow it in a real script start
+without the fork showing it, so the test fails on such a name first."""
 
 from __future__ import annotations
 
@@ -18,36 +20,84 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
+HELPERS = {"__init__", "common", "synthetic"}  # modules of the package that are not benchmarks
+SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in HELPERS)
 
-# argv: JSON list of [how, ...]; prints one JSON object {how: [exit code, output]}
+# a `kiln train` of a few steps on the CPU ({tmp}: the run's own folder)
+TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "train.seq_len=32", "train.batch_size=2",
+        "train.device=cpu", "data.max_bytes=150000", "data.vocab_size=384", "data.cache_dir={tmp}/cache",
+        "logging.every=1"]
+
+# each script's smoke run: its arguments ({tmp}: a fresh folder, also the working directory) and text that its
+# output shows only when the run went through to its table
+SMOKE = {
+    "attention": (["--device", "cpu", "--shapes", "2x4/2", "--seq", "64", "--medians", "16", "--iters", "1"],
+                  "sdpa_cudnn"),
+    "checkpoint": (["--size", "tiny", "--device", "cpu", "--dir", "{tmp}/ck", "--threads", "1",
+                    "--json", "{tmp}/out.json"], "speed-up over torch.save"),
+    "cpt_8b": (["--size", "tiny", "--device", "cpu", "--steps", "3", "--data-bytes", "150000"],
+               "peft+hf-trainer"),
+    "doc_mask": (["--size", "tiny", "--seq-len", "64", "--batch-size", "2", "--steps", "1", "--median-doc", "16",
+                  "--vocab", "512"],
+                 "ratio masked / causal"),
+    "fsdp_8b": (["--size", "tiny", "--device", "cpu", "--nproc", "1", "--steps", "4", "--warmup", "1", "--seq", "32",
+                 "--no-append", "--run-root", "{tmp}", "--cache-dir", "{tmp}/cache", "--set", "data.max_bytes=150000",
+                 "--json", "{tmp}/out.json"], "Kiln / HF Trainer: **"),
+    "hf_auto": (["--batch", "2", "--seq", "32", "--steps", "1", "--warmup", "1"], "auto / native"),
+    "loader": (["--tokens", "100000", "--seconds", "0.1", "--min-rate", "0", "--seq-len", "64", "--batch-size", "2",
+                "--out", "{tmp}/out.json"], "ratio kiln (doc ids) / nanoGPT"),
+    "plan_check": (["--presets", "quickstart", "--steps", "4", *(x for o in TINY for x in ("--set", o)),
+                    "--out", "{tmp}/plan.md", "--json", "{tmp}/out.json"], "| quickstart | 2 |"),
+    "prepare_memory": (["--gb", "0.0005", "--workers", "1", "--vocab", "300", "--dir", "{tmp}"], "peak RSS ratio"),
+    "real_run": (["--config", "quickstart", "--out", "{tmp}/run", "--cache", "{tmp}/cache", "--max-bytes", "100000",
+                  "--steps", "2", "--vocab", "384", *TINY[:6], "train.eval_batches=2"], '"tokens_per_s_median": '),
+    "scaling": (["--config", "quickstart", "--runs", "1:auto", "--steps", "4",
+                 *(x for o in TINY for x in ("--set", o)), "--json", "{tmp}/out.json"], "1 x auto"),
+    "threads": (["--models", "32x1", "--threads", "1", "--rounds", "1", "--steps", "1", "--seq", "32", "--batch", "2",
+                 "--gen-tokens", "2"], "1 thread(s): train step"),
+    "throughput": (["--runs", "tiny:2", "--seq", "32", "--warmup", "1", "--steps", "1", "--no-default",
+                    "--variant", "compile=0", "--variant", "compile=0,docs=2,name=kiln-docs", "--hf-trainer",
+                    "--json", "{tmp}/out.json"], "hf-trainer"),
+    "tokenize_speed": (["--corpus", "{tmp}/corpus", "--workers", "1", "--vocab", "300", "--out", "{tmp}/out.json"],
+                       "token streams identical: True"),
+    "trace_summary": (["{tmp}/a/b/one.pt.trace.json", "{tmp}/a/b/two.pt.trace.json", "--json", "{tmp}/out.json"],
+                      "idle GPU time"),
+    "warmup": (["quickstart", "--steps", "3", "--every", "0.5", *TINY, "train.eval_every=0"], "records: start 0"),
+}
+
+# argv: JSON list of [argv, working directory], how many at once; prints one JSON object
+# {" ".join(argv): [exit code, output, wall seconds, CPU seconds (with the processes it waited for)]}
 SERVER = r'''
-import json, os, runpy, sys, tempfile
+import json, os, runpy, sys, tempfile, time
 import torch, torch._dynamo  # noqa: F401  (imported once, before the forks: most of each start)
+import transformers, transformers.trainer  # noqa: F401
 
-starts = json.loads(sys.argv[1])
+starts, parallel = json.loads(sys.argv[1]), int(sys.argv[2])
 loaded = {name.split(".")[0] for name in sys.modules}
-shadowed = sorted({os.path.basename(h[0]).removesuffix(".py") for h in starts if h[0] != "-m"} & loaded)
+shadowed = sorted({os.path.basename(a[0]).removesuffix(".py") for a, _ in starts if a[0] != "-m"} & loaded)
 if shadowed:
     print(json.dumps({"shadowed": shadowed}))
     sys.exit(0)
-cwd, children = os.getcwd(), {}
-for how in starts:
+root, running, done = os.getcwd(), {}, {}
+
+
+def start(argv, cwd):
     out = tempfile.TemporaryFile()
     pid = os.fork()
-    if pid == 0:  # the child: one start, as `python ARGS --help` makes it
+    if pid == 0:  # the child: one start, as `python ARGV` makes it in `cwd`
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
+        os.chdir(cwd)
         code = 0
         try:
-            if how[0] == "-m":
-                sys.argv = [how[1], "--help"]  # runpy puts the module's file there, as -m does
+            if argv[0] == "-m":
+                sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's file there, as -m does
                 sys.path[0] = cwd
-                runpy.run_module(how[1], run_name="__main__", alter_sys=True)
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
             else:
-                sys.argv = [how[0], "--help"]
-                sys.path[0] = os.path.dirname(os.path.realpath(how[0]))
-                runpy.run_path(how[0], run_name="__main__")
+                sys.argv = list(argv)
+                sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
+                runpy.run_path(argv[0], run_name="__main__")
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
             if not isinstance(e.code, int | None):
@@ -59,28 +109,107 @@ for how in starts:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    children[pid] = (" ".join(how), out)
-done = {}
-for pid, (how, out) in children.items():
-    _, status = os.waitpid(pid, 0)
+    running[pid] = (" ".join(argv), out, time.perf_counter())
+
+
+def reap():
+    pid, status, usage = os.wait4(-1, 0)
+    how, out, t0 = running.pop(pid)
     out.seek(0)
-    done[how] = [os.waitstatus_to_exitcode(status), out.read().decode(errors="replace")]
+    done[how] = [os.waitstatus_to_exitcode(status), out.read().decode(errors="replace"),
+                 round(time.perf_counter() - t0, 1), round(usage.ru_utime + usage.ru_stime, 1)]
+
+
+for argv, cwd in starts:
+    while len(running) >= parallel:
+        reap()
+    start(argv, cwd)
+while running:
+    reap()
 print(json.dumps(done))
 '''
+
+
+def run_forked(starts: list[tuple[list[str], Path]], parallel: int, timeout: float) -> dict[str, list]:
+    """{" ".join(argv): [exit code, output, wall s, CPU s]} of every start, forked from one interpreter with
+    `parallel` at once."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "CUDA_VISIBLE_DEVICES": "",
+           "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([sys.executable, "-c", SERVER, json.dumps([[a, str(c)] for a, c in starts]), str(parallel)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    assert "shadowed" not in results, f"benchmarks/ scripts named like modules imported first: {results}"
+    assert sorted(results) == sorted(" ".join(a) for a, _ in starts)
+    return results
+
+
+def results_files() -> dict[str, float]:
+    return {str(p): p.stat().st_mtime for p in (ROOT / "benchmarks" / "results").rglob("*")}
+
+
+def test_every_benchmark_runs_its_smoke_run_on_the_cpu(tmp_path):
+    """Each script, tiny, on the CPU, to its table: exit status 0 and the table's text in its output; the
+    measured results in benchmarks/results/ stay as they are."""
+    assert set(SMOKE) == set(SCRIPTS), f"a smoke run for every benchmark: {sorted(set(SCRIPTS) ^ set(SMOKE))}"
+    _trace_inputs(tmp_path / "trace_summary" / "a" / "b")
+    corpus = tmp_path / "tokenize_speed" / "corpus"
+    corpus.mkdir(parents=True)
+    for name in ("textwrap.py", "csv.py", "shlex.py"):
+        (corpus / name).write_bytes((Path(json.__file__).parents[1] / name).read_bytes())
+    starts = []
+    for name in SCRIPTS:
+        tmp = tmp_path / name
+        tmp.mkdir(exist_ok=True)
+        starts.append(([str(ROOT / "benchmarks" / f"{name}.py"),
+                        *(a.replace("{tmp}", str(tmp)) for a in SMOKE[name][0])], tmp))
+    before = results_files()
+    results = run_forked(starts, parallel=2, timeout=600)
+    failed = {}
+    for (argv, _), name in zip(starts, SCRIPTS):
+        code, out, wall, cpu = results[" ".join(argv)]
+        print(f"{name}: exit {code} after {wall} s, {cpu} s of CPU")
+        if code != 0 or SMOKE[name][1] not in out:
+            failed[name] = f"exit {code}, {SMOKE[name][1]!r} {'in' if SMOKE[name][1] in out else 'NOT in'} output:\n" \
+                + out[-3000:]
+    assert not failed, "\n\n".join(f"--- {k}: {v}" for k, v in failed.items())
+    assert results_files() == before
+
+
+def made_up_trace(nccl_us: float = 30) -> dict:
+    """A Chrome trace of two steps (microseconds): a matmul 0-40 and an all-reduce from 30 on another stream (10
+    beside compute, the rest alone), a kernel 80-100, then the same again 100 later; the host op aten::mm (20)
+    holds a launch (5) of its own."""
+    events = []
+    for t0 in (0, 100):
+        events += [
+            {"ph": "X", "cat": "gpu_user_annotation", "name": f"ProfilerStep#{t0}", "ts": t0, "dur": 100},
+            {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": t0, "dur": 40, "args": {"stream": 7}},
+            {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce", "ts": t0 + 30, "dur": nccl_us,
+             "args": {"stream": 20}},
+            {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add", "ts": t0 + 80, "dur": 20,
+             "args": {"stream": 7}},
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": t0, "dur": 20, "pid": 1, "tid": 1},
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t0 + 5, "dur": 5, "pid": 1,
+             "tid": 1},
+        ]
+    return {"traceEvents": events}
+
+
+def _trace_inputs(folder: Path) -> None:
+    """Two traces for trace_summary.py to compare: the second's all-reduce is longer."""
+    folder.mkdir(parents=True)
+    for name, nccl in (("one", 30), ("two", 50)):
+        (folder / f"{name}.pt.trace.json").write_text(json.dumps(made_up_trace(nccl)))
 
 
 @pytest.mark.slow
 def test_every_benchmark_prints_help_as_a_script_and_as_a_module():
     assert "loader" in SCRIPTS and "tokenize_speed" in SCRIPTS and "tokenize" not in SCRIPTS
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "CUDA_VISIBLE_DEVICES": ""}
-    starts = [how for name in SCRIPTS for how in (["benchmarks/" + name + ".py"], ["-m", "benchmarks." + name])]
-    done = subprocess.run([sys.executable, "-c", SERVER, json.dumps(starts)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.splitlines()[-1])
-    assert "shadowed" not in results, f"benchmarks/ scripts named like modules torch imports: {results}"
-    assert sorted(results) == sorted(" ".join(how) for how in starts)
-    failed = {how: out[-2000:] for how, (code, out) in results.items() if code != 0 or "usage:" not in out}
+    starts = [(how, ROOT) for name in SCRIPTS
+              for how in (["benchmarks/" + name + ".py", "--help"], ["-m", "benchmarks." + name, "--help"])]
+    results = run_forked(starts, parallel=4, timeout=300)
+    failed = {how: out[-2000:] for how, (code, out, _, _) in results.items() if code != 0 or "usage:" not in out}
     assert not failed, failed
 
 
@@ -107,28 +236,13 @@ def test_fsdp_8b_writes_the_final_checkpoint_only_where_the_disk_holds_two(monke
 
 
 def test_trace_summary_splits_a_step_into_compute_nccl_idle_and_host_self_time(monkeypatch, tmp_path):
-    """Two steps of a made-up trace (microseconds): a matmul 0-40 and an all-reduce 30-60 on another stream
-    (10 beside compute, 20 alone), a kernel 80-100, then the same again 100 later; the host op aten::mm
-    (20) holds a launch (5) of its own."""
+    """The made-up trace: the all-reduce runs 30-60 (10 beside the matmul, 20 alone)."""
     import importlib
 
     monkeypatch.syspath_prepend(str(ROOT))
     ts = importlib.import_module("benchmarks.trace_summary")
-    events = []
-    for t0 in (0, 100):
-        events += [
-            {"ph": "X", "cat": "gpu_user_annotation", "name": f"ProfilerStep#{t0}", "ts": t0, "dur": 100},
-            {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": t0, "dur": 40, "args": {"stream": 7}},
-            {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce", "ts": t0 + 30, "dur": 30,
-             "args": {"stream": 20}},
-            {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add", "ts": t0 + 80, "dur": 20,
-             "args": {"stream": 7}},
-            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": t0, "dur": 20, "pid": 1, "tid": 1},
-            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t0 + 5, "dur": 5, "pid": 1,
-             "tid": 1},
-        ]
     path = tmp_path / "steps.pt.trace.json"
-    path.write_text(json.dumps({"traceEvents": events}))
+    path.write_text(json.dumps(made_up_trace(30)))
     s = ts.summarize(str(path))
     ms = 1e-3
     assert s["steps"] == 2
