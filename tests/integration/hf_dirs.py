@@ -22,6 +22,42 @@ TINY = {  # model_type: config fields of a model of a few thousand parameters, n
 }
 
 
+# tiny configs of the causal LMs the parity matrix covers (beside TINY's): shared fields, then each one's own
+MATRIX_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, max_position_embeddings=64)
+MATRIX = {
+    "llama": {}, "mistral": dict(sliding_window=8), "qwen2": dict(tie_word_embeddings=True), "nemotron": {},
+    "gpt2": TINY["gpt2"], "phi": TINY["phi"], "phi3": dict(pad_token_id=0), "gemma": dict(head_dim=16),
+    "gemma2": dict(head_dim=16), "gemma3_text": dict(head_dim=16), "qwen3": dict(head_dim=16), "olmo2": {},
+    "stablelm": {}, "starcoder2": {}, "falcon": {}, "gpt_neox": {}, "granite": {},
+    "mixtral": dict(num_local_experts=2, num_experts_per_tok=1),
+    "qwen2_moe": dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=32),
+    "nemotron_h": dict(layers_block_type=["mamba", "attention", "mlp"], num_hidden_layers=3, head_dim=16,
+                       mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=16,
+                       use_mamba_kernels=False),
+    "mamba2": dict(num_heads=4, head_dim=16, state_size=16, n_groups=1, chunk_size=16, expand=2),
+}
+
+
+def write_matrix_dir(out: Path, model_type: str, seed: int = 0) -> Path:
+    """A random `model_type` of MATRIX, every parameter drawn (norms and biases too, so a dropped one shows),
+    saved with save_pretrained and dressed (`dress`) as a published model is."""
+    import transformers
+
+    fields = {**MATRIX_COMMON, **MATRIX[model_type]}
+    if model_type == "gpt2":
+        fields = dict(MATRIX[model_type])
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out)
+    return dress(out)
+
+
 def tokenizer():
     from kiln.data.prepare.tokenizer import train_bpe
 

@@ -1,0 +1,80 @@
+"""The parity matrix: every family of causal LM Kiln trains, natively (Llama, Mistral, Qwen2, Nemotron) or
+through transformers (`model.hf_class=auto`), as a tiny random model in fp32 on the CPU. Imported, Kiln's logits
+are transformers'; trained a step and exported, transformers' logits and greedy generation are Kiln's (within
+1e-5), and every JSON file of the source directory survives the export unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.config import ModelConfig, load_config
+from kiln.model.generate import generate
+from kiln.state.export import export_from
+from kiln.state.weights import load_model
+from kiln.train.run import run
+
+from .hf_dirs import MATRIX, VOCAB, json_changes, write_corpus, write_matrix_dir
+
+transformers = pytest.importorskip("transformers")
+NATIVE = ("llama", "mistral", "qwen2", "nemotron")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("matrix")
+    write_corpus(root / "corpus", 2)
+    return root
+
+
+def imported(src: Path, native: bool):
+    """Kiln's model of `src` as `kiln train` builds it."""
+    if native:
+        from kiln.model.hf_import import load_init_weights, resolve_init_from
+        from kiln.model.llama import Transformer
+
+        cfg = resolve_init_from(ModelConfig(init_from=str(src)))
+        model = Transformer(cfg)
+        load_init_weights(model, cfg)
+        return model.eval()
+    from kiln.model.hf_auto import auto_config, build_auto
+
+    return build_auto(auto_config(ModelConfig(init_from=str(src), hf_class="auto"))).eval()
+
+
+def greedy(hf, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of `ids` by n tokens (no stop token: the source's sampling settings and
+    stop tokens are its generation_config's, which Kiln's greedy decoding does not read)."""
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
+                                           pad_token_id=0)
+    out = hf.generate(torch.tensor([ids]), generation_config=config)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("kind", list(MATRIX))
+def test_parity(root, kind, tmp_path):
+    native = kind in NATIVE
+    src = write_matrix_dir(tmp_path / "src", kind)
+    x = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    source = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(imported(src, native)(x), source(input_ids=x).logits, rtol=0, atol=1e-5)
+
+    run_dir = run(load_config(None, [
+        f"model.init_from={src}", *([] if native else ["model.hf_class=auto"]), f"data.sources=[{root / 'corpus'}]",
+        f"data.cache_dir={root / 'cache'}", "data.workers=1", "data.val_fraction=0", "train.seq_len=32",
+        "train.batch_size=2", "train.max_steps=1", "train.warmup_steps=0", "train.lr=1e-2", "train.device=cpu",
+        "train.precision=fp32", "train.sample_tokens=0", f"train.run_dir={tmp_path / 'run'}", "checkpoint.every=0",
+        "logging.console=false", "logging.plots=false", "train.compile=false"]))
+    out = export_from(run_dir, tmp_path / "out")
+    model, _ = load_model(run_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours = model(x)
+        assert (ours - source(input_ids=x).logits).abs().max() > 1e-3  # the step changed the model
+        torch.testing.assert_close(hf(input_ids=x).logits, ours, rtol=0, atol=1e-5)
+    prompt = x[0, :8].tolist()
+    assert greedy(hf, prompt, 8) == generate(model, prompt, 8, temperature=0, top_k=None)
+    assert json_changes(src, out) == {}
