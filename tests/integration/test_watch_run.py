@@ -68,7 +68,8 @@ def test_every_sink_records_a_run_that_is_stopped_and_resumed(tmp_path):
     [line] = [x for x in first.stdout.splitlines() if x.startswith("SCRAPED ")]
     scraped = {s.name: s.value for fam in text_string_to_metric_families(line[8:].replace("|", "\n"))
                for s in fam.samples}
-    assert scraped["kiln_step"] == 4 and scraped["kiln_loss"] > 0 and "kiln_tokens_per_s" in scraped
+    assert scraped["kiln_train_step"] == 4 and scraped["kiln_train_loss"] > 0
+    assert "kiln_train_tokens_per_second" in scraped and scraped["kiln_train_tokens_total"] > 0
 
     # flushed and closed on SIGTERM: TensorBoard has every step logged, MLflow marks the run killed
     mlflow = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
@@ -95,5 +96,5 @@ def test_every_sink_records_a_run_that_is_stopped_and_resumed(tmp_path):
     assert [m.step for m in mlflow.get_metric_history(run_id, "train/loss")] == [2, 4, 6, 8]
     assert "model/model.safetensors" in {a.path for a in mlflow.list_artifacts(run_id, "model")}
     assert (run_dir / "wandb_id.txt").read_text().strip() == wandb_id  # the same W&B run
-    runs = sorted(Path(run_dir / "wandb").glob(f"offline-run-*-{wandb_id}"))
-    assert len(runs) == 2 and all(list(r.glob(f"run-{wandb_id}.wandb")) for r in runs)
+    [newest] = Path(run_dir / "wandb").glob(f"offline-run-*-{wandb_id}")  # the whole run: the one to sync
+    assert list(newest.glob(f"run-{wandb_id}.wandb")) and len(list((run_dir / "wandb" / "superseded").iterdir())) == 1
