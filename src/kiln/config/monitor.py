@@ -25,9 +25,14 @@ class MonitorConfig(Section):
     """Sample GPU (NVML: utilisation, memory, power, temperature, clocks), CPU, host memory, disk rates and free
     space in a background thread at every logging step; the readings go to every sink as sys/* metrics."""
     data_wait_warn: float = Field(0.10, ge=0, le=1)
-    """Warn once when the training loop waits for data more than this fraction of the time."""
+    """Warn when the training loop waits for data more than this fraction of the time, over the last 5 logging
+    intervals (the first one after a start, and the first 10 steps, are the loader's warm-up and do not count);
+    again after it has recovered (under half of this)."""
     gpu_memory_warn: float = Field(0.95, gt=0, le=1)
     """Warn once when a GPU's used memory passes this fraction of its total."""
+    host_memory_warn: float = Field(0.95, gt=0, le=1)
+    """Warn when the host's used memory passes this fraction of its total (the kernel's out-of-memory killer
+    is near: it ends a process without a word); again after it has gone back under it by 5 points."""
     disk_checkpoints_warn: float = Field(2.0, ge=0)
     """Warn once when the run directory's disk has less free space than this many checkpoints (checked before
     every save and at logging steps; 0: no warning). A save that cannot fit at all is refused regardless."""

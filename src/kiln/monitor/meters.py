@@ -1,4 +1,5 @@
-"""Throughput meters read at logging steps only: tokens/s, MFU, peak memory, time waiting for data."""
+"""Throughput meters read at logging steps only: tokens/s, MFU, peak memory (since the last read), time waiting
+for data."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ class Throughput:
         out = {"tokens_per_s": tps, "data_wait": self._wait / dt}
         if self.peak and self.flops_per_token:
             out["mfu"] = tps * self.flops_per_token / self.peak
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # the peak since the last read: each record its own interval's
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(self.device)
         self._t0, self._step0, self._wait, self._paused = now, step, 0.0, 0.0
         return out

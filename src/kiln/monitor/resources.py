@@ -7,20 +7,28 @@ memory, power, temperature, clocks and throttling (NVML), the CPU and resident m
 process and its children (psutil), their disk read/write rates, and the free space of the run and
 cache directories. Nothing here waits for the GPU.
 
-It warns once per condition (console, and an `on_notice` "warning" that reaches every sink):
-the loop waits for data more than monitor.data_wait_warn of the time; a GPU's memory is fuller
-than monitor.gpu_memory_warn; the run directory's disk has less free space than
+It warns (console, and an `on_notice` "warning" that reaches every sink) when: the loop waits for data
+more than monitor.data_wait_warn of the time over a window of logging intervals (the loader's warm-up
+left out: `DataWait`); the host's memory is fuller than monitor.host_memory_warn; a GPU's memory is
+fuller than monitor.gpu_memory_warn; the run directory's disk has less free space than
 monitor.disk_checkpoints_warn checkpoints (checked before every save: the checkpointer's room check
 calls `before_save`, and a save that cannot fit at all is refused there); the GPU slows itself
-down for heat or power.
+down for heat or power. Each condition warns once, and the data wait and host memory warn again after
+they have recovered (said too), so a slowdown late in a run is reported as one early on is.
+
+Beside the sample, each logging step's metrics get this process's peak resident memory since the last
+record (`sys/peak_rss_gib`, read in the loop: the sample is taken after the record and reports the
+interval before it).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +42,67 @@ PREFIX = "sys/"
 def size(n: float) -> str:
     """Bytes for people: 812 MB, 13.2 GB."""
     return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def percent(fraction: float) -> str:
+    """A fraction for people, with the digits it needs: 10%, 0.5%, 10.4%, 33.3%."""
+    return f"{fraction * 100:.3g}%"
+
+
+class PeakRss:
+    """This process's peak resident memory since the last `read` (Linux: VmHWM of /proc/self/status, reset by
+    writing 5 to /proc/self/clear_refs); elsewhere, or where the reset is refused, the peak since it started."""
+
+    def __init__(self):
+        self.resets = True
+
+    def read(self) -> float | None:
+        """GiB, or None when it cannot be read."""
+        try:
+            with open("/proc/self/status") as f:
+                kb = int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1))
+        except (OSError, AttributeError, ValueError):
+            try:
+                import resource
+                import sys
+
+                peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux, bytes on macOS
+                return peak / (2**30 if sys.platform == "darwin" else 2**20)
+            except (ImportError, OSError):
+                return None
+        if self.resets:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                self.resets = False
+        return kb / 2**20
+
+
+class DataWait:
+    """The fraction of time the loop waited for data over the last `size` logging intervals, weighted by their
+    steps; None while the window is not full. The first interval after a start and those ending within the first
+    `warmup` steps are the loader's warm-up (buffers filling, files opening) and are left out."""
+
+    def __init__(self, size: int = 5, warmup: int = 10):
+        self.size, self.warmup = size, warmup
+        self.window: deque[tuple[int, float]] = deque(maxlen=size)
+        self.begin(0)
+
+    def begin(self, step: int) -> None:
+        self.start = self.prev = step
+        self.seen = 0
+        self.window.clear()
+
+    def add(self, step: int, wait: float) -> float | None:
+        steps, self.prev = step - self.prev, step
+        self.seen += 1
+        if self.seen == 1 or step - self.start <= self.warmup or steps <= 0:  # warm-up; a rollback's way back
+            return None
+        self.window.append((steps, wait))
+        if len(self.window) < self.size:
+            return None
+        return sum(n * w for n, w in self.window) / sum(n for n, _ in self.window)
 
 
 def free_bytes(path: Path) -> int | None:
@@ -141,6 +210,7 @@ class ResourceMonitor(Callback):
         self.checkpoint_bytes = checkpoint_bytes
         self.latest: dict[str, float] = {}
         self.warned: set[str] = set()
+        self.waits, self.peak = DataWait(), PeakRss()
         self.pending: list[dict[str, Any]] = []  # warnings waiting for the main thread to emit them
         self._lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
@@ -175,13 +245,21 @@ class ResourceMonitor(Callback):
     # ------------------------------------------------------------------ warnings
 
     def warn(self, key: str, message: str, data: dict[str, Any]) -> None:
-        """Say `message` once per `key` for the run, on the console and as an event for the sinks."""
+        """Say `message` once per `key` (until `recovered(key)`), on the console and as an event for the sinks."""
         with self._lock:
             if key in self.warned:
                 return
             self.warned.add(key)
             self.pending.append({"condition": key, "message": message, **data})
         self.log(f"warning: {message}")
+
+    def recovered(self, key: str, message: str) -> None:
+        """The condition `key` warned of is over: say so, and warn again if it comes back."""
+        with self._lock:
+            if key not in self.warned:
+                return
+            self.warned.discard(key)
+        self.log(message)
 
     def _flush(self, trainer) -> None:
         with self._lock:
@@ -190,13 +268,26 @@ class ResourceMonitor(Callback):
             trainer.events.emit("on_notice", trainer, "warning", {"step": trainer.step, **item})
 
     def check(self, values: dict[str, float], data_wait: float | None) -> None:
-        """Apply the warning rules to a sample (and the loop's data-wait fraction)."""
+        """Apply the warning rules to a sample (and the loop's data-wait fraction over the window, None while it
+        fills)."""
         c = self.cfg
         if data_wait is not None and data_wait > c.data_wait_warn:
-            shown = f"{data_wait:.1%}" if round(data_wait, 2) == round(c.data_wait_warn, 2) else f"{data_wait:.0%}"
-            self.warn("data_wait", f"the training loop waited for data {shown} of the time (more than "
-                      f"monitor.data_wait_warn={c.data_wait_warn:.0%}): raise data.prefetch, prepare the data "
-                      "ahead (data.streaming=false), or put it on a faster disk", {"data_wait": data_wait})
+            self.warn("data_wait", f"the training loop waited for data {percent(data_wait)} of the time over the "
+                      f"last {self.waits.size} logging intervals (more than monitor.data_wait_warn="
+                      f"{percent(c.data_wait_warn)}): raise data.prefetch, prepare the data ahead "
+                      "(data.streaming=false), or put it on a faster disk", {"data_wait": data_wait})
+        elif data_wait is not None and data_wait <= c.data_wait_warn / 2:
+            self.recovered("data_wait", f"the training loop waits for data {percent(data_wait)} of the time again "
+                           f"(under monitor.data_wait_warn={percent(c.data_wait_warn)})")
+        used = values.get("host_mem_percent")
+        if used is not None and used / 100 > c.host_memory_warn:
+            self.warn("host_memory", f"host memory is {used:.0f}% used (over monitor.host_memory_warn="
+                      f"{percent(c.host_memory_warn)}): the kernel ends a process without a word when it runs out; "
+                      "lower data.prefetch or data.workers, turn checkpoint.async_save or recovery.rollback off "
+                      "(each holds a copy of the state in host memory), or free memory on this machine",
+                      {"host_mem_percent": used})
+        elif used is not None and used / 100 <= c.host_memory_warn - 0.05:
+            self.recovered("host_memory", f"host memory is {used:.0f}% used again (under monitor.host_memory_warn)")
         frac = values.get("gpu_mem_frac")
         if frac is not None and frac > c.gpu_memory_warn:
             self.warn("gpu_memory", f"GPU memory is {frac:.0%} full (over monitor.gpu_memory_warn="
@@ -230,6 +321,8 @@ class ResourceMonitor(Callback):
     def on_train_start(self, trainer) -> None:
         if self._thread is not None and not self._thread.is_alive():
             self._thread.start()
+        self.waits.begin(trainer.step)
+        self.peak.read()  # the peaks of start-up (data preparation) are not the first interval's
         self.request()
 
     def on_step_end(self, trainer, metrics: dict[str, Any] | None) -> None:
@@ -237,7 +330,11 @@ class ResourceMonitor(Callback):
             with self._lock:
                 values = dict(self.latest)
             metrics.update({PREFIX + k: v for k, v in values.items()})
-            self.check(values, metrics.get("data_wait"))
+            peak = self.peak.read()
+            if peak is not None:
+                metrics[PREFIX + "peak_rss_gib"] = peak
+            wait = metrics.get("data_wait")
+            self.check(values, None if wait is None else self.waits.add(trainer.step, wait))
             self.request()
         self._flush(trainer)
 

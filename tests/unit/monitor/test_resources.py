@@ -105,13 +105,16 @@ def test_readings_reach_the_sinks_and_each_condition_warns_once(tmp_path):
     said: list[str] = []
     monitor = ResourceMonitor(MonitorConfig(), sampler, checkpoint_bytes=10**9, log=said.append, thread=False)
     rec, jsonl = Recorder(), JsonlSink(tmp_path / "metrics.jsonl")
-    _run(monitor, [rec, jsonl], [{"loss": 1.0, "data_wait": 0.3}, None, {"loss": 0.9, "data_wait": 0.4}])
+    # logging every 4 steps: the first record and those within the first 10 steps are warm-up; then 5 make a window
+    steps = [{"loss": 1.0, "data_wait": 0.3} if s % 4 == 0 else None for s in range(1, 41)]
+    _run(monitor, [rec, jsonl], steps)
     assert rec.metrics[0]["sys/gpu_mem_frac"] == 0.97 and rec.metrics[1]["sys/disk_free_gb_run"] == 500.0
+    assert all(m["sys/peak_rss_gib"] > 0.01 for m in rec.metrics)
     conditions = [d["condition"] for kind, d in rec.events if kind == "warning"]
     assert sorted(conditions) == ["data_wait", "gpu_memory", "thermal"]  # once each, though seen twice
     assert len(said) == 3 and any("heat" in s for s in said)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert sorted(r["condition"] for r in rows if r["event"] == "warning") == conditions
+    assert sorted(r["condition"] for r in rows if r["event"] == "warning") == sorted(conditions)
     assert all("message" in r and "step" in r for r in rows if r["event"] == "warning")
 
 
@@ -121,6 +124,34 @@ def test_a_data_wait_just_over_the_limit_does_not_read_as_equal_to_it():
     monitor = ResourceMonitor(MonitorConfig(), Values(), checkpoint_bytes=0, log=said.append, thread=False)
     monitor.check({}, 0.104)  # the default limit is 10%
     assert len(said) == 1 and "waited for data 10.4% of the time" in said[0]
+    small = ResourceMonitor(MonitorConfig(data_wait_warn=0.005), Values(), 0, log=said.append, thread=False)
+    small.check({}, 0.0123)
+    assert "waited for data 1.23% of the time" in said[1] and "monitor.data_wait_warn=0.5%)" in said[1]
+
+
+def test_the_data_wait_of_the_warm_up_is_left_out_and_a_later_slowdown_warns_again_after_a_recovery(tmp_path):
+    """Streaming waits for its first files (33% at the first record, under 1% after): no warning. A slowdown
+    later warns; once the window is back under half the limit that is said, and the next slowdown warns again."""
+    said: list[str] = []
+    monitor = ResourceMonitor(MonitorConfig(), Values(), checkpoint_bytes=0, log=said.append, thread=False)
+    waits = [0.33, 0.005, 0.005, 0.005, 0.005, 0.005, 0.005]  # steps 5..35, logging every 5
+    waits += [0.4] * 5 + [0.01] * 5 + [0.3] * 5  # a slowdown, a recovery, another slowdown
+    rec = Recorder()
+    _run(monitor, [rec], [{"loss": 1.0, "data_wait": waits[s // 5 - 1]} if s % 5 == 0 else None
+                          for s in range(1, 5 * len(waits) + 1)])
+    warned = [(d["step"], d["condition"]) for kind, d in rec.events if kind == "warning"]
+    assert warned == [(45, "data_wait"), (95, "data_wait")]  # over the limit in the window of the last 5 intervals
+    assert any("waits for data" in s and "again" in s for s in said)
+
+
+def test_host_memory_warns_near_its_end_and_again_after_a_recovery():
+    said: list[str] = []
+    monitor = ResourceMonitor(MonitorConfig(), Values(), checkpoint_bytes=0, log=said.append, thread=False)
+    for used in (80.0, 96.0, 97.0, 93.0, 89.0, 96.5):
+        monitor.check({"host_mem_percent": used}, None)
+    warnings = [s for s in said if "host memory is" in s and "over monitor.host_memory_warn" in s]
+    assert [w.split(" used")[0] for w in warnings] == ["warning: host memory is 96%", "warning: host memory is 96%"]
+    assert any("host memory is 89% used again" in s for s in said)  # 93% is not yet a recovery (5 points under)
 
 def test_disk_rule_before_each_save_uses_the_checkpoint_size():
     said: list[str] = []
