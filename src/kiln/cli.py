@@ -580,6 +580,34 @@ def launch_sagemaker(
                       f"sagemaker create-training-job --cli-input-json file://{path}", highlight=False)
 
 
+@launch_app.command("ray")
+def launch_ray(
+    config: str | None = typer.Argument(None, help="YAML config file or preset name."),
+    overrides: list[str] | None = typer.Argument(None, help="Dotted KEY=VALUE overrides."),
+    workers: int = typer.Option(..., "--workers", help="Training processes (Ray Train workers)."),
+    gpus_per_worker: float = typer.Option(0, "--gpus-per-worker", help="GPUs per worker (0: CPU workers, gloo)."),
+    cpus_per_worker: float = typer.Option(1, "--cpus-per-worker", help="CPUs per worker."),
+    address: str | None = typer.Option(None, "--address", help="An existing Ray cluster (auto, or ray://HOST:10001); "
+                                       "default: Ray on this machine."),
+    max_failures: int = typer.Option(0, "--max-failures", help="Times Ray restarts the workers after a failure "
+                                     "(they resume from the newest checkpoint)."),
+    resume: str = typer.Option("auto", "--resume", help="auto, never or force (as kiln train)."),
+) -> None:
+    """Run `kiln train` on a Ray cluster through Ray Train's TorchTrainer: the process group from Ray, the
+    same run and exact resume as under torchrun; the run directory must be on storage every node sees.
+
+    Example: kiln launch ray gpu-1b --workers 16 --gpus-per-worker 1 --address auto train.run_dir=/shared/runs/a
+    """
+    from kiln.train.on_ray import launch
+
+    if config is not None and "=" in config:
+        overrides, config = [config, *(overrides or [])], None
+    run_dir = launch(config, list(overrides or []), workers, gpus_per_worker=gpus_per_worker,
+                     cpus_per_worker=cpus_per_worker, address=address, max_failures=max_failures, resume=resume,
+                     log=lambda m: console.print(m, highlight=False))
+    console.print(f"run directory: {run_dir}", highlight=False)
+
+
 def _env_number(name: str, default: int) -> int:
     """An integer environment variable of torchrun's; one that is not a number reads as `default` here (where
     an error is being shown: kiln.parallel.mesh says what is wrong with it when the run starts)."""
