@@ -429,9 +429,11 @@ def main() -> None:
     signal.signal(signal.SIGTERM, stop_jobs)
     import torch
 
+    from benchmarks.common import run_info
+
     card = torch.cuda.get_device_name() if args.device == "cuda" and torch.cuda.is_available() else "cpu"
-    info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "card": card, "nproc": args.nproc,
-            "size": args.size, "seq": args.seq, "ac": args.ac, "steps": args.steps, "torch": torch.__version__}
+    info = run_info(torch.device(args.device), ["transformers", "accelerate"], card=card, nproc=args.nproc,
+                    size=args.size, seq=args.seq, ac=args.ac, steps=args.steps)
     if args.checkpoint_at and 2 * args.checkpoint_at < args.steps:  # checkpoint.every: its multiples are saved too
         ap.error(f"--checkpoint-at {args.checkpoint_at}: give at least half of --steps, for one mid-run checkpoint")
     args.final_save = plan_disk(args)

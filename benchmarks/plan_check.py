@@ -26,7 +26,7 @@ import statistics
 import tempfile
 import time
 
-from benchmarks.common import device_name, table, write_json
+from benchmarks.common import run_info, table, write_json
 
 
 class _Done(Exception):
@@ -101,10 +101,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="markdown file to append the results to")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    import torch
-
-    card = device_name()
-    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    info = run_info()
+    card, date = info["device"], info["date"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for k, spec in enumerate(args.presets.split(",")):
@@ -122,10 +120,10 @@ def main() -> None:
         with open(args.out, "a") as f:
             f.write(f"\n## {card}, {date}\n\n- Command: `python benchmarks/plan_check.py --presets {args.presets} "
                     f"--steps {args.steps}" + "".join(f" --set {s}" for s in args.set) + f"`\n- torch "
-                    f"{torch.__version__}; `kiln train` of each preset in one process; peak = "
+                    f"{info['torch']}; `kiln train` of each preset in one process; peak = "
                     "torch.cuda.max_memory_allocated over the training steps; tokens/s = median logged after the "
                     f"first third of the steps\n- goal met: {'yes' if ok else 'no'}\n\n{text}\n")
-    write_json(args.json, {"card": card, "date": date, "rows": rows})
+    write_json(args.json, {**info, "card": card, "rows": rows})
 
 
 if __name__ == "__main__":
