@@ -5,7 +5,8 @@
 For every `size:batch` it trains Kiln's model through Kiln's own `Trainer.train_step` (bf16 autocast,
 per-block torch.compile, flash attention, fused AdamW, chunked cross-entropy) and, with
 --hf-trainer, `transformers.LlamaForCausalLM` of the same shape under `transformers.Trainer`
-(bf16, adamw_torch_fused) on the same random tokens. Each run does a few warm-up steps (compilation
+(bf16, adamw_torch_fused) on the same random tokens (Kiln reads them through its own loader,
+benchmarks.synthetic). Each run does a few warm-up steps (compilation
 included), then times `--steps` optimizer steps between two device synchronisations. It prints
 model, sequence, batch, tokens/s, MFU, peak GiB and Kiln's speed-up last, as a table.
 
