@@ -24,7 +24,9 @@ class LoraConfig(Section):
     dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the adapter's input while training."""
     targets: list[str] = ["q", "k", "v", "o"]
-    """Layers that get adapters: any of q, k, v, o (attention) and gate, up, down (MLP); 'all' for every one."""
+    """Layers that get adapters: any of q, k, v, o (attention) and gate, up, down (MLP); 'all' for every one.
+    A target the model has no layer for is an error; with model.hf_class=auto a fused projection (Phi-3's
+    qkv_proj, gate_up_proj) serves each target it computes."""
     base_dtype: Literal["bf16", "fp32"] = "bf16"
     """Dtype of the frozen base weights (bf16 halves their memory; the adapters train in fp32)."""
 

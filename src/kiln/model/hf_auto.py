@@ -37,10 +37,6 @@ from kiln.model.loss import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
-# Kiln's LoRA target names -> the Hugging Face module names they stand for (Llama-like models; others
-# take 'all', which PEFT resolves to every linear layer but the output head)
-HF_TARGETS = {"q": ["q_proj"], "k": ["k_proj"], "v": ["v_proj"], "o": ["o_proj", "out_proj", "dense"],
-              "gate": ["gate_proj"], "up": ["up_proj", "fc1"], "down": ["down_proj", "fc2"]}
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 _FREE = {"init_from", "allow_pickle", "max_seq_len", "hf_class", "trust_remote_code", "init_std", "size"}
 
@@ -95,17 +91,24 @@ def auto_config(model: ModelConfig) -> ModelConfig:
     return model.model_copy(update=update)
 
 
-def _peft_config(lora: LoraConfig):
+def _peft_config(lora: LoraConfig, hf: nn.Module):
+    """PEFT's LoraConfig for `hf`; `lora.targets` found among its layers (kiln.model.hf_lora)."""
     try:
         import peft
     except ImportError:
         raise ConfigError("lora.rank > 0 with model.hf_class=auto needs peft: pip install 'kiln[hf]'") from None
+    from kiln.model.hf_lora import block_linears, describe, lora_targets, peft_modules
+
     if "all" in lora.targets:
         targets: Any = "all-linear"
+        where = "all (every linear layer but the output head)"
     else:
-        targets = sorted({name for t in lora.targets for name in HF_TARGETS[t]})
-    return peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                           target_modules=targets, bias="none", task_type="CAUSAL_LM")
+        found = lora_targets(hf, lora.targets)
+        targets, where = peft_modules(found), describe(found)
+    conv1d = any(type(m).__name__ == "Conv1D" for m in block_linears(hf).values())  # GPT-2 stores them transposed
+    config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                             bias="none", task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
+    return config, where
 
 
 def build_auto(cfg: ModelConfig, lora: LoraConfig | None = None, weights: bool = True) -> HFCausalLM:
@@ -137,9 +140,13 @@ def build_auto(cfg: ModelConfig, lora: LoraConfig | None = None, weights: bool =
     if use_lora:
         import peft
 
+        config, where = _peft_config(lora, hf)
         with warnings.catch_warnings():  # PEFT asks transformers' deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            hf = peft.get_peft_model(hf, _peft_config(lora))  # freezes the base; adapters in fp32
+            hf = peft.get_peft_model(hf, config)  # freezes the base; adapters in fp32
+        model = HFCausalLM(hf, cfg)
+        model.lora_where = where
+        return model
     return HFCausalLM(hf, cfg)
 
 
@@ -201,6 +208,7 @@ class HFCausalLM(nn.Module):
         self.hf, self.cfg = hf, cfg
         self.takes_positions = _takes(self.base.forward, "position_ids")
         self._warned = False
+        self.lora_where: str | None = None  # under LoRA: the layers each lora.targets entry adapts
 
     @property
     def base(self) -> nn.Module:

@@ -20,6 +20,7 @@ from kiln.model.lora import (
     adapter_state_dict,
     apply_lora,
     lora_flops_per_token,
+    target_layers,
     trainable_count,
     trainable_summary,
     training_bytes,
@@ -56,10 +57,15 @@ def with_init_from(cfg: RunConfig) -> RunConfig:
     """A copy of `cfg` whose model section is the architecture of model.init_from."""
     if cfg.model.hf_class == "auto":  # any causal LM, through transformers (kiln.model.hf_auto)
         from kiln.model.hf_auto import auto_config
+        from kiln.model.hf_lora import check_targets
 
         model = auto_config(cfg.model)
+        if cfg.lora.rank:  # a target the model has no layer for is said before any data is prepared
+            check_targets(model, cfg.lora.targets)
     else:
         model = resolve_init_from(cfg.model)
+        if cfg.lora.rank:
+            target_layers(model, cfg.lora.targets)
     if cfg.train.seq_len > model.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} is longer than the {model.max_seq_len} positions of "
                           f"{cfg.model.init_from}; shorten train.seq_len, or extend the model's context on purpose "
@@ -194,7 +200,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         memory_params = -(-training_bytes(model) // 16) if model.is_peft else n_params
         shape = f"{type(model.base).__name__} through AutoModelForCausalLM, {len(model.layers)} blocks"
         if model.is_peft:
-            shape += f"; {trainable_count(model) / 1e6:.2f}M of them train (PEFT LoRA)"
+            shape += f"; {trainable_count(model) / 1e6:.2f}M of them train (PEFT LoRA: {model.lora_where})"
     else:
         n_params, flops = param_count(cfg.model), flops_per_token(cfg.model, tcfg.seq_len)
         memory_params = n_params  # what dist.strategy=auto weighs, in fp32-trained parameters (16 bytes each)

@@ -1,0 +1,90 @@
+"""kiln.model.hf_lora: lora.targets found among a transformers model's own layers, fused ones included; a target
+that matches no layer is a ConfigError, said before any data is prepared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.config import LoraConfig, ModelConfig, load_config
+from kiln.errors import ConfigError
+from kiln.model.hf_auto import auto_config, build_auto
+from kiln.train.run import with_init_from
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=48, bos_token_id=1, eos_token_id=1)
+TINY = {"phi3": dict(BASE, pad_token_id=0), "phi": BASE, "nemotron": BASE,
+        "gpt2": dict(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=48, bos_token_id=1, eos_token_id=1)}
+
+
+def hf_dir(root: Path, kind: str) -> Path:
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(kind, **TINY[kind])
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / kind)
+    return root / kind
+
+
+def adapted(model) -> set[str]:
+    """The layers (path inside a block) that carry a trainable adapter."""
+    out = set()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            parts = name.split(".lora_")[0].split(".")
+            block = next(i for i, part in enumerate(parts) if part.isdigit())  # ...layers.N.<path>
+            out.add(".".join(parts[block + 1:]))
+    return out
+
+
+def lora(kind: str, root: Path, targets: list[str]):
+    cfg = auto_config(ModelConfig(init_from=str(hf_dir(root, kind)), hf_class="auto"))
+    return build_auto(cfg, LoraConfig(rank=4, alpha=8, targets=targets, base_dtype="fp32"))
+
+
+@pytest.mark.parametrize("kind,targets,layers,where", [
+    ("phi3", ["q", "k", "v", "o"], {"self_attn.qkv_proj", "self_attn.o_proj"},
+     "q, k, v on self_attn.qkv_proj; o on self_attn.o_proj"),
+    ("phi3", ["q", "v"], {"self_attn.qkv_proj"}, "q, v on self_attn.qkv_proj (fused: k is adapted too)"),
+    ("phi3", ["gate", "up", "down"], {"mlp.gate_up_proj", "mlp.down_proj"},
+     "gate, up on mlp.gate_up_proj; down on mlp.down_proj"),
+    ("phi", ["q", "k", "v", "o"], {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.dense"},
+     None),
+    ("gpt2", ["q", "k", "v", "o"], {"attn.c_attn", "attn.c_proj"}, "q, k, v on attn.c_attn; o on attn.c_proj"),
+    ("gpt2", ["up", "down"], {"mlp.c_fc", "mlp.c_proj"}, "up on mlp.c_fc; down on mlp.c_proj"),
+])
+def test_targets_map_onto_the_models_own_and_fused_layers(tmp_path, kind, targets, layers, where):
+    model = lora(kind, tmp_path, targets)
+    assert adapted(model) == layers
+    if where is not None:
+        assert model.lora_where == where
+    x = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        before = model(x)
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.5)  # the adapters now change what the layers compute
+        after = model(x)
+    assert not torch.allclose(before, after)
+
+
+@pytest.mark.parametrize("kind,targets,missing", [("nemotron", ["q", "gate"], "gate matches no layer"),
+                                                  ("phi", ["gate", "up", "down"], "gate matches no layer"),
+                                                  ("gpt2", ["q", "gate", "o"], "gate matches no layer")])
+def test_a_target_no_layer_computes_is_refused(tmp_path, kind, targets, missing):
+    with pytest.raises(ConfigError, match=f"lora.targets: {missing} of .*linear layers of its blocks: .*"
+                                          "lora.targets=\\[all\\]"):
+        lora(kind, tmp_path, targets)
+
+
+@pytest.mark.parametrize("hf_class", ["auto", "native"])
+def test_the_refusal_comes_before_any_data_is_prepared(tmp_path, hf_class):
+    path = hf_dir(tmp_path, "nemotron")
+    (path / "tokenizer.json").write_text("{}")  # never read: the config is refused first
+    cfg = load_config(None, [f"model.init_from={path}", f"model.hf_class={hf_class}", "lora.rank=4",
+                             "lora.targets=[q,gate]", "train.seq_len=32"])
+    with pytest.raises(ConfigError, match="gate"):
+        with_init_from(cfg)
