@@ -214,16 +214,27 @@ def export(
                                                                       "run's)."),
     adapters: bool = typer.Option(False, "--adapters", help="A LoRA run's adapters alone, in PEFT's format "
                                   "(adapter_model.safetensors, adapter_config.json), instead of the merged model."),
+    push_to_hub: str | None = typer.Option(None, "--push-to-hub", metavar="OWNER/NAME", help="Then upload it to "
+                                           "this Hugging Face Hub model repository (created if missing), with its "
+                                           "model card; the token is huggingface_hub's (HF_TOKEN)."),
+    private: bool = typer.Option(False, "--private", help="With --push-to-hub: create the repository private."),
 ) -> None:
     """Write a model in the Hugging Face layout (safetensors, config.json, tokenizer files) that
     AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load. A LoRA run writes its
     merged weights, or with --adapters the adapters that peft.PeftModel.from_pretrained loads onto the base.
 
-    Example: kiln export runs/20261126-101500 --to exports/my-model --dtype bf16
+    Example: kiln export runs/20261126-101500 --to exports/my-model --dtype bf16 --push-to-hub me/my-model
     """
     from kiln.state.export import export_from
 
-    print(export_from(source, to, dtype, tokenizer, adapters=adapters))
+    if private and not push_to_hub:
+        raise ConfigError("--private applies to --push-to-hub: give the repository to create as OWNER/NAME")
+    out = export_from(source, to, dtype, tokenizer, adapters=adapters, repo=push_to_hub)
+    print(out)
+    if push_to_hub:
+        from kiln.state.hub import push_to_hub as push
+
+        print(f"pushed to {push(out, push_to_hub, private=private)}")
 
 
 @app.command()

@@ -114,3 +114,15 @@ def test_a_longer_context_without_saying_so_is_a_config_error(runs, tmp_path):
         run(load_config(None, overrides(runs, runs / "llama", tmp_path / "a", "model.max_seq_len=128")))
     with pytest.raises(ConfigError, match="train.seq_len=96 is longer than the 64 positions"):
         run(load_config(None, overrides(runs, runs / "llama", tmp_path / "b", "train.seq_len=96")))
+
+
+def test_the_model_card_names_the_base_and_a_conversion_keeps_the_sources(runs, tmp_path):
+    card = (export_from(runs / "run-llama", tmp_path / "a") / "README.md").read_text()
+    assert f"continued pretraining of `{runs / 'llama'}`" in card and f"| base model | `{runs / 'llama'}` |" in card
+    assert "| steps | 4 of 4 |" in card
+    (runs / "llama" / "README.md").write_text("---\nlicense: llama3\n---\n# Llama\n")
+    try:
+        out = export_from(runs / "llama", tmp_path / "b")  # a Hugging Face directory converted: its own card
+    finally:
+        (runs / "llama" / "README.md").unlink()
+    assert (out / "README.md").read_text() == "---\nlicense: llama3\n---\n# Llama\n"

@@ -5,9 +5,9 @@
 
 The directory gets `config.json` (the architecture from `kiln.model.hf`), `generation_config.json`,
 the weights as safetensors (`model.safetensors`, or shards `model-0000K-of-0000N.safetensors` with
-`model.safetensors.index.json` above `max_shard_bytes`), and the tokenizer (`tokenizer.json`,
-`tokenizer_config.json` naming its special tokens). Sources `export_from` reads: a run's final
-`model/` directory (or the run directory holding it), a checkpoint directory (DCP), a run
+`model.safetensors.index.json` above `max_shard_bytes`), the tokenizer (`tokenizer.json`,
+`tokenizer_config.json` naming its special tokens) and a model card (`README.md`). Sources `export_from`
+reads: a run's final `model/` directory (or the run directory holding it), a checkpoint directory (DCP), a run
 directory without a final model (its newest checkpoint), or a Hugging Face model directory.
 
 A LoRA run exports its merged weights (base + (alpha / r) B A, fp32 unless `dtype` says otherwise) in
@@ -172,9 +172,19 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path, max_len: int) -> None:
 
 
 def export_from(src: str | Path, to: str | Path, dtype: str | None = None, tokenizer: str | Path | None = None,
-                max_shard_bytes: int = MAX_SHARD_BYTES, adapters: bool = False) -> Path:
-    """`kiln export SRC --to TO`: find what SRC holds (see the module doc) and export it; `adapters`:
-    a LoRA run's adapters in PEFT's format instead of the merged model."""
+                max_shard_bytes: int = MAX_SHARD_BYTES, adapters: bool = False, repo: str | None = None) -> Path:
+    """`kiln export SRC --to TO`: find what SRC holds (see the module doc) and export it, with a model card
+    (README.md: kiln.state.model_card; `repo`: the Hub repository it is meant for); `adapters`: a LoRA run's
+    adapters in PEFT's format instead of the merged model."""
+    from kiln.state.model_card import write_model_card
+
+    out = _export(src, to, dtype, tokenizer, max_shard_bytes, adapters)
+    write_model_card(Path(src).expanduser(), out, repo)
+    return out
+
+
+def _export(src: str | Path, to: str | Path, dtype: str | None, tokenizer: str | Path | None, max_shard_bytes: int,
+            adapters: bool) -> Path:
     from kiln.state.rundir import model_saved
     from kiln.state.weights import load_model
 
