@@ -1,9 +1,11 @@
 """Under torchrun with 2 processes: a rank that raises stops both at once with its error shown once, naming
-it; a rank that hangs is named by the watchdog (dist.watchdog_s) with the stacks of its threads."""
+it; a rank that hangs is named by the watchdog (dist.watchdog_s) with the stacks of its threads; a rank stopped
+(SIGSTOP) or killed (SIGKILL) in a job started as users do (`kiln train --nproc 2`) is named, with how."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -163,3 +165,86 @@ def test_a_signal_to_a_rank_waiting_for_the_others_at_the_end_does_not_break_the
     assert done.returncode == 0, out[-4000:]
     assert "Connection closed by peer" not in out and "Traceback" not in out, out[-4000:]
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+
+
+def signalled(tmp_path: Path, args: list[str], rank: int, signum: int) -> tuple[int, str]:
+    """`kiln train ARGS --nproc 2` as a user starts it; once it trains, `signum` to rank `rank`'s process. The exit
+    code and output (every process is stopped within the bounds, whatever happens)."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "kiln.cli", "train", *args, "train.max_steps=100000", "logging.every=1",
+           f"train.run_dir={run_dir}", "--nproc", "2"]
+    log = tmp_path / "out.txt"
+    with open(log, "w") as out:
+        job = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                               env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "400"})
+    try:
+        deadline = time.monotonic() + 240  # start-up and data preparation on a loaded machine
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count('"event": "train"') >= 3):
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        worker = next(p for p in psutil.Process(job.pid).children(recursive=True)
+                      if p.environ().get("RANK") == str(rank) and "kiln.cli" in " ".join(p.cmdline()))
+        worker.send_signal(signum)
+        code = job.wait(timeout=180)  # well below torch's 30-minute default, and dist.timeout_s=600
+    finally:
+        if job.poll() is None:
+            for p in psutil.Process(job.pid).children(recursive=True):
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+            job.kill()
+            job.wait()
+    return code, log.read_text()
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_0_which_serves_the_store_is_named_by_the_watchdog(tmp_path, args):
+    """kill -STOP of rank 0 under FSDP with dist.watchdog_s=10: nothing was printed, and the job still hung 400 s
+    on: the watchdog kept its counts in the store rank 0 serves, and its thread died when the store stopped
+    answering."""
+    code, out = signalled(tmp_path, [*args, "dist.strategy=fsdp", "dist.watchdog_s=5", "dist.timeout_s=600"], 0,
+                          signal.SIGSTOP)
+    assert code == 124, out[-4000:]  # as timeout(1): a hang
+    assert "kiln watchdog (rank 1): rank 0 hung: it stopped answering: the job's key-value store, which it serves, " \
+           "has not answered" in out, out[-4000:]
+    assert "is stopped (SIGSTOP, SIGTSTP or Ctrl-Z" in out and "Thread MainThread" in out  # what it can get
+    assert out.strip().splitlines()[-1] == "kiln: the job stopped: rank 0 hung (exit code 124); rank 1's report is " \
+                                           "above"
+    assert "Traceback" not in out
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_1_is_named_with_how_long_and_the_stacks_of_the_rank_that_waits_for_it(tmp_path, args):
+    """kill -STOP of rank 1 under DDP: the only line was 'rank 0: stopping, because rank 1 failed (its error
+    follows)', no error followed, and torchrun's summary named rank 0 as the root cause."""
+    code, out = signalled(tmp_path, [*args, "dist.watchdog_s=5", "dist.timeout_s=600"], 1, signal.SIGSTOP)
+    assert code == 124, out[-4000:]
+    assert "kiln watchdog (rank 0): rank 1 hung: it stopped answering: no heartbeat from it for" in out, out[-4000:]
+    assert "rank 0 has made no progress for" in out and "Stacks of rank 0's threads, waiting for rank 1" in out
+    assert "rank 1 failed" not in out and "Traceback" not in out
+    assert out.strip().splitlines()[-1] == "kiln: the job stopped: rank 1 hung (exit code 124); rank 0's report is " \
+                                           "above"
+
+
+@pytest.mark.slow
+def test_without_the_watchdog_a_stopped_rank_ends_the_job_at_the_collective_timeout_naming_it(tmp_path, args):
+    """With dist.timeout_s=60 and no watchdog the job still hung at 400 s (the store calls of the failing rank
+    waited on the stopped one forever)."""
+    code, out = signalled(tmp_path, [*args, "dist.strategy=fsdp", "dist.timeout_s=10"], 0, signal.SIGSTOP)
+    assert code == 124, out[-4000:]
+    assert "rank 1: stopping, because rank 0 hung (dist.timeout_s): a collective of rank 1 timed out waiting for " \
+           "it" in out, out[-4000:]
+    assert "Traceback" not in out
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_at_once_with_the_signal_and_no_traceback(tmp_path, args):
+    """kill -9 of rank 1 under DDP: rank 0 said 'SIGTERM received: ... writing a checkpoint' (none came) and printed
+    a 70-line gloo traceback; the dead rank appeared only in torchrun's final table."""
+    code, out = signalled(tmp_path, args, 1, signal.SIGKILL)
+    assert code == 137, out[-4000:]  # 128 + SIGKILL, as a shell says
+    assert "kiln: rank 1 (pid " in out and ") was killed by SIGKILL" in out, out[-4000:]
+    assert "rank 0: stopping, because rank 1 (pid" in out
+    assert "Traceback" not in out and "writing a checkpoint" not in out and "Connection reset" not in out

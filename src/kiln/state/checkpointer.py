@@ -31,6 +31,7 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -123,10 +124,12 @@ class Checkpointer:
         self.rank = dist.get_rank() if self.distributed else 0
         # checkpoint collectives run on their own gloo group, so a background save never interleaves
         # with the training collectives of the default (NCCL) group
-        self.group = dist.new_group(backend="gloo") if self.distributed else None
+        # with the run's collective timeout (torch's default for a new group is 30 minutes)
+        timeout = timedelta(seconds=cfg.dist.timeout_s)
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if self.distributed else None
         # and the main thread's small collectives (did any rank get a signal?) on another, since a
         # background save may be running collectives on `group` at the same moment
-        self.control_group = dist.new_group(backend="gloo") if self.distributed else None
+        self.control_group = dist.new_group(backend="gloo", timeout=timeout) if self.distributed else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-checkpoint")
         self._pending: tuple[int, Future] | None = None
         self._stager: staging.CpuStaging | None = None  # CPU buffers (pinned on CUDA), kept for the run

@@ -81,6 +81,15 @@ class SignalGuard(_Handler):
         self._last: tuple[int, float] | None = None  # step and time of the last check
 
     def on_signal(self, signum: int, name: str) -> None:
+        if self.requested is None and self.group is not None:
+            from kiln.parallel.peers import failed_note
+
+            failed = failed_note()
+            if failed:  # torchrun stops this worker because another ended: no checkpoint can be written without it
+                print(f"rank {dist.get_rank()}: stopping, because {failed}; no checkpoint (each rank writes its part), "
+                      "the last complete one is kept", file=sys.stderr, flush=True)
+                self.__exit__()
+                raise SystemExit(1)
         if self.requested is None:
             self.requested, self._first_at = name, time.monotonic()
             if self.group is None or dist.get_rank() == 0:  # every rank got it (torchrun passes it on): said once
@@ -143,6 +152,10 @@ def verify_first(trainer, log: Callable[[str], None]) -> bool:
 def emergency_checkpoint(trainer, checkpointer, error: BaseException, log: Callable[[str], None]) -> Path | None:
     """After an unexpected error: checkpoint if the trainer is between steps, else say why not."""
     if checkpointer.distributed:
+        from kiln.parallel.watch import broken_by_a_lost_peer
+
+        if broken_by_a_lost_peer(error):  # a peer's process ended: this rank says so as it stops
+            return None
         log("no emergency checkpoint in a multi-process run (the other processes may be stuck in a collective); "
             "resume from the last complete checkpoint")
         return None

@@ -33,7 +33,7 @@ from kiln.monitor.watchers import RunWatchers
 from kiln.parallel.materialize import build_model
 from kiln.parallel.mesh import Mesh, check_same_config, init_mesh
 from kiln.parallel.parallelize import full_model, parallelize, strategy_of
-from kiln.parallel.watch import EXIT_CODE, Watch
+from kiln.parallel.watch import Watch
 from kiln.plan.memory import checkpoint_bytes
 from kiln.state.callback import CheckpointEvery
 from kiln.state.checkpointer import Checkpointer
@@ -106,7 +106,7 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
         return out
     except BaseException as e:
         if watch is not None and not watch.report(e):  # kiln.parallel: one rank's error stops all, shown once
-            raise SystemExit(EXIT_CODE) from None  # by the rank whose failure came first
+            raise SystemExit(watch.exit_code) from None  # by the rank whose failure came first
         raise
     finally:
         if watch is not None:

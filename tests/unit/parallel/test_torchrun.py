@@ -384,3 +384,48 @@ def test_torchruns_lines_that_kilns_own_repeat_are_dropped_and_its_others_kept()
             logger.removeHandler(keep)
     assert seen == ["failed (exitcode: 2) local_rank: 1",
                     "Unable to shutdown process 123 via SIGTERM, forcefully exiting via SIGKILL"]
+
+
+def test_a_job_stopped_by_the_watchdog_names_the_hung_rank_not_the_rank_that_reported_it(tmp_path, monkeypatch):
+    """Rank 1 stopped (SIGSTOP); rank 0 found it and exited 124: torchrun's summary named rank 0 the root cause."""
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error-0.json"))
+    torchrun.record_error("rank 1 hung: it stopped answering", 124, culprit=1)
+    reporter = ProcessFailure(local_rank=0, pid=100, exitcode=124, error_file=str(tmp_path / "error-0.json"))
+    stopped = ProcessFailure(local_rank=1, pid=101, exitcode=-9, error_file=str(tmp_path / "none.json"))
+    text, code = torchrun.summary(ChildFailedError("kiln.cli", {0: reporter, 1: stopped}))
+    assert text == "kiln: the job stopped: rank 1 hung (exit code 124); rank 0's report is above" and code == 124
+
+
+def test_a_job_whose_rank_was_killed_ends_naming_it_and_the_signal(tmp_path):
+    killed = ProcessFailure(local_rank=1, pid=101, exitcode=-9, error_file=str(tmp_path / "none-1.json"))
+    stopped = ProcessFailure(local_rank=0, pid=100, exitcode=-15, error_file=str(tmp_path / "none-0.json"))
+    text, code = torchrun.summary(ChildFailedError("kiln.cli", {0: stopped, 1: killed}))
+    assert text.startswith("kiln: the job stopped: rank 1 (pid 101) was killed by SIGKILL") and code == 137
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_as_a_worker_fails_torchrun_notes_how_says_a_kill_at_once_and_kills_a_stopped_worker(tmp_path, capsys,
+                                                                                            monkeypatch):
+    """A stopped worker (SIGSTOP) ignores torchrun's SIGTERM: the job waited torchrun's whole shutdown timeout."""
+    import subprocess
+    import time
+
+    from kiln.parallel.peers import FAILED_NOTE, failed_note, process_state
+
+    frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(frozen.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while process_state(frozen.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        killed = ProcessFailure(local_rank=1, pid=101, exitcode=-9, error_file=str(tmp_path / "none.json"))
+        note = tmp_path / "failed"
+        torchrun.first_words({1: killed}, {0: frozen.pid}, note=str(note))
+        assert frozen.wait(10) == -signal.SIGKILL
+    finally:
+        frozen.kill()
+    err = capsys.readouterr().err
+    assert "kiln: rank 1 (pid 101) was killed by SIGKILL" in err
+    assert f"kiln: rank 0 (pid {frozen.pid}) is stopped (SIGSTOP or SIGTSTP): killed with SIGKILL" in err
+    monkeypatch.setenv(FAILED_NOTE, str(note))  # what the other workers read
+    assert failed_note().startswith("rank 1 (pid 101) was killed by SIGKILL")

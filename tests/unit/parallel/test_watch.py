@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from kiln.parallel.watch import ACK_WAIT_S, Watch
+from kiln.parallel.peers import FAILED_NOTE, note_failure
+from kiln.parallel.watch import ACK_WAIT_S, HANG_EXIT_CODE, Watch, _bounded, lost_peer
 
 
 def _watch(rank: int, store, watchdog_s: float = 0.0) -> tuple[Watch, threading.Event, list]:
@@ -47,14 +48,87 @@ def test_a_failure_recorded_by_one_rank_stops_the_other(capsys):
 def test_the_watchdog_blames_the_rank_with_the_least_progress(capsys):
     store = dist.HashStore()
     w1, stopped1, codes1 = _watch(1, store, watchdog_s=0.5)
-    store.set(f"{w1.prefix}beat/0", "7")  # rank 0 got further and waits for rank 1
+    w1.frozen_min_s = 1.0
     w1.count = 5  # rank 1 trained a little, then hung
-    with watching(w1):
-        assert stopped1.wait(10) and codes1 == [1]
+    alive = threading.Event()
+
+    def rank_0_alive() -> None:  # rank 0 got further and waits for rank 1; its watch thread still beats
+        tick = 0
+        while not alive.wait(0.1):
+            tick += 1
+            store.set(f"{w1.prefix}beat/0", f"7 {tick}")
+
+    beating = threading.Thread(target=rank_0_alive, daemon=True)
+    beating.start()
+    try:
+        with watching(w1):
+            assert stopped1.wait(20) and codes1 == [HANG_EXIT_CODE]
+    finally:
+        alive.set()
     err = capsys.readouterr().err
     assert "kiln watchdog: rank 1 made no progress" in err and "stuck rank(s): 1" in err
-    assert "kiln-watch" in err or "Thread" in err  # faulthandler's stacks of every thread
-    assert w1.failure().startswith("rank 1: no progress")
+    assert "Thread MainThread" in err  # the stacks of every thread
+    assert w1.failure().startswith("rank 1: hung: it made no progress")
+
+
+def _stalled(rank: int, watchdog_s: float = 10.0) -> Watch:
+    """A watch whose rank trained 5 micro-batches, first seen at time 0, its store answering at time 0."""
+    w = Watch(rank, 2, watchdog_s, store=dist.HashStore())
+    w.count = 5
+    assert w.verdict(0.0) is None
+    w._store_ok = 0.0
+    return w
+
+
+def test_a_store_that_stops_answering_names_rank_0_which_serves_it():
+    """Rank 0 stopped (SIGSTOP): every call to the store it serves blocks for good, and the watch thread, the
+    only one that judged, died silently or waited forever; the job hung with nothing printed."""
+    w1 = _stalled(1)
+    assert w1.verdict(9.0) is None  # not yet dist.watchdog_s without progress
+    culprit, why, stuck = w1.verdict(11.0)
+    assert culprit == 0 and stuck == [0]
+    assert "the job's key-value store, which it serves, has not answered for 11 s" in why
+    assert "rank 1 has made no progress for 11 s" in why
+
+
+def test_a_peer_whose_heartbeat_stands_still_is_named_though_the_store_answers():
+    """Rank 1 stopped (SIGSTOP) under DDP: rank 0 said only 'stopping, because rank 1 failed (its error
+    follows)', and no error followed."""
+    w0 = _stalled(0)
+    w0._beats, w0._watched_from = {1: ("5 40", 4.0)}, 4.0  # rank 1's heartbeat, unmoved since time 4
+    w0._store_ok = 10.5
+    assert w0.verdict(8.0) is None  # not yet dist.watchdog_s without progress
+    culprit, why, _ = w0.verdict(11.0)
+    assert culprit == 1 and "no heartbeat from it for 7 s, and rank 0 has made no progress for 11 s" in why
+
+
+def test_a_live_peer_with_the_lowest_count_is_left_to_report_itself():
+    w0 = _stalled(0)
+    w0._beats, w0._watched_from = {1: ("4 40", 10.8)}, 4.0  # rank 1 beats, and is a micro-batch behind
+    w0._store_ok = 10.9
+    assert w0.verdict(11.0) is None  # rank 1, alive, reports itself with its stacks
+    w0._beats, w0._store_ok = {1: ("4 80", 30.0)}, 30.0  # alive still, its count unmoved
+    culprit, why, _ = w0.verdict(30.5)  # and not reporting: named by rank 0 in the end
+    assert culprit == 1 and "did not report it" in why
+
+
+def test_a_store_call_that_never_returns_is_given_up_on():
+    release = threading.Event()
+    assert _bounded(lambda: release.wait(30) or "late", 0.2) is None
+    release.set()
+    assert _bounded(lambda: "at once", 5) == "at once"
+    assert _bounded(lambda: 1 / 0, 5) is None
+
+
+def test_a_collective_broken_by_a_peer_that_died_names_it_from_torchruns_note(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv(FAILED_NOTE, str(tmp_path / "failed"))
+    note_failure("rank 1 (pid 7) was killed by SIGKILL", 1)
+    w0 = Watch(0, 2, 0.0, store=dist.HashStore())
+    error = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:4242: Connection reset by peer")
+    assert w0.report(error) is False  # not shown: no gloo traceback
+    assert capsys.readouterr().err == "rank 0: stopping, because rank 1 (pid 7) was killed by SIGKILL\n"
+    assert w0.failure() is None  # nothing recorded: it is no failure of this rank
+    assert lost_peer(RuntimeError("CUDA out of memory")) is None
 
 
 def test_the_failing_rank_leaves_only_once_the_others_have_seen_its_failure(capsys):
@@ -95,7 +169,7 @@ def test_rank_0_which_serves_the_store_exits_only_once_the_failed_rank_is_done_w
     w1, _, _ = _watch(1, store)
     with watching(w0):
         w1.record_failure(RuntimeError("bad replicas"))
-        w0._thread.join(10)
+        w0._threads[0].join(10)
         assert released_at_exit == [1]
     now = [0.0]
     lone = Watch(0, 2, 0.0, store=dist.HashStore())

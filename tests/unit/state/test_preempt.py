@@ -83,6 +83,26 @@ def test_with_several_processes_the_same_signal_twice_at_once_is_one_stop_reques
     assert "finishing this step" not in err and "second SIGTERM: aborting" in err  # rank 0 says the first
 
 
+def test_torchruns_sigterm_after_another_rank_died_is_no_preemption(monkeypatch, tmp_path, capsys):
+    """After kill -9 of rank 1, torchrun sent rank 0 SIGTERM and it said 'SIGTERM received: ... writing a
+    checkpoint', which never came (a checkpoint needs every rank)."""
+    import kiln.state.preempt as preempt
+    from kiln.parallel.peers import FAILED_NOTE, note_failure
+
+    rank_of_several(monkeypatch, 0)
+    monkeypatch.setenv(FAILED_NOTE, str(tmp_path / "failed"))
+    note_failure("rank 1 (pid 7) was killed by SIGKILL", 1)  # as kiln's torchrun does before it stops the others
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with preempt.SignalGuard(group=object()) as guard, pytest.raises(SystemExit):
+            guard.on_signal(signal.SIGTERM, "SIGTERM")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    err = capsys.readouterr().err
+    assert "writing a checkpoint" not in err
+    assert "rank 0: stopping, because rank 1 (pid 7) was killed by SIGKILL; no checkpoint" in err
+
+
 def test_one_process_still_aborts_on_a_second_signal_at_once(monkeypatch):
     import kiln.state.preempt as preempt
 

@@ -59,6 +59,7 @@ import time
 
 SHOWN = "kiln_shown"  # key of the error file: the rank printed this error itself
 EXIT_CODE = "kiln_exit_code"  # key of the error file: the exit code of the process that printed it
+HUNG = "kiln_hung"  # key of the error file: the rank the watchdog found hung (kiln.parallel.watch), its report printed
 DUPLICATE_S = 1.0  # a signal this soon after the same one is the same event delivered twice
 STOPPED = "KILN_STOPPED_FILE"  # environment: where a worker that stopped on a signal writes the signal's name
 PARENT_PID = "KILN_PARENT_PID"  # environment: the pid of the process that started this one (stop_with_parent)
@@ -115,15 +116,19 @@ def wait_for_first_rank(seconds: float = QUIET_WAIT_S) -> None:
     time.sleep(seconds)
 
 
-def record_error(message: str, exit_code: int = 2) -> None:
+def record_error(message: str, exit_code: int = 2, culprit: int | None = None) -> None:
     """Tell torchrun (if it started this process) why it fails: its summary shows `message`, and the job
-    ends with `exit_code` (this process's, which torchrun may not see: a peer's exit can have it stopped)."""
+    ends with `exit_code` (this process's, which torchrun may not see: a peer's exit can have it stopped).
+    `culprit`: the rank the watchdog found hung, which the job's last line names (this rank reported it)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    data = {"message": message, "timestamp": int(time.time()), SHOWN: True, EXIT_CODE: exit_code}
+    if culprit is not None:
+        data[HUNG] = culprit
     # an unwritable file only makes torchrun's summary say less: the error itself is printed already
     with contextlib.suppress(OSError), open(path, "w") as f:
-        json.dump({"message": message, "timestamp": int(time.time()), SHOWN: True, EXIT_CODE: exit_code}, f)
+        json.dump(data, f)
 
 
 def summary(error) -> tuple[str, int]:
@@ -136,9 +141,27 @@ def summary(error) -> tuple[str, int]:
         rank = min(shown)[1]
         failure = error.failures[rank]
         code = failure.error_file_data.get(EXIT_CODE) or (failure.exitcode if failure.exitcode > 0 else 1)
+        if HUNG in failure.error_file_data:
+            hung = failure.error_file_data[HUNG]
+            return (f"kiln: the job stopped: {'the store' if hung is None else f'rank {hung}'} hung (exit code "
+                    f"{code}); rank {rank}'s report is above"), code
         return f"kiln: the job stopped: rank {rank} failed (exit code {code}); its error is above", code
+    killed = [(f.timestamp, r) for r, f in error.failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM]
+    if killed:  # a worker killed by a signal (not torchrun's SIGTERM to the others)
+        rank = min(killed)[1]
+        return f"kiln: the job stopped: {ended(rank, error.failures[rank])}", 128 - error.failures[rank].exitcode
     rank, failure = error.get_first_failure()
     return error.format_msg(), failure.exitcode if failure.exitcode > 0 else 1
+
+
+def ended(rank: int, failure) -> str:
+    """How rank `rank`'s worker ended (`failure`: torchrun's ProcessFailure), in words."""
+    if failure.exitcode < 0:
+        name = failure.signal_name()
+        why = " (by hand, or by the kernel when memory ran out: see `dmesg`)" if failure.exitcode == -signal.SIGKILL \
+            else ""
+        return f"rank {rank} (pid {failure.pid}) was killed by {name}{why}"
+    return f"rank {rank} (pid {failure.pid}) exited with code {failure.exitcode}"
 
 
 def stop_once(handler, clock=time.monotonic):
@@ -175,6 +198,69 @@ def no_restart_after_kiln_errors(agent_class=None) -> None:
         return _monitor_workers
 
     _wrap_agent(agent_class, "_monitor_workers", wrap)
+
+
+def first_words(failures: dict, running: dict[int, int], note: str | None = None) -> None:
+    """As torchrun sees a worker fail (`failures`: rank -> torchrun's ProcessFailure), before it stops the others
+    (`running`: rank -> pid): note for them how it ended (kiln.parallel.peers: they say so, instead of taking
+    torchrun's SIGTERM for a preemption and a broken collective for an error of their own); say it at once if the
+    worker was killed (no line of its own says so); and kill the workers that are stopped (SIGSTOP): they cannot
+    stop by themselves, and torchrun would wait its whole shutdown timeout for them."""
+    from kiln.parallel.peers import note_failure, process_state
+
+    rank = min(failures, key=lambda r: (failures[r].timestamp, r))
+    failure = failures[rank]
+    data = failure.error_file_data or {}
+    if data.get(SHOWN):
+        hung = data.get(HUNG, -1)
+        what = (f"{'the store' if hung is None else f'rank {hung}'} hung (rank {rank}'s report says so)"
+                if HUNG in data else f"rank {rank} failed (its error is printed)")
+    else:
+        what = ended(rank, failure)
+        if failure.exitcode < 0:
+            print(f"kiln: {what}; the other ranks are stopped", file=sys.stderr, flush=True)
+    note_failure(what, rank, note)
+    for other, pid in sorted(running.items()):
+        if other not in failures and process_state(pid) == "T":
+            print(f"kiln: rank {other} (pid {pid}) is stopped (SIGSTOP or SIGTSTP): killed with SIGKILL, as a stopped "
+                  "process cannot stop by itself", file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def say_failures_at_once(context_class=None) -> None:
+    """Call `first_words` the moment torchrun finds a worker failed, before it stops the others (it does so
+    within its poll of the processes, before its agent hears of it)."""
+    if context_class is None:
+        from torch.distributed.elastic.multiprocessing.api import SubprocessContext as context_class
+
+    def wrap(capture):
+        def _capture_process_failures(self, done_local_ranks):
+            result = capture(self, done_local_ranks)
+            failures = getattr(self, "_failures", None)
+            if failures and not getattr(self, "_kiln_said", False):
+                self._kiln_said = True
+                ranks = {lr: int(self.envs[lr].get("RANK", lr)) for lr in self.envs}
+                running = {ranks[lr]: h.proc.pid for lr, h in self.subprocess_handlers.items() if lr not in failures}
+                first_words({ranks[lr]: f for lr, f in failures.items()}, running)
+            return result
+        return _capture_process_failures
+
+    _wrap_agent(context_class, "_capture_process_failures", wrap)
+
+
+def forget_failures(agent_class=None) -> None:
+    """The note of a failure (`first_words`) is dropped as torchrun starts the workers again (--max-restarts)."""
+    from kiln.parallel.peers import FAILED_NOTE
+
+    def wrap(initialize):
+        def _initialize_workers(self, worker_group):
+            with contextlib.suppress(OSError):
+                os.remove(os.environ.get(FAILED_NOTE) or "")
+            return initialize(self, worker_group)
+        return _initialize_workers
+
+    _wrap_agent(agent_class, "_initialize_workers", wrap)
 
 
 def _wrap_agent(agent_class, name: str, wrap) -> None:
@@ -323,12 +409,15 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.run import parse_args, run
 
+    from kiln.parallel.peers import FAILED_NOTE
     from kiln.streams import keep_writing
 
     keep_writing()  # its last line to a closed pipe (`| tee` under Ctrl-C) is not a traceback
     # torchrun installs this module attribute as its handler when it starts the workers
     api._terminate_process_handler = stop_once(api._terminate_process_handler)
     no_restart_after_kiln_errors()
+    say_failures_at_once()
+    forget_failures()
     exit_barrier_on_signal()
     short_exit_barrier_after_a_stop()
     quiet_rendezvous_shutdown()
@@ -337,9 +426,11 @@ def main(argv: list[str] | None = None) -> int:
     refuse_pause()
     os.environ[PARENT_PID] = str(os.getpid())  # the workers stop when this process dies
     stopped = os.path.join(tempfile.gettempdir(), f"kiln-torchrun-{os.getpid()}.stopped")
-    with contextlib.suppress(OSError):
-        os.remove(stopped)
-    os.environ[STOPPED] = stopped
+    failed = os.path.join(tempfile.gettempdir(), f"kiln-torchrun-{os.getpid()}.failed")
+    for path in (stopped, failed):
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    os.environ[STOPPED], os.environ[FAILED_NOTE] = stopped, failed
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:  # under nohup: torchrun would stop the job on a hangup
         args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() != "SIGHUP")
@@ -356,9 +447,10 @@ def main(argv: list[str] | None = None) -> int:
         print(lost_store(args.rdzv_endpoint), file=sys.stderr, flush=True)
         return 1
     finally:
-        os.environ.pop(STOPPED, None)
-        with contextlib.suppress(OSError):
-            os.remove(stopped)
+        for name, path in ((STOPPED, stopped), (FAILED_NOTE, failed)):
+            os.environ.pop(name, None)
+            with contextlib.suppress(OSError):
+                os.remove(path)
     return 0
 
 
