@@ -356,23 +356,27 @@ def fmt(v, spec: str, missing: str = "-") -> str:
 
 
 def table(kiln: dict, hf: dict, variants: dict[str, dict] | None = None) -> list[str]:
-    rows = ["| trainer | tokens/s/GPU | MFU | peak GiB | first -> last loss |", "| --- | ---: | ---: | ---: | --- |"]
+    """The Markdown table of the jobs (a skipped or failed one says so), then each Kiln job's speed over the HF
+    Trainer's."""
+    from benchmarks.common import table as markdown
+
     named = [("Kiln", kiln), ("HF Trainer", hf), *((f"Kiln, `{v}`", r) for v, r in (variants or {}).items())]
-    for name, r in named:
-        if "error" in r or "skipped" in r:
-            rows.append(f"| {name} | {r.get('skipped') or 'failed'} | | | |")
-            continue
-        mfu = fmt(r.get("mfu") and 100 * r["mfu"], ".1f") + ("%" if r.get("mfu") else "")
-        rows.append(f"| {name} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | {fmt(r.get('peak_gib'), '.1f')} | "
-                    f"{fmt(r.get('first_loss'), '.3f')} -> {fmt(r.get('last_loss'), '.3f')} |")
+    rows = [{**r, "trainer": name, "tokens": r.get("skipped") or ("failed" if "error" in r else
+                                                                   r.get("tokens_per_s_per_gpu"))}
+            for name, r in named]
+    lines = [markdown(rows, [("trainer", "trainer"), ("tokens/s/GPU", "tokens", ",.0f"), ("MFU", "mfu", ".1%"),
+                             ("peak GiB", "peak_gib", ".1f"),
+                             ("first -> last loss", lambda r: f"{fmt(r.get('first_loss'), '.3f')} -> "
+                                                              f"{fmt(r.get('last_loss'), '.3f')}"
+                              if "tokens_per_s_per_gpu" in r else "")], markdown=True)]
     if "tokens_per_s_per_gpu" in hf:
         ratios = [(name, r["tokens_per_s_per_gpu"] / hf["tokens_per_s_per_gpu"]) for name, r in named
                   if name != "HF Trainer" and "tokens_per_s_per_gpu" in r]
-        rows += [f"\n{name} / HF Trainer: **{x:.2f}x** tokens/s per GPU" for name, x in ratios]
+        lines += [f"\n{name} / HF Trainer: **{x:.2f}x** tokens/s per GPU" for name, x in ratios]
     if hf.get("reduce_dtype"):
-        rows.append(f"\nThe HF Trainer reduced its gradients in {hf['reduce_dtype']} (accelerate's FSDP2 mixed "
-                    "precision); Kiln in float32 unless `dist.reduce_fp32=false`")
-    return rows
+        lines.append(f"\nThe HF Trainer reduced its gradients in {hf['reduce_dtype']} (accelerate's FSDP2 mixed "
+                     "precision); Kiln in float32 unless `dist.reduce_fp32=false`")
+    return lines
 
 
 def plan_disk(args) -> str:

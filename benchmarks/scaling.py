@@ -36,6 +36,7 @@ import tempfile
 import time
 
 from benchmarks.common import run_info, write_json
+from benchmarks.common import table as table_text
 
 
 class RunFailed(Exception):
@@ -151,18 +152,16 @@ def table(results: list[dict], n_specs: int, base: float | None, common: list[st
             row["last_loss"] = ok[-1]["last_loss"]
         rows.append(row)
     base = next((r["tokens_per_s"] for r in rows if r["nproc"] == 1 and "tokens_per_s" in r), base)
-    print(f"{'run':<12} {'tokens/s':>12} {'MFU':>6} {'speed-up':>9} {'scaling':>8} {'loss':>7}  overrides")
     for r in rows:
-        if "tokens_per_s" not in r:
-            print(f"{r['nproc']} x {r['strategy']:<8} {'failed':>12}  {r['own']}")
-            continue
-        up = r["tokens_per_s"] / base if base else None
+        up = r["tokens_per_s"] / base if base and "tokens_per_s" in r else None
         r["speedup"], r["scaling"] = up, up and up / r["nproc"]
-        rel = f"{up:>8.2f}x {100 * r['scaling']:>7.1f}%" if up else f"{'-':>9} {'-':>8}"
-        rounds = f"  rounds: {', '.join(f'{t:,}' for t in r['rounds'])}" if len(r["rounds"]) > 1 else ""
-        failed = f"  ({r['failed']} failed)" if r["failed"] else ""
-        print(f"{r['nproc']} x {r['strategy']:<8} {r['tokens_per_s']:>12,.0f} {100 * r['mfu']:>5.1f}% {rel} "
-              f"{r['last_loss']:>7.3f}  {r['own']}{rounds}{failed}")
+    print(table_text(rows, [
+        ("run", lambda r: f"{r['nproc']} x {r['strategy']}"),
+        ("tokens/s", lambda r: r.get("tokens_per_s", "failed"), ",.0f"), ("MFU", "mfu", ".1%"),
+        ("speed-up", "speedup", "{:.2f}x"), ("scaling", "scaling", ".1%"), ("loss", "last_loss", ".3f"),
+        ("overrides", lambda r: r["own"] + (f"  rounds: {', '.join(f'{t:,}' for t in r['rounds'])}"
+                                            if len(r["rounds"]) > 1 else "")
+         + (f"  ({r['failed']} failed)" if r["failed"] else ""))]))
     return rows
 
 

@@ -258,3 +258,40 @@ def test_trace_summary_splits_a_step_into_compute_nccl_idle_and_host_self_time(m
     assert s["host_ms"]["cudaLaunchKernel"] == pytest.approx(5 * ms)
     # the GPU idles 60-80 in each step, before the triton kernel: charged to the kernel that ends the gap
     assert s["idle_before_ms"] == {"triton_poi_fused_add": pytest.approx(20 * ms)}
+
+
+def test_results_table_aligns_numbers_and_shows_missing_values(monkeypatch):
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    common = importlib.import_module("benchmarks.common")
+    rows = [{"name": "kiln", "tps": 12345.6, "x": 1.5}, {"name": "hf-trainer", "tps": None, "x": float("nan")}]
+    cols = [("run", "name"), ("tokens/s", "tps", ",.0f"), ("vs", "x", "{:.2f}x")]
+    assert common.table(rows, cols).splitlines() == ["run        tokens/s    vs",
+                                                     "kiln         12,346 1.50x",
+                                                     "hf-trainer        -     -"]
+    assert common.table(rows, cols, markdown=True).splitlines() == [
+        "| run | tokens/s | vs |", "| --- | ---: | ---: |", "| kiln | 12,346 | 1.50x |", "| hf-trainer | - | - |"]
+
+
+def test_random_tokens_come_through_kilns_loader_and_resume_where_they_stopped(monkeypatch, tmp_path):
+    """The benchmarks' random data is Kiln's PackedLoader (the Trainer reads its state_dict every step): rows of
+    about the documents asked for, and a position that resumes exactly."""
+    import importlib
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    synthetic = importlib.import_module("benchmarks.synthetic")
+    loader = synthetic.random_loader(tmp_path / "a", batch=4, seq=64, vocab=1000, docs_per_row=4, prefetch=0)
+    x, y, docs = next(loader)
+    assert x.shape == y.shape == docs.shape == (4, 64) and int(x.max()) < 1000
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert 2 <= float((docs[:, -1] + 1).float().mean()) <= 8  # documents per row, about 4
+    state = loader.state_dict()
+    after = next(loader)
+    again = synthetic.random_loader(tmp_path / "b", batch=4, seq=64, vocab=1000, docs_per_row=4, prefetch=0)
+    again.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(after, next(again)))
+    causal = synthetic.random_loader(tmp_path / "c", batch=2, seq=64, vocab=70000, prefetch=0)
+    assert next(causal)[2] is None and causal.rows.dtype == "uint32"
