@@ -46,7 +46,8 @@ def run(name: str, model: torch.nn.Module, cfg, args, device: torch.device, data
                            batches=args.warmup + args.steps)
     trainer = Trainer(cfg, model, loader, None, device)
     losses = [trainer.train_step()[0].item() for _ in range(args.warmup)]
-    free()  # the peak from here: training, not building
+    if device.type == "cuda":  # the peak from here: training, not building (compiled graphs kept)
+        torch.cuda.reset_peak_memory_stats(device)
     last = []
     seconds = seconds_per_call(lambda: last.append(trainer.train_step()[0]), args.steps, dev=device)
     loader.close()
