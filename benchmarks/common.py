@@ -136,8 +136,8 @@ def hf_step_clock(start: int, end: int):
     from transformers import TrainerCallback
 
     class StepClock(TrainerCallback):
-        seconds: float | None = None
-        losses: list[float] = []
+        def __init__(self):
+            self.t0, self.seconds, self.losses = 0.0, None, []
 
         def on_step_begin(self, args, state, control, **kw):
             if state.global_step == start:
@@ -153,6 +153,4 @@ def hf_step_clock(start: int, end: int):
             if logs and "loss" in logs:
                 self.losses.append(logs["loss"])
 
-    clock = StepClock()
-    clock.losses = []
-    return clock
+    return StepClock()
