@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from kiln.config.base import Section
+from kiln.config.base import Problem, Section
 
 
 class LoggingConfig(Section):
@@ -36,6 +36,9 @@ class LoggingConfig(Section):
     """MLflow tracking URI (a server, databricks, a database); null: a local store, <run_dir>/mlflow.db."""
     mlflow_experiment: str = "kiln"
     """MLflow experiment the run is recorded in (made if missing)."""
+    mlflow_register: str | None = None
+    """Register the final model (its Hugging Face export, with its lineage: data manifest hashes, config, final
+    metrics) as a new version of this registered model in MLflow's model registry (needs logging.mlflow)."""
     tags: dict[str, str] = {}
     """Tags of the run: MLflow tags as given, W&B tags as 'key:value'."""
     prometheus_port: int | None = Field(None, ge=0, le=65535)
@@ -43,3 +46,9 @@ class LoggingConfig(Section):
     null: off; extra: prometheus)."""
     prometheus_addr: str = "0.0.0.0"
     """Address the Prometheus endpoint listens on ('127.0.0.1': this machine only)."""
+
+    def problems(self) -> list[Problem]:
+        if self.mlflow_register and not self.mlflow:
+            return [(("mlflow_register", "mlflow"), f"logging.mlflow_register={self.mlflow_register} registers the "
+                     "model MLflow's sink logs: set logging.mlflow=true too")]
+        return []

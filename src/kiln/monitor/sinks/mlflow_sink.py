@@ -191,6 +191,10 @@ class MlflowSink(MetricSink):
         model = self.run_dir / "model"
         if status == "finished" and model.is_dir():
             self.client.log_artifacts(self.run_id, str(model), "model")
+            if self.cfg.logging.mlflow_register:  # a new version in the model registry, with its lineage
+                from kiln.monitor.sinks.mlflow_registry import register
+
+                register(self.client, self.run_id, self.cfg.logging.mlflow_register, self.run_dir, self.cfg, self.log)
         for path in run_files(self.run_dir):
             if not path.name.startswith("mlflow.db"):  # the store itself (and its journal)
                 self.client.log_artifact(self.run_id, str(path))
