@@ -33,6 +33,7 @@ from torch import nn
 
 from kiln.config import LoraConfig, ModelConfig
 from kiln.errors import ConfigError, StateError
+from kiln.model.hf_moe import RouterAux, router_aux_coef
 from kiln.model.loss import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -209,6 +210,10 @@ class HFCausalLM(nn.Module):
         self.takes_positions = _takes(self.base.forward, "position_ids")
         self._warned = False
         self.lora_where: str | None = None  # under LoRA: the layers each lora.targets entry adapts
+        # a mixture of experts whose config asks for its load-balancing loss: added in training (kiln.model.hf_moe)
+        self.takes_router_flag = _takes(self.base.forward, "output_router_logits")
+        self.router_aux_coef = router_aux_coef(getattr(self.base, "config", None), self.takes_router_flag)
+        self.router_aux = RouterAux()
 
     @property
     def base(self) -> nn.Module:
@@ -235,10 +240,18 @@ class HFCausalLM(nn.Module):
                 self._warned = True
                 log.warning("%s takes no position_ids: documents packed in a row attend across their boundaries "
                             "on this path", type(self.base).__name__)
-        logits = self.hf(input_ids=tokens, **kwargs).logits  # (B, T, V)
+        aux = self.router_aux_coef is not None and targets is not None and self.training
+        if self.takes_router_flag:
+            kwargs["output_router_logits"] = aux  # off in evaluation: val_loss is the cross-entropy alone
+        out = self.hf(input_ids=tokens, **kwargs)
+        logits = out.logits  # (B, T, V)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+        if aux and getattr(out, "aux_loss", None) is not None:  # as the model adds it given labels
+            self.router_aux.add(out.aux_loss)
+            loss = loss + self.router_aux_coef * out.aux_loss.float()
+        return loss
 
     def param_count(self) -> int:
         """Parameters of the model, shared ones counted once."""

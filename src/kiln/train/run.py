@@ -192,15 +192,18 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     torch.manual_seed(tcfg.seed)
     # a resume takes every weight from its checkpoint, except a LoRA run's frozen base (not saved there)
     weights = cfg.model.init_from if resume_from is None or cfg.lora.rank else None
+    auto_model = None
     if cfg.model.hf_class == "auto":  # any transformers causal LM (kiln.model.hf_auto): the slower path
         from kiln.model.hf_auto import build_auto
 
-        model = build_auto(cfg.model, cfg.lora, weights=weights is not None)  # PEFT LoRA inside
+        model = auto_model = build_auto(cfg.model, cfg.lora, weights=weights is not None)  # PEFT LoRA inside
         n_params, flops = model.param_count(), model.flops_per_token(tcfg.seq_len)
         memory_params = -(-training_bytes(model) // 16) if model.is_peft else n_params
         shape = f"{type(model.base).__name__} through AutoModelForCausalLM, {len(model.layers)} blocks"
         if model.is_peft:
             shape += f"; {trainable_count(model) / 1e6:.2f}M of them train (PEFT LoRA: {model.lora_where})"
+        if model.router_aux_coef is not None:
+            shape += f"; loss + {model.router_aux_coef:g} x the router's load-balancing loss (aux_loss)"
     else:
         n_params, flops = param_count(cfg.model), flops_per_token(cfg.model, tcfg.seq_len)
         memory_params = n_params  # what dist.strategy=auto weighs, in fp32-trained parameters (16 bytes each)
@@ -244,6 +247,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     plain = partial(console.print, markup=False, highlight=False)  # a message may hold brackets ('kiln[gpu]')
     watchers = RunWatchers(cfg, run_dir, device, checkpoint_bytes(n_params), mesh.rank, plain)
     extra, callbacks = list(callbacks), [*watchers.first, EvalEvery(tcfg.eval_every)]
+    if getattr(auto_model, "router_aux_coef", None) is not None:  # a mixture of experts: its aux_loss logged
+        from kiln.model.hf_moe import RouterAuxLog
+
+        callbacks.append(RouterAuxLog(auto_model.router_aux))
     if cfg.eval.tasks:  # kiln.eval: benchmark scores join each evaluation's metrics, before the sinks see them
         from kiln.eval.callback import TasksAtEval
 
