@@ -112,11 +112,15 @@ class OptimizerParams(Callback):
         self.trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
 
 
-def test_peft_lora_trains_adapters_and_exports_them(root, tmp_path):
+@pytest.mark.parametrize("base_dtype", ["fp32", "bf16"])
+def test_peft_lora_trains_adapters_and_exports_them(root, tmp_path, base_dtype):
+    """The final model/ and the last checkpoint export one model: the adapters on the base as stored (fp32), also
+    when it trained in bf16 (lora.base_dtype), as PEFT computes it in fp32."""
     peft = pytest.importorskip("peft")
     seen = OptimizerParams()
     run_dir = run(load_config(None, overrides(root, "llama", tmp_path / "run", "lora.rank=4", "lora.alpha=8",
-                                              "lora.targets=[q,v]", "lora.base_dtype=fp32", "train.lr=1e-2")),
+                                              "lora.targets=[q,v]", f"lora.base_dtype={base_dtype}",
+                                              "train.lr=1e-2")),
                   callbacks=[seen])
     assert seen.names and sorted(seen.names) == sorted(seen.trainable)
     assert all(".lora_A." in n or ".lora_B." in n for n in seen.names)

@@ -282,7 +282,7 @@ class HFCausalLM(nn.Module):
             hf.save_pretrained(str(out / "adapters"), safe_serialization=True)
             if not merged:
                 return out
-            hf = hf.merge_and_unload()
+            hf = self._merged_on_stored_base()
             self.hf = hf
         if dtype is not None:
             hf = hf.to(dtype)
@@ -290,6 +290,32 @@ class HFCausalLM(nn.Module):
         if tokenizer is not None:
             tokenizer(out)  # the caller's writer of the tokenizer files (kiln.state.export.write_tokenizer)
         return out
+
+
+    def _merged_on_stored_base(self) -> nn.Module:
+        """The PEFT model's adapters merged onto the base as stored in cfg.init_from (read again in fp32), not onto
+        the training copy: in bf16 (lora.base_dtype) that would round every base weight, adapted or not."""
+        import copy
+
+        import peft
+
+        if all(p.dtype == torch.float32 for p in self.base.parameters()):  # the training copy is the stored base
+            return self.hf.merge_and_unload()
+        from kiln.model.hf_import import weight_files
+
+        cfg = self.cfg
+        safetensors = weight_files(cfg.init_from, cfg.allow_pickle)[0].suffix == ".safetensors"
+        try:
+            base = _transformers().AutoModelForCausalLM.from_pretrained(
+                cfg.init_from, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
+                use_safetensors=safetensors)
+        except (ValueError, OSError, KeyError) as e:
+            raise StateError(f"model.init_from={cfg.init_from}: the base model cannot be read again to merge the "
+                             f"adapters into ({type(e).__name__}: {e}); the adapters alone are in adapters/") from None
+        base.config.use_cache = self.base.config.use_cache
+        adapted = peft.get_peft_model(base, copy.deepcopy(self.hf.peft_config["default"]))
+        peft.set_peft_model_state_dict(adapted, peft.get_peft_model_state_dict(self.hf))
+        return adapted.merge_and_unload()
 
 
 def load_auto(path: Path, cfg: ModelConfig) -> HFCausalLM:
