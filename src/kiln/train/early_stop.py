@@ -20,10 +20,7 @@ once has no copy in memory: the checkpoint of the best step is read instead, whe
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from kiln.events import Callback
@@ -34,8 +31,8 @@ class EarlyStop(Callback):
     state_key = "early_stop"
 
     def __init__(self, patience: int, min_delta: float = 0.0, log: Callable[[str], None] | None = print,
-                 metrics_path: Path | None = None, restore_best: bool = False):
-        self.patience, self.min_delta, self.log, self.metrics_path = patience, min_delta, log, metrics_path
+                 restore_best: bool = False):
+        self.patience, self.min_delta, self.log = patience, min_delta, log
         self.restore_best = restore_best
         self.kept: int | None = None  # the step whose weights `_stager` holds
         self._stager = None
@@ -83,11 +80,9 @@ class EarlyStop(Callback):
         if self.log is not None:
             self.log(f"stopping early at step {trainer.step}{' (again, as before the resume)' if again else ''}: "
                      f"{self.reason()}")
-        if self.metrics_path is not None and not again:
-            record = {"event": "early_stop", "time": time.time(), "step": trainer.step, "reason": self.reason(),
-                      "best_val_loss": self.best, "best_step": self.best_step}
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+        if not again:  # every sink records it (metrics.jsonl, TensorBoard, W&B, MLflow, Prometheus); the console
+            trainer.notice("early_stop", step=trainer.step, reason=self.reason(),  # has the line above
+                           best_val_loss=self.best, best_step=self.best_step)
 
     def _keep(self, trainer, step: int) -> None:
         from kiln.state import staging

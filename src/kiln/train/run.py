@@ -272,7 +272,6 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     early = None
     if tcfg.early_stop.patience:  # after the sinks: its note follows the evaluation that decided it
         early = EarlyStop(tcfg.early_stop.patience, tcfg.early_stop.min_delta, console.print,
-                          run_dir / "metrics.jsonl" if cfg.logging.jsonl and mesh.rank == 0 else None,
                           tcfg.early_stop.restore_best)
         callbacks.append(early)
     if cfg.logging.plots and cfg.logging.jsonl and mesh.rank == 0:

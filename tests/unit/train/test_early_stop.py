@@ -1,5 +1,5 @@
 """Early stopping counts evaluations without an improvement larger than min_delta, stops after patience
-of them, writes why to metrics.jsonl, and carries its count across a resume (its state_dict)."""
+of them, tells every sink why (a notice), and carries its count across a resume (its state_dict)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from kiln.train.early_stop import EarlyStop
 
 
 def fake_trainer(max_steps: int = 100):
-    return SimpleNamespace(step=0, stop_reason=None, cfg=SimpleNamespace(train=SimpleNamespace(max_steps=max_steps)))
+    t = SimpleNamespace(step=0, stop_reason=None, cfg=SimpleNamespace(train=SimpleNamespace(max_steps=max_steps)),
+                        notices=[])
+    t.notice = lambda kind, **info: t.notices.append((kind, info))
+    return t
 
 
 def feed(cb, trainer, losses, every=10):
@@ -23,16 +26,16 @@ def feed(cb, trainer, losses, every=10):
     return None
 
 
-def test_stops_after_patience_evaluations_without_enough_improvement(tmp_path):
-    logs, path = [], tmp_path / "metrics.jsonl"
-    cb, t = EarlyStop(patience=2, min_delta=0.05, log=logs.append, metrics_path=path), fake_trainer()
+def test_stops_after_patience_evaluations_without_enough_improvement():
+    logs = []
+    cb, t = EarlyStop(patience=2, min_delta=0.05, log=logs.append), fake_trainer()
     # 3.0 best; 2.97 is not better by more than 0.05; 2.5 is; then two that are not, the first of them the lowest:
     # the best named is the run's lowest validation loss, as `kiln runs` shows it beside the reason
     assert feed(cb, t, [3.0, 2.97, 2.5, 2.49, 2.6, 1.0]) == 50
     assert "best 2.4900 at step 40" in t.stop_reason and "patience=2" in t.stop_reason
     assert logs and "stopping early at step 50" in logs[0]
-    (record,) = [json.loads(line) for line in path.read_text().splitlines()]
-    assert record["event"] == "early_stop" and record["step"] == 50 and record["best_step"] == 40
+    [(kind, info)] = t.notices  # to every sink: metrics.jsonl, TensorBoard, W&B, MLflow, Prometheus
+    assert kind == "early_stop" and info["step"] == 50 and info["best_step"] == 40 and info["best_val_loss"] == 2.49
 
 
 def test_an_evaluation_of_the_same_step_again_is_not_counted_twice():

@@ -43,11 +43,20 @@ def run_files(run_dir: Path, limit: int = 100 << 20) -> list[Path]:
                   if p.is_file() and not p.name.startswith(".") and p.stat().st_size <= limit)
 
 
+def event_text(kind: str, info: dict[str, Any]) -> str:
+    """One line about a notice (a rollback, an early stop, a warning, an automatic batch choice, an
+    out-of-memory retry): its message, else its kind and data."""
+    if info.get("message"):
+        return str(info["message"])
+    return kind.replace("_", " ") + ": " + ", ".join(f"{k}={v}" for k, v in info.items() if k != "step")
+
+
 class MetricSink(Sink):
     """A sink of numbers. `open(trainer)` runs at its first event (the evaluation before training comes
     before `on_train_start`); `write(step, values, kind)` gets each logging step's train metrics (kind
-    'train') and each evaluation's ('eval'); `sample(step, text)` each generated text; `close(status)` runs
-    once at the end of the run, whatever ended it."""
+    'train') and each evaluation's ('eval'); `sample(step, text)` each generated text; `event(step, kind,
+    text, info)` each notice (`kind`: rollback, early_stop, warning, auto_batch, oom, ...; `text`: one line
+    for people); `close(status)` runs once at the end of the run, whatever ended it."""
 
     def __init__(self):
         self.opened = self.closed = False
@@ -57,6 +66,8 @@ class MetricSink(Sink):
     def write(self, step: int, values: dict[str, float], kind: str) -> None: ...
 
     def sample(self, step: int, text: str) -> None: ...
+
+    def event(self, step: int, kind: str, text: str, info: dict[str, Any]) -> None: ...
 
     def close(self, status: str) -> None: ...
 
@@ -76,6 +87,11 @@ class MetricSink(Sink):
     def on_eval_end(self, trainer, metrics: dict[str, Any]) -> None:
         self._ensure_open(trainer)
         self.write(int(metrics.get("step", trainer.step)), numbers(metrics), "eval")
+
+    def on_notice(self, trainer, kind: str, info: dict[str, Any]) -> None:
+        self._ensure_open(trainer)
+        step = info.get("step", trainer.step)
+        self.event(int(step) if isinstance(step, int | float) else trainer.step, kind, event_text(kind, info), info)
 
     def on_sample(self, trainer, text: str) -> None:
         self._ensure_open(trainer)

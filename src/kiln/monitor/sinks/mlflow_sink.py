@@ -181,6 +181,15 @@ class MlflowSink(MetricSink):
                 keep.append(op)
         self.pending = keep
 
+    def event(self, step: int, kind: str, text: str, info: dict) -> None:
+        """The metric events/<kind> = 1 at the step (a mark on the charts) and the tag kiln.event.<kind>, the
+        latest of its kind in words."""
+        from mlflow.entities import Metric, RunTag
+
+        mark = Metric(metric_key(f"events/{kind}"), 1.0, int(time.time() * 1000), step)
+        tag = RunTag(f"kiln.event.{metric_key(kind)}", f"step {step}: {text}"[:5000])
+        self.client.log_batch(self.run_id, metrics=[mark], tags=[tag])  # in order: the tag is the latest event
+
     def sample(self, step: int, text: str) -> None:
         self.client.log_text(self.run_id, text, f"samples/step_{step}.txt")
 

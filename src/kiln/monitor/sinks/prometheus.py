@@ -6,10 +6,11 @@ run directory's name: base units in the name's suffix (`_bytes`, `_seconds`, `_r
 percent or MHz is scaled), counters ending in `_total`. Training's metrics are `kiln_train_*`
 (`kiln_train_loss`, `kiln_train_learning_rate`, `kiln_train_step`, the counter `kiln_train_tokens_total`),
 the latest evaluation's `kiln_eval_*` (`kiln_eval_loss`, `kiln_eval_perplexity`, `kiln_eval_step`), the
-resource monitor's as they are named (`kiln_rss_bytes`, `kiln_gpu_utilization_ratio`). The gauge
-`kiln_last_update_timestamp_seconds` is the Unix time of the latest record: `time() - kiln_last_update_
-timestamp_seconds > 600` finds a run that stopped logging, whatever its endpoint still answers. Samples are
-not numbers and are left out.
+resource monitor's as they are named (`kiln_rss_bytes`, `kiln_gpu_utilization_ratio`). The counter
+`kiln_events_total{kind="rollback"}` counts the run's events by kind (rollback, early_stop, warning,
+auto_batch, oom, ...); the gauge `kiln_last_update_timestamp_seconds` is the Unix time of the latest record:
+`time() - kiln_last_update_timestamp_seconds > 600` finds a run that stopped logging, whatever its endpoint
+still answers. Samples are not numbers and are left out.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class Latest:
         self.tokens = 0.0  # tokens trained on, the steps a rollback trains again counted again
         self.last_tokens: float | None = None
         self.updated: float | None = None
+        self.events: dict[str, int] = {}  # notices by kind (rollback, warning, ...)
 
     def update(self, values: dict[str, float], kind: str) -> None:
         for k, v in values.items():
@@ -92,6 +94,12 @@ class Latest:
             counter = CounterMetricFamily("kiln_train_tokens", "Tokens trained on (the steps a rollback trains "
                                           "again count again)", labels=["run"])
             counter.add_metric([self.run], self.tokens)
+            yield counter
+        if self.events:
+            counter = CounterMetricFamily("kiln_events", "Events of the run by kind: rollback, early_stop, warning, "
+                                          "auto_batch, oom, ...", labels=["run", "kind"])
+            for kind, n in sorted(self.events.items()):
+                counter.add_metric([self.run, kind], n)
             yield counter
         if self.updated is not None:
             gauge = GaugeMetricFamily("kiln_last_update_timestamp_seconds", "Unix time of the run's latest "
@@ -129,6 +137,9 @@ class PrometheusSink(MetricSink):
 
     def write(self, step: int, values: dict[str, float], kind: str) -> None:
         self.latest.update({"step": float(step), **values}, kind)
+
+    def event(self, step: int, kind: str, text: str, info: dict) -> None:
+        self.latest.events[kind] = self.latest.events.get(kind, 0) + 1
 
     def close(self, status: str) -> None:
         if self.server is not None:  # None: it never started (a port in use)

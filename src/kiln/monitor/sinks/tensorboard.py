@@ -1,4 +1,9 @@
-"""TensorBoard: a scalar for every metric, the resolved config and the samples as text, in <run_dir>/tensorboard."""
+"""TensorBoard: a scalar for every metric, the resolved config, the samples and the run's events (rollbacks,
+early stops, warnings, automatic batch choices, out-of-memory retries: `events/<kind>`) as text, in
+<run_dir>/tensorboard.
+
+Steps trained again are shown once: a resume, and a rollback, open a new event file that begins with
+TensorBoard's purge mark (`purge_step`), so its readers drop what the earlier files hold from that step on."""
 
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ class TensorBoardSink(MetricSink):
         # a resume: TensorBoard drops what the earlier process wrote after the checkpoint, which is replayed
         self.writer = SummaryWriter(str(self.dir), purge_step=trainer.step + 1 if trainer.step else None,
                                     flush_secs=30)
+        self.make_writer = lambda purge: SummaryWriter(str(self.dir), purge_step=purge, flush_secs=30)
         text = "    " + self.cfg.to_yaml().replace("\n", "\n    ")  # indented: markdown shows it verbatim
         self.writer.add_text("config", text, trainer.step)
 
@@ -33,6 +39,14 @@ class TensorBoardSink(MetricSink):
             self.writer.add_scalar(f"{kind}/{k}", v, step)
         if kind == "eval":
             self.writer.flush()
+
+    def event(self, step: int, kind: str, text: str, info: dict) -> None:
+        if kind == "rollback":  # the steps after the restored one are trained again: the earlier tries go
+            step = int(info.get("to_step", step))
+            self.writer.close()
+            self.writer = self.make_writer(step + 1)
+        self.writer.add_text(f"events/{kind}", text, step)
+        self.writer.flush()
 
     def sample(self, step: int, text: str) -> None:
         self.writer.add_text("sample", "    " + text.replace("\n", "\n    "), step)

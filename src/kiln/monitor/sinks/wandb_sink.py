@@ -34,6 +34,7 @@ from kiln.monitor.sinks.base import MetricSink, require, run_files
 ID_FILE = "wandb_id.txt"
 STEP = "step"  # the x axis of the charts: the optimizer step, which a resume or rollback may take back
 INIT_TIMEOUT_S = 20.0  # how long an online run may take to start before the sink logs offline instead
+ALERTS = {"rollback", "early_stop", "oom", "oom_stop", "warning", "data_shift"}  # events sent as W&B alerts online
 FLUSH_S = 2.0  # how often W&B writes what it was given to the run's .wandb file (what a killed process keeps)
 
 
@@ -77,7 +78,7 @@ class WandbSink(MetricSink):
         if mode == "offline":
             self.run = self._init("offline")
         self.run.define_metric(STEP)
-        for kind in ("train", "eval"):
+        for kind in ("train", "eval", "events"):
             self.run.define_metric(f"{kind}/*", step_metric=STEP)
         self.mode = mode
         if mode == "offline":
@@ -120,6 +121,18 @@ class WandbSink(MetricSink):
 
     def write(self, step: int, values: dict[str, float], kind: str) -> None:
         self.run.log({STEP: step, **{f"{kind}/{k}": v for k, v in values.items()}})  # W&B's _step: one more
+
+    def event(self, step: int, kind: str, text: str, info: dict) -> None:
+        """A row events/<kind> = 1 at the step (a mark on the charts), the latest of each kind in the summary,
+        and online a W&B alert (an email or Slack message, as the user's W&B settings say)."""
+        self.run.log({STEP: step, f"events/{kind}": 1})
+        self.run.summary[f"events/{kind}"] = f"step {step}: {text}"
+        if self.mode == "online" and kind in ALERTS:
+            try:
+                self.run.alert(title=f"{self.run.name}: {kind.replace('_', ' ')} at step {step}", text=text,
+                               level=self.wandb.AlertLevel.WARN, wait_duration=0)
+            except Exception as e:  # noqa: BLE001 - an alert W&B refuses (rate limit, no network) is not the run's
+                self.log(f"W&B alert not sent ({type(e).__name__}: {e})")
 
     def sample(self, step: int, text: str) -> None:
         self.run.summary["sample"] = text

@@ -144,3 +144,18 @@ def test_a_store_that_cannot_be_written_is_named_and_the_sink_disabled(tmp_path,
 def test_flatten_gives_dotted_keys():
     assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": {}}) == {"a.b": "1", "a.c.d": "[1, 2]", "e": "{}"}
 
+
+
+def test_events_are_tags_and_marks_on_the_charts(tmp_path, drive, config):
+    cfg = config("logging.mlflow=true")
+    trainer = drive(MlflowSink(cfg, tmp_path, log=print), cfg, range(1, 5), status=None)
+    for kind, info in [("oom", {"step": 1, "micro_batch": 4, "message": "out of memory: micro-batch 4"}),
+                       ("warning", {"step": 3, "message": "data waits 40%"}),
+                       ("warning", {"step": 4, "message": "host memory 95%"})]:
+        trainer.events.emit("on_notice", trainer, kind, info)
+    trainer.events.emit("on_run_end", trainer, "finished")
+    c = client(tmp_path)
+    run = c.get_run((tmp_path / ID_FILE).read_text().strip())
+    assert run.data.tags["kiln.event.oom"] == "step 1: out of memory: micro-batch 4"
+    assert run.data.tags["kiln.event.warning"] == "step 4: host memory 95%"  # the latest of its kind
+    assert [(m.step, m.value) for m in c.get_metric_history(run.info.run_id, "events/warning")] == [(3, 1), (4, 1)]

@@ -53,6 +53,10 @@ def test_the_endpoint_serves_the_latest_value_of_every_metric_in_base_units(tmp_
     assert got["kiln_train_tokens_total"][0] == 256  # train tokens: a counter; the evaluation's copy is not one
     assert not any("tokens" in name and name.startswith("kiln_eval") for name in got)
     assert before <= got["kiln_last_update_timestamp_seconds"][0] <= time.time()  # a dead run shows
+    for kind in ("warning", "rollback", "warning"):
+        events.emit("on_notice", trainer, kind, {"message": kind})
+    counted = {s.labels["kind"]: s.value for f in families(sink.port) if f.name == "kiln_events" for s in f.samples}
+    assert counted == {"rollback": 1, "warning": 2}
     kinds = {f.name: f.type for f in families(sink.port)}
     assert kinds["kiln_train_tokens"] == "counter" and kinds["kiln_train_loss"] == "gauge"
     for name in got:  # the naming guide: no unit but base units, counters end in _total

@@ -43,3 +43,31 @@ def test_a_resume_replaces_the_steps_it_replays(tmp_path, drive, config):
     drive(TensorBoardSink(cfg, tmp_path), cfg, range(5, 9), start=4)
     steps = [s for s, _ in scalars(read(tmp_path), "train/loss")]
     assert steps == [1, 2, 3, 4, 5, 6, 7, 8]  # steps 5 and 6 once, as the resumed run logged them
+
+
+def rollback_and_events(sink, cfg, drive):
+    """Steps 1-6 logged with a warning at 3; step 6 goes bad and rolls back to 4; steps 5-8 trained (again);
+    an early stop at 8."""
+    trainer = drive(sink, cfg, range(1, 7), status=None)
+    emit = trainer.events.emit
+    emit("on_notice", trainer, "warning", {"step": 3, "condition": "data_wait", "message": "data waits 40%"})
+    trainer.step = 4
+    emit("on_notice", trainer, "rollback", {"bad_step": 6, "to_step": 4, "reason": "loss spike",
+                                             "message": "step 6 went bad (loss spike): rolled back to step 4"})
+    for s in range(5, 9):
+        trainer.step = s
+        emit("on_step_end", trainer, {"step": s, "loss": 1.0 / s})
+    emit("on_notice", trainer, "early_stop", {"step": 8, "reason": "no improvement", "best_step": 4})
+    emit("on_run_end", trainer, "finished")
+
+
+def test_events_are_text_and_a_rollback_shows_the_steps_trained_again_once(tmp_path, drive, config):
+    cfg = config("logging.tensorboard=true")
+    rollback_and_events(TensorBoardSink(cfg, tmp_path), cfg, drive)
+    acc = read(tmp_path)
+    losses = scalars(acc, "train/loss")
+    assert [s for s, _ in losses] == [1, 2, 3, 4, 5, 6, 7, 8]  # 5 and 6 once: the second tries
+    assert losses[4:6] == [(5, pytest.approx(1 / 5)), (6, pytest.approx(1 / 6))]
+    assert text(acc, "events/warning") == [(3, "data waits 40%")]
+    assert text(acc, "events/rollback") == [(4, "step 6 went bad (loss spike): rolled back to step 4")]
+    assert text(acc, "events/early_stop") == [(8, "early stop: reason=no improvement, best_step=4")]

@@ -248,3 +248,20 @@ def test_a_process_killed_while_it_copied_its_predecessors_history_adds_nothing(
     history, used = resolved_history(tmp_path / "wandb", sink.run.id)
     assert [row["step"] for row in history if "train/loss" in row] == [1, 2, 3, 4]
     assert sorted(used) == sorted([tmp_path / "wandb" / first.name, second])
+
+
+def test_events_are_rows_marked_at_their_step_and_the_latest_of_each_kind_is_in_the_summary(tmp_path, drive,
+                                                                                             config):
+    cfg = config("logging.wandb=true", "logging.wandb_mode=offline")
+    trainer = drive(WandbSink(cfg, tmp_path, log=print), cfg, range(1, 5), status=None)
+    trainer.events.emit("on_notice", trainer, "auto_batch", {"step": 0, "batch_size": 8, "message": "chose 8"})
+    trainer.step = 2
+    trainer.events.emit("on_notice", trainer, "rollback", {"to_step": 2, "bad_step": 4, "message": "back to 2"})
+    trainer.events.emit("on_notice", trainer, "warning", {"step": 3, "condition": "host_memory"})
+    trainer.events.emit("on_run_end", trainer, "stopped")
+    _, history, _, summary, _, axes = offline_run(tmp_path)
+    marks = [(row["step"], k) for row in history for k in row if k.startswith("events/")]
+    assert marks == [(0, "events/auto_batch"), (2, "events/rollback"), (3, "events/warning")]
+    assert summary["events/rollback"] == "step 2: back to 2"
+    assert summary["events/warning"] == "step 3: warning: condition=host_memory"
+    assert axes["events/*"] == "step"
