@@ -113,8 +113,10 @@ def source_config(src: Path, cfg: ModelConfig | None, dtype: str | None, written
 
 
 def _architecture(cfg: ModelConfig) -> dict[str, Any]:
-    return cfg.model_dump(exclude={"size", "init_from", "hf_class", "trust_remote_code", "allow_pickle", "init_std",
-                                   "hf_model_type"})
+    """The fields that make the model what it is, the derived ones (null: the default) as the values they stand for."""
+    out = cfg.model_dump(exclude={"size", "init_from", "hf_class", "trust_remote_code", "allow_pickle", "init_std",
+                                  "hf_model_type"})
+    return {**out, "ffn_hidden": cfg.mlp_hidden, "n_kv_heads": cfg.kv_heads, "head_size": cfg.head_dim}
 
 
 def written_tokenizer_config(out: Path, max_len: int, before: int | None) -> None:

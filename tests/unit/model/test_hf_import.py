@@ -14,7 +14,8 @@ from kiln.model.hf_import import resolve_init_from, weight_files
 
 @pytest.fixture
 def hf_dir(tmp_path):
-    cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, max_seq_len=4096, attention_bias="qkv")
+    cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, max_seq_len=4096, attention_bias="qkv",
+                      hf_model_type="qwen2")
     (tmp_path / "config.json").write_text(json.dumps(to_hf_config_dict(cfg)))
     return tmp_path
 

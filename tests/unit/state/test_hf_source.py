@@ -1,0 +1,60 @@
+"""What an export keeps of its source directory: which files are carried, and config.json changed only where
+Kiln changed the model on purpose."""
+
+from __future__ import annotations
+
+import json
+
+from kiln.config import ModelConfig, RopeScaling
+from kiln.model.hf import to_hf_config_dict
+from kiln.state.hf_source import carry_files, source_config, source_dir
+
+CFG = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, max_seq_len=256, tie_embeddings=False)
+
+
+def test_only_what_is_not_the_weights_is_carried(tmp_path):
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    out.mkdir()
+    names = ["config.json", "model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
+             "pytorch_model.bin", "model.gguf", "README.md", ".gitattributes", "tokenizer.json",
+             "tokenizer_config.json", "tokenizer.model", "chat_template.jinja", "generation_config.json",
+             "LICENSE", "preprocessor_config.json"]
+    for name in names:
+        (src / name).write_text(name)
+    (src / "original").mkdir()  # another format's folder
+    assert carry_files(src, out, tokenizer=True) == sorted(["tokenizer.json", "tokenizer_config.json",
+                                                            "tokenizer.model", "chat_template.jinja",
+                                                            "generation_config.json", "LICENSE",
+                                                            "preprocessor_config.json"])
+    assert all((out / n).read_text() == n for n in ("LICENSE", "chat_template.jinja"))
+    other = tmp_path / "other"
+    other.mkdir()
+    assert carry_files(src, other, tokenizer=False) == ["LICENSE", "preprocessor_config.json"]
+
+
+def test_config_is_the_sources_but_for_dtype_and_an_extended_context(tmp_path):
+    hf = {**to_hf_config_dict(CFG), "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": [2, 3],
+          "pad_token_id": 0, "custom_field": {"kept": True}, "transformers_version": "4.45.0"}
+    hf.pop("rope_scaling")
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    cfg = CFG.model_copy(update={"init_from": str(tmp_path), "hf_model_type": "llama"})
+    assert source_dir(cfg) == tmp_path and source_dir(cfg.model_copy(update={"init_from": "gone"})) is None
+    written = to_hf_config_dict(cfg, bos_token_id=5, eos_token_id=6)
+    same = source_config(tmp_path, cfg, "float32", written, tokenizer=True)
+    assert same == {**hf, "torch_dtype": "float32"}  # the 4.x key updated, no transformers 5 key added
+    other_tok = source_config(tmp_path, cfg, None, written, tokenizer=False)
+    assert (other_tok["bos_token_id"], other_tok["eos_token_id"], "pad_token_id" in other_tok) == (5, 6, False)
+    longer = cfg.model_copy(update={"max_seq_len": 512, "rope_scaling": RopeScaling(type="linear", factor=2)})
+    extended = source_config(tmp_path, longer, None, to_hf_config_dict(longer), tokenizer=True)
+    assert extended["max_position_embeddings"] == 512 and extended["rope_scaling"]["factor"] == 2
+    context = ("max_position_embeddings", "rope_scaling", "rope_parameters")
+    assert {k: v for k, v in extended.items() if k not in context} == {k: v for k, v in hf.items() if k not in context}
+
+
+def test_a_config_that_does_not_describe_the_model_gets_kilns_fields(tmp_path):
+    """Never an architecture that is not the model's: a source whose config.json disagrees with the model (edited
+    since the run) gives way to what Kiln writes for it."""
+    (tmp_path / "config.json").write_text(json.dumps({**to_hf_config_dict(CFG), "num_hidden_layers": 3}))
+    cfg = CFG.model_copy(update={"init_from": str(tmp_path), "hf_model_type": "llama"})
+    assert source_config(tmp_path, cfg, None, to_hf_config_dict(cfg), tokenizer=True)["num_hidden_layers"] == 2
