@@ -12,8 +12,8 @@ loss is computed on the whole batch's logits (not chunked), the blocks are compi
 
 Documents in a packed row: with `doc_ids` the model gets `position_ids` that restart at every
 document; transformers' models that build their masks through `masking_utils` then attend inside
-each document (its packed-sequence mask). A model whose forward takes no `position_ids` sees each row
-as one sequence: its documents attend across their boundaries (logged once).
+each document (its packed-sequence mask). A model with recurrent layers (Mamba, ...) or whose forward
+takes no `position_ids` runs each document as its own sequence instead (kiln.model.hf_packing).
 
 Remote code: a directory whose config.json has `auto_map` ships Python that transformers would import
 and run. It is refused unless `model.trust_remote_code` is true.
@@ -22,7 +22,6 @@ and run. It is refused unless `model.trust_remote_code` is true.
 from __future__ import annotations
 
 import inspect
-import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -34,9 +33,8 @@ from torch import nn
 from kiln.config import LoraConfig, ModelConfig
 from kiln.errors import ConfigError, StateError
 from kiln.model.hf_moe import RouterAux, router_aux_coef
+from kiln.model.hf_packing import doc_positions, merge_documents, recurrent_layers, split_documents
 from kiln.model.loss import IGNORE_INDEX
-
-log = logging.getLogger(__name__)
 
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 _FREE = {"init_from", "allow_pickle", "max_seq_len", "hf_class", "trust_remote_code", "init_std", "size"}
@@ -187,15 +185,6 @@ def _takes(fn, name: str) -> bool:
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def doc_positions(doc_ids: torch.Tensor) -> torch.Tensor:
-    """doc_ids (B, T) -> position_ids (B, T) that count from 0 at the start of every document."""
-    B, T = doc_ids.shape
-    idx = torch.arange(T, device=doc_ids.device).expand(B, T)
-    start = torch.ones_like(doc_ids, dtype=torch.bool)
-    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    return idx - torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
-
-
 class HFCausalLM(nn.Module):
     """A transformers causal LM (or a PEFT model around one) with Kiln's model call.
 
@@ -208,7 +197,9 @@ class HFCausalLM(nn.Module):
         super().__init__()
         self.hf, self.cfg = hf, cfg
         self.takes_positions = _takes(self.base.forward, "position_ids")
-        self._warned = False
+        # documents of a packed row each run alone where positions cannot keep them apart (kiln.model.hf_packing)
+        self.recurrent = recurrent_layers(self.base)
+        self.split_documents = bool(self.recurrent) or not self.takes_positions
         self.lora_where: str | None = None  # under LoRA: the layers each lora.targets entry adapts
         # a mixture of experts whose config asks for its load-balancing loss: added in training (kiln.model.hf_moe)
         self.takes_router_flag = _takes(self.base.forward, "output_router_logits")
@@ -233,18 +224,18 @@ class HFCausalLM(nn.Module):
         """tokens (B, T) -> logits (B, T, V), or with targets (B, T) the mean cross-entropy over targets
         other than -100. doc_ids (B, T): each position's document (position ids restart at each)."""
         kwargs: dict[str, Any] = {"use_cache": False}
-        if doc_ids is not None:
-            if self.takes_positions:
-                kwargs["position_ids"] = doc_positions(doc_ids.to(tokens.device))
-            elif not self._warned:
-                self._warned = True
-                log.warning("%s takes no position_ids: documents packed in a row attend across their boundaries "
-                            "on this path", type(self.base).__name__)
         aux = self.router_aux_coef is not None and targets is not None and self.training
         if self.takes_router_flag:
             kwargs["output_router_logits"] = aux  # off in evaluation: val_loss is the cross-entropy alone
-        out = self.hf(input_ids=tokens, **kwargs)
-        logits = out.logits  # (B, T, V)
+        if doc_ids is not None and self.split_documents:  # each document its own sequence, then packed again
+            rows, seg, pos = split_documents(tokens, doc_ids.to(tokens.device))  # (N, L), (B, T), (B, T)
+            out = self.hf(input_ids=rows, **kwargs)
+            logits = merge_documents(out.logits, seg, pos)  # (B, T, V)
+        else:
+            if doc_ids is not None:
+                kwargs["position_ids"] = doc_positions(doc_ids.to(tokens.device))
+            out = self.hf(input_ids=tokens, **kwargs)
+            logits = out.logits  # (B, T, V)
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)

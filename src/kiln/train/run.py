@@ -202,6 +202,9 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         shape = f"{type(model.base).__name__} through AutoModelForCausalLM, {len(model.layers)} blocks"
         if model.is_peft:
             shape += f"; {trainable_count(model) / 1e6:.2f}M of them train (PEFT LoRA: {model.lora_where})"
+        if model.split_documents and cfg.data.document_mask:
+            why = f"recurrent layers: {', '.join(model.recurrent)}" if model.recurrent else "it takes no position_ids"
+            shape += f"; each document of a packed row runs as its own sequence ({why})"
         if model.router_aux_coef is not None:
             shape += f"; loss + {model.router_aux_coef:g} x the router's load-balancing loss (aux_loss)"
     else:

@@ -1,0 +1,65 @@
+"""Documents packed in a row, kept apart on the auto path (model.hf_class=auto).
+
+Attention keeps documents apart through `position_ids` that restart at each document (`doc_positions`):
+transformers' models that build their masks through `masking_utils` then attend inside each document.
+A recurrent layer (Mamba's selective scan, a gated delta net, a short convolution) carries its state from
+one position to the next whatever the positions say, so the second document of a row would start from the
+first's state. transformers' PyTorch scans take no document boundaries (their kernels' `seq_idx` is
+dropped), so for a model with such layers (`recurrent_layers`), and for one whose forward takes no
+`position_ids`, each document runs as its own sequence: `split_documents` moves every document to the start
+of a row of its own (right-padded: a causal model's padding never reaches the tokens before it), and
+`merge_documents` puts their logits back in the packed layout. The logits are those of each document alone;
+the cost is the padding (rows of the longest document's length).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+# class names of layers whose state runs along the sequence (not attention)
+_RECURRENT = re.compile(r"Mamba|Mixer|DeltaNet|DeltaAttention|ShortConv|Recurrent|Rwkv|LinearAttention|Lightning")
+_ATTENTION_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention", "global", "local"}
+_NOT_MIXERS = {"mlp", "moe", "ffn"}
+
+
+def recurrent_layers(model: nn.Module) -> list[str]:
+    """The kinds of layers of `model` that carry state along the sequence (class names, or the config's layer
+    types other than attention); empty for a model of attention layers only."""
+    config = getattr(model, "config", None)
+    kinds = {type(m).__name__ for m in model.modules() if _RECURRENT.search(type(m).__name__)}
+    for key in ("layer_types", "layers_block_type"):
+        types = getattr(config, key, None) or getattr(getattr(config, "text_config", None), key, None) or ()
+        kinds |= {str(t) for t in types if isinstance(t, str) and t not in _ATTENTION_TYPES | _NOT_MIXERS}
+    return sorted(kinds)
+
+
+def doc_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """doc_ids (B, T) -> position_ids (B, T) that count from 0 at the start of every document."""
+    B, T = doc_ids.shape
+    idx = torch.arange(T, device=doc_ids.device).expand(B, T)
+    start = torch.ones_like(doc_ids, dtype=torch.bool)
+    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return idx - torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+
+
+def split_documents(tokens: torch.Tensor, doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens, doc_ids (B, T) -> (rows (N, L): each of the N documents at the start of its own row, padded with
+    its first token; seg (B, T) and pos (B, T): where each packed position went, rows[seg, pos])."""
+    B, T = doc_ids.shape
+    start = torch.ones_like(doc_ids, dtype=torch.bool)
+    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    seg = start.flatten().long().cumsum(0).view(B, T) - 1  # (B, T): a row starts a document too
+    pos = doc_positions(doc_ids)
+    n, length = int(seg[-1, -1]) + 1, int(pos.max()) + 1
+    rows = tokens.new_zeros(n, length)
+    rows[:, :] = tokens.flatten()[start.flatten()][:, None]  # padding: a token of the document itself
+    rows[seg, pos] = tokens
+    return rows, seg, pos
+
+
+def merge_documents(logits: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The (N, L, V) logits of `split_documents`' rows -> (B, T, V) in the packed layout."""
+    return logits[seg, pos]
