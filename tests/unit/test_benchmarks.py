@@ -45,6 +45,8 @@ SMOKE = {
                  "--no-append", "--run-root", "{tmp}", "--cache-dir", "{tmp}/cache", "--set", "data.max_bytes=150000",
                  "--json", "{tmp}/out.json"], r"Kiln / HF Trainer: \*\*\d"),
     "hf_auto": (["--batch", "2", "--seq", "32", "--steps", "1", "--warmup", "1"], r"auto / native: \d"),
+    "lm_eval_speed": (["--examples", "4", "--docs", "2", "--batch", "4", "--seq", "128", "--vocab", "512"],
+                      r"kiln / hf: \d[\d.]*x faster; scores agree: bench_mc/acc yes"),
     "loader": (["--tokens", "100000", "--seconds", "0.1", "--min-rate", "0", "--seq-len", "64", "--batch-size", "2",
                 "--out", "{tmp}/out.json"], r"ratio kiln \(doc ids\) / nanoGPT: \d"),
     "plan_check": (["--presets", "quickstart", "--steps", "4", *(x for o in TINY for x in ("--set", o)),
