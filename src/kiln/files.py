@@ -47,9 +47,28 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+def umask() -> int:
+    """This process's umask, read without changing it (Linux: /proc; elsewhere the usual 022)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def default_mode(path: str | Path) -> None:
+    """Give `path` the mode a new file gets here (0666 less the umask): safetensors and other writers of
+    temporary files create them 0600, which left model.safetensors unreadable to the group that serves it."""
+    os.chmod(path, 0o666 & ~umask())
+
+
 def replace_file(tmp: str | Path, path: str | Path, fsync: bool = True) -> None:
     """Move the finished temporary file `tmp` to `path` in one step: its bytes reach the disk first,
-    then the rename, then the directory entry (with `fsync`), so a crash leaves the old file or the new."""
+    then the rename, then the directory entry (with `fsync`), so a crash leaves the old file or the new.
+    The file gets the mode of a new file (`default_mode`), whatever wrote the temporary one."""
+    default_mode(tmp)
     if fsync:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())

@@ -1,5 +1,5 @@
-"""Settings a run applies at its start and shows at its end: CPU threads, and the sample prompt in the
-hint to sample again (shell-quoted, with its trailing space)."""
+"""Settings a run applies at its start and shows at its end: CPU threads, the sample prompt in the hint to
+sample again (shell-quoted, with its trailing space), and hints printed as written."""
 
 from __future__ import annotations
 
@@ -38,10 +38,40 @@ def test_threads_are_applied_and_the_hint_repeats_the_prompt(tmp_path):
     prompt = "x = "
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "400"}  # PyTorch would start with 1 thread
     args = tiny_cpu_run(tmp_path / "cache", corpus, 3, 0, "train.eval_batches=1", "train.sample_tokens=4",
-                        "train.threads=2", f"train.sample_prompt={prompt}", "checkpoint.save_final=false",
+                        "train.threads=2", f"train.sample_prompt={prompt}",
                         "logging.console=true", f"train.run_dir={run_dir}", batch_size=4, vocab_size=300)
     r = subprocess.run([sys.executable, "-c", CHILD, *args], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "threads in the loop: 2" in r.stdout and "on cpu, 2 thread(s)" in r.stdout
     hint = f"kiln generate {shlex.quote(str(run_dir))} --prompt {shlex.quote(prompt)}"
     assert hint in r.stdout and "--prompt 'x = '" in r.stdout
+
+
+NO_MATPLOTLIB = r'''
+import sys
+sys.modules["matplotlib"] = None  # as on a machine without the plot extra
+from kiln.config import load_config
+from kiln.train.run import run
+
+run(load_config(None, sys.argv[1:]))
+'''
+
+
+def test_without_a_sample_the_hint_says_sample_and_the_plot_extra_is_named_as_written(tmp_path):
+    """`sample again with` printed when train.sample_tokens=0 made no sample; rich took '[plot]' in
+    "pip install 'kiln[plot]'" for markup and printed "pip install 'kiln'"."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    stdlib_corpus(corpus, 60)
+    run_dir = tmp_path / "run"
+    args = tiny_cpu_run(tmp_path / "cache", corpus, 2, 0, "train.eval_batches=1", "logging.console=true",
+                        "logging.plots=true", f"train.run_dir={run_dir}", batch_size=4, vocab_size=300)
+    r = subprocess.run([sys.executable, "-c", NO_MATPLOTLIB, *args], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "COLUMNS": "400"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "plots.png skipped: matplotlib is not installed (pip install 'kiln[plot]')" in r.stdout
+    assert f"sample with: kiln generate {shlex.quote(str(run_dir))}" in r.stdout and "sample again" not in r.stdout
+    no_model = subprocess.run([sys.executable, "-c", NO_MATPLOTLIB, *args, f"train.run_dir={tmp_path / 'other'}",
+                               "checkpoint.save_final=false"], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "COLUMNS": "400"})
+    assert no_model.returncode == 0 and "kiln generate" not in no_model.stdout  # no model/ to sample from

@@ -32,6 +32,7 @@ from torch import nn
 
 from kiln.config import LoraConfig, ModelConfig
 from kiln.errors import ConfigError, StateError
+from kiln.files import default_mode
 from kiln.model.hf_moe import RouterAux, router_aux_coef
 from kiln.model.hf_packing import doc_positions, merge_documents, recurrent_layers, split_documents
 from kiln.model.loss import IGNORE_INDEX
@@ -278,6 +279,8 @@ class HFCausalLM(nn.Module):
         if dtype is not None:
             hf = hf.to(dtype)
         hf.save_pretrained(str(out), safe_serialization=True)
+        for f in out.rglob("*.safetensors"):  # written 0600 by safetensors: the mode of a new file instead
+            default_mode(f)
         if tokenizer is not None:
             tokenizer(out)  # the caller's writer of the tokenizer files (kiln.state.export.write_tokenizer)
         return out

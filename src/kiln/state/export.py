@@ -29,6 +29,7 @@ import torch
 from kiln.config import ModelConfig
 from kiln.data.prepare.tokenizer import Tokenizer
 from kiln.errors import StateError
+from kiln.files import default_mode
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained
@@ -143,6 +144,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_byt
     for name, shard in zip(names, shards):
         tmp = out / (name + ".tmp")
         save_file(shard, str(tmp), metadata=meta)
+        default_mode(tmp)
         tmp.replace(out / name)
     if len(shards) > 1:
         _write_json(out / "model.safetensors.index.json", index)
@@ -391,6 +393,8 @@ def _export_adapters(p: Path, to: str | Path, dtype: str | None) -> Path:
             adapter.base_model_name_or_path = run_cfg.model.init_from
         out = Path(to).expanduser()
         (model.hf.to(cast) if cast else model.hf).save_pretrained(str(out), safe_serialization=True)
+        for f in out.glob("*.safetensors"):
+            default_mode(f)
         return out
     _, _, state = _checkpoint_tensors(ckpt)
     return write_peft_adapters(state, run_cfg.model, run_cfg.lora, run_cfg.model.init_from, to, cast)

@@ -278,7 +278,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
                           tcfg.early_stop.restore_best)
         callbacks.append(early)
     if cfg.logging.plots and cfg.logging.jsonl and mesh.rank == 0:
-        callbacks.append(PlotAtEnd(run_dir, console.print))
+        callbacks.append(PlotAtEnd(run_dir, plain))  # its hint names the extra: pip install 'kiln[plot]'
     if cfg.profile.steps and mesh.rank == 0:
         callbacks.append(ProfileWindow(cfg.profile, run_dir, plain))
     callbacks += [*extra, CheckpointEvery(checkpointer, guard), *watchers.last]  # a checkpoint sees its eval
@@ -355,8 +355,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         console.print(text, markup=False, highlight=False)
         console.rule()
         trainer.events.emit("on_sample", trainer, text)
-    console.print(f"sample again with: kiln generate {shlex.quote(str(run_dir))} --prompt "
-                  f"{shlex.quote(tcfg.sample_prompt)}", markup=False, highlight=False)
+    if model_saved(run_dir / "model"):  # what kiln generate reads
+        console.print(f"{'sample again' if tcfg.sample_tokens else 'sample'} with: kiln generate "
+                      f"{shlex.quote(str(run_dir))} --prompt {shlex.quote(tcfg.sample_prompt)}", markup=False,
+                      highlight=False)
     return run_dir
 
 

@@ -123,3 +123,11 @@ def test_a_console_that_is_not_a_terminal_gets_a_plain_line_per_logging_step():
     assert lines[1].startswith("step 20/40 (50%)  loss 4.8000  lr 1.00e-03  2,530 tok/s  eta ")
     assert lines[1].endswith("mem host 0.42 GiB") and lines[-1].split("  ")[4] == "eta 0s"
     assert all(len(line) > 80 for line in lines)  # never wrapped at the console's width
+
+
+def test_a_notice_is_printed_as_written_not_read_as_markup():
+    out = io.StringIO()
+    trainer = SimpleNamespace(step=0, cfg=load_config(None, []))
+    Events([ConsoleSink(Console(file=out, width=300))]).emit(
+        "on_notice", trainer, "auto_batch", {"message": "install it: pip install 'kiln[gpu]' [bold]x[/bold]"})
+    assert "pip install 'kiln[gpu]' [bold]x[/bold]" in out.getvalue()

@@ -43,3 +43,23 @@ def test_identical_models_save_byte_identical_files(tmp_path):
         out = save_model(model, model.cfg, None, tmp_path / f"m{i}")
         digests.add(hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest())
     assert len(digests) == 1
+
+
+def test_the_saved_and_exported_weights_get_the_mode_of_a_new_file(tmp_path):
+    """safetensors creates its file 0600: a model/ or an export only its owner could read."""
+    import os
+    import stat
+
+    from kiln.files import umask
+    from kiln.state.export import export_hf
+
+    model = Transformer(ModelConfig(size="tiny", vocab_size=64))
+    old = os.umask(0o022)
+    try:
+        save_model(model, model.cfg, None, tmp_path / "model")
+        export_hf(model, model.cfg, None, tmp_path / "hf")
+        assert umask() == 0o022
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "model" / "model.safetensors", tmp_path / "hf" / "model.safetensors"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path

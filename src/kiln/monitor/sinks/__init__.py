@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kiln.events import Sink
@@ -63,8 +64,8 @@ class ConsoleSink(Sink):
 
     def on_notice(self, trainer, kind: str, info: dict[str, Any]) -> None:
         # the resource monitor prints its warnings itself, when they happen (from any thread, console or not)
-        if info.get("message") and kind != "warning":
-            self.console.print(f"[bold yellow]{kind}[/] {info['message']}", highlight=False)
+        if info.get("message") and kind != "warning":  # the message as written: 'kiln[gpu]' is no markup
+            self.console.print(f"[bold yellow]{kind}[/] {escape(str(info['message']))}", highlight=False)
 
     def on_train_end(self, trainer, metrics: dict[str, Any]) -> None:
         if self.progress:
