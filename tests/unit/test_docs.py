@@ -85,3 +85,11 @@ def test_lists_tables_and_code_blocks_start_where_mkdocs_sees_them():
                     and not re.match(r"\d+\. ", before):
                 found.append(f"{page.relative_to(REPO)}:{i + 1}: no blank line before this list or table")
     assert not found, "\n".join(found)
+
+
+def test_the_results_page_names_every_results_page():
+    results = (REPO / "docs" / "results.md").read_text(encoding="utf-8")
+    pages = sorted((REPO / "benchmarks" / "results").glob("*.md"))
+    assert pages
+    missing = [p.name for p in pages if f"`benchmarks/results/{p.name}`" not in results]
+    assert not missing, f"docs/results.md: give the headline of {missing} (a row with the page's path)"
