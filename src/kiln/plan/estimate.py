@@ -13,12 +13,15 @@ from pathlib import Path
 
 from kiln.config import ModelConfig, RunConfig
 from kiln.model.registry import flops_per_token, param_count
-from kiln.plan.gpus import GIB, Gpu, MfuEstimate, estimate_mfu
+from kiln.plan.gpus import CPU_STEP_SHARE, FULL_AC_FACTOR, GIB, Gpu, MfuEstimate, cpu_matmul_flops, estimate_mfu
 from kiln.plan.memory import Layout, Lora, Memory, checkpoint_bytes, lora_params, peak_memory
 
 FRAGMENTATION = 0.05  # the caching allocator reserves a little more than the peak it hands out
 CONTEXT = 1 * GIB  # CUDA context, NCCL and cuBLAS workspaces: outside PyTorch's count
 CPU_SHARE = 0.8  # of the RAM, on the CPU: the rest for the OS, the loader and the checkpoint copy
+# resident memory of a `kiln train` process on the CPU before its model exists: Python, torch, tokenizers, the
+# loader (0.33-0.41 GiB measured at the start of CPU runs on Linux, torch 2.x); GPU runs count the CUDA context
+CPU_PROCESS = int(0.4 * GIB)
 MAX_BATCH = 1 << 16
 DDP_FIT = 0.5  # kiln.parallel.parallelize.FIT_FRACTION: 'auto' picks ddp when 16 N fits this share of a device
 
@@ -122,7 +125,7 @@ def capacity_of(gpu: Gpu, gpus: int = 1) -> int:
 
 def needs(mem: Memory, gpu: Gpu) -> int:
     """Bytes of the device a step with this peak takes: the peak plus allocator slack and the context."""
-    return mem.peak if gpu.key == "cpu" else int(mem.peak * (1 + FRAGMENTATION)) + CONTEXT
+    return mem.peak + CPU_PROCESS if gpu.key == "cpu" else int(mem.peak * (1 + FRAGMENTATION)) + CONTEXT
 
 
 def even_cut(rows: int, fit: int) -> int:
@@ -143,6 +146,20 @@ def largest_batch(fits_at) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
     return lo
+
+
+def cpu_rate_for(cfg: RunConfig, n_params: int) -> tuple[float, int] | None:
+    """(fp32 matrix-product FLOP/s, threads) of this machine with the threads the run would use (kiln.train.threads),
+    measured now; None where it cannot be (no torch)."""
+    try:
+        import torch
+
+        from kiln.train.threads import cpu_threads
+    except ImportError:
+        return None
+    threads = cpu_threads(cfg.train.threads, n_params) or torch.get_num_threads()
+    rate = cpu_matmul_flops(threads)
+    return (rate, threads) if rate else None
 
 
 def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
@@ -171,7 +188,17 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
     def fit(ac: str, lay: Layout):
         return lambda b: needs(mem(b, ac, lay), gpu) <= cap
 
+    cpu_rate = cpu_rate_for(cfg, n) if gpu.key == "cpu" else None
+
     def speed(ac: str, lay: Layout) -> tuple[MfuEstimate | None, float | None]:
+        if gpu.key == "cpu":  # the machine's cores, whatever the number of processes sharing them
+            if not cpu_rate:
+                return None, None
+            share = CPU_STEP_SHARE * (FULL_AC_FACTOR if ac == "full" else 1.0)
+            est = MfuEstimate(share, f"this machine's fp32 matrix products, {cpu_rate[0] / 1e9:.0f} GFLOP/s measured "
+                                     f"now with {cpu_rate[1]} thread(s), x{CPU_STEP_SHARE} (the share a step "
+                                     "reached in Kiln's measurements; good to a factor of two)")
+            return est, share * cpu_rate[0] / fpt * (1.5 if lora else 1.0)
         if gpu.peak_flops is None:
             return None, None
         est = estimate_mfu(gpu.key, n, ac, compiled and gpu.key != "cpu", gpus, lay.offload)
@@ -193,9 +220,10 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
     seconds = t.max_steps * tokens_per_step / tps if tps else None
     ckpt = checkpoint_bytes(trained)  # with LoRA the adapters only: the base is referenced by its hash
     shard = max(1, layout.shard)
+    snapshot = cfg.recovery.rollback or cfg.checkpoint.snapshot_every > 0  # kiln.train.rollback takes one
     parts = {"offloaded state": memory.host,
              "the pinned copy async checkpoints write from": cfg.checkpoint.async_save * 12 * trained // shard,
-             "the in-memory snapshot": (cfg.checkpoint.snapshot_every > 0) * 12 * trained // shard}
+             "the in-memory snapshot rollbacks restore (recovery.rollback)": snapshot * 12 * trained // shard}
     host = sum(parts.values())
     plan = Plan(cfg, m, gpu, gpus, n, fpt, layout, bf16, batch, memory, cap, fits, max_batch, mfu, tps, tokens_per_step,
                 seconds, ckpt, (cfg.checkpoint.keep_last + 1) * ckpt + 4 * trained, int(host),

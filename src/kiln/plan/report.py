@@ -6,12 +6,22 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kiln.plan.estimate import CONTEXT, FRAGMENTATION, Plan, needs
+from kiln.plan.estimate import CONTEXT, CPU_PROCESS, FRAGMENTATION, Plan, needs
 from kiln.plan.gpus import GIB
 
 
 def gib(n: float) -> str:
-    return f"{n / GIB:.1f}"
+    """GiB with the digits a small model needs: 35.7, 2.32, 0.0123 (0 is 0.0)."""
+    v = n / GIB
+    return f"{v:.1f}" if v >= 10 or v == 0 else f"{v:.3g}"
+
+
+def flops(n: float) -> str:
+    """FLOPs with a unit that keeps three digits: 48.25 GFLOP, 1.57 MFLOP."""
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} FLOP"
 
 
 def duration(seconds: float) -> str:
@@ -25,7 +35,7 @@ def duration(seconds: float) -> str:
 
 
 def gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.0f} MB"
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
 
 
 def _where(plan: Plan) -> str:
@@ -50,9 +60,10 @@ def render(plan: Plan, console: Console) -> None:
     t, m, mem = plan.cfg.train, plan.model, plan.memory
     precision = "bf16 autocast" if plan.bf16 else "fp32"
     console.print(f"[bold]kiln plan[/] on {_where(plan)}", highlight=False)
-    size = f"{plan.n_params / 1e9:.2f}B" if plan.n_params >= 1e9 else f"{plan.n_params / 1e6:.1f}M"
+    n = plan.n_params
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
     console.print(f"model: {size} parameters ({m.n_layers} layers, d={m.d_model}, "
-                  f"vocab {m.vocab_size}); {plan.flops_per_token / 1e9:.2f} GFLOP per token at sequence "
+                  f"vocab {m.vocab_size}); {flops(plan.flops_per_token)} per token at sequence "
                   f"{t.seq_len}", highlight=False)
     console.print(f"run: {_layout(plan)}, {precision}, compile {'on' if t.compile else 'off'}, activation "
                   f"checkpointing {t.activation_checkpointing}; micro-batch {plan.batch} x accumulation "
@@ -74,23 +85,30 @@ def render(plan: Plan, console: Console) -> None:
     for what, n in rows:
         table.add_row(what, gib(n))
     table.add_row(f"peak (end of the {mem.phase} pass)", gib(mem.peak), style="bold")
-    table.add_row(f"+{FRAGMENTATION:.0%} allocator, +{CONTEXT / GIB:.0f} GiB context" if plan.gpu.key != "cpu"
-                  else "needed", gib(needs(mem, plan.gpu)))
+    extra = f"+{FRAGMENTATION:.0%} allocator, +{CONTEXT / GIB:.0f} GiB context" if plan.gpu.key != "cpu" \
+        else f"+{CPU_PROCESS / GIB:.1f} GiB the process (Python, torch, the loader)"
+    table.add_row(extra, gib(needs(mem, plan.gpu)))
     share = "" if plan.gpus <= 1 else f" / {plan.gpus} processes"
     table.add_row("available" + (f" (80% of RAM{share})" if plan.gpu.key == "cpu" else ""), gib(plan.capacity))
     console.print(table)
     fit = "[green]fits[/]" if plan.fits else "[red]does not fit[/]"
     console.print(f"{fit}; largest micro-batch that fits: {plan.max_batch or 'none'}")
-    if plan.tokens_per_s:
+    if plan.tokens_per_s and plan.gpu.key == "cpu":
+        console.print(f"speed: about {plan.tokens_per_s:,.0f} tokens/s ({plan.mfu.basis}); train.max_steps="
+                      f"{t.max_steps:,} take about {duration(plan.seconds)}", highlight=False)
+    elif plan.tokens_per_s:
         console.print(f"speed: about {plan.tokens_per_s:,.0f} tokens/s ({plan.mfu.mfu:.1%} MFU: {plan.mfu.basis}); "
                       f"train.max_steps={t.max_steps:,} take about {duration(plan.seconds)}", highlight=False)
     else:
-        console.print("speed: no estimate on the CPU (no measured table); run a few steps and read tokens_per_s")
+        console.print("speed: no estimate (this machine's matrix-product rate could not be measured); run a few "
+                      "steps and read tokens_per_s")
     console.print(f"disk: {gb(plan.checkpoint)} per checkpoint; the run directory reaches about "
                   f"{gb(plan.run_disk)} (checkpoint.keep_last={plan.cfg.checkpoint.keep_last}, one more while a "
                   "save is written, and the final model)", highlight=False)
     if plan.host_per_process:
-        console.print(f"host memory: {gb(plan.host_per_process)} per process ({', '.join(plan.host_parts)})",
+        node = min(plan.gpus, 8)  # the processes of one node share its memory (8 GPUs a node at most)
+        console.print(f"host memory: {gb(plan.host_per_process)} per process ({', '.join(plan.host_parts)})"
+                      + (f"; {gb(plan.host_per_process * node)} for {node} processes on a node" if node > 1 else ""),
                       highlight=False)
 
     opts = Table(title=f"options at micro-batch {plan.batch}", title_justify="left")

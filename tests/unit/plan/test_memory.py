@@ -99,3 +99,73 @@ def test_checkpointing_trades_memory_in_order_and_batch_grows_it():
     assert peak_memory(cfg, 2048, 16, "selective").peak > peaks[1]
     # 3b without AC at batch 8 did not fit the H100 (throughput.md); with selective AC it did
     assert peaks[0] * 1.05 + 2**30 > 81559 * 2**20 > peaks[1] * 1.05 + 2**30
+
+
+class _HeapPeak:
+    """The most bytes glibc's allocator had handed out (mallinfo2: arena and mmapped chunks in use), read after
+    every aten op of the block: the peak of a step on the CPU, at op granularity."""
+
+    def __init__(self):
+        import ctypes
+
+        class Info(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallinfo2.restype = Info
+        except (OSError, AttributeError):
+            pytest.skip("needs glibc's mallinfo2 (Linux)")
+        self.libc, self.peak = libc, 0
+
+    def used(self) -> int:
+        info = self.libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                outer.peak = max(outer.peak, outer.used())
+                return out
+
+        self.start, self.mode = self.used(), Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_eager_bf16_plan_reproduces_the_peak_of_a_step_on_the_cpu(ac):
+    """The whole eager step (blocks, the chunked loss, backward, AdamW), weights and moments included, against
+    the bytes the CPU allocator held at its peak: the terms and their timing, not only the saved activations."""
+    cfg = ModelConfig(n_layers=2, d_model=128, n_heads=2, n_kv_heads=1, ffn_hidden=320, vocab_size=2048,
+                      max_seq_len=128)
+    torch.manual_seed(0)
+    model = apply_ac(Transformer(cfg), ac)
+    opt = build_optimizer(model, OptimConfig(), 1e-4, torch.device("cpu"))
+    tokens = torch.randint(0, 2048, (4, 128))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(tokens, tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # the moments exist from here on
+    state = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    state += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if v.dim())
+    with _HeapPeak() as heap:
+        step()
+    measured = heap.peak - heap.start + state
+    planned = peak_memory(cfg, 128, 4, ac, compiled=False, bf16=True)
+    assert planned.peak == pytest.approx(measured, rel=0.05), (planned, measured)
+    assert planned.loss > 0.3 * planned.peak  # the chunked loss is the largest part here: its timing counts

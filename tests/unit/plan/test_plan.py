@@ -64,12 +64,48 @@ def test_8b_on_four_a100s_shards_and_keeps_the_global_batch():
     assert any(o.fits for o in plan.options if o.strategy == "fsdp" and o.ac == "full")
 
 
-def test_the_quickstart_plans_for_the_cpu_without_a_speed():
+def test_the_quickstart_plans_for_the_cpu_with_a_speed_from_this_machines_matrix_products():
+    from kiln.plan.estimate import CPU_PROCESS, needs
+    from kiln.plan.gpus import CPU_STEP_SHARE, cpu_matmul_flops
+
     cfg = load_config(None, ["train.device=cpu"])
     device, note = local_device(None, cfg.train.device)
     plan = make_plan(cfg, 1, device)
     assert device.key == "cpu" and note is None
-    assert plan.fits and not plan.bf16 and plan.tokens_per_s is None
+    assert plan.fits and not plan.bf16
+    # the step's model FLOPs at half the rate of fp32 matrix products measured now, with the run's one thread
+    rate = cpu_matmul_flops(1)
+    assert plan.tokens_per_s == pytest.approx(CPU_STEP_SHARE * rate / plan.flops_per_token)
+    assert "measured now with 1 thread(s)" in plan.mfu.basis and plan.seconds > 0
+    # a CPU process holds about 0.4 GiB before its model exists (Python, torch, the loader): counted
+    assert needs(plan.memory, device) == plan.memory.peak + CPU_PROCESS
+
+
+def test_host_memory_counts_the_snapshot_a_rollback_restores_beside_the_checkpoint_copy():
+    cfg = load_config("gpu-1b")
+    plan = make_plan(cfg, 1, GPUS["h100"])
+    assert plan.host_per_process == 2 * 12 * plan.n_params  # 26.4 GB at 1.1B: the pinned copy and the snapshot
+    assert any("recovery.rollback" in part for part in plan.host_parts)
+    off = make_plan(load_config("gpu-1b", ["recovery.rollback=false"]), 1, GPUS["h100"])
+    assert off.host_per_process == 12 * off.n_params
+    four = make_plan(load_config("gpu-1b", ["model.size=8b"]), 4, GPUS["a100"])
+    assert four.host_per_process == 2 * 12 * four.n_params // 4  # FSDP: each process its shard
+
+
+def test_a_small_model_prints_its_memory_and_flops_with_digits():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from kiln.plan.report import render
+
+    out = StringIO()
+    render(make_plan(load_config(None, ["model.size=tiny", "train.device=cpu"]), 1,
+                     local_device("cpu", "cpu")[0]), Console(file=out, width=200))
+    text = out.getvalue()
+    assert "MFLOP per token" in text and "0.00 GFLOP" not in text
+    weights = next(line for line in text.splitlines() if "weights, fp32" in line)
+    assert weights.split("│")[2].strip() not in ("0.0", "0.00") and "GiB the process" in text
 
 
 def test_layout_follows_the_rule_of_kiln_train():
