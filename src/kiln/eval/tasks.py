@@ -42,15 +42,16 @@ def kept_rng() -> Iterator[None]:
 @contextlib.contextmanager
 def _no_machine_report() -> Iterator[None]:
     """lm-eval adds a report of the machine to its results (torch's collect_env: seconds of subprocesses at
-    every call, which a run evaluating every few minutes would pay each time); Kiln keeps none of it."""
-    import lm_eval.evaluator as ev
-
-    if not hasattr(ev, "add_env_info"):
-        yield
-        return
+    every call, which a run evaluating every few minutes would pay each time) and the git commit of the current
+    directory (git's complaint on stderr outside a repository); Kiln keeps none of it."""
     from unittest import mock
 
-    with mock.patch.object(ev, "add_env_info", lambda results: None):
+    import lm_eval.evaluator as ev
+
+    with contextlib.ExitStack() as stack:
+        for name, value in (("add_env_info", lambda results: None), ("get_git_commit_hash", lambda: None)):
+            if hasattr(ev, name):
+                stack.enter_context(mock.patch.object(ev, name, value))
         yield
 
 

@@ -90,18 +90,7 @@ def sweep(config: str | None, space_path: str | Path, trials: int, out: str | Pa
         raise ConfigError("kiln sweep needs Ray Tune: pip install 'kiln[sweep]' (or 'ray[tune]')") from None
 
     evals = base.train.max_steps // base.train.eval_every + 1 if base.train.eval_every else 1
-    scheduler = None
-    if space.asha:
-        from ray.tune.schedulers import ASHAScheduler
-
-        # max_t past the last evaluation: a trial that reaches it ends by itself, saving its model
-        scheduler = ASHAScheduler(time_attr="training_iteration", max_t=max(evals, space.asha["grace"]) + 1,
-                                  grace_period=space.asha["grace"], reduction_factor=space.asha["reduction"])
-    search_alg = None
-    if space.search == "tpe":
-        from ray.tune.search.optuna import OptunaSearch
-
-        search_alg = OptunaSearch(seed=base.train.seed)
+    scheduler, search_alg = scheduler_for(space, evals), search_algorithm(space, base.train.seed)
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     started = not ray.is_initialized()
     ray.init(address=address, ignore_reinit_error=True, include_dashboard=False, log_to_driver=False,
@@ -122,6 +111,26 @@ def sweep(config: str | None, space_path: str | Path, trials: int, out: str | Pa
         if started:  # the local Ray this call started (a cluster joined by address stays up)
             ray.shutdown()
     return write_results(grid, space, out)
+
+
+def scheduler_for(space: Space, evals: int):
+    """ASHA over the trials' evaluations (None without `asha`): a trial that reaches its last evaluation is not
+    stopped there, so it ends by itself and saves its model."""
+    if not space.asha:
+        return None
+    from ray.tune.schedulers import ASHAScheduler
+
+    return ASHAScheduler(time_attr="training_iteration", max_t=max(evals, space.asha["grace"]) + 1,
+                         grace_period=space.asha["grace"], reduction_factor=space.asha["reduction"])
+
+
+def search_algorithm(space: Space, seed: int):
+    """Optuna's TPE for `search: tpe` (seeded); None for grid and random (Tune's variant generator)."""
+    if space.search != "tpe":
+        return None
+    from ray.tune.search.optuna import OptunaSearch
+
+    return OptunaSearch(seed=seed)
 
 
 def read_space_with(space: Space, search: str) -> Space:

@@ -79,3 +79,20 @@ def test_overrides_are_yaml():
         key, _, text = override("data.x", value).partition("=")
         assert key == "data.x" and yaml.safe_load(text) == value
     assert override("train.compile", True) == "train.compile=true"
+
+
+def test_the_search_and_the_scheduler_follow_the_space(tmp_path):
+    pytest.importorskip("ray.tune")
+    pytest.importorskip("optuna")
+    from ray.tune.schedulers import ASHAScheduler
+    from ray.tune.search.optuna import OptunaSearch
+
+    from kiln.sweep.tune import scheduler_for, search_algorithm
+
+    tpe = read_space(write(tmp_path, "search: tpe\nasha: {grace: 2, reduction: 4}\n"
+                                     "params: {train.lr: {loguniform: [1.0e-4, 1.0e-2]}}"))
+    assert isinstance(search_algorithm(tpe, 0), OptunaSearch)
+    asha = scheduler_for(tpe, evals=5)
+    assert isinstance(asha, ASHAScheduler) and asha._max_t == 6 and asha._reduction_factor == 4
+    plain = read_space(write(tmp_path, "params: {train.lr: {choice: [0.1]}}"))
+    assert search_algorithm(plain, 0) is None and scheduler_for(plain, 5) is None
