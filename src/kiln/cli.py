@@ -31,10 +31,15 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def main_options(
+    ctx: typer.Context,
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks for errors."),
 ) -> None:
     _state["debug"] = debug
+    if ctx.invoked_subcommand != "train":  # it loads torch first: it gives the signals back as it starts training
+        from kiln.start_signals import started
+
+        started()
 
 
 @app.command(context_settings={"allow_extra_args": False})
@@ -79,6 +84,13 @@ def train(
         if config is not None and Path(config).expanduser().is_dir():  # a run directory: resume it
             run_dir = Path(config).expanduser()
             if not (run_dir / "config.yaml").is_file():
+                from kiln.state.rundir import started_by
+
+                command = started_by(run_dir)
+                if command:  # a start killed before it wrote config.yaml (kiln.train.run writes it at once now)
+                    raise ConfigError(f"{run_dir} has no config.yaml: the run started there with `{command}` was "
+                                      "stopped before it wrote one, so there is nothing to resume. Run that command "
+                                      "again")
                 raise ConfigError(f"{run_dir} is a directory without config.yaml, so not a run directory; give a "
                                   "config file, or the directory of an earlier `kiln train`")
             cfg = load_config(run_dir / "config.yaml", overrides)
@@ -90,18 +102,24 @@ def train(
         if _rank() is not None and _env_number("LOCAL_RANK", 0) > 0:
             # kiln.parallel: every process of a node reads the same config and fails alike: its first one says so
             from kiln.parallel.launch.torchrun import wait_for_first_rank
+            from kiln.start_signals import started
 
+            started()  # torchrun's SIGTERM ends this wait, as it should, without a word
             wait_for_first_rank()
             raise typer.Exit(2) from None
         raise
+    from kiln.start_signals import started
+
     if nproc != 1 or max_restarts:  # kiln.parallel: torchrun runs this same command in nproc processes
         from kiln.parallel.launch.local import relaunch
 
+        started()  # signals are the launcher's from here on: it passes them to torchrun
         # the config was checked here first: an error in it is shown once, not by every process of every restart
         raise typer.Exit(relaunch(nproc, max_restarts=max_restarts, cfg=cfg))
     from kiln.state.preempt import Interrupted
     from kiln.train.run import run
 
+    started()  # torch is loaded: signals are the run's from here on (kiln.train.run)
     try:
         run(cfg, console, resume=resume)
     except Interrupted as e:  # SIGINT/SIGTERM outside the training loop: what happened and what to do
@@ -636,8 +654,10 @@ def _rank() -> int | None:
 
 
 def main() -> None:
+    from kiln.start_signals import stop_while_starting
     from kiln.streams import keep_writing
 
+    stop_while_starting()  # a signal while the libraries load says so (kiln.start_signals)
     keep_writing()  # a closed pipe (`| tee` under Ctrl-C) or terminal drops the output, not the run
     try:
         app()

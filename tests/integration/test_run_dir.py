@@ -185,3 +185,17 @@ def test_a_signal_during_start_up_exits_cleanly_and_releases_the_run_dir(base, t
     assert f"{signal.Signals(sig).name} during start-up: stopped before training" in err
     assert "Traceback" not in err + out
     assert sorted(p.name for p in run_dir.iterdir()) == []  # no lock left, no config.yaml of a run never started
+
+
+def test_a_start_killed_in_its_first_seconds_is_resumed_by_kiln_train_run_dir(base, tmp_path):
+    """kill -9 during start-up (data preparation): `kiln train RUN_DIR` said 'a directory without config.yaml',
+    though the original command resumed."""
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    starting = child("startup", tmp_path / "go", [*base, f"train.run_dir={run_dir}", f"data.cache_dir={cache}"])
+    wait_for(starting.stdout, "encoding")
+    os.killpg(starting.pid, signal.SIGKILL)
+    starting.wait()
+    again = kiln(str(run_dir))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Traceback" not in again.stderr
+    assert (run_dir / "model" / "model.safetensors").is_file()

@@ -63,6 +63,26 @@ def write_config(run_dir: str | Path, cfg: RunConfig) -> None:
                          "permissions and free space.") from None
 
 
+@contextmanager
+def config_while_starting(run_dir: str | Path, cfg: RunConfig, writes: bool) -> Iterator[None]:
+    """A new run's config.yaml from the moment it holds its directory (`writes`: rank 0, and none is there yet): a
+    start killed in its first seconds (kill -9, before training) is then resumed by `kiln train RUN_DIR` as by its
+    own command. A start that fails or is stopped cleanly takes it away again, unless the run wrote its own since
+    (`write_config` once started): a directory is not a run before one has started there."""
+    path = Path(run_dir) / CONFIG
+    first = None
+    if writes and not path.is_file():
+        write_config(run_dir, cfg)
+        first = path.stat().st_ino
+    try:
+        yield
+    except BaseException:
+        with suppress(OSError):
+            if first is not None and path.stat().st_ino == first:  # the start never got as far as its own
+                path.unlink()
+        raise
+
+
 def process_rank() -> tuple[int, bool]:
     """(rank of this process, whether a process group joins it to others)."""
     import torch.distributed as dist
@@ -115,6 +135,18 @@ def hold_run_dir(run_dir: str | Path) -> Iterator[None]:
         finally:
             with suppress(OSError):
                 (run_dir / HOLDER).unlink()
+
+
+def started_by(run_dir: str | Path) -> str | None:
+    """The command line of the last process that held `run_dir` and was killed before it let go (its holder file
+    stays behind), or None."""
+    try:
+        program, _, args = str(json.loads((Path(run_dir) / HOLDER).read_text())["command"]).partition(" ")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if program.endswith(("kiln/cli.py", "/kiln")):  # `python -m kiln.cli` or the script: as a user types it
+        program = "kiln"
+    return f"{program} {args}".strip()
 
 
 def _refusal(run_dir: Path) -> str:

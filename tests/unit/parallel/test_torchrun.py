@@ -429,3 +429,21 @@ def test_as_a_worker_fails_torchrun_notes_how_says_a_kill_at_once_and_kills_a_st
     assert f"kiln: rank 0 (pid {frozen.pid}) is stopped (SIGSTOP or SIGTSTP): killed with SIGKILL" in err
     monkeypatch.setenv(FAILED_NOTE, str(note))  # what the other workers read
     assert failed_note().startswith("rank 1 (pid 101) was killed by SIGKILL")
+
+
+def test_a_busy_port_ends_kilns_torchrun_with_one_line_not_a_traceback():
+    """torchrun --master_port P with P held by another program printed a 42-line EADDRINUSE traceback."""
+    import socket
+    import subprocess
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "kiln.parallel.launch.torchrun", "--nnodes=1",
+                               "--nproc_per_node=1", f"--master_port={port}", "-m", "kiln.cli", "train", "quickstart"],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert f"kiln: torchrun cannot serve the job's store at 127.0.0.1:{port}: the port is in use" in done.stderr
+    assert torchrun.port_in_use(RuntimeError("x")) is False

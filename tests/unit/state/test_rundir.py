@@ -15,7 +15,7 @@ import yaml
 
 from kiln.config import RunConfig
 from kiln.errors import StateError
-from kiln.state.rundir import HOLDER, LOCK, hold_run_dir, write_config
+from kiln.state.rundir import HOLDER, LOCK, config_while_starting, hold_run_dir, started_by, write_config
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
 
@@ -110,3 +110,25 @@ def test_write_config_replaces_the_file_whole(tmp_path):
     write_config(tmp_path, cfg)
     assert RunConfig.model_validate(yaml.safe_load((tmp_path / "config.yaml").read_text())) == cfg
     assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"]  # no temporaries left
+
+
+def test_a_new_run_has_its_config_from_the_start_and_a_clean_failure_takes_it_away(tmp_path):
+    cfg = RunConfig()
+    with config_while_starting(tmp_path, cfg, writes=True):
+        assert (tmp_path / "config.yaml").is_file()  # a kill -9 now leaves it: `kiln train RUN_DIR` resumes
+    assert (tmp_path / "config.yaml").is_file()
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(KeyboardInterrupt), config_while_starting(other, cfg, writes=True):
+        raise KeyboardInterrupt  # a signal during start-up: the directory is left as it was
+    assert not (other / "config.yaml").exists()
+    with pytest.raises(RuntimeError), config_while_starting(other, cfg, writes=True):
+        write_config(other, cfg)  # the run started, and wrote its own
+        raise RuntimeError("a crash while training")
+    assert (other / "config.yaml").is_file()
+
+
+def test_the_command_of_a_start_killed_before_it_wrote_its_config_is_told(tmp_path):
+    (tmp_path / HOLDER).write_text(json.dumps({"command": "/x/src/kiln/cli.py train my.yaml train.lr=0.1"}))
+    assert started_by(tmp_path) == "kiln train my.yaml train.lr=0.1"
+    assert started_by(tmp_path / "none") is None

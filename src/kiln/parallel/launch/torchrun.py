@@ -392,6 +392,23 @@ def lost_store(endpoint: str) -> str:
             "node still can, else the last complete one is kept. Start torchrun on every node again to resume")
 
 
+def port_in_use(error: BaseException) -> bool:
+    """Whether `error` (or an error it came from) is a port another program holds (EADDRINUSE)."""
+    while error is not None:
+        if "EADDRINUSE" in str(error) or "address already in use" in str(error).lower():
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def busy_port(args) -> str:
+    """What to say when the port torchrun serves its store on (`args`: torchrun's) is taken."""
+    endpoint = args.rdzv_endpoint or f"{args.master_addr or '127.0.0.1'}:{args.master_port}"
+    return (f"kiln: torchrun cannot serve the job's store at {endpoint}: the port is in use (another job, or one "
+            "still shutting down). Choose a free port (--master_port, or --rdzv_endpoint HOST:PORT), or use "
+            "--standalone (or `kiln train --nproc N`), which picks one")
+
+
 def refuse_pause() -> None:
     """Ctrl-Z (SIGTSTP) does not stop torchrun: its workers run in sessions of their own, out of the terminal's
     reach, and would train on while torchrun, stopped, could neither watch nor stop them. Pausing the workers too
@@ -445,6 +462,11 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + int(e.sigval)
     except RendezvousConnectionError:  # torch's traceback and C++ frames said only "connection failed"
         print(lost_store(args.rdzv_endpoint), file=sys.stderr, flush=True)
+        return 1
+    except Exception as e:
+        if not port_in_use(e):
+            raise
+        print(busy_port(args), file=sys.stderr, flush=True)  # instead of torch's 40-line traceback
         return 1
     finally:
         for name, path in ((STOPPED, stopped), (FAILED_NOTE, failed)):
