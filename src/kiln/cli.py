@@ -227,7 +227,8 @@ def export(
     source: str = typer.Argument(..., help="A run directory, its model/ folder, a checkpoint directory "
                                            "(checkpoints/step_...) or a Hugging Face model directory."),
     to: str = typer.Option(..., "--to", help="Directory to write the Hugging Face model into."),
-    dtype: str | None = typer.Option(None, "--dtype", help="bf16 or fp32 (default: as saved)."),
+    dtype: str | None = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (default: the dtype of the "
+                                     "model.init_from it was trained from, else as saved)."),
     tokenizer: str | None = typer.Option(None, "--tokenizer", help="Tokenizer to ship with it (default: the "
                                                                       "run's)."),
     adapters: bool = typer.Option(False, "--adapters", help="A LoRA run's adapters alone, in PEFT's format "

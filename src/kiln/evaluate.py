@@ -89,16 +89,22 @@ def load_target(target: str | Path) -> Target:
         return Target(model, tok, "model", model_dir, run_cfg, default_out=run_dir / "eval.json"
                       if run_cfg is not None else model_dir / "eval.json")
     if (p / "config.json").is_file() and not (p / "meta.json").is_file():
-        from kiln.model.hf_import import import_hf
+        from kiln.model.hf_import import import_hf, native_architecture, weight_files
 
         try:
             tok = Tokenizer.load(p)
         except DataError as e:  # its message speaks of data.tokenizer, which kiln eval does not read
             raise StateError(f"{str(e).split('; ')[0]}: kiln eval needs the model's own tokenizer; save it beside "
                              "the model (tokenizer.save_pretrained(DIR))") from None
-        cfg, state = import_hf(p)
-        return Target(_transformer(cfg, state), tok, "hf", p, None,
-                      default_out=p.with_name(p.name + ".eval.json"))
+        weight_files(p, command="kiln eval")  # pickled weights are refused with advice for this command
+        if native_architecture(p):
+            cfg, state = import_hf(p)
+            model = _transformer(cfg, state)
+        else:  # any other causal LM, as kiln train's auto path builds it
+            from kiln.model.hf_auto import open_directory
+
+            model = open_directory(p)
+        return Target(model, tok, "hf", p, None, default_out=p.with_name(p.name + ".eval.json"))
     ckpt = checkpoint_of(p)
     from kiln.state.export import read_checkpoint_auto, read_checkpoint_model
     from kiln.state.verify import read_meta

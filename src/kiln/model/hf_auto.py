@@ -22,6 +22,7 @@ and run. It is refused unless `model.trust_remote_code` is true.
 from __future__ import annotations
 
 import inspect
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -136,7 +137,10 @@ def build_auto(cfg: ModelConfig, lora: LoraConfig | None = None, weights: bool =
     except (ValueError, OSError, KeyError) as e:  # unknown model_type, a config it cannot read, ...
         raise StateError(f"model.init_from={cfg.init_from}: transformers cannot build a causal LM from it "
                          f"({type(e).__name__}: {e})") from None
-    hf.config.use_cache = False
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:  # a damaged weight file (torch.load's errors)
+        raise StateError(f"model.init_from={cfg.init_from}: its weights cannot be read ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else 'damaged'}); copy them again from their "
+                         "source") from None
     if use_lora:
         import peft
 
@@ -310,6 +314,12 @@ class HFCausalLM(nn.Module):
         adapted = peft.get_peft_model(base, copy.deepcopy(self.hf.peft_config["default"]))
         peft.set_peft_model_state_dict(adapted, peft.get_peft_model_state_dict(self.hf))
         return adapted.merge_and_unload()
+
+
+def open_directory(path: str | Path) -> HFCausalLM:
+    """A Hugging Face model directory of any architecture transformers has, as `kiln train model.init_from=PATH
+    model.hf_class=auto` builds it, in fp32 (kiln eval, kiln export)."""
+    return build_auto(auto_config(ModelConfig(init_from=str(path), hf_class="auto"))).eval()
 
 
 def load_auto(path: Path, cfg: ModelConfig) -> HFCausalLM:

@@ -49,8 +49,10 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def weight_files(path: str | Path, allow_pickle: bool = False) -> list[Path]:
-    """The safetensors files of a model directory (the index's shards, in order); pickles only if allowed."""
+def weight_files(path: str | Path, allow_pickle: bool = False, command: str | None = None) -> list[Path]:
+    """The safetensors files of a model directory (the index's shards, in order); pickles only if allowed.
+    `command` (kiln eval, kiln export): the command that reads it, whose refusal of pickles advises what that
+    command takes (default: kiln train's model.init_from and model.allow_pickle)."""
     p = _dir(path)
     index = p / SAFETENSORS_INDEX
     if index.is_file():
@@ -71,13 +73,42 @@ def weight_files(path: str | Path, allow_pickle: bool = False) -> list[Path]:
     if pickles and allow_pickle:
         return pickles
     if pickles:
+        then = (f"and give the new directory to {command}" if command else "and set model.init_from to the new "
+                "directory; or, if you trust the file, set model.allow_pickle=true")
         raise StateError(
             f"{pickles[0]}: the weights in {p} are pickled ({', '.join(f.name for f in pickles)}), and Kiln loads "
             "safetensors only, since loading a pickle can run code. Convert them once with transformers: python -c "
             f"\"from transformers import AutoModelForCausalLM as M; M.from_pretrained('{p}').save_pretrained("
-            f"'{p}-safetensors')\" and set model.init_from to the new directory; or, if you trust the file, set "
-            "model.allow_pickle=true")
+            f"'{p}-safetensors')\" {then}")
     raise StateError(f"{p} holds no weights: expected {SAFETENSORS} or {SAFETENSORS_INDEX} with its shards")
+
+
+_DTYPE_NAMES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16", "BF16": "bf16", "F32": "fp32",
+                "F16": "fp16"}
+
+
+def stored_dtype(path: str | Path | None) -> str | None:
+    """The dtype a model directory stores its weights in (bf16, fp16 or fp32): its config.json's dtype (or
+    torch_dtype), else its first safetensors file's embedding-sized tensors; None where it cannot be told."""
+    if not path or not Path(path).expanduser().is_dir():
+        return None
+    try:
+        hf = read_hf_config(path)
+    except (ConfigError, StateError):
+        return None
+    named = hf.get("dtype") or hf.get("torch_dtype")
+    if isinstance(named, str) and named in _DTYPE_NAMES:
+        return _DTYPE_NAMES[named]
+    try:
+        from safetensors import safe_open
+
+        file = weight_files(path)[0]
+        with safe_open(str(file), framework="pt") as f:
+            kinds = [f.get_slice(k).get_dtype() for k in f.keys()]
+    except Exception:  # noqa: BLE001 - pickled or damaged weights: no default is told from them
+        return None
+    floats = [k for k in kinds if k in _DTYPE_NAMES]
+    return _DTYPE_NAMES[max(set(floats), key=floats.count)] if floats else None
 
 
 def read_hf_state_dict(path: str | Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
@@ -95,6 +126,16 @@ def read_hf_state_dict(path: str | Path, allow_pickle: bool = False) -> dict[str
             raise StateError(f"{file} cannot be read ({e}); copy it again from its source") from None
         state.update(part)
     return state
+
+
+def native_architecture(path: str | Path) -> bool:
+    """Whether Kiln's native model holds the architecture of the Hugging Face directory `path` (else it takes
+    the auto path, kiln.model.hf_auto)."""
+    try:
+        from_hf_config_dict(read_hf_config(path))
+    except StateError:
+        return False
+    return True
 
 
 def import_hf(path: str | Path, allow_pickle: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

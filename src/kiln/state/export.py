@@ -31,7 +31,7 @@ from kiln.data.prepare.tokenizer import Tokenizer
 from kiln.errors import StateError
 from kiln.files import default_mode
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained
 
 
@@ -39,7 +39,7 @@ def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig
               out: str | Path, dtype: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
               source: Path | None = None) -> Path:
     """Write `model` (a Transformer or its state dict) and `tokenizer` to `out` in the Hugging Face layout;
-    `dtype` (fp32 or bf16) casts the floating-point weights, None keeps them as they are. `source`: the
+    `dtype` (fp32, bf16 or fp16) casts the floating-point weights, None keeps them as they are. `source`: the
     Hugging Face directory the model came from (default: cfg.init_from), whose other files the export keeps
     (kiln.state.hf_source)."""
     from kiln.model.hf import to_hf_config_dict, to_hf_state_dict, zero_o_bias
@@ -187,6 +187,7 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
 
 def _export(src: str | Path, to: str | Path, dtype: str | None, tokenizer: str | Path | None, max_shard_bytes: int,
             adapters: bool) -> Path:
+    from kiln.model.hf_import import stored_dtype
     from kiln.state.rundir import model_saved
     from kiln.state.weights import load_model
 
@@ -204,12 +205,21 @@ def _export(src: str | Path, to: str | Path, dtype: str | None, tokenizer: str |
         model, saved_tok = load_model(p)
         if tok is not None:
             check_tokenizer(tok, tokenizer, saved_tok, int(model.cfg.vocab_size))
+        dtype = dtype or stored_dtype(model.cfg.init_from)  # the weights come back in the dtype they came in
         if model.cfg.hf_class == "auto":  # a transformers model: its own save_pretrained
             return _export_auto(model, tok or saved_tok, to, dtype)
         return export_hf(model, model.cfg, tok or saved_tok, to, dtype, max_shard_bytes)
     if (p / "config.json").is_file():  # a Hugging Face directory: converted (e.g. to bf16, or re-sharded)
-        from kiln.model.hf_import import import_hf
+        from kiln.model.hf_import import import_hf, native_architecture, weight_files
 
+        weight_files(p, command="kiln export")  # pickled weights are refused with advice for this command
+        if not native_architecture(p):  # any other causal LM, as kiln train's auto path builds it
+            from kiln.model.hf_auto import open_directory
+
+            model = open_directory(p)
+            if tok is not None:
+                check_tokenizer(tok, tokenizer, _own_tokenizer(p), int(model.cfg.vocab_size))
+            return _export_auto(model, tok or Tokenizer.load(p), to, dtype or stored_dtype(p))
         cfg, state = import_hf(p)
         if tok is not None:
             check_tokenizer(tok, tokenizer, _own_tokenizer(p), state["embed_tokens.weight"].shape[0])
@@ -217,6 +227,7 @@ def _export(src: str | Path, to: str | Path, dtype: str | None, tokenizer: str |
     from kiln.state.rundir import checkpoint_of
 
     ckpt = p if (p / ".metadata").is_file() else checkpoint_of(p)
+    dtype = dtype or stored_dtype(_run_config(ckpt).model.init_from)
     if _run_config(ckpt).model.hf_class == "auto":
         model, found_tok = read_checkpoint_auto(ckpt, need_tokenizer=tok is None)
         if tok is not None:
