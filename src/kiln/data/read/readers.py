@@ -54,11 +54,15 @@ class Missing(Malformed):
     """A record without the text field (or a file without the column)."""
 
 
+class Null(Missing):
+    """A record whose text field is there and null: counted as missing_field, said as null."""
+
+
 class InvalidUTF8(Malformed):
     """A record whose bytes are not UTF-8."""
 
 
-MISSING = Missing("the value is null")
+MISSING = Null("")  # a table's null value
 
 
 Record = tuple[int, "int | None", Any]
@@ -176,9 +180,10 @@ def _field(obj: Any, field: str) -> Any:
             return Missing(f"'{field}' is absent: '{'.'.join(path)}' is {json_type(value)}, not an object")
         parent, value = value, value.get(key)
         if value is None:
+            if key in parent:
+                return Null(f"'{field}' is null")
             has = f"'{'.'.join(path)}' has" if path else "it has"
-            state = "null" if key in parent else "absent"
-            return Missing(f"'{field}' is {state}; {has}: {', '.join(list(parent)[:8])}")
+            return Missing(f"'{field}' is absent; {has}: {', '.join(list(parent)[:8])}")
         path.append(key)
     return value
 

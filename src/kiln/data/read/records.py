@@ -2,7 +2,7 @@
 
 Validation turns a raw record into text or rejects it for a reason:
 
-    missing_field  the record has no text field (or the file no such column)
+    missing_field  the record has no text field, or a null one (or the file no such column)
     wrong_type     the text field is not a string
     invalid_utf8   the bytes are not UTF-8 (or a JSON string holds a lone surrogate)
     malformed      the record cannot be parsed (bad JSON, wrong number of CSV columns)
@@ -95,6 +95,8 @@ class RecordChecker:
             return self._bad("too_long", f"over {self.limit} bytes", sf, index, line)
         elif isinstance(value, readers.InvalidUTF8):
             return self._bad("invalid_utf8", value.why, sf, index, line)
+        elif isinstance(value, readers.Null):
+            return self._bad("missing_field", value.why, sf, index, line, "has a null text field")
         elif isinstance(value, readers.Missing):
             return self._bad("missing_field", value.why, sf, index, line)
         elif isinstance(value, readers.Malformed):
@@ -128,14 +130,15 @@ class RecordChecker:
                             "on (the file is counted in the report)")
         self.drop("damaged_file", sf, None, None)
 
-    def _bad(self, reason: str, detail: str, sf: Source, index: int, line: int | None) -> None:
+    def _bad(self, reason: str, detail: str, sf: Source, index: int, line: int | None,
+             what: str | None = None) -> None:
         if self.policy == "error" and not sf.lenient:
             place = where(sf.url, index, line) if index >= 0 else f"{sf.url}:{line}"
             detail = f" ({detail})" if detail else ""
             fix = {"too_long": "raise data.max_record_bytes (or read big text files with data.text_unit=line or "
                                "paragraph), ",
                    "missing_field": "set data.field, "}.get(reason, "")
-            raise DataError(f"{place}: the record {REASONS[reason]}{detail}. Fix the data, {fix}or set "
+            raise DataError(f"{place}: the record {what or REASONS[reason]}{detail}. Fix the data, {fix}or set "
                             f"data.on_bad_record=skip to skip such records (they are counted in the report).")
         return self.drop(reason, sf, index, line)
 

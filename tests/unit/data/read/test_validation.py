@@ -62,7 +62,7 @@ def test_bad_records_in_other_formats(tmp_path):
         list(iter_documents(cfg.model_copy(update={"sources": [str(tmp_path / "b.csv")]})))
     with pytest.raises(DataError, match=r"c\.parquet row 1: the record has no text field .*has: body.*data\.field"):
         list(iter_documents(cfg.model_copy(update={"sources": [str(tmp_path / "c.parquet")]})))
-    with pytest.raises(DataError, match=r"d\.parquet row 2: the record has no text field"):
+    with pytest.raises(DataError, match=r"d\.parquet row 2: the record has a null text field\. "):
         list(iter_documents(cfg.model_copy(update={"sources": [str(tmp_path / "d.parquet")]})))
     skip = cfg.model_copy(update={"on_bad_record": "skip", "sources": [str(tmp_path / "*")]})
     checker = RecordChecker.from_config(skip)
@@ -104,3 +104,13 @@ def test_stdlib_is_lenient(tmp_path):
     checker = RecordChecker("error")
     sf = SourceFile("x.py", "x.py", 3, "text", lenient=True)
     assert checker.check(b"\xff\xfe", sf, 0, 1) is None and checker.dropped["invalid_utf8"] == 1
+
+
+def test_a_null_text_is_said_to_be_null_not_missing(tmp_path):
+    """{"text": null} was reported as having "no text field ('text' is null; it has: text)"."""
+    (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n{"text": null, "id": 2}\n{"meta": {"text": null}}\n')
+    with pytest.raises(DataError, match=r"a\.jsonl:2: the record has a null text field \('text' is null\)\. "):
+        list(iter_documents(DataConfig(sources=[str(tmp_path / "a.jsonl")])))
+    with pytest.raises(DataError, match=r"a\.jsonl:1: the record has no text field \('meta.text' is absent; "
+                                        r"it has: text\)"):
+        list(iter_documents(DataConfig(sources=[str(tmp_path / "a.jsonl")], field="meta.text")))
