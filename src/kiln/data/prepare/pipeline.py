@@ -213,7 +213,11 @@ def _prepare(cfg, cache: Path, console, progress: bool, tokenizer: Tokenizer | N
                 out = None
             reused = out is not None
             if not reused:
-                out = _build(cfg, hashes, tokenizer, settings, partial, console if progress else None, start)
+                try:
+                    out = _build(cfg, hashes, tokenizer, settings, partial, console if progress else None, start)
+                except DataError:  # bad data: the same inputs and settings fail the same way, and fixed ones
+                    shutil.rmtree(partial, ignore_errors=True)  # have another key; nothing to go on from
+                    raise
                 sizes.write_text(out.name)
     return open_dataset(out, tokenizer.hash), reused
 

@@ -93,3 +93,4 @@ def test_a_gzip_file_renamed_without_its_suffix_is_prepared_again(tmp_path):
     (tmp_path / "a.txt.gz").rename(tmp_path / "a.txt")  # compressed bytes read as text now: not the same dataset
     with pytest.raises(DataError, match="0 documents read; dropped: 1 invalid_utf8"):
         prepare(cfg.model_copy(update={"sources": [str(tmp_path / "a.txt")]}))
+

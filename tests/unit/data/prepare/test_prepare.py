@@ -610,3 +610,14 @@ def test_init_from_data_starts_each_document_as_its_tokenizer_does(corpus, tmp_p
         said = ds.manifest["report"]["special_tokens"]
         assert said == ("<s> before (as the tokenizer's own post-processor puts it first), </s> after" if bos else
                         "no BOS before (data.bos_token=null), </s> after")
+
+
+def test_a_prepare_that_fails_on_bad_data_leaves_no_partial_folder(tmp_path):
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(f'{{"text": "document number {i}"}}\n' for i in range(50)) + '{"text": 7}\n')
+    train_bpe([f"document number {i}" for i in range(50)], 300).save(tmp_path / "tok.json")
+    cfg = DataConfig(sources=[str(src)], tokenizer=str(tmp_path / "tok.json"), cache_dir=str(tmp_path / "cache"),
+                     val_fraction=0)
+    with pytest.raises(DataError, match=r"a.jsonl:51: the record has a text field that is not a string"):
+        prepare(cfg)
+    assert not list((tmp_path / "cache" / "datasets").glob("partial-*"))
