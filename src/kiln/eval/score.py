@@ -3,8 +3,10 @@
     result = score_target("runs/X", ["hellaswag"], limit=500)   # result["scores"]["hellaswag/acc"]
 
 TARGET is what `kiln eval --data` takes (kiln.evaluate.load_target): a run directory, its model/, a
-checkpoint directory, or a Hugging Face model directory, run as Kiln's native model through `KilnLM`.
-On CUDA it computes in bf16 (unless the run trained in fp32); on the CPU in fp32.
+checkpoint directory, or a Hugging Face model directory, run as Kiln's native model through `KilnLM`;
+a Hugging Face directory of another architecture (GPT-2, Gemma, Phi, ...) runs through transformers, as
+`model.hf_class=auto` trains it. On CUDA it computes in bf16 (unless the run trained in fp32); on the
+CPU in fp32.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def score_target(target: str | Path, tasks: Sequence[str], *, include_path: Sequ
         raise ConfigError("--tasks: name at least one lm-eval task, e.g. --tasks hellaswag,arc_easy")
     manager = manager_for(tasks, include_path)
     check_tasks(manager, tasks)  # before the model is loaded
-    t = load_target(target)
+    t = _auto_target(Path(target).expanduser()) or load_target(target)
     dev = _device(device)
     model = t.model.to(dev).eval()
     if max_length is not None and not 1 <= max_length <= model.cfg.max_seq_len:
@@ -48,3 +50,23 @@ def score_target(target: str | Path, tasks: Sequence[str], *, include_path: Sequ
             "num_fewshot": num_fewshot, "tokenizer": t.tokenizer.hash, "max_length": lm.max_length,
             "scores": out["scores"], "n_samples": out["n_samples"], "results": out["results"],
             "default_out": str(default) if default is not None else None}
+
+
+def _auto_target(p: Path):
+    """A Target of a Hugging Face directory whose architecture the native model does not import (None for any
+    other TARGET): the model through transformers (kiln.model.hf_auto), its own tokenizer."""
+    from kiln.config import ModelConfig
+    from kiln.evaluate import Target
+
+    if not (p / "config.json").is_file() or (p / "model_config.json").is_file() or (p / "meta.json").is_file():
+        return None
+    from kiln.model.hf import ARCHITECTURES
+    from kiln.model.hf_import import read_hf_config
+
+    if read_hf_config(p).get("model_type") in ARCHITECTURES:
+        return None
+    from kiln.data.prepare.tokenizer import Tokenizer
+    from kiln.model.hf_auto import auto_config, build_auto
+
+    cfg = auto_config(ModelConfig(init_from=str(p), hf_class="auto"))
+    return Target(build_auto(cfg), Tokenizer.load(p), "hf", p, None, default_out=p.with_name(p.name + ".eval.json"))

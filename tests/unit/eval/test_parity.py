@@ -45,3 +45,24 @@ def test_task_scores_equal_the_hf_backends(tiny, manager, hf_lm):
     for key in ours:  # accuracies exactly; perplexities to float precision
         assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key
     assert ours["tiny_mc/acc"] == theirs["tiny_mc/acc"]
+
+
+def test_an_architecture_the_native_model_does_not_import_runs_through_transformers(tiny, manager, tmp_path):
+    """A GPT-2 directory: `kiln eval --tasks` runs it as model.hf_class=auto trains it, and scores as `hf` does."""
+    import transformers
+    from lm_eval.models.huggingface import HFLM
+
+    from kiln.eval.score import score_target
+    from kiln.eval.tasks import run_tasks
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=320, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=0,
+                                  eos_token_id=0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
+    tiny[1].save(tmp_path / "gpt2" / "tokenizer.json")
+    ours = score_target(tmp_path / "gpt2", ["tiny_mc", "tiny_ppl"], include_path=[tiny[3]], device="cpu")
+    assert ours["kind"] == "hf"
+    theirs = run_tasks(HFLM(pretrained=str(tmp_path / "gpt2"), batch_size=4, device="cpu", dtype="float32"),
+                       ["tiny_mc", "tiny_ppl"], manager=manager)["scores"]
+    assert {k: v for k, v in ours["scores"].items() if not k.endswith("_stderr")} == pytest.approx(theirs, rel=1e-5)
