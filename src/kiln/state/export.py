@@ -181,7 +181,7 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
     from kiln.state.model_card import write_model_card
 
     out = _export(src, to, dtype, tokenizer, max_shard_bytes, adapters)
-    write_model_card(Path(src).expanduser(), out, repo)
+    write_model_card(Path(src).expanduser(), out, repo, adapters)
     return out
 
 

@@ -62,15 +62,23 @@ def _training(run: Path, step: int | None) -> dict[str, Any]:
 
 
 def _hub_id(init_from: str | None) -> str | None:
-    """init_from as a Hub model id (owner/name, as the card's base_model metadata takes it), if it is one."""
-    if not init_from or Path(init_from).expanduser().exists():
+    """init_from as a Hub model id (owner/name, as the card's base_model metadata takes it): a Hub id itself, or
+    a snapshot of huggingface_hub's cache (.../models--OWNER--NAME/snapshots/REVISION); None for another path."""
+    if not init_from:
+        return None
+    path = Path(init_from).expanduser()
+    for part in path.parts:
+        if part.startswith("models--") and part.count("--") >= 2:
+            return part.removeprefix("models--").replace("--", "/", 1)
+    if path.exists():
         return None
     name = init_from.removeprefix("hf://").split("@")[0].strip("/")
     return name if name.count("/") == 1 else None
 
 
-def model_card(source: str | Path, repo: str | None = None) -> str:
-    """The README.md text of an export of `source` (as `kiln export` takes it), to be published as `repo`."""
+def model_card(source: str | Path, repo: str | None = None, adapters: bool = False) -> str:
+    """The README.md text of an export of `source` (as `kiln export` takes it), to be published as `repo`;
+    `adapters`: the export is a LoRA run's adapters alone (PEFT's format)."""
     source = Path(source).expanduser()
     run, step, config = _run_of(source)
     model = (config or {}).get("model") or {}
@@ -79,7 +87,7 @@ def model_card(source: str | Path, repo: str | None = None) -> str:
     init_from = model.get("init_from")
     base = _hub_id(init_from)
     tags = ["kiln", "text-generation"] + (["lora"] if lora.get("rank") else [])
-    front = {"library_name": "transformers", "pipeline_tag": "text-generation", "tags": tags}
+    front = {"library_name": "peft" if adapters else "transformers", "pipeline_tag": "text-generation", "tags": tags}
     if base:
         front["base_model"] = base
     title = repo or (run.name if run is not None else source.name)
@@ -90,6 +98,9 @@ def model_card(source: str | Path, repo: str | None = None) -> str:
     how = "LoRA adapters merged into " if lora.get("rank") else "continued pretraining of " if init_from else ""
     what = f"`{init_from}`" if init_from else "a model trained from scratch"
     lines += [f"Trained with Kiln {kiln.__version__}: {how}{what}.", ""]
+    if adapters:
+        lines[-2] = (f"LoRA adapters (PEFT's format) trained with Kiln {kiln.__version__} on `{init_from}`: load them "
+                     "onto that base with `peft.PeftModel.from_pretrained(base, this_directory)`.")
     done = _training(run, step) if run is not None else {}
     sources = data.get("mixture") or data.get("sources") or []
     rows = [("base model", f"`{init_from}`" if init_from else "none (trained from scratch)"),
@@ -106,7 +117,7 @@ def model_card(source: str | Path, repo: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def write_model_card(source: str | Path, out: str | Path, repo: str | None = None) -> Path:
+def write_model_card(source: str | Path, out: str | Path, repo: str | None = None, adapters: bool = False) -> Path:
     """out/README.md: the card of a trained model, or a converted Hugging Face directory's own card (the same
     model: its license and description still hold)."""
     source, path = Path(source).expanduser(), Path(out).expanduser() / "README.md"
@@ -114,5 +125,5 @@ def write_model_card(source: str | Path, out: str | Path, repo: str | None = Non
     if _run_of(source)[2] is None and own.is_file() and own.resolve() != path.resolve():
         path.write_bytes(own.read_bytes())
     else:
-        path.write_text(model_card(source, repo))
+        path.write_text(model_card(source, repo, adapters))
     return path
