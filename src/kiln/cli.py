@@ -191,8 +191,9 @@ def generate(
     top_k: int = typer.Option(50, "--top-k", min=0, help="Sample among the k most likely tokens (0: all)."),
     seed: int | None = typer.Option(None, "--seed", min=0, help="Seed for reproducible samples."),
     threads: int | None = typer.Option(None, "--threads", min=1,
-                                          help="CPU threads of PyTorch (on the CPU only); default: 1 for a small "
-                                               "model, as train.threads."),
+                                          help="CPU threads of PyTorch (on the CPU only); default: 1 for a model "
+                                               "under 20M parameters (one token at a time is too little to "
+                                               "split), else PyTorch's."),
 ) -> None:
     """Sample text from a trained model.
 
@@ -210,7 +211,7 @@ def generate(
     model, tok = load_model(run_dir, device)
     if tok is None:
         raise ConfigError(f"{run_dir} holds no tokenizer.json; cannot encode the prompt")
-    apply_threads(threads, device, sum(p.numel() for p in model.parameters()))
+    apply_threads(threads, device, sum(p.numel() for p in model.parameters()), sampling=True)
     try:
         ids = start_ids(tok, prompt)
     except ValueError as e:

@@ -60,9 +60,10 @@ class TrainConfig(Section):
     """'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
     threads: int | None = Field(None, ge=1, le=1024)
     """CPU threads of PyTorch in each process of a run on the CPU (torch.set_num_threads; GPU runs keep
-    PyTorch's default). null: 1 for a model under 20M parameters, whose small matrix products lose more to
-    keeping threads in step than they gain (measured: benchmarks/threads.py), else PyTorch's default (one per
-    physical core, or OMP_NUM_THREADS)."""
+    PyTorch's default). null: for a model under 20M parameters as many as the machine has idle cores when the
+    run starts (at least 1): its small matrix products lose to threads that wait for a core another process
+    holds (measured: benchmarks/threads.py); else PyTorch's default (one per physical core, or
+    OMP_NUM_THREADS)."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """'bf16': autocast, with fp32 weights and optimizer state and a bf16 residual stream; 'fp32';
     or 'auto' (bf16 on CUDA, fp32 on CPU)."""
