@@ -28,8 +28,9 @@ class TrainConfig(Section):
     """Tokens per training sequence."""
     batch_size: int | Literal["auto"] = 8
     """Sequences per micro-batch on each device; 'auto' tries real training steps before the run and takes the
-    largest that fits with recovery.auto_batch_margin to spare (on the CPU: from a memory budget), needs
-    train.global_batch_tokens, and caches the result per model, sequence, precision, device and world size."""
+    largest that fits with recovery.auto_batch_margin to spare (on the CPU: the fewest rows of 1024 tokens that
+    the memory allows), needs train.global_batch_tokens, and caches the result per model, sequence, precision,
+    device and its memory, and world size."""
     grad_accum: int = Field(1, ge=1)
     """Micro-batches accumulated per optimizer step (derived from train.global_batch_tokens when that is set)."""
     global_batch_tokens: int | None = Field(None, ge=1)

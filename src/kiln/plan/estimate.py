@@ -23,6 +23,7 @@ CPU_SHARE = 0.8  # of the RAM, on the CPU: the rest for the OS, the loader and t
 # loader (0.33-0.41 GiB measured at the start of CPU runs on Linux, torch 2.x); GPU runs count the CUDA context
 CPU_PROCESS = int(0.4 * GIB)
 MAX_BATCH = 1 << 16
+CPU_MICRO_TOKENS = 1024  # kiln.train.autobatch.CPU_MICRO_TOKENS: a CPU micro-batch's tokens under batch_size auto
 DDP_FIT = 0.5  # kiln.parallel.parallelize.FIT_FRACTION: 'auto' picks ddp when 16 N fits this share of a device
 
 
@@ -206,8 +207,10 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
 
     max_batch = largest_batch(fit(t.activation_checkpointing, layout))
     rows = t.step_rows(max(1, gpus))  # per rank and step; ConfigError where the ranks cannot share the batch
-    if t.batch_size == "auto":  # the largest micro-batch that fits, cut as the run cuts the step's rows
-        batch = even_cut(rows, max_batch)
+    if t.batch_size == "auto":  # the largest micro-batch that fits, cut as the run cuts the step's rows; on the
+        # CPU the fewest rows of CPU_MICRO_TOKENS tokens within that (kiln.train.autobatch.cpu_fit)
+        fit_rows = min(max_batch, -(-CPU_MICRO_TOKENS // t.seq_len)) if gpu.key == "cpu" else max_batch
+        batch = even_cut(rows, fit_rows)
         notes.append(f"train.batch_size=auto: planned at micro-batch {batch} x {-(-rows // batch)} accumulated "
                      f"({rows} sequences per process and step; " +
                      (f"up to {max_batch} would fit)" if max_batch else "not even 1 fits)"))

@@ -179,14 +179,20 @@ def test_auto_batch_is_planned_at_the_micro_batch_the_run_would_take():
     from kiln.train.autobatch import even_cut as run_cut
 
     cpu = cpu_gpu(24 * 2**30)
-    # 4096 tokens of 256: 16 sequences a step, far fewer than fit in the CPU's memory
+    from kiln.train.autobatch import CPU_MICRO_TOKENS
+
+    # 4096 tokens of 256: 16 sequences a step, far fewer than fit in the CPU's memory; on the CPU the run takes the
+    # fewest rows of 1024 tokens (4), the rest accumulated
+    assert CPU_MICRO_TOKENS == 1024
     plan = make_plan(load_config(None, ["train.batch_size=auto", "train.global_batch_tokens=4096"]), 1, cpu)
-    assert plan.max_batch > 16 and plan.batch == 16 and plan.accumulation == 1
+    assert plan.max_batch > 16 and plan.batch == 4 and plan.accumulation == 4
     assert plan.tokens_per_step == 4096
-    assert plan.memory == make_plan(load_config(None, ["train.batch_size=16"]), 1, cpu).memory
+    assert plan.memory == make_plan(load_config(None, ["train.batch_size=4"]), 1, cpu).memory
     assert not any("would fit (train.batch_size" in n for n in plan.notes)
     two = make_plan(load_config(None, ["train.batch_size=auto", "train.global_batch_tokens=4096"]), 2, cpu)
-    assert (two.batch, two.accumulation, two.tokens_per_step) == (8, 1, 4096)
+    assert (two.batch, two.accumulation, two.tokens_per_step) == (4, 2, 4096)
+    gpu = make_plan(load_config(None, ["train.batch_size=auto", "train.global_batch_tokens=4096"]), 1, GPUS["h100"])
+    assert (gpu.batch, gpu.accumulation) == (16, 1)  # a GPU takes the largest that fits
     assert all(even_cut(rows, fit) == run_cut(rows, fit) for rows in range(1, 40) for fit in range(0, 45))
 
 

@@ -58,7 +58,8 @@ def test_auto_takes_the_budget_then_the_cache(tmp_path, monkeypatch):
                                                                                                 4, 32)
     cache = json.loads((tmp_path / CACHE_FILE).read_text())
     [(key, entry)] = cache.items()
-    assert entry["fit"] == 10 and entry["setting"]["seq_len"] == 64 and entry["setting"]["device"] == "cpu"
+    assert entry["fit"] == 10 and entry["setting"]["seq_len"] == 64
+    assert entry["setting"]["device"] == f"cpu {autobatch.total_memory() >> 20} MiB"
     monkeypatch.setattr(autobatch, "available_memory", lambda: 1)  # a restart does not look again
     assert choose_micro_batch(cfg, model, mesh, n, print)[1]["how"] == "cached"
     other = auto_config(tmp_path, "train.activation_checkpointing=full")  # another setting: another entry
@@ -83,3 +84,19 @@ def test_global_batch_config():
         odd.loader_rows(1)
     plain = load_config(None, ["train.batch_size=4", "train.grad_accum=3"]).train
     assert (plain.step_rows(2), plain.loader_rows(2)) == (12, 4)
+
+
+def test_on_the_cpu_plenty_of_memory_does_not_make_the_whole_step_one_micro_batch(tmp_path, monkeypatch):
+    """A CPU step runs no faster in one huge micro-batch, only larger: with room for every row, auto takes the
+    fewest rows that hold CPU_MICRO_TOKENS tokens (16 of 64 tokens), and the rest of the step accumulates."""
+    cfg = auto_config(tmp_path)  # 32 rows of 64 tokens a step
+    n = param_count(cfg.model)
+    monkeypatch.setattr(autobatch, "available_memory", lambda: 64 * 2**30)
+    mesh, model = Mesh(device=torch.device("cpu")), Transformer(cfg.model)
+    micro, info = choose_micro_batch(cfg, model, mesh, n, print)
+    assert autobatch.CPU_MICRO_TOKENS // 64 == 16 and (micro, info["accumulation"]) == (16, 2)
+    assert info["how"].startswith("1024 tokens a micro-batch on the CPU; memory allows")
+    # the cache is keyed by the machine's memory: another machine (or more RAM) chooses again
+    monkeypatch.setattr(autobatch, "total_memory", lambda: 7 * 2**30)
+    assert choose_micro_batch(cfg, model, mesh, n, print)[1]["how"] != "cached"
+    assert choose_micro_batch(cfg, model, mesh, n, print)[1]["how"] == "cached"
