@@ -77,6 +77,13 @@ class RunConfig(Section):
             out.append((("train.seq_len", "model.max_seq_len"),
                         f"train.seq_len={t.seq_len} is longer than model.max_seq_len={m.max_seq_len}; raise "
                         "model.max_seq_len or shorten train.seq_len"))
+        es = t.early_stop
+        if es.patience and es.metric not in ("val_loss", "val_ppl", "val_bpb") and \
+                es.metric.split("/", 1)[0] not in self.eval.tasks:
+            tasks = ", ".join(self.eval.tasks) or "none"
+            out.append((("train.early_stop.metric", "eval.tasks"),
+                        f"train.early_stop.metric={es.metric} is no metric of the run's evaluations: watch val_loss, "
+                        f"val_ppl, val_bpb, or TASK/METRIC of a task in eval.tasks (now {tasks})"))
         return out
 
     def all_problems(self) -> list[tuple[str, tuple[str, ...], str]]:

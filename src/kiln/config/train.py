@@ -18,6 +18,11 @@ class EarlyStopConfig(Section):
     """Stop after this many evaluations in a row without improvement (0: early stopping off)."""
     min_delta: float = Field(0.0, ge=0)
     """An evaluation improves only when its validation loss is below the best so far by more than this."""
+    metric: str = "val_loss"
+    """The evaluation metric watched: val_loss, val_bpb, or a benchmark score of eval.tasks (hellaswag/acc_norm;
+    with mode: max). Evaluations without it are not counted."""
+    mode: Literal["min", "max"] = "min"
+    """min: lower is better (losses); max: higher is better (accuracies)."""
     restore_best: bool = True
     """After an early stop, model/ (and the sample) take the weights of the best evaluation, kept in host memory
     (one copy of the weights) or read from its checkpoint; the final checkpoint keeps the last step's state."""

@@ -10,6 +10,9 @@ step, evaluations since) is saved in checkpoints under the trainer's key "early_
 run counts on; resuming a run that stopped early stops it again at once, unless the config now allows
 more patience (or turns early stopping off with patience 0).
 
+`metric` (train.early_stop.metric) watches another number of the evaluations instead of val_loss: val_bpb, or
+a benchmark score of eval.tasks (hellaswag/acc, with mode max); evaluations without it are not counted.
+
 With `restore_best` (train.early_stop.restore_best, on by default) the weights of each new best evaluation are
 copied to host memory (one copy, its buffers reused; under FSDP each process its shard), and after a stop
 `restore` loads them back into the model: model/ and the sample are those of the best step, while the final
@@ -31,8 +34,9 @@ class EarlyStop(Callback):
     state_key = "early_stop"
 
     def __init__(self, patience: int, min_delta: float = 0.0, log: Callable[[str], None] | None = print,
-                 restore_best: bool = False):
+                 restore_best: bool = False, metric: str = "val_loss", mode: str = "min"):
         self.patience, self.min_delta, self.log = patience, min_delta, log
+        self.metric, self.sign = metric, 1.0 if mode == "min" else -1.0  # sign * value: lower is better
         self.restore_best = restore_best
         self.kept: int | None = None  # the step whose weights `_stager` holds
         self._stager = None
@@ -52,7 +56,8 @@ class EarlyStop(Callback):
         self.since, self.last_step = int(state.get("since", 0)), int(state.get("last_step", -1))
 
     def reason(self) -> str:
-        return (f"validation loss has not improved by more than {self.min_delta:g} for {self.since} evaluations "
+        what = "validation loss" if self.metric == "val_loss" else self.metric
+        return (f"{what} has not improved by more than {self.min_delta:g} for {self.since} evaluations "
                 f"(train.early_stop.patience={self.patience}); best {self.best:.4f} at step {self.best_step}")
 
     def on_train_start(self, trainer) -> None:
@@ -60,15 +65,16 @@ class EarlyStop(Callback):
             self._stop(trainer, again=True)
 
     def on_eval_end(self, trainer, metrics: dict[str, Any]) -> None:
-        step, loss = metrics.get("step", trainer.step), metrics.get("val_loss")
+        step, loss = metrics.get("step", trainer.step), metrics.get(self.metric)
         if loss is None or step <= self.last_step:
             return
         self.last_step = step
-        if self.mark is None or loss < self.mark - self.min_delta:
+        s = self.sign
+        if self.mark is None or s * loss < s * self.mark - self.min_delta:
             self.mark, self.since = loss, 0
         else:
             self.since += 1
-        if self.best is None or loss < self.best:
+        if self.best is None or s * loss < s * self.best:
             self.best, self.best_step = loss, step
             if self.restore_best:
                 self._keep(trainer, step)
@@ -81,8 +87,10 @@ class EarlyStop(Callback):
             self.log(f"stopping early at step {trainer.step}{' (again, as before the resume)' if again else ''}: "
                      f"{self.reason()}")
         if not again:  # every sink records it (metrics.jsonl, TensorBoard, W&B, MLflow, Prometheus); the console
+            best = {"best_val_loss": self.best} if self.metric == "val_loss" else {"metric": self.metric,
+                                                                                   "best_value": self.best}
             trainer.notice("early_stop", step=trainer.step, reason=self.reason(),  # has the line above
-                           best_val_loss=self.best, best_step=self.best_step)
+                           best_step=self.best_step, **best)
 
     def _keep(self, trainer, step: int) -> None:
         from kiln.state import staging
@@ -120,7 +128,8 @@ class EarlyStop(Callback):
             return
         best = self.restore(trainer, checkpointer)  # the final checkpoint keeps the last step's state
         if best is not None:
-            kept = f"the weights of step {best}, the best validation loss ({self.best:.4f})"
+            what = "validation loss" if self.metric == "val_loss" else self.metric
+            kept = f"the weights of step {best}, the best {what} ({self.best:.4f})"
         else:
             kept = f"the weights of the last step, {trainer.step}" + (
                 f": those of the best, step {self.best_step}, were not kept (no checkpoint of it)"

@@ -275,7 +275,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     early = None
     if tcfg.early_stop.patience:  # after the sinks: its note follows the evaluation that decided it
         early = EarlyStop(tcfg.early_stop.patience, tcfg.early_stop.min_delta, console.print,
-                          tcfg.early_stop.restore_best)
+                          tcfg.early_stop.restore_best, tcfg.early_stop.metric, tcfg.early_stop.mode)
         callbacks.append(early)
     if cfg.logging.plots and cfg.logging.jsonl and mesh.rank == 0:
         callbacks.append(PlotAtEnd(run_dir, plain))  # its hint names the extra: pip install 'kiln[plot]'

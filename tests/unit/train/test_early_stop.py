@@ -115,3 +115,26 @@ def test_a_resumed_stop_reads_the_best_weights_from_its_checkpoint_or_says_it_ca
     assert all(torch.equal(best[k], v) for k, v in weights(t).items())
     resumed.best_step = 10  # a best step without a checkpoint: nothing to read
     assert resumed.restore(t, ck) is None
+
+
+def test_a_benchmark_score_can_be_watched_higher_being_better():
+    cb, t = EarlyStop(patience=2, min_delta=0.01, log=None, metric="tiny_mc/acc", mode="max"), fake_trainer()
+    for acc in (0.30, 0.40, None, 0.405, 0.38):  # None: an evaluation the tasks did not run at
+        t.step += 10
+        cb.on_eval_end(t, {"step": t.step, "val_loss": 1.0, **({"tiny_mc/acc": acc} if acc is not None else {})})
+    assert t.stop_reason is not None and "tiny_mc/acc has not improved" in t.stop_reason
+    assert cb.best == 0.405 and cb.best_step == 40
+    [(kind, info)] = t.notices
+    assert info["metric"] == "tiny_mc/acc" and info["best_value"] == 0.405 and "best_val_loss" not in info
+
+
+def test_a_metric_the_evaluations_do_not_have_is_a_config_error():
+    import pytest
+
+    from kiln.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no metric of the run's evaluations"):
+        load_config(None, ["train.early_stop.patience=2", "train.early_stop.metric=hellaswag/acc"])
+    cfg = load_config(None, ["train.early_stop.patience=2", "train.early_stop.metric=hellaswag/acc",
+                             "train.early_stop.mode=max", "eval.tasks=[hellaswag]"])
+    assert cfg.train.early_stop.metric == "hellaswag/acc"
