@@ -37,6 +37,22 @@ MATRIX = {
                        mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=16,
                        use_mamba_kernels=False),
     "mamba2": dict(num_heads=4, head_dim=16, state_size=16, n_groups=1, chunk_size=16, expand=2),
+    "cohere": {}, "olmo": {}, "glm4": dict(head_dim=16, pad_token_id=0), "smollm3": dict(pad_token_id=0),
+    "exaone4": {}, "gpt_bigcode": {},
+    "gptj": dict(n_embd=32, n_layer=2, n_head=2, n_positions=64, rotary_dim=8, resid_pdrop=0.0, embd_pdrop=0.0,
+                 attn_pdrop=0.0),
+    "bloom": dict(n_embed=32, n_layer=2, n_head=2), "opt": dict(ffn_dim=64, word_embed_proj_dim=32, dropout=0.0),
+    "codegen": dict(n_embd=32, n_layer=2, n_head=2, n_positions=64, rotary_dim=8),
+    "qwen3_moe": dict(head_dim=16, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32),
+    "olmoe": dict(num_experts=2, num_experts_per_tok=1), "phimoe": dict(num_local_experts=2, num_experts_per_tok=1),
+    "deepseek_v3": dict(n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=32, kv_lora_rank=16,
+                        q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
+                        n_group=1, topk_group=1),
+    "jamba": dict(num_experts=1, expert_layer_period=1, expert_layer_offset=0, attn_layer_period=2,
+                  attn_layer_offset=1, mamba_d_state=8, mamba_dt_rank=4, mamba_expand=2, use_mamba_kernels=False),
+    "falcon_h1": dict(head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
+                      mamba_n_groups=1, mamba_chunk_size=16),
+    "gpt_oss": dict(num_local_experts=2, num_experts_per_tok=1, head_dim=16, sliding_window=8),
 }
 
 
