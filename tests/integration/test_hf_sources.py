@@ -95,3 +95,19 @@ def test_an_auto_models_config_keeps_the_sources_use_cache(root, tmp_path):
     model.save_pretrained(tmp_path / "saved")
     source = json.loads((root / "gemma" / "config.json").read_text())
     assert json.loads((tmp_path / "saved" / "config.json").read_text())["use_cache"] == source["use_cache"] is True
+
+
+def test_a_model_without_tokenizer_files_trains_with_data_tokenizer(root, tmp_path):
+    from kiln.config import load_config
+    from kiln.train.run import run
+
+    from .conftest import losses
+
+    path = write_hf_dir(tmp_path / "llama", "llama")
+    (path / "tokenizer.json").rename(tmp_path / "tokenizer.json")  # the model ships none; the user gives it
+    run_dir = run(load_config(None, [
+        f"model.init_from={path}", f"data.tokenizer={tmp_path / 'tokenizer.json'}", f"data.sources=[{root / 'corpus'}]",
+        f"data.cache_dir={tmp_path / 'cache'}", "train.seq_len=32", "train.batch_size=2", "train.max_steps=2",
+        "train.eval_every=0", "train.device=cpu", "train.sample_tokens=0", f"train.run_dir={tmp_path / 'run'}",
+        "logging.every=1", "logging.console=false", "logging.plots=false"]))
+    assert sorted(losses(run_dir)) == [1, 2]

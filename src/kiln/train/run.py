@@ -74,9 +74,12 @@ def with_init_from(cfg: RunConfig) -> RunConfig:
 
 
 def check_model_tokenizer(cfg: RunConfig, tok) -> None:
-    """DataError unless the data was tokenized with model.init_from's own tokenizer."""
-    from kiln.data.prepare.tokenizer import Tokenizer
+    """DataError unless the data was tokenized with model.init_from's own tokenizer (where it ships one: a model
+    directory without tokenizer files takes data.tokenizer as its own)."""
+    from kiln.data.prepare.tokenizer import Tokenizer, has_tokenizer
 
+    if cfg.data.tokenizer and not has_tokenizer(cfg.model.init_from):
+        return
     own = Tokenizer.load(cfg.model.init_from, cfg.data.eos_token, cfg.data.bos_token)
     if own.hash != tok.hash:
         raise DataError(f"the data is tokenized with tokenizer {tok.hash}, but model.init_from={cfg.model.init_from} "

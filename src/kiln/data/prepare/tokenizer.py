@@ -151,10 +151,19 @@ class Tokenizer:
         return cls(tk, eos_token, bos_token)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "spiece.model", "vocab.txt")
+
+
+def has_tokenizer(directory: str | Path) -> bool:
+    """Whether a model directory holds any tokenizer file Kiln reads."""
+    return any((Path(directory).expanduser() / name).is_file() for name in TOKENIZER_FILES)
+
+
 def _from_transformers(directory: Path):
     """The fast tokenizer of a local Hugging Face tokenizer directory without tokenizer.json."""
-    known = ("tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "vocab.txt")
-    if not any((directory / name).is_file() for name in known):
+    known = TOKENIZER_FILES[1:]
+    if not has_tokenizer(directory):
         raise DataError(f"{directory} holds no tokenizer files (tokenizer.json, {', '.join(known)}); set "
                         "data.tokenizer to a tokenizer.json or a Hugging Face tokenizer directory, or to null to "
                         "train one on the sources")

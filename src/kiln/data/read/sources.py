@@ -155,6 +155,11 @@ def _detect(name: str, fmt: str, explicit: bool) -> tuple[str | None, str | None
     return None, compression
 
 
+def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE turns huggingface_hub's network off (as huggingface_hub reads it)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
 def _hf_saved(fs, path: str, split: str) -> list[str] | None:
     """The arrow files of a `save_to_disk` dataset directory (a Dataset or a DatasetDict's split)."""
     join = lambda *p: "/".join(x.rstrip("/") for x in p)  # noqa: E731
@@ -271,6 +276,9 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
                             found |= add(fs, p, url(p), False)
             elif fs.isfile(path):
                 found = add(fs, path, spec, True)
+            elif not glob.has_magic(path) and prefix == "hf://" and hub_offline():
+                raise DataError(f"data source '{spec}': HF_HUB_OFFLINE is set, so the Hugging Face Hub cannot be "
+                                "read. Unset HF_HUB_OFFLINE to read the dataset, or give a local copy of its files")
             elif not glob.has_magic(path):
                 raise DataError(f"data source '{spec}' does not exist. Check the path or URL in data.sources.")
             else:

@@ -94,3 +94,12 @@ def test_hf_urls_without_huggingface_hub_name_the_package(monkeypatch):
                                                                              "HfFileSystem"})
     with pytest.raises(ConfigError, match="pip install huggingface_hub"):
         expand([REPO])
+
+
+def test_a_missing_hub_dataset_while_offline_names_hf_hub_offline(hub, monkeypatch):
+    from kiln.errors import DataError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError, match="HF_HUB_OFFLINE is set, so the Hugging Face Hub cannot be read"):
+        expand(["hf://datasets/kiln-org/elsewhere"])  # not there (the offline Hub finds nothing)
+    assert len(expand([REPO])) == 3  # what the filesystem does find is read as before
