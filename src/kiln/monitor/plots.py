@@ -85,8 +85,19 @@ def _pyplot():
 
 
 def panels_of(runs: list[RunMetrics]) -> list[tuple[str, list[tuple[str, str, str]], str]]:
-    """The panels some run has data for, in PANELS order."""
-    return [p for p in PANELS if any(r.series(ev, key, "step")[0] for r in runs for ev, key, _ in p[1])]
+    """The panels some run has data for, in PANELS order, then a panel per benchmark task of eval.tasks (its
+    scores, TASK/METRIC in the eval records, standard errors left out)."""
+    fixed = [p for p in PANELS if any(r.series(ev, key, "step")[0] for r in runs for ev, key, _ in p[1])]
+    tasks: dict[str, list[str]] = {}
+    for r in runs:
+        for rec in r.eval:
+            for key, value in rec.items():
+                task, sep, metric = key.partition("/")
+                if sep and task != "sys" and not metric.endswith("_stderr") and isinstance(value, int | float) \
+                        and key not in tasks.setdefault(task, []):
+                    tasks[task].append(key)
+    return fixed + [(f"{task} (benchmark)", [("eval", k, k.partition("/")[2]) for k in keys], "linear")
+                    for task, keys in tasks.items()]
 
 
 @contextmanager

@@ -106,3 +106,14 @@ def test_a_run_logged_once_is_drawn_as_a_dot(tmp_path):
     fig, _ = draw([read_metrics(run)])
     lines = [line for ax in fig.axes for line in ax.get_lines() if len(line.get_xdata()) == 1]
     assert lines and all(line.get_marker() not in (None, "None", "") for line in lines)
+
+
+def test_benchmark_scores_get_a_panel_per_task(tmp_path):
+    run = fake_run(tmp_path / "a")
+    with (run / "metrics.jsonl").open("a") as f:
+        for step, acc in ((10, 0.25), (20, 0.31)):
+            f.write(json.dumps({"event": "eval", "step": step, "tokens": step * 256, "val_loss": 3.0,
+                                "hellaswag/acc": acc, "hellaswag/acc_norm": acc + 0.01, "hellaswag/acc_stderr": 0.01,
+                                "arc_easy/acc": acc / 2}) + "\n")
+    panels = json.loads(write_plots([run], run / "plots.png")["json"].read_text())["panels"]
+    assert [p["metric"] for p in panels if p["x"] == "step"][-2:] == ["hellaswag (benchmark)", "arc_easy (benchmark)"]
