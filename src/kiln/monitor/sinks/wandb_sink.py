@@ -9,9 +9,11 @@ lost. So W&B keeps its own step (`_step`, one more per row) and the optimizer st
 metric `step`, declared the x axis of every train/ and eval/ metric: the replayed steps are kept, beside
 the first tries. (Rewinding the W&B run, `resume_from`, needs the W&B server's beta feature and a network.)
 
-Online, W&B gets INIT_TIMEOUT_S seconds to start the run (WANDB_INIT_TIMEOUT sets another), not its own 90 s
-of retries: on a machine without a network, or with no API key, the sink says why and logs offline instead,
-into the same run id (`wandb sync` uploads it later), and training goes on. W&B's own console lines are
+Online, the sink first connects to W&B's server (PROBE_S seconds at most): a name that does not resolve or a
+server that does not take the connection is logged offline at once. Then W&B gets INIT_TIMEOUT_S seconds to
+start the run (WANDB_INIT_TIMEOUT sets another), not its own 90 s of retries. Either way, without a network
+or an API key, the sink says why and logs offline instead, into the same run id (`wandb sync` uploads it
+later), and training goes on. W&B's own console lines are
 quieted (the sink prints the run's URL): the account lookups it makes for them wait 5 s each without a
 network. WANDB_MODE=offline in the environment logs offline whatever logging.wandb_mode says.
 
@@ -35,6 +37,7 @@ ID_FILE = "wandb_id.txt"
 STEP = "step"  # the x axis of the charts: the optimizer step, which a resume or rollback may take back
 INIT_TIMEOUT_S = 20.0  # how long an online run may take to start before the sink logs offline instead
 ALERTS = {"rollback", "early_stop", "oom", "oom_stop", "warning", "data_shift"}  # events sent as W&B alerts online
+PROBE_S = 3.0  # how long a connection to W&B's server may take before the sink logs offline at once
 FLUSH_S = 2.0  # how often W&B writes what it was given to the run's .wandb file (what a killed process keeps)
 
 
@@ -66,6 +69,9 @@ class WandbSink(MetricSink):
         mode = "offline" if os.environ.get("WANDB_MODE") in ("offline", "dryrun") else lcfg.wandb_mode
         if mode == "online":
             try:
+                unreachable = self._unreachable()
+                if unreachable:
+                    raise ConnectionError(unreachable)
                 self.run = self._init("online")
             except Exception as e:  # no network, no API key, a server that does not answer in time
                 why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -96,6 +102,25 @@ class WandbSink(MetricSink):
             for row in history:
                 self.run.log(row)
             self.replayed = len(history)
+
+    @staticmethod
+    def _unreachable() -> str | None:
+        """Why W&B's server cannot be reached from here (its name does not resolve, nothing answers a
+        connection within PROBE_S seconds), or None: found before W&B spends INIT_TIMEOUT_S retrying."""
+        import socket
+        from urllib.parse import urlparse
+
+        url = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+        host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+        if os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy") or os.environ.get("HTTP_PROXY"):
+            return None  # through a proxy: W&B's own attempt decides
+        try:
+            with socket.create_connection((host, port), timeout=PROBE_S):
+                return None
+        except socket.gaierror as e:
+            return f"{host} does not resolve ({e.strerror or e}): no network or no DNS here"
+        except OSError as e:
+            return f"{host}:{port} cannot be reached ({e.strerror or type(e).__name__})"
 
     @staticmethod
     def _timeout() -> float:

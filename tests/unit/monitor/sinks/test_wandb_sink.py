@@ -7,6 +7,7 @@ import json
 import socket
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -265,3 +266,32 @@ def test_events_are_rows_marked_at_their_step_and_the_latest_of_each_kind_is_in_
     assert summary["events/rollback"] == "step 2: back to 2"
     assert summary["events/warning"] == "step 3: warning: condition=host_memory"
     assert axes["events/*"] == "step"
+
+
+@pytest.mark.parametrize("url", ["closed port", "unknown host"])
+def test_a_server_that_cannot_be_reached_logs_offline_without_waiting(tmp_path, drive, config, monkeypatch, url):
+    """Without a network W&B held the start 20-90 s; a name that does not resolve or a port that refuses the
+    connection is found in well under a second, before W&B's own retries."""
+    import time
+
+    if url == "closed port":
+        with socket.create_server(("127.0.0.1", 0)) as s:
+            port = s.getsockname()[1]  # closed when the block ends: connections are refused
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    else:
+        monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.invalid")  # .invalid never resolves (RFC 2606)
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setattr(wandb_sink, "INIT_TIMEOUT_S", 60.0)  # were W&B tried, the test would wait a minute
+    cfg = config("logging.wandb=true", "logging.wandb_mode=online")
+    logged = []
+    sink = WandbSink(cfg, tmp_path, log=logged.append)
+    start = time.perf_counter()
+    sink.open(SimpleNamespace(step=0, cfg=cfg))
+    took = time.perf_counter() - start
+    sink.opened = True
+    drive(sink, cfg, range(1, 3))
+    assert logged[0].startswith("W&B could not start the online run (ConnectionError: ")
+    assert ("cannot be reached" if url == "closed port" else "does not resolve") in logged[0]
+    assert logged[1] == f"W&B run {sink.run.id} (offline)" and took < 20  # W&B's offline start included
+    assert [row["step"] for row in offline_run(tmp_path)[1] if "train/loss" in row] == [1, 2]
