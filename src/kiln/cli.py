@@ -264,6 +264,9 @@ def inspect(
                                          "saved config with; KEY=VALUE overrides may follow PATH."),
     overrides: list[str] | None = typer.Argument(None, help="Dotted KEY=VALUE overrides of --config."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Re-hash every file (slow for big models)."),
+    sample: int | None = typer.Option(None, "--sample", min=0, help="Print the text of the run's training sample "
+                                      "N (a global index, as a rollback names it) and the source file and line of "
+                                      "each document in it."),
 ) -> None:
     """Show a checkpoint (step, tokens, config, data manifest, sizes, hash status) or the
     checkpoints of a run directory in each tier (memory, disk, archive).
@@ -271,7 +274,11 @@ def inspect(
     Example: kiln inspect runs/20261126-101500 --config gpu-124m train.lr=1e-4
     """
     from kiln.config import load_config
-    from kiln.state.inspect import describe
+    from kiln.state.inspect import describe, describe_sample
+
+    if sample is not None:
+        print(describe_sample(path, sample))
+        return
 
     compare = None
     if config is not None or overrides:

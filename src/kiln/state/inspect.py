@@ -163,3 +163,49 @@ def describe(path: str | Path, compare: dict[str, Any] | None = None, check: boo
     if p.is_dir() and p.parent.name == CHECKPOINTS:
         raise StateError(f"{p} is not a complete checkpoint (no {META}): a save that never finished")
     raise StateError(f"{p} is neither a checkpoint (a directory with {META}) nor a run directory (with config.yaml)")
+
+
+def describe_sample(run_dir: str | Path, n: int) -> str:
+    """`kiln inspect RUN --sample N`: the text of global training sample N of a run (as a rollback names it),
+    with the source file and line of each document it holds."""
+    from kiln.config import load_config
+    from kiln.data.build import prepare_all
+    from kiln.data.format.shards import TokenStream
+    from kiln.data.load.locate import sample_row
+    from kiln.data.prepare.provenance import find_documents
+
+    run_dir = Path(run_dir).expanduser()
+    if not (run_dir / "config.yaml").is_file():
+        raise StateError(f"{run_dir} is not a run directory (no config.yaml); --sample reads a run's training data")
+    cfg = load_config(run_dir / "config.yaml")
+    d, t = cfg.data, cfg.train
+    if n < 0:
+        raise StateError(f"--sample {n}: give a sample index of 0 or more (a rollback names them)")
+    if d.streaming:
+        raise StateError("--sample reads prepared datasets; this run streams its data (data.streaming=true), and a "
+                         "streamed sample is not kept anywhere it could be found again")
+    datasets = prepare_all(d)  # the prepared datasets the run read (found in the cache by their id)
+    weights = [e.weight for e in d.mixture] or [1.0]
+    schedule = None
+    if d.schedule is not None:
+        from kiln.data.load.schedule import stages_in_samples
+
+        saved = checkpoints(run_dir)
+        world = int(read_meta(saved[-1]).get("world_size", 1)) if saved else 1  # stages count optimizer steps
+        schedule = stages_in_samples(d.schedule.stages, d.schedule.unit, t.seq_len, t.step_rows(world) * world)
+    streams = [TokenStream(ds.shards("train"), ds.dtype, name=f"{ds.manifest['id']}/train") for ds in datasets]
+    row = sample_row(streams, t.seq_len, n, weights=weights, seed=t.seed, shuffle=d.shuffle, schedule=schedule)
+    ds = datasets[row.dataset]
+    entry = d.mixture[row.dataset] if d.mixture else None
+    source_cfg = d if entry is None else (d.model_copy(update={"mixture": [], "sources": list(entry.sources)})
+                                          if entry.sources else None)
+    found = find_documents(source_cfg, "train", [doc for doc, _, _ in row.documents]) if source_cfg else {}
+    tok = ds.tokenizer
+    lines = [f"sample {n} of {run_dir}: a row of {t.seq_len + 1} tokens at offset {row.start:,} of the train split of "
+             f"{ds.path}" + (f" (data.mixture[{row.dataset}])" if d.mixture else "")]
+    for doc, first, last in row.documents:
+        where = found[doc].origin if doc in found else "source unknown (a dataset given by path)" \
+            if source_cfg is None else "source not found (the files changed since they were prepared)"
+        lines.append(f"  tokens {first}-{last}: document {doc:,} of the split, from {where}")
+    lines += ["text:", tok.decode(row.tokens.tolist())]
+    return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from kiln.config import derive
 from kiln.state.checkpointer import Checkpointer
@@ -79,3 +80,56 @@ def test_inspect_of_a_run_whose_config_yaml_is_broken_still_lists_its_checkpoint
     done = subprocess.run([sys.executable, "-m", "kiln.cli", "inspect", str(tmp_path / "run")], capture_output=True,
                           text=True, env={**os.environ, "COLUMNS": "400"})
     assert done.returncode == 0 and "Traceback" not in done.stderr and "not valid YAML" in done.stdout
+
+
+def test_inspect_sample_prints_the_text_of_a_sample_and_where_its_documents_come_from(tmp_path):
+    """A rollback names samples by their global index; `kiln inspect RUN --sample N` finds their text and the
+    file and line of each document, checked here against the rows the training loader itself reads (with a
+    validation split, duplicates removed and a bad record skipped, all of which the count must follow)."""
+    import json
+    import random
+
+    import torch
+
+    from kiln.config import load_config
+    from kiln.data.build import build_data
+    from kiln.data.prepare.tokenizer import train_bpe
+    from kiln.state.inspect import describe_sample
+
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "omega", "kappa"]
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for f in range(3):
+        lines = [json.dumps({"text": f"file {f} record {i}: " + " ".join(rng.choices(words, k=rng.randint(2, 12)))})
+                 for i in range(40)]
+        lines[5] = lines[4]  # a duplicate, removed
+        lines[7] = '{"text": 7}'  # a bad record, skipped
+        (corpus / f"part{f}.jsonl").write_text("\n".join(lines) + "\n")
+    train_bpe([(corpus / "part0.jsonl").read_text()], 300).save(tmp_path / "tok.json")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = load_config(None, [f"data.sources=[{corpus}]", f"data.tokenizer={tmp_path / 'tok.json'}",
+                             f"data.cache_dir={tmp_path / 'cache'}", "data.val_fraction=0.2", "data.dedup=true",
+                             "data.on_bad_record=skip", "train.seq_len=16", "train.batch_size=4", "train.seed=3",
+                             "model.size=tiny", f"train.run_dir={run_dir}"])
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    data = build_data(cfg, torch.device("cpu"), rank=0, world=1)
+    batches = [next(data.train) for _ in range(3)]
+    data.train.close()
+    tok = data.tokenizer
+    for n in (0, 5, 11):
+        tokens, targets, _ = batches[n // 4]
+        row = tokens[n % 4].tolist() + [int(targets[n % 4, -1])]
+        out = describe_sample(run_dir, n)
+        head, text = out.split("\ntext:\n", 1)
+        assert text == tok.decode(row), n
+        listed = [line for line in head.splitlines() if line.startswith("  tokens ")]
+        assert listed, out
+        for line in listed:  # "  tokens 3-9: document 17 of the split, from /path/part1.jsonl:12"
+            span, origin = line.split(", from ")
+            first, last = map(int, span.split()[1].rstrip(":").split("-"))
+            path, lineno = origin.rsplit(":", 1)
+            record = json.loads(Path(path).read_text().splitlines()[int(lineno) - 1])["text"]
+            piece = tok.decode(row[first:last + 1]).replace("<|endoftext|>", "")
+            assert piece and piece in record, (n, line, piece, record)
