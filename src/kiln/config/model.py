@@ -70,7 +70,8 @@ class ModelConfig(Section):
     hf_model_type: Literal["llama", "mistral", "qwen2", "nemotron"] | None = None
     """Hugging Face architecture that `kiln export` writes (set by init_from); null: the simplest that fits."""
     init_from: str | None = None
-    """A local Hugging Face model directory (config.json + safetensors) whose architecture, weights and
+    """A local Hugging Face model directory (config.json + safetensors), or a Hub model id (ORG/NAME[@REVISION],
+    read into huggingface_hub's cache; HF_HUB_OFFLINE=1: the cache only), whose architecture, weights and
     tokenizer the run starts from; its config sets the model fields and the context (beside it, only
     max_seq_len with rope_scaling, to extend the context on purpose)."""
     hf_class: Literal["native", "auto"] = "native"

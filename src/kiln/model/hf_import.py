@@ -30,8 +30,8 @@ _FREE = {"init_from", "allow_pickle", "max_seq_len", "size", "init_std", "hf_cla
 def _dir(path: str | Path) -> Path:
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise ConfigError(f"model.init_from: {p} is not a directory; give a local Hugging Face model directory "
-                          "(config.json and safetensors weights)")
+        raise ConfigError(f"model.init_from: {path} is not a directory; give a local Hugging Face model directory "
+                          "(config.json and safetensors weights) or a Hub model id (ORG/NAME[@REVISION])")
     return p
 
 

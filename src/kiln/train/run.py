@@ -53,8 +53,18 @@ from kiln.train.threads import apply_threads
 from kiln.train.trainer import Trainer
 
 
-def with_init_from(cfg: RunConfig) -> RunConfig:
-    """A copy of `cfg` whose model section is the architecture of model.init_from."""
+def with_init_from(cfg: RunConfig, log=print) -> RunConfig:
+    """A copy of `cfg` whose model section is the architecture of model.init_from (a Hub id read into the local
+    cache first: kiln.model.hub, and the run records the snapshot's directory)."""
+    from kiln.model.hub import local_model_dir
+
+    spec = cfg.model.init_from
+    local = local_model_dir(spec, cfg.model.allow_pickle, log)
+    if local != spec:
+        update = {"model.init_from": local}
+        if cfg.data.tokenizer == spec:  # the model's own tokenizer, by default
+            update["data.tokenizer"] = local
+        cfg = derive(cfg, update)
     if cfg.model.hf_class == "auto":  # any causal LM, through transformers (kiln.model.hf_auto)
         from kiln.model.hf_auto import auto_config
         from kiln.model.hf_lora import check_targets
@@ -135,7 +145,7 @@ def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: M
     if not cfg.model.init_from:
         check_exportable(cfg.model, console.print)
     if cfg.model.init_from:  # the architecture comes from the Hugging Face directory's config.json
-        cfg = with_init_from(cfg)
+        cfg = with_init_from(cfg, console.print)
     run_dir, may_resume = run_directory(cfg, resume, console.print)
     cfg = derive(cfg, {"train.run_dir": str(run_dir)})
     stops = StopSignals("during start-up", f"stopped before training; nothing in {run_dir} changed. Run the "

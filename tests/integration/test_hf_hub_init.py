@@ -1,0 +1,68 @@
+"""model.init_from as a Hub model id, read through huggingface_hub's local cache (a cache directory laid out as
+huggingface_hub lays it out, with a tiny model's snapshot; never the network): ORG/NAME, a revision, hf://, and
+HF_HUB_OFFLINE, which uses the cache and says so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kiln.config import load_config
+from kiln.errors import ConfigError
+from kiln.model.hub import local_model_dir
+from kiln.train.run import run, with_init_from
+
+from .conftest import losses
+from .hf_dirs import write_corpus, write_hf_dir
+
+pytest.importorskip("huggingface_hub")
+pytest.importorskip("transformers")
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """HF_HOME with the snapshot of kiln-org/tiny-llama (main -> COMMIT), offline."""
+    repo = tmp_path / "hf-home" / "hub" / "models--kiln-org--tiny-llama"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    write_hf_dir(repo / "snapshots" / COMMIT, "llama")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return repo / "snapshots" / COMMIT
+
+
+@pytest.mark.parametrize("spec", ["kiln-org/tiny-llama", f"kiln-org/tiny-llama@{COMMIT}", "hf://kiln-org/tiny-llama",
+                                  "hf://kiln-org/tiny-llama@main"])
+def test_a_hub_id_is_its_cached_snapshot_offline(cache, spec):
+    said = []
+    assert Path(local_model_dir(spec, log=said.append)) == cache
+    assert said == [f"model.init_from={spec}: HF_HUB_OFFLINE is set: the cached snapshot {cache}"]
+
+
+def test_a_local_directory_stays_one(cache, tmp_path):
+    assert local_model_dir(str(cache), log=pytest.fail) == str(cache)
+
+
+def test_a_model_not_in_the_cache_is_refused_offline(cache, tmp_path):
+    with pytest.raises(ConfigError, match=r"HF_HUB_OFFLINE is set and kiln-org/other@v2 is not in the local cache "
+                                          rf"\({tmp_path / 'hf-home' / 'hub'}\) \(read as a Hub id"):
+        local_model_dir("kiln-org/other@v2")
+    with pytest.raises(ConfigError, match="not a Hub model id"):
+        local_model_dir("hf://just-a-name")
+
+
+def test_a_run_trains_from_a_hub_id_and_records_the_snapshot(cache, tmp_path):
+    args = [f"data.sources=[{write_corpus(tmp_path / 'corpus', 2)}]", f"data.cache_dir={tmp_path / 'kc'}",
+            "train.seq_len=32", "train.batch_size=2", "train.max_steps=2", "train.eval_every=0", "train.device=cpu",
+            "train.sample_tokens=0", f"train.run_dir={tmp_path / 'run'}", "logging.every=1", "logging.console=false",
+            "logging.plots=false"]
+    cfg = with_init_from(load_config(None, ["model.init_from=kiln-org/tiny-llama", *args]), log=lambda m: None)
+    assert cfg.model.init_from == cfg.data.tokenizer == str(cache)  # the model and its own tokenizer
+    run_dir = run(load_config(None, ["model.init_from=kiln-org/tiny-llama", *args]))
+    assert sorted(losses(run_dir)) == [1, 2]
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["model"]["init_from"] == str(cache)  # a resume or an export reads the same files
