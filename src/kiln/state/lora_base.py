@@ -70,10 +70,22 @@ def merged_model(cfg: ModelConfig, lora: LoraConfig, adapters: dict[str, torch.T
     from kiln.model.hf import from_hf_state_dict
     from kiln.model.hf_import import read_hf_state_dict
     from kiln.model.llama import Transformer
-    from kiln.model.lora import merge_state_dict
 
     base = from_hf_state_dict(read_hf_state_dict(cfg.init_from, cfg.allow_pickle), cfg.tie_embeddings)
-    state = merge_state_dict({**base, **{k: v.detach().to("cpu", torch.float32) for k, v in adapters.items()}}, lora)
+    scale = lora.alpha / lora.rank
+    state: dict[str, torch.Tensor] = {}
+    for key in list(base):  # one tensor at a time, the stored one dropped as its fp32 copy is made: a bf16 base
+        value = base.pop(key)  # peaks at 1.5x its size in fp32, not 2.5x
+        if cfg.tie_embeddings and key == "lm_head.weight":  # the embedding's own tensor, tied again below
+            continue
+        state[key] = value.float() if value.is_floating_point() else value
+        prefix = key.removesuffix(".weight")
+        if f"{prefix}.lora_A.weight" in adapters:
+            a = adapters[f"{prefix}.lora_A.weight"].detach().to("cpu", torch.float32)
+            b = adapters[f"{prefix}.lora_B.weight"].detach().to("cpu", torch.float32)
+            state[key] = state[key] + scale * (b @ a)
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
     with torch.device("meta"):
         model = Transformer(cfg)
     try:
