@@ -199,3 +199,21 @@ def test_a_start_killed_in_its_first_seconds_is_resumed_by_kiln_train_run_dir(ba
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Traceback" not in again.stderr
     assert (run_dir / "model" / "model.safetensors").is_file()
+
+
+def test_checkpoints_that_missed_the_archive_as_the_run_ended_are_archived_by_kiln_train_run_dir(base, tmp_path):
+    """With the archive failing to the end, the run said they 'are archived when this run is resumed'; with the
+    archive back, `kiln train R` said 'this run has finished ... nothing to do' and archived nothing."""
+    run_dir, archive = tmp_path / "run", tmp_path / "archive"
+    archive.write_text("not a directory")  # the archive fails throughout (root ignores a read-only chmod)
+    first = kiln(*base, f"train.run_dir={run_dir}", f"checkpoint.archive_url={archive}", "checkpoint.archive_every=1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert f"archived when `kiln train {run_dir}` is run again" in first.stdout + first.stderr
+    archive.unlink()  # the archive works again
+    again = kiln(str(run_dir))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "this run has finished" in again.stdout
+    assert f"archived 2 checkpoint(s) that missed the archive {archive} when this run ended: step_00000002, " \
+           "step_00000004" in again.stdout, again.stdout[-3000:]
+    assert sorted(p.name for p in (archive / run_dir.name).iterdir() if p.name.startswith("step_")) == \
+        ["step_00000002", "step_00000004"]

@@ -7,7 +7,7 @@ retried with exponential backoff (5 s doubling up to 5 min); the checkpoint wait
 `KeepLast` does not delete it locally until it is archived. When the archive comes back, the queue is
 copied oldest first. At start the queue is filled with the local checkpoints the rule chooses that
 the archive lacks (missed by an earlier process). `close()` makes one last attempt and names what is
-still not archived (the next start of the run archives it).
+still not archived (the next start of the run archives it; of a finished run too: `archive_missed`).
 """
 
 from __future__ import annotations
@@ -156,4 +156,26 @@ class Archiver(CheckpointPolicy):
             self._thread = None
         if not self.flush():
             self.log(f"not archived (the archive {self.archive.url} is failing): {', '.join(sorted(self.holds()))}; "
-                     "they stay in the run directory and are archived when this run is resumed")
+                     f"they stay in the run directory and are archived when `kiln train {self.run_dir}` is run again")
+
+
+def archive_missed(run_dir: Path, ccfg: CheckpointConfig, log: Callable[[str], None] = print) -> list[str]:
+    """For a run that has finished (nothing to train, so no checkpointer starts): copy the checkpoints the archive
+    rule chooses that the archive lacks (it failed until the run ended), and say so. Returns their names."""
+    archiver = Archiver(Archive(ccfg.archive_url, run_dir.name), run_dir, ccfg, log, background=False)
+    try:
+        archiver.catch_up()
+    except Exception as e:  # noqa: BLE001 - the archive is unreachable: the run is finished all the same
+        log(f"the archive {ccfg.archive_url} cannot be read ({type(e).__name__}: {e}); checkpoints it may lack are "
+            f"archived when `kiln train {run_dir}` is run again once it works")
+        return []
+    missed = sorted(archiver.holds())
+    if not missed:
+        return []
+    if archiver.flush():
+        log(f"archived {len(missed)} checkpoint(s) that missed the archive {ccfg.archive_url} when this run ended: "
+            f"{', '.join(missed)}")
+    else:
+        log(f"still not archived (the archive {ccfg.archive_url} is failing): {', '.join(sorted(archiver.holds()))}; "
+            f"they stay in the run directory; run `kiln train {run_dir}` again once the archive works")
+    return missed

@@ -156,8 +156,12 @@ def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: M
         meta = read_meta(resume_from) if resume_from is not None else None
         finished = meta is not None and meta["step"] >= cfg.train.max_steps
         if finished and (not cfg.checkpoint.save_final or model_saved(run_dir / "model")):
+            if cfg.checkpoint.archive_url and mesh.rank == 0:  # what missed the archive as the run ended
+                from kiln.state.archiver import archive_missed
+
+                archive_missed(run_dir, cfg.checkpoint, console.print)
             console.print(f"this run has finished: its checkpoint {resume_from.name} reached train.max_steps="
-                          f"{cfg.train.max_steps}; nothing to do. To train it further, raise train.max_steps: "
+                          f"{cfg.train.max_steps}; nothing to train. To train it further, raise train.max_steps: "
                           f"kiln train {run_dir} train.max_steps=N --resume force", highlight=False)
             return run_dir
         plain = partial(console.print, markup=False, highlight=False)
