@@ -83,6 +83,16 @@ class KeepBest(CheckpointPolicy):
             return set()
         return {self.best[1]}
 
+    def room_advice(self, shortfall: int) -> list[str]:
+        """Why a checkpoint older than the newest is still on the disk, when it is this policy's doing."""
+        found = checkpoints(self.run_dir)
+        if not self.holds() or not found or found[-1].name == self.best[1]:
+            return []
+        size = size_of(self.run_dir / CHECKPOINTS / self.best[1])
+        return [f"{self.best[1]} ({human(size)}) is kept by checkpoint.keep_best, as the lowest validation loss so far "
+                f"({self.best[0]:.4f}), beside the newest, so the disk holds three checkpoints during a save, not two; "
+                f"checkpoint.keep_best=false lets it go{', which is enough' if size >= shortfall else ''}."]
+
 
 class KeepLast(CheckpointPolicy):
     def __init__(self, run_dir: str | Path, keep_last: int, holders: Iterable[CheckpointPolicy] = (),
@@ -124,7 +134,8 @@ class KeepLast(CheckpointPolicy):
         if self.keep_last > 1:
             more = sum(size_of(p) for p in self._early(1))
             if more >= shortfall:
-                advice.append(f"Lowering checkpoint.keep_last to 1 would free {human(more)}, which is enough.")
+                advice.append(f"Lowering checkpoint.keep_last to 1 would free {human(more)}, which is enough"
+                              + self._best_later())
         aside = set_aside(self.run_dir)
         if aside:
             size = sum(size_of(p) for p in aside)
@@ -132,6 +143,20 @@ class KeepLast(CheckpointPolicy):
             advice.append(f"{len(aside)} damaged checkpoint(s) set aside by a resume ({names}, {human(size)}) can "
                           "be deleted once inspected.")
         return advice
+
+    def _best_later(self) -> str:
+        """'.' when keep_last=1 leaves room for good; else why not: checkpoint.keep_best may keep an older best
+        checkpoint beside the newest later, and the disk must then hold three checkpoints during a save."""
+        if not any(isinstance(h, KeepBest) for h in self.holders):
+            return "."
+        found = checkpoints(self.run_dir)
+        room = free_bytes(self.run_dir / CHECKPOINTS) + sum(size_of(p) for p in found)  # for checkpoints, all told
+        three = 3 * int(size_of(found[-1]) * (1 + MARGIN)) if found else 0
+        if room >= three:
+            return " (also when checkpoint.keep_best keeps an older best checkpoint beside the newest)."
+        return (" for now; but checkpoint.keep_best keeps the best checkpoint beside the newest when the newest is not "
+                f"the best, and the disk then holds three checkpoints during a save ({human(three)}, with room for "
+                f"{human(room)}): set checkpoint.keep_best=false too, or free more.")
 
 
 def check_room(run_dir: Path, estimate: Callable[[], int], step: int, policies: list[CheckpointPolicy],

@@ -98,3 +98,61 @@ def test_lowering_keep_last_is_suggested_only_when_it_frees_enough(trainer_facto
         ck.save(t)
     assert "checkpoint.keep_last" not in str(err.value) and "larger disk" in str(err.value)
     ck.close()
+
+
+def saves_with_losses(t, ck, losses):
+    for loss in losses:
+        run_steps(t, 1)
+        t.last_eval = {"step": t.step, "val_loss": loss}  # an evaluation at the checkpoint's step
+        ck.save(t)
+    return checkpoints(t.cfg.train.run_dir)
+
+
+def test_keep_last_1_is_advised_with_keep_best_in_mind(trainer_factory, disk):
+    """The advice 'lower checkpoint.keep_last to 1' was given while the best checkpoint was the newest; once an
+    older one was the best, checkpoint.keep_best kept it beside the newest and the save failed again."""
+    t = trainer_factory(keep_last=3)  # keep_best is on by default
+    ck = Checkpointer(t.cfg.train.run_dir, t.cfg, PRINTS, print)
+    found = saves_with_losses(t, ck, [3.0, 2.0, 1.0])  # improving: the best is the newest
+    size = size_of(found[-1])
+    disk.capacity = used(t) - size // 2  # room for two and a half checkpoints: keep_last=1 alone is not enough
+    run_steps(t, 1)
+    with pytest.raises(StateError) as err:
+        ck.save(t)
+    msg = str(err.value)
+    assert "Lowering checkpoint.keep_last to 1 would free" in msg
+    assert "checkpoint.keep_best keeps the best checkpoint beside the newest when the newest is not the best" in msg
+    assert "set checkpoint.keep_best=false too" in msg
+    ck.close()
+
+
+def test_keep_last_1_is_advised_plainly_where_the_disk_holds_three_checkpoints(trainer_factory, disk):
+    t = trainer_factory(keep_last=4)
+    ck = Checkpointer(t.cfg.train.run_dir, t.cfg, PRINTS, print)
+    found = saves_with_losses(t, ck, [4.0, 3.0, 2.0, 1.0])
+    size = size_of(found[-1])
+    disk.capacity = used(t) - int(size * 0.6)  # step 1 goes early; room for three and a half checkpoints all told
+    run_steps(t, 1)
+    with pytest.raises(StateError) as err:
+        ck.save(t)
+    assert "Lowering checkpoint.keep_last to 1 would free" in str(err.value)
+    assert "(also when checkpoint.keep_best keeps an older best checkpoint beside the newest)" in str(err.value)
+    ck.close()
+
+
+def test_the_disk_full_message_says_keep_best_holds_an_older_checkpoint(trainer_factory, disk):
+    """With checkpoint.keep_last=1 the save failed again, and the message did not say why: the best checkpoint,
+    an older one, was kept beside the newest."""
+    t = trainer_factory(keep_last=1)
+    ck = Checkpointer(t.cfg.train.run_dir, t.cfg, PRINTS, print)
+    found = saves_with_losses(t, ck, [1.0, 2.0])
+    assert [p.name for p in found] == ["step_00000001", "step_00000002"]  # the best, and the newest
+    disk.capacity = used(t) + size_of(found[-1]) // 2
+    run_steps(t, 1)
+    with pytest.raises(StateError) as err:
+        ck.save(t)
+    msg = str(err.value)
+    assert "step_00000001 (" in msg and "is kept by checkpoint.keep_best, as the lowest validation loss so far " \
+           "(1.0000), beside the newest, so the disk holds three checkpoints during a save" in msg
+    assert "checkpoint.keep_best=false lets it go, which is enough" in msg
+    ck.close()
