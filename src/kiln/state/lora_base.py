@@ -74,8 +74,8 @@ def merged_model(cfg: ModelConfig, lora: LoraConfig, adapters: dict[str, torch.T
     base = from_hf_state_dict(read_hf_state_dict(cfg.init_from, cfg.allow_pickle), cfg.tie_embeddings)
     scale = lora.alpha / lora.rank
     state: dict[str, torch.Tensor] = {}
-    for key in list(base):  # one tensor at a time, the stored one dropped as its fp32 copy is made: a bf16 base
-        value = base.pop(key)  # peaks at 1.5x its size in fp32, not 2.5x
+    for key in list(base):  # one tensor at a time, the stored one dropped as its fp32 copy is made: the merge
+        value = base.pop(key)  # peaks near the model's fp32 size, not that plus the stored base
         if cfg.tie_embeddings and key == "lm_head.weight":  # the embedding's own tensor, tied again below
             continue
         state[key] = value.float() if value.is_floating_point() else value
