@@ -301,6 +301,8 @@ def eval_(
                                      "per task (default: all)."),
     num_fewshot: int | None = typer.Option(None, "--num-fewshot", min=0, help="With --tasks: examples shown "
                                            "before each question (default: each task's own)."),
+    nproc: int = typer.Option(1, "--nproc", min=1, help="With --tasks: processes (one per GPU) that share the "
+                              "requests, each with the whole model (torchrun on this machine)."),
     more: list[str] | None = typer.Argument(None, help="More sources (a glob the shell expanded after --data)."),
     split: str | None = typer.Option(None, "--split", help="Split of a prepared dataset (default: val if it "
                                      "has one, else train)."),
@@ -337,12 +339,20 @@ def eval_(
 
     if (data is None) == (tasks is None):
         raise ConfigError("kiln eval: give --data (loss and bits per byte on text) or --tasks (lm-eval benchmarks)")
+    if nproc > 1:
+        if tasks is None:
+            raise ConfigError("kiln eval --nproc shares lm-eval tasks between processes: give --tasks")
+        from kiln.parallel.launch.local import relaunch
+
+        raise typer.Exit(relaunch(nproc, command="eval"))
     if tasks is not None:
         from kiln.eval.score import score_target
 
         names = [t.strip() for t in tasks.split(",") if t.strip()]
         result = score_target(target, names, include_path=include_path or (), limit=limit, num_fewshot=num_fewshot,
                               batch_size=batch_size or 16, device=device, max_length=seq_len)
+        if result["rank"] != 0:  # under --nproc: rank 0 writes and prints
+            return
         path = write_result(result, out)
         table = Table(title=f"kiln eval {result['target']}", title_justify="left")
         for name in ("task", "metric", "value", "examples"):

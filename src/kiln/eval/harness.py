@@ -14,6 +14,9 @@ sequence's). Rolling loglikelihood cuts a document into windows of the context l
 predicting its tokens once. Generation is batched too: prompts are left-padded, and the padding is a
 separate document of the row (document masking), so a prompt sees none of it; rotary positions only
 ever differ by a constant, which attention does not see.
+
+With `data_parallel` (kiln eval --tasks --nproc N) every process holds the whole model and lm-eval gives
+each its share of the requests; the processes gather the results through torch.distributed.
 """
 
 from __future__ import annotations
@@ -37,8 +40,12 @@ class KilnLM(TemplateLM):
     a wrapped one in training) and its `kiln` Tokenizer."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, batch_size: int = 16, max_length: int | None = None,
-                 max_gen_toks: int = 256, autocast: Callable[[], Any] | None = None):
+                 max_gen_toks: int = 256, autocast: Callable[[], Any] | None = None, data_parallel: bool = False):
         super().__init__()
+        if data_parallel:
+            import torch.distributed as dist
+
+            self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         self.model, self.tok = model, tokenizer
         self.batch_size = int(batch_size)
         cfg = getattr(model, "cfg", None)
@@ -48,6 +55,31 @@ class KilnLM(TemplateLM):
         self._device = next(model.parameters()).device
         # only a plain native model is asked for its hidden states (a wrapped one runs its own forward)
         self._hidden = model.hidden if isinstance(model, Transformer) else None
+
+    # ------------------------------------------------------------------------------------------ processes
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._world_size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        parts = [torch.zeros_like(tensor) for _ in range(self._world_size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list | None:
+        if self._world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self._world_size if self._rank == dst else None
+        dist.gather_object(obj, out, dst=dst)
+        return out
+
+    def barrier(self) -> None:
+        if self._world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
 
     # ------------------------------------------------------------------------------------------ tokens
     @property

@@ -37,19 +37,47 @@ def score_target(target: str | Path, tasks: Sequence[str], *, include_path: Sequ
     manager = manager_for(tasks, include_path)
     check_tasks(manager, tasks)  # before the model is loaded
     t = _auto_target(Path(target).expanduser()) or load_target(target)
-    dev = _device(device)
+    dev, joined = _device(device), _join_torchrun(device)
+    if joined is not None:
+        dev = joined
     model = t.model.to(dev).eval()
     if max_length is not None and not 1 <= max_length <= model.cfg.max_seq_len:
         raise ConfigError(f"--max-length {max_length}: give 1 to the model's {model.cfg.max_seq_len} positions")
     bf16 = dev.type == "cuda" and (t.run_cfg is None or t.run_cfg.train.precision != "fp32")
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
-    lm = KilnLM(model, t.tokenizer, batch_size=batch_size, max_length=max_length, autocast=autocast)
-    out = run_tasks(lm, tasks, limit=limit, num_fewshot=num_fewshot, manager=manager, stderr=True)
+    lm = KilnLM(model, t.tokenizer, batch_size=batch_size, max_length=max_length, autocast=autocast,
+                data_parallel=joined is not None)
+    try:
+        out = run_tasks(lm, tasks, limit=limit, num_fewshot=num_fewshot, manager=manager, stderr=True)
+    finally:
+        if joined is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
     default = t.default_out.with_name(t.default_out.name.replace("eval", "lm_eval", 1)) if t.default_out else None
     return {"target": str(t.path), "kind": t.kind, "step": t.step, "tasks": list(tasks), "limit": limit,
+            "processes": lm.world_size, "rank": lm.rank,
             "num_fewshot": num_fewshot, "tokenizer": t.tokenizer.hash, "max_length": lm.max_length,
             "scores": out["scores"], "n_samples": out["n_samples"], "results": out["results"],
             "default_out": str(default) if default is not None else None}
+
+
+def _join_torchrun(device: str) -> torch.device | None:
+    """Under torchrun (kiln eval --nproc N): join the process group (NCCL on GPUs, gloo on the CPU); this
+    process's device. None in a process of its own."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = device in ("auto", "cuda") and torch.cuda.is_available()
+    dev = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": dev} if cuda else {}))
+    return dev
 
 
 def _auto_target(p: Path):

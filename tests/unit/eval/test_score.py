@@ -57,3 +57,20 @@ def test_the_callers_random_state_is_kept():
     with kept_rng():
         draws(1234)  # as lm-eval seeds them
     assert draws(None) == expect
+
+
+@pytest.mark.slow
+def test_two_processes_share_the_requests_and_score_as_one(tiny, manager, tmp_path):
+    """kiln eval --tasks --nproc 2 (torchrun, gloo): lm-eval gives each process its share, the scores are one's."""
+    import subprocess
+    import sys
+
+    model, tok, export, tasks = tiny
+    out = tmp_path / "two.json"
+    subprocess.run([sys.executable, "-m", "kiln.cli", "eval", str(export), "--tasks", "tiny_mc,tiny_ppl",
+                    "--include-path", str(tasks), "--device", "cpu", "--nproc", "2", "--out", str(out)],
+                   check=True, capture_output=True)
+    two = json.loads(out.read_text())
+    one = run_tasks(KilnLM(model, tok), ["tiny_mc", "tiny_ppl"], manager=manager)["scores"]
+    assert two["processes"] == 2
+    assert {k: v for k, v in two["scores"].items() if not k.endswith("_stderr")} == pytest.approx(one, rel=1e-6)

@@ -90,17 +90,17 @@ def without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def torchrun_command(nproc: int, train_args: list[str], max_restarts: int = 0) -> list[str]:
-    """The torchrun command line of a one-machine run of `kiln train *train_args` on `nproc` processes."""
+def torchrun_command(nproc: int, train_args: list[str], max_restarts: int = 0, command: str = "train") -> list[str]:
+    """The torchrun command line of a one-machine run of `kiln COMMAND *train_args` on `nproc` processes."""
     restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
     # torchrun itself, ending a failed job without burying the error a rank printed (kiln.parallel.launch.torchrun)
     return [sys.executable, "-m", "kiln.parallel.launch.torchrun", "--standalone", f"--nproc_per_node={nproc}",
-            *restarts, "-m", "kiln.cli", "train", *train_args]
+            *restarts, "-m", "kiln.cli", command, *train_args]
 
 
-def relaunch(nproc: int, argv: list[str] | None = None, max_restarts: int = 0, cfg=None) -> int:
-    """Run this `kiln train` under torchrun with `nproc` processes; returns torchrun's exit code. `cfg` (the
-    run's config) is checked against `nproc` and this machine first."""
+def relaunch(nproc: int, argv: list[str] | None = None, max_restarts: int = 0, cfg=None, command: str = "train") -> int:
+    """Run this `kiln train` (or `kiln COMMAND`) under torchrun with `nproc` processes; returns torchrun's exit
+    code. `cfg` (the run's config) is checked against `nproc` and this machine first."""
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: give the number of processes to start, 1 or more")
     if max_restarts < 0:
@@ -111,13 +111,13 @@ def relaunch(nproc: int, argv: list[str] | None = None, max_restarts: int = 0, c
     if cfg is not None:
         check_world(cfg, nproc)
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = without_nproc(argv[argv.index("train") + 1:] if "train" in argv else argv)
+    args = without_nproc(argv[argv.index(command) + 1:] if command in argv else argv)
     env = {**os.environ}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     for name, value in TORCHRUN_ENV.items():
         env.setdefault(name, value)
     env[PARENT_PID] = str(os.getpid())  # torchrun stops its workers if this process is killed
-    proc = subprocess.Popen(torchrun_command(nproc, args, max_restarts), env=env)
+    proc = subprocess.Popen(torchrun_command(nproc, args, max_restarts, command), env=env)
     # a scheduler's SIGTERM (or a SIGINT, a SIGHUP sent with kill) comes to this process alone: torchrun passes it
     # on to the workers. A Ctrl-C reaches torchrun too, and this copy within DUPLICATE_S counts once there.
     # SIGHUP stays ignored under nohup.
