@@ -5,7 +5,9 @@
 
 One row per metric (training and validation loss, learning rate, gradient norm, tokens/s, and MFU,
 peak memory and data wait where a run logged them), plotted against optimizer steps (left column)
-and tokens seen (right column); several runs share each panel, one colour per run. The HTML page is
+and tokens seen (right column); several runs share each panel, one colour per run. The run's events
+(rollbacks, early stops, warnings, automatic batch choices, out-of-memory retries) are dotted vertical
+lines on the loss panels, each labelled with its kind. The HTML page is
 self-contained: the same figure embedded as a PNG, and a table of each run's last values. The JSON
 sidecar lists the panels (metric and x axis of each) and the runs. matplotlib is an extra
 (`pip install 'kiln[plot]'`), imported only here and only when drawing, with the Agg backend (no display).
@@ -38,11 +40,24 @@ PANELS: list[tuple[str, list[tuple[str, str, str]], str]] = [
 ]
 
 
+# the notices of metrics.jsonl marked on the loss panels, and the colour of each
+MARKED = {"rollback": "tab:red", "oom_stop": "tab:red", "early_stop": "tab:purple", "oom": "tab:orange",
+          "warning": "tab:olive", "data_shift": "tab:cyan", "auto_batch": "tab:gray"}
+
+
 @dataclass
 class RunMetrics:
     name: str
     train: list[dict[str, Any]] = field(default_factory=list)
     eval: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)  # the MARKED notices, in order
+
+    def event_x(self, rec: dict[str, Any], x: str) -> float | None:
+        """Where an event goes on an axis of `x` ('step' or 'tokens': those seen at its step, where known)."""
+        if x == "step":
+            return rec.get("step")
+        seen = [r["tokens"] for r in self.train if r.get("step") == rec.get("step") and "tokens" in r]
+        return seen[0] if seen else None
 
     def series(self, event: str, key: str, x: str) -> tuple[list[float], list[float]]:
         """(x values, y values) of `key` in the `event` records, x being 'step' or 'tokens'."""
@@ -61,6 +76,7 @@ def read_metrics(run_dir: str | Path, name: str | None = None) -> RunMetrics:
     if not file.is_file():
         raise StateError(f"{file} does not exist; give a run directory of `kiln train` (with logging.jsonl on)")
     by_step: dict[str, dict[int, dict]] = {"train": {}, "eval": {}}
+    events = []
     for line in file.read_text().splitlines():
         try:
             rec = json.loads(line)
@@ -68,9 +84,11 @@ def read_metrics(run_dir: str | Path, name: str | None = None) -> RunMetrics:
             continue
         if isinstance(rec, dict) and rec.get("event") in by_step and isinstance(rec.get("step"), int):
             by_step[rec["event"]][rec["step"]] = rec
+        elif isinstance(rec, dict) and rec.get("event") in MARKED and isinstance(rec.get("step"), int):
+            events.append(rec)
     return RunMetrics(name or (path.name if path.is_dir() else path.parent.name),
                       [by_step["train"][s] for s in sorted(by_step["train"])],
-                      [by_step["eval"][s] for s in sorted(by_step["eval"])])
+                      [by_step["eval"][s] for s in sorted(by_step["eval"])], events)
 
 
 def _pyplot():
@@ -131,6 +149,8 @@ def draw(runs: list[RunMetrics]):
                     if len(xs) == 1:  # a line through one point draws nothing: a run logged once is a dot
                         style.setdefault("marker", "o")
                     ax.plot(xs, ys, color=colors[i % len(colors)], label=label, linewidth=1.2, **style)
+            if title == "loss":
+                _mark_events(ax, runs, x)
             ax.set_title(f"{title} vs {x}", fontsize=10)
             ax.set_xlabel(x)
             if scale == "log" and all(y > 0 for r in runs for ev, k, _ in keys for y in r.series(ev, k, x)[1]):
@@ -142,6 +162,19 @@ def draw(runs: list[RunMetrics]):
     with _quiet_glyphs():
         fig.tight_layout()
     return fig, listed
+
+
+def _mark_events(ax, runs: list[RunMetrics], x: str) -> None:
+    """A dotted vertical line at each run's events, labelled with the kind (gid 'event:<kind>')."""
+    for run in runs:
+        for rec in run.events:
+            at = run.event_x(rec, x)
+            if at is None:
+                continue
+            kind = rec["event"]
+            ax.axvline(at, color=MARKED[kind], linestyle=":", linewidth=1, gid=f"event:{kind}")
+            ax.text(at, 1.0, f" {kind.replace('_', ' ')}", transform=ax.get_xaxis_transform(), rotation=90,
+                    va="top", ha="left", fontsize=7, color=MARKED[kind])
 
 
 def _summary_rows(runs: list[RunMetrics]) -> list[tuple[str, str, str, str, str]]:
@@ -183,7 +216,9 @@ def write_plots(run_dirs: list[str | Path], out: str | Path, names: list[str] | 
             f"<img alt='training curves' src='data:image/png;base64,{data}'></body></html>")
     page_path, side = png.with_suffix(".html"), png.with_suffix(".json")
     atomic_write(page_path, page)
-    atomic_write(side, json.dumps({"runs": [r.name for r in runs], "panels": panels}, indent=1) + "\n")
+    events = [{"run": r.name, "event": e["event"], "step": e["step"]} for r in runs for e in r.events]
+    atomic_write(side, json.dumps({"runs": [r.name for r in runs], "panels": panels, "events": events},
+                                  indent=1) + "\n")
     return {"png": png, "html": page_path, "json": side}
 
 

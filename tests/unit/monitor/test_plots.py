@@ -117,3 +117,26 @@ def test_benchmark_scores_get_a_panel_per_task(tmp_path):
                                 "arc_easy/acc": acc / 2}) + "\n")
     panels = json.loads(write_plots([run], run / "plots.png")["json"].read_text())["panels"]
     assert [p["metric"] for p in panels if p["x"] == "step"][-2:] == ["hellaswag (benchmark)", "arc_easy (benchmark)"]
+
+
+def test_events_are_marked_on_the_loss_panels(tmp_path):
+    run = fake_run(tmp_path / "r", tokens_per_step=100)
+    with (run / "metrics.jsonl").open("a") as f:  # after the cut line, as a resumed process appends
+        f.write("\n" + "".join(json.dumps(r) + "\n" for r in [
+            {"event": "auto_batch", "time": 1.0, "step": 0, "batch_size": 8},
+            {"event": "rollback", "time": 2.0, "step": 6, "bad_step": 8, "to_step": 6},
+            {"event": "warning", "time": 3.0, "step": 12, "condition": "data_wait"},
+            {"event": "early_stop", "time": 4.0, "step": 20, "reason": "no improvement"},
+            {"event": "start", "time": 0.5, "step": 0}]))  # not an event to mark
+    fig, panels = draw([read_metrics(run)])
+    loss_step, loss_tokens = fig.axes[0], fig.axes[1]
+    marks = sorted((line.get_gid(), line.get_xdata()[0]) for line in loss_step.lines if line.get_gid())
+    assert marks == [("event:auto_batch", 0), ("event:early_stop", 20), ("event:rollback", 6),
+                     ("event:warning", 12)]
+    on_tokens = sorted((line.get_gid(), line.get_xdata()[0]) for line in loss_tokens.lines if line.get_gid())
+    assert on_tokens == [("event:early_stop", 2000), ("event:rollback", 600), ("event:warning", 1200)]  # step 0
+    assert {t.get_text().strip() for t in loss_step.texts} == {"auto batch", "rollback", "warning", "early stop"}
+    assert not any(line.get_gid() for ax in fig.axes[2:] for line in ax.lines)  # the loss panels only
+    out = write_plots([run], tmp_path / "p.png")
+    assert [e["event"] for e in json.loads(out["json"].read_text())["events"]] == \
+        ["auto_batch", "rollback", "warning", "early_stop"]
