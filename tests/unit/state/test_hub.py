@@ -80,3 +80,24 @@ def test_push_errors_say_what_to_do(run_dir, hub, tmp_path, monkeypatch):
         push_to_hub(out, "tiny")
     result = CliRunner().invoke(app, ["export", str(run_dir), "--to", str(tmp_path / "x"), "--private"])
     assert isinstance(result.exception, ConfigError) and "--private applies to --push-to-hub" in str(result.exception)
+
+
+@pytest.mark.slow  # two processes that import torch and transformers
+def test_the_kiln_command_pushes_where_hf_endpoint_points(run_dir, tmp_path):
+    """As a user runs it: `kiln export ... --push-to-hub` in its own process, HF_ENDPOINT and HF_TOKEN in its
+    environment."""
+    import os
+    import subprocess
+    import sys
+
+    with FakeHub() as hub:
+        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": hub.token, "HF_HOME": str(tmp_path / "hf")}
+        done = subprocess.run([sys.executable, "-m", "kiln.cli", "export", str(run_dir), "--to", str(tmp_path / "o"),
+                               "--push-to-hub", "kiln-org/cli"], capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert sorted(hub.repos["kiln-org/cli"]["files"]) == sorted(f.name for f in (tmp_path / "o").iterdir())
+        env["HF_TOKEN"] = "hf_wrong"
+        done = subprocess.run([sys.executable, "-m", "kiln.cli", "export", str(run_dir), "--to", str(tmp_path / "p"),
+                               "--push-to-hub", "kiln-org/cli"], capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode != 0 and "Traceback" not in done.stderr
+        assert "log in with a token that may write there" in done.stderr
