@@ -271,6 +271,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         from kiln.model.hf_moe import RouterAuxLog
 
         callbacks.append(RouterAuxLog(auto_model.router_aux))
+    if cfg.data.schedule is not None:  # kiln.data: a curriculum's weights in force join each logging step's metrics
+        from kiln.data.load.schedule import ScheduleLog
+
+        callbacks.append(ScheduleLog(train_loader))
     if cfg.eval.tasks:  # kiln.eval: benchmark scores join each evaluation's metrics, before the sinks see them
         from kiln.eval.callback import TasksAtEval
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from kiln.data.load.mixture import Mixture, weyl_offset, weyl_points
 from kiln.errors import ConfigError
+from kiln.events import Callback
 
 _TOP = 2.0**64 - 2048  # the largest float64 below 2^64: upper bound of an edge on the circle
 
@@ -103,3 +104,18 @@ def stages_in_samples(stages, unit: str, seq_len: int, samples_per_step: int) ->
         start = st.at * samples_per_step if unit == "steps" else math.ceil(st.at / seq_len)
         out.append(Stage(int(start), tuple(float(w) for w in st.weights), bool(st.blend)))
     return out
+
+
+class ScheduleLog(Callback):
+    """Adds the weights in force (`mix/0`, `mix/1`, ...: data.mixture's entries, in order) to each logging
+    step's metrics, before the sinks see them: a curriculum's stages show in metrics.jsonl and every sink."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def on_step_end(self, trainer, metrics: dict | None) -> None:
+        schedule = getattr(getattr(self.loader, "rows", None), "mixture", None)
+        if metrics is None or not isinstance(schedule, Schedule):
+            return
+        weights = schedule.weights_at(max(0, int(self.loader.state_dict()["sample"]) - 1))  # the last sample's
+        metrics.update({f"mix/{i}": round(float(w), 6) for i, w in enumerate(weights)})

@@ -175,3 +175,23 @@ def test_schedule_from_the_run_config(tmp_path):
     assert data.val.rows.names == [f"{data.datasets[1].id}/val"]  # the last stage weighs the first entry 0
     assert "schedule: from step 0: [1.0, 0.0]; from step 2: [0.0, 1.0]" in data.summary
     data.train.close()
+
+
+def test_the_weights_in_force_join_the_logged_metrics(streams):
+    from kiln.data.load.schedule import ScheduleLog
+
+    loader = PackedLoader(streams, T, 16, schedule=STAGES, seed=0, prefetch=0)
+    log = ScheduleLog(loader)
+    seen = []
+    for _ in range(30):
+        next(loader)
+        metrics = {"loss": 1.0}
+        log.on_step_end(None, metrics)
+        seen.append((metrics["mix/0"], metrics["mix/1"], metrics["mix/2"]))
+    assert seen[0] == (1.0, 0.0, 0.0) and seen[10] == (0.0, 0.75, 0.25) and seen[-1] == (0.0, 0.0, 1.0)
+    ramp = [s[0] for s in seen[14:22]]  # samples 224..351: dataset 0 rises from 0 to 0.25
+    assert ramp == sorted(ramp) and 0 < ramp[1] < ramp[-1] < 0.25
+    log.on_step_end(None, None)  # a step that logs nothing
+    plain = {"loss": 1.0}
+    ScheduleLog(PackedLoader(streams, T, 16, weights=(1, 1, 1), prefetch=0)).on_step_end(None, plain)
+    assert plain == {"loss": 1.0}  # a fixed mixture adds nothing
