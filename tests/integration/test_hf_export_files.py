@@ -107,6 +107,13 @@ def test_a_context_extended_on_purpose_is_written_out(runs, tmp_path):
         assert (hf(input_ids=x).logits - model(x)).abs().max() < 1e-5
 
 
+def test_a_run_bounded_below_the_models_context_exports_the_models_context(runs, tmp_path):
+    """model.max_seq_len=32 beside a model of 64 positions bounds the run, and the export still says 64 (it used to
+    say 32, in config.json and tokenizer_config.json)."""
+    run_dir = run(load_config(None, overrides(runs, runs / "llama", tmp_path / "run", "model.max_seq_len=32")))
+    assert json_changes(runs / "llama", export_from(run_dir, tmp_path / "out")) == {}
+
+
 def test_a_longer_context_without_saying_so_is_a_config_error(runs, tmp_path):
     from kiln.errors import ConfigError
 

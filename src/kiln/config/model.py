@@ -41,7 +41,8 @@ class ModelConfig(Section):
     """Hidden width of the SwiGLU MLP; null means 8/3 * d_model rounded up to a multiple of 64."""
     max_seq_len: int = Field(2048, ge=1)
     """Longest sequence the model is meant for (its context, recorded in exports as max_position_embeddings).
-    With init_from it is the model's own: set it only to extend that context on purpose, with rope_scaling."""
+    With init_from it is the model's own, and exports keep it: a shorter value bounds the run only, a longer one
+    needs rope_scaling (the context extended on purpose, written out)."""
     rope_theta: float = Field(10000.0, gt=0)
     """Base of the rotary position embedding frequencies."""
     norm_eps: float = Field(1e-5, gt=0, lt=1)

@@ -84,11 +84,11 @@ def auto_config(model: ModelConfig) -> ModelConfig:
             raise ConfigError(f"model.init_from: {model.init_from}/config.json names no context length "
                               f"({', '.join(_CONTEXT_KEYS)}); set model.max_seq_len")
         update["max_seq_len"] = context
-    elif context is not None and model.max_seq_len != context:  # the model's context is its own
+    elif context is not None and model.max_seq_len > context:  # the model's context is its own
         raise ConfigError(f"model.max_seq_len={model.max_seq_len} beside model.init_from={model.init_from} with "
-                          f"model.hf_class=auto: the model has {context} positions, and this path keeps them. Remove "
-                          "model.max_seq_len (train.seq_len sets how long the training rows are); to extend the "
-                          "context, edit a copy of the model's config.json (its rope scaling and context length)")
+                          f"model.hf_class=auto is longer than the model's {context} positions, which this path keeps. "
+                          "Remove model.max_seq_len (train.seq_len sets how long the training rows are); to extend "
+                          "the context, edit a copy of the model's config.json (its rope scaling and context length)")
     return model.model_copy(update=update)
 
 

@@ -167,24 +167,21 @@ def resolve_init_from(model: ModelConfig) -> ModelConfig:
 def _context(model: ModelConfig, context: int, scaling: RopeScaling | None) -> tuple[int, RopeScaling | None]:
     """(max_seq_len, rope_scaling) of a run from a model of `context` positions and rotary `scaling`.
 
-    The model's context is its own: train.seq_len is how long the rows it trains on are. model.max_seq_len
-    beside init_from may only extend it on purpose, with the model.rope_scaling that makes the longer context
-    (an export then writes both out); a shorter one, or a longer one without scaling, is a ConfigError."""
+    The model's context is its own, and its export keeps it: train.seq_len is how long the rows it trains on are.
+    model.max_seq_len beside init_from may bound this run's sequences below it (generation; the rotary tables),
+    or extend the context on purpose, with the model.rope_scaling that makes the longer context (the export then
+    writes both out); longer without scaling is a ConfigError."""
     fields = model.model_fields_set
     want = model.max_seq_len if "max_seq_len" in fields else context
     new_scaling = "rope_scaling" in fields and model.rope_scaling != scaling
     where = f"model.init_from={model.init_from}"
-    if want < context:
-        raise ConfigError(f"model.max_seq_len={want} is shorter than the {context} positions of {where} (its "
-                          "config.json max_position_embeddings): the model's context is its own and its export keeps "
-                          "it. Remove model.max_seq_len; train.seq_len sets how long the training rows are")
     if want > context and not new_scaling:
-        raise ConfigError(f"model.max_seq_len={want} is longer than the {context} positions of {where}, which the "
-                          "model was not trained for. Remove model.max_seq_len (train.seq_len sets how long the "
-                          "training rows are), or extend the context on purpose: set model.rope_scaling too (e.g. "
-                          f"model.rope_scaling.type=linear model.rope_scaling.factor={-(-want // context)}); the "
-                          "export then writes both out")
-    if new_scaling and want == context:
+        raise ConfigError(f"model.max_seq_len={want} is longer than the {context} positions of {where} (its "
+                          "config.json max_position_embeddings), which the model was not trained for. Remove "
+                          "model.max_seq_len (train.seq_len sets how long the training rows are), or extend the "
+                          "context on purpose: set model.rope_scaling too (e.g. model.rope_scaling.type=linear "
+                          f"model.rope_scaling.factor={-(-want // context)}); the export then writes both out")
+    if new_scaling and want <= context:
         raise ConfigError(f"model.rope_scaling beside {where} extends the model's context: set model.max_seq_len "
                           f"above its {context} positions too (or remove model.rope_scaling)")
     return want, model.rope_scaling if new_scaling else scaling

@@ -98,24 +98,28 @@ def source_config(src: Path, cfg: ModelConfig | None, dtype: str | None, written
                 config[key] = written[key]
             else:
                 config.pop(key, None)
-    if "max_position_embeddings" in written and written["max_position_embeddings"] != config.get(
-            "max_position_embeddings"):  # a context extended on purpose: its length and rotary scaling
+    before = config.get("max_position_embeddings")
+    if isinstance(before, int) and written.get("max_position_embeddings", 0) > before:  # extended on purpose: the
+        # new length and its rotary scaling (a run bounded below the model's context leaves it as it is)
         for key in ("max_position_embeddings", "rope_scaling", "rope_parameters"):
             if key in written and (key in config or key != "rope_scaling" or written[key] is not None):
                 config[key] = written[key]
     if cfg is None:
         return config
     try:
-        same = _architecture(from_hf_config_dict(config)) == _architecture(cfg)
+        same = _architecture(from_hf_config_dict(config)) == _architecture(cfg, config.get("max_position_embeddings"))
     except Exception:  # a config Kiln's native model cannot read (an auto-path model): nothing to compare
         same = True
     return config if same else {**config, **written}  # never an architecture that is not the model's
 
 
-def _architecture(cfg: ModelConfig) -> dict[str, Any]:
-    """The fields that make the model what it is, the derived ones (null: the default) as the values they stand for."""
+def _architecture(cfg: ModelConfig, context: Any = None) -> dict[str, Any]:
+    """The fields that make the model what it is, the derived ones (null: the default) as the values they stand for;
+    a max_seq_len below `context` (a run's bound on its sequences) as that context."""
     out = cfg.model_dump(exclude={"size", "init_from", "hf_class", "trust_remote_code", "allow_pickle", "init_std",
                                   "hf_model_type"})
+    if isinstance(context, int) and cfg.max_seq_len < context:
+        out["max_seq_len"] = context
     return {**out, "ffn_hidden": cfg.mlp_hidden, "n_kv_heads": cfg.kv_heads, "head_size": cfg.head_dim}
 
 
@@ -124,6 +128,6 @@ def written_tokenizer_config(out: Path, max_len: int, before: int | None) -> Non
     it was the model's context (`before`)."""
     file = out / "tokenizer_config.json"
     data = read_json(file)
-    if before is not None and data.get("model_max_length") == before and max_len != before:
+    if before is not None and data.get("model_max_length") == before and max_len > before:
         data["model_max_length"] = max_len
         file.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")

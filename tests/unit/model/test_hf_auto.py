@@ -51,9 +51,9 @@ def test_auto_config_takes_vocab_and_context_and_refuses_native_fields(tmp_path)
     path = hf_dir(tmp_path, "gpt2")
     cfg = model_cfg(path)
     assert (cfg.vocab_size, cfg.max_seq_len, cfg.hf_class) == (64, 48, "auto")
-    assert model_cfg(path, max_seq_len=48).max_seq_len == 48
-    with pytest.raises(ConfigError, match="max_seq_len=32 beside .* the model has 48 positions, and this path keeps"):
-        model_cfg(path, max_seq_len=32)
+    assert model_cfg(path, max_seq_len=32).max_seq_len == 32
+    with pytest.raises(ConfigError, match="max_seq_len=64 beside .* longer than the model's 48 positions"):
+        model_cfg(path, max_seq_len=64)
     with pytest.raises(ConfigError, match="model.d_model"):
         model_cfg(path, d_model=64)
 

@@ -28,8 +28,8 @@ def test_init_from_sets_the_architecture_and_the_context(hf_dir):
 
 
 def test_the_models_context_is_its_own_unless_extended_on_purpose(hf_dir):
-    with pytest.raises(ConfigError, match="max_seq_len=512 is shorter than the 4096 positions.*train.seq_len sets"):
-        resolve_init_from(ModelConfig(init_from=str(hf_dir), max_seq_len=512))
+    shorter = resolve_init_from(ModelConfig(init_from=str(hf_dir), max_seq_len=512))  # this run's bound
+    assert (shorter.max_seq_len, shorter.rope_scaling) == (512, None)
     with pytest.raises(ConfigError, match="max_seq_len=16384 is longer than the 4096 positions.*rope_scaling.factor=4"):
         resolve_init_from(ModelConfig(init_from=str(hf_dir), max_seq_len=16384))
     with pytest.raises(ConfigError, match="rope_scaling beside .* set model.max_seq_len above its 4096"):

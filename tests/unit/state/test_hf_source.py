@@ -45,6 +45,8 @@ def test_config_is_the_sources_but_for_dtype_and_an_extended_context(tmp_path):
     assert same == {**hf, "torch_dtype": "float32"}  # the 4.x key updated, no transformers 5 key added
     other_tok = source_config(tmp_path, cfg, None, written, tokenizer=False)
     assert (other_tok["bos_token_id"], other_tok["eos_token_id"], "pad_token_id" in other_tok) == (5, 6, False)
+    bounded = cfg.model_copy(update={"max_seq_len": 64})  # a run's bound below the model's context: not exported
+    assert source_config(tmp_path, bounded, None, to_hf_config_dict(bounded), tokenizer=True) == hf
     longer = cfg.model_copy(update={"max_seq_len": 512, "rope_scaling": RopeScaling(type="linear", factor=2)})
     extended = source_config(tmp_path, longer, None, to_hf_config_dict(longer), tokenizer=True)
     assert extended["max_position_embeddings"] == 512 and extended["rope_scaling"]["factor"] == 2
