@@ -43,6 +43,18 @@ def run_files(run_dir: Path, limit: int = 100 << 20) -> list[Path]:
                   if p.is_file() and not p.name.startswith(".") and p.stat().st_size <= limit)
 
 
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """{"train": {"lr": 0.1}} -> {"train.lr": "0.1"}: the config as MLflow params (values cut to 6000 chars)."""
+    out: dict[str, str] = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = str(v)[:6000]
+    return out
+
+
 def event_text(kind: str, info: dict[str, Any]) -> str:
     """One line about a notice (a rollback, an early stop, a warning, an automatic batch choice, an
     out-of-memory retry): its message, else its kind and data."""

@@ -20,10 +20,9 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from kiln.errors import ResourceError
-from kiln.monitor.sinks.base import MetricSink, finite, require, run_files
+from kiln.monitor.sinks.base import MetricSink, finite, flatten, require, run_files
 
 ID_FILE = "mlflow_run_id.txt"
 STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
@@ -33,18 +32,6 @@ REPLAY = "replay"  # the prefix of the metrics of a step logged again (replay/tr
 def metric_key(key: str) -> str:
     """`key` with the characters MLflow refuses in a metric name (all but letters, digits and _-. :/) as '_'."""
     return re.sub(r"[^\w\-. :/]", "_", key, flags=re.ASCII)
-
-
-def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """{"train": {"lr": 0.1}} -> {"train.lr": "0.1"}: the config as MLflow params (values cut to 6000 chars)."""
-    out: dict[str, str] = {}
-    for k, v in data.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = str(v)[:6000]
-    return out
 
 
 class MlflowSink(MetricSink):

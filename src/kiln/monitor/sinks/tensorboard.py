@@ -1,15 +1,17 @@
 """TensorBoard: a scalar for every metric, the resolved config, the samples and the run's events (rollbacks,
 early stops, warnings, automatic batch choices, out-of-memory retries: `events/<kind>`) as text, in
-<run_dir>/tensorboard.
+<run_dir>/tensorboard. At the run's end, TensorBoard's HParams dashboard gets the config (its scalar settings,
+dotted: train.lr) with the final train/loss and eval/ metrics, so runs compare in one table.
 
 Steps trained again are shown once: a resume, and a rollback, open a new event file that begins with
 TensorBoard's purge mark (`purge_step`), so its readers drop what the earlier files hold from that step on."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from kiln.monitor.sinks.base import MetricSink, require
+from kiln.monitor.sinks.base import MetricSink, flatten, require
 
 
 class TensorBoardSink(MetricSink):
@@ -23,6 +25,7 @@ class TensorBoardSink(MetricSink):
         require("tensorboard", "tensorboard", "logging.tensorboard")
         self.cfg, self.dir = cfg, Path(run_dir) / "tensorboard"
         self.writer = None
+        self.final: dict[str, float] = {}  # the latest value of each train/ and eval/ scalar: the HParams metrics
 
     def open(self, trainer) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -37,6 +40,8 @@ class TensorBoardSink(MetricSink):
     def write(self, step: int, values: dict[str, float], kind: str) -> None:
         for k, v in values.items():
             self.writer.add_scalar(f"{kind}/{k}", v, step)
+            if kind == "eval" or k == "loss":
+                self.final[f"{kind}/{k}"] = v
         if kind == "eval":
             self.writer.flush()
 
@@ -52,4 +57,22 @@ class TensorBoardSink(MetricSink):
         self.writer.add_text("sample", "    " + text.replace("\n", "\n    "), step)
 
     def close(self, status: str) -> None:
+        self._hparams()
         self.writer.close()
+
+    def _hparams(self) -> None:
+        """The config and the final metrics for the HParams dashboard (its metrics are scalar tags of this
+        run, train/loss and eval/*, which it reads from the event files)."""
+        from torch.utils.tensorboard.summary import hparams
+
+
+        config = {}
+        for k, v in flatten(self.cfg.model_dump(mode="json")).items():
+            config[k] = v  # flatten gives text: numbers become numbers again (the dashboard sorts them)
+            try:
+                config[k] = float(v) if v not in ("True", "False", "None") else v
+            except ValueError:
+                pass
+        experiment, start, end = hparams(config, {k: v for k, v in self.final.items() if math.isfinite(v)})
+        for summary in (experiment, start, end):
+            self.writer.file_writer.add_summary(summary)

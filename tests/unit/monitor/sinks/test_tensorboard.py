@@ -71,3 +71,17 @@ def test_events_are_text_and_a_rollback_shows_the_steps_trained_again_once(tmp_p
     assert text(acc, "events/warning") == [(3, "data waits 40%")]
     assert text(acc, "events/rollback") == [(4, "step 6 went bad (loss spike): rolled back to step 4")]
     assert text(acc, "events/early_stop") == [(8, "early stop: reason=no improvement, best_step=4")]
+
+
+def test_the_hparams_dashboard_gets_the_config_and_the_final_metrics(tmp_path, drive, config):
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    cfg = config("logging.tensorboard=true", "train.lr=0.004", "model.size=tiny")
+    drive(TensorBoardSink(cfg, tmp_path), cfg, range(1, 5))
+    content = read(tmp_path).PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    hp = start.session_start_info.hparams
+    assert hp["train.lr"].number_value == 0.004 and hp["model.size"].string_value == "tiny"
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    assert {m.name.tag for m in experiment.metric_infos} == {"train/loss", "eval/val_loss", "eval/val_ppl"}
+    assert scalars(read(tmp_path), "eval/val_loss")[-1] == (4, 4.0)  # the value the dashboard shows beside them
