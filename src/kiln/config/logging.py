@@ -28,6 +28,10 @@ class LoggingConfig(Section):
     """W&B team or user that owns the project (null: your default entity)."""
     wandb_name: str | None = None
     """Name of the run in W&B (null: the run directory's name)."""
+    wandb_group: str | None = None
+    """W&B group of the run (runs of one experiment or sweep shown together; null: none)."""
+    wandb_job_type: str | None = "train"
+    """W&B job type of the run (W&B filters and groups by it; null: none)."""
     wandb_mode: Literal["online", "offline"] = "online"
     """'online' sends to the W&B server as the run goes; 'offline' writes <run_dir>/wandb/ for `wandb sync` later."""
     mlflow: bool = False
@@ -39,6 +43,9 @@ class LoggingConfig(Section):
     mlflow_register: str | None = None
     """Register the final model (its Hugging Face export, with its lineage: data manifest hashes, config, final
     metrics) as a new version of this registered model in MLflow's model registry (needs logging.mlflow)."""
+    log_model: bool = True
+    """At the end of a finished run, upload the final model/ to W&B (an artifact of type 'model', aliases
+    latest and step-N) and MLflow (artifacts under model/); false: only metrics, config and small files."""
     tags: dict[str, str] = {}
     """Tags of the run: MLflow tags as given, W&B tags as 'key:value'."""
     prometheus_port: int | None = Field(None, ge=0, le=65535)

@@ -185,7 +185,7 @@ class MlflowSink(MetricSink):
             op.wait()
         self.pending = []
         model = self.run_dir / "model"
-        if status == "finished" and model.is_dir():
+        if status == "finished" and self.cfg.logging.log_model and model.is_dir():
             self.client.log_artifacts(self.run_id, str(model), "model")
             if self.cfg.logging.mlflow_register:  # a new version in the model registry, with its lineage
                 from kiln.monitor.sinks.mlflow_registry import register

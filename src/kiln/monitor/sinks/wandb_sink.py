@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kiln.monitor.sinks.base import MetricSink, require, run_files
+from kiln.state.rundir import model_saved
 
 ID_FILE = "wandb_id.txt"
 STEP = "step"  # the x axis of the charts: the optimizer step, which a resume or rollback may take back
@@ -52,6 +53,7 @@ class WandbSink(MetricSink):
         self.wandb = require("wandb", "wandb", "logging.wandb")
         self.cfg, self.run_dir, self.log = cfg, Path(run_dir), log
         self.run = self.mode = None
+        self.step = 0  # the latest train step logged: the model artifact's
         self.predecessors: list[Path] = []  # offline folders of earlier processes whose history this one logged
         self.replayed = 0
 
@@ -141,10 +143,12 @@ class WandbSink(MetricSink):
         return self.wandb.init(
             project=lcfg.wandb_project, entity=lcfg.wandb_entity, name=lcfg.wandb_name or self.run_dir.name,
             id=self.run_id(), resume="allow", dir=str(self.run_dir), mode=mode, tags=tags or None,
+            group=lcfg.wandb_group, job_type=lcfg.wandb_job_type,
             config=self.cfg.model_dump(mode="json"), allow_val_change=True,  # a resume may change max_steps
             settings=self.wandb.Settings(**settings))
 
     def write(self, step: int, values: dict[str, float], kind: str) -> None:
+        self.step = max(self.step, step) if kind == "train" else self.step
         self.run.log({STEP: step, **{f"{kind}/{k}": v for k, v in values.items()}})  # W&B's _step: one more
 
     def event(self, step: int, kind: str, text: str, info: dict) -> None:
@@ -167,6 +171,12 @@ class WandbSink(MetricSink):
             copy = Path(self.run.dir) / path.name
             shutil.copy2(path, copy)
             self.run.save(str(copy), base_path=self.run.dir, policy="now", glob=False)
+        model = self.run_dir / "model"
+        if status == "finished" and self.cfg.logging.log_model and model_saved(model):
+            artifact = self.wandb.Artifact(f"{self.run.name or self.run.id}-model".replace("/", "-"), type="model",
+                                           metadata={"step": self.step, "run_dir": str(self.run_dir.resolve())})
+            artifact.add_dir(str(model))
+            self.run.log_artifact(artifact, aliases=["latest", f"step-{self.step}"])
         if status == "stopped":
             self.run.mark_preempting()  # W&B shows it as preempted, to be resumed
         folder = Path(self.run.dir).parent

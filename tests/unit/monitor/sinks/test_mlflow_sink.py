@@ -159,3 +159,15 @@ def test_events_are_tags_and_marks_on_the_charts(tmp_path, drive, config):
     assert run.data.tags["kiln.event.oom"] == "step 1: out of memory: micro-batch 4"
     assert run.data.tags["kiln.event.warning"] == "step 4: host memory 95%"  # the latest of its kind
     assert [(m.step, m.value) for m in c.get_metric_history(run.info.run_id, "events/warning")] == [(3, 1), (4, 1)]
+
+
+def test_log_model_off_keeps_the_model_out_of_the_store(tmp_path, drive, config):
+    cfg = config("logging.mlflow=true", "logging.log_model=false")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "config.yaml").write_text(cfg.to_yaml())
+    drive(MlflowSink(cfg, tmp_path, log=print), cfg, range(1, 3))
+    c = client(tmp_path)
+    run_id = (tmp_path / ID_FILE).read_text().strip()
+    artifacts = {a.path for a in c.list_artifacts(run_id)}
+    assert "config.yaml" in artifacts and "model" not in artifacts

@@ -295,3 +295,36 @@ def test_a_server_that_cannot_be_reached_logs_offline_without_waiting(tmp_path, 
     assert ("cannot be reached" if url == "closed port" else "does not resolve") in logged[0]
     assert logged[1] == f"W&B run {sink.run.id} (offline)" and took < 20  # W&B's offline start included
     assert [row["step"] for row in offline_run(tmp_path)[1] if "train/loss" in row] == [1, 2]
+
+
+def test_a_finished_run_uploads_its_model_as_an_artifact_in_its_group_and_job_type(tmp_path, drive, config):
+    from kiln.monitor.sinks.wandb_offline import records as read_log
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for name, data in [("model.safetensors", b"weights"), ("model_config.json", "{}"), ("tokenizer.json", "{}")]:
+        (model / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+    cfg = config("logging.wandb=true", "logging.wandb_mode=offline", "logging.wandb_group=ablation-7",
+                 "logging.wandb_job_type=pretrain")
+    drive(WandbSink(cfg, tmp_path, log=print), cfg, range(1, 4))
+    offline_run(tmp_path)  # W&B's service has written the log
+    [log] = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    recs = read_log(log)
+    [run] = [r.run for r in recs if r.WhichOneof("record_type") == "run"]
+    assert run.run_group == "ablation-7" and run.job_type == "pretrain"
+    [artifact] = [r.artifact for r in recs if r.WhichOneof("record_type") == "artifact"]
+    assert artifact.type == "model" and set(artifact.aliases) >= {"latest", "step-3"}
+    assert {e.path for e in artifact.manifest.contents} == {"model.safetensors", "model_config.json", "tokenizer.json"}
+
+
+def test_log_model_off_uploads_no_model(tmp_path, drive, config):
+    from kiln.monitor.sinks.wandb_offline import records as read_log
+
+    (tmp_path / "model").mkdir()
+    for name in ("model.safetensors", "model_config.json", "tokenizer.json"):
+        (tmp_path / "model" / name).write_text("{}")
+    cfg = config("logging.wandb=true", "logging.wandb_mode=offline", "logging.log_model=false")
+    drive(WandbSink(cfg, tmp_path, log=print), cfg, range(1, 3))
+    offline_run(tmp_path)
+    [log] = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    assert not [r for r in read_log(log) if r.WhichOneof("record_type") == "artifact"]
