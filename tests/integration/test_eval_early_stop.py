@@ -99,7 +99,9 @@ def test_validation_reports_bits_per_byte_and_the_run_draws_its_plots(stopped):
     with Image.open(run_dir / "plots.png") as im:
         assert im.format == "PNG" and im.size[1] > 500
     panels = json.loads((run_dir / "plots.json").read_text())["panels"]
-    assert len(panels) == 10  # loss, lr, grad norm, tokens/s, data wait; vs steps and vs tokens
+    # loss, lr, grad norm, tokens/s, the process's memory, data wait; vs steps (a fixed 128 tokens a step)
+    assert [p["metric"] for p in panels] == ["loss", "learning rate", "gradient norm", "tokens/s", "memory",
+                                             "data wait"]
 
 
 def dataset_dir(cache: Path, run_dir: Path) -> Path:

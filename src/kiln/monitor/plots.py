@@ -4,13 +4,16 @@
     write_plots(runs, "compare.png")          # compare.png, compare.html and compare.json (the panels)
 
 One row per metric (training and validation loss, learning rate, gradient norm, tokens/s, and MFU,
-peak memory and data wait where a run logged them), plotted against optimizer steps (left column)
-and tokens seen (right column); several runs share each panel, one colour per run. The run's events
-(rollbacks, early stops, warnings, automatic batch choices, out-of-memory retries) are dotted vertical
-lines on the loss panels, each labelled with its kind. The HTML page is
-self-contained: the same figure embedded as a PNG, and a table of each run's last values. The JSON
-sidecar lists the panels (metric and x axis of each) and the runs. matplotlib is an extra
-(`pip install 'kiln[plot]'`), imported only here and only when drawing, with the Agg backend (no display).
+peak memory (the GPU's, and the process's on the host) and data wait where a run logged them), each y axis
+labelled with its unit (fractions as percents), plotted against optimizer steps, with a tokens scale on top
+when every run trains the same tokens a step, or beside it a column against tokens seen when they differ;
+several runs share each panel, one colour per run, named in one legend above the panels. Noisy per-step
+series (loss, gradient norm, tokens/s, data wait) are drawn faint as logged, with a moving average over them.
+The run's events (rollbacks, early stops, warnings, automatic batch choices, out-of-memory retries) are dotted
+vertical lines on the loss panels, each labelled with its kind. The HTML page is self-contained: the same figure
+embedded as a PNG, and a table of each run's last values. The JSON sidecar lists the panels (metric and x axis
+of each), the runs and their events. matplotlib is an extra (`pip install 'kiln[plot]'`), imported only here and
+only when drawing, with the Agg backend (no display).
 """
 
 from __future__ import annotations
@@ -28,16 +31,34 @@ from kiln.errors import ConfigError, StateError
 from kiln.events import Callback
 from kiln.files import atomic_write
 
-# (panel title, [(event, key, label suffix)], y scale): a panel is drawn when any run has any of its keys
-PANELS: list[tuple[str, list[tuple[str, str, str]], str]] = [
-    ("loss", [("train", "loss", "train"), ("eval", "val_loss", "val")], "linear"),
-    ("learning rate", [("train", "lr", "")], "linear"),
-    ("gradient norm", [("train", "grad_norm", "")], "log"),
-    ("tokens/s", [("train", "tokens_per_s", "")], "linear"),
-    ("MFU", [("train", "mfu", "")], "linear"),
-    ("peak memory (GiB)", [("train", "peak_mem_gib", "")], "linear"),
-    ("data wait (fraction of time)", [("train", "data_wait", "")], "linear"),
+
+@dataclass(frozen=True)
+class Panel:
+    """One metric's panel: its name (in the JSON sidecar), the y axis label with its unit, the series it draws
+    ((event, key, kind): kind "train", "val" or "host"; a key "a|b" takes a where a run logged it, else b), the y
+    scale, the factor that turns a fraction into a percent, and whether per-step values are smoothed."""
+
+    metric: str
+    ylabel: str
+    keys: tuple[tuple[str, str, str], ...]
+    scale: str = "linear"
+    factor: float = 1.0
+    smooth: bool = False
+    named: bool = False  # its series are told apart by a legend of their own, beside the panel (benchmark metrics)
+
+
+PANELS: list[Panel] = [
+    Panel("loss", "loss (nats per token)", (("train", "loss", "train"), ("eval", "val_loss", "val")), smooth=True),
+    Panel("learning rate", "learning rate", (("train", "lr", "train"),)),
+    Panel("gradient norm", "gradient norm (before clipping)", (("train", "grad_norm", "train"),), "log", smooth=True),
+    Panel("tokens/s", "tokens/s (whole job)", (("train", "tokens_per_s", "train"),), smooth=True),
+    Panel("MFU", "MFU (% of peak FLOP/s)", (("train", "mfu", "train"),), factor=100),
+    Panel("memory", "peak memory (GiB)", (("train", "peak_mem_gib", "train"),
+                                          ("train", "sys/peak_rss_gib|sys/rss_gib", "host"))),
+    Panel("data wait", "data wait (% of time)", (("train", "data_wait", "train"),), factor=100, smooth=True),
 ]
+STYLES = {"train": {}, "val": dict(marker="o", markersize=3, linestyle="--"), "host": dict(linestyle=":")}
+SMOOTH_FROM = 50  # points: a shorter series is drawn as it is (its moving average would be over one or two)
 
 
 # the notices of metrics.jsonl marked on the loss panels, and the colour of each
@@ -60,7 +81,14 @@ class RunMetrics:
         return seen[0] if seen else None
 
     def series(self, event: str, key: str, x: str) -> tuple[list[float], list[float]]:
-        """(x values, y values) of `key` in the `event` records, x being 'step' or 'tokens'."""
+        """(x values, y values) of `key` in the `event` records, x being 'step' or 'tokens'; `key` "a|b": a's
+        values where the run logged it, else b's."""
+        if "|" in key:
+            for k in key.split("|"):
+                found = self.series(event, k, x)
+                if found[0]:
+                    return found
+            return [], []
         records = self.train if event == "train" else self.eval
         pts = [(r[x], r[key]) for r in records if r.get(key) is not None and r.get(x) is not None]
         if event == "eval" and x == "tokens" and not pts:  # older eval records: tokens from the train records
@@ -102,10 +130,10 @@ def _pyplot():
     return plt
 
 
-def panels_of(runs: list[RunMetrics]) -> list[tuple[str, list[tuple[str, str, str]], str]]:
+def panels_of(runs: list[RunMetrics]) -> list[Panel]:
     """The panels some run has data for, in PANELS order, then a panel per benchmark task of eval.tasks (its
     scores, TASK/METRIC in the eval records, standard errors left out)."""
-    fixed = [p for p in PANELS if any(r.series(ev, key, "step")[0] for r in runs for ev, key, _ in p[1])]
+    fixed = [p for p in PANELS if any(r.series(ev, key, "step")[0] for r in runs for ev, key, _ in p.keys)]
     tasks: dict[str, list[str]] = {}
     for r in runs:
         for rec in r.eval:
@@ -114,8 +142,30 @@ def panels_of(runs: list[RunMetrics]) -> list[tuple[str, list[tuple[str, str, st
                 if sep and task != "sys" and not metric.endswith("_stderr") and isinstance(value, int | float) \
                         and key not in tasks.setdefault(task, []):
                     tasks[task].append(key)
-    return fixed + [(f"{task} (benchmark)", [("eval", k, k.partition("/")[2]) for k in keys], "linear")
+    return fixed + [Panel(f"{task} (benchmark)", "score", tuple(("eval", k, "val") for k in keys), named=True)
                     for task, keys in tasks.items()]
+
+
+def tokens_per_step(runs: list[RunMetrics]) -> float | None:
+    """The tokens of a step when every run trains the same fixed number a step (then a tokens axis would repeat the
+    steps' one), else None."""
+    ratios = {round(r["tokens"] / r["step"], 6) for run in runs for r in run.train
+              if r.get("step") and isinstance(r.get("tokens"), int | float)}
+    return ratios.pop() if len(ratios) == 1 else None
+
+
+def smoothed(ys: list[float], log: bool = False) -> list[float]:
+    """An exponential moving average over about a 25th of the series (debiased at its start, as TensorBoard's;
+    in log space for a log axis)."""
+    import math
+
+    alpha = 2 / (max(1, len(ys) // 25) + 1)
+    out, avg, weight = [], 0.0, 0.0
+    for y in ys:
+        v = math.log(y) if log else y
+        avg, weight = (1 - alpha) * avg + alpha * v, (1 - alpha) * weight + alpha
+        out.append(math.exp(avg / weight) if log else avg / weight)
+    return out
 
 
 @contextmanager
@@ -126,41 +176,93 @@ def _quiet_glyphs():
         yield
 
 
+def _axes_style(ax, panel: Panel, log: bool) -> None:
+    from matplotlib import ticker
+
+    ax.set_ylabel(panel.ylabel, fontsize=9)
+    ax.grid(alpha=0.3)
+    if log:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))  # 0.5, 1, 2, 5: a tick every step
+        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+        return
+    if panel.metric == "tokens/s":
+        ax.yaxis.set_major_formatter(ticker.EngFormatter(sep=""))  # 12k, 1.5M
+    if panel.metric in ("learning rate", "tokens/s", "MFU", "memory", "data wait"):  # amounts: from zero, room above
+        ax.set_ylim(0, max(ax.get_ylim()[1] * 1.1, 1e-9))
+
+
 def draw(runs: list[RunMetrics]):
-    """A matplotlib figure (rows: metrics; columns: against steps, against tokens) and its panel list."""
+    """A matplotlib figure (rows: metrics; columns: against steps, and against tokens when runs train different
+    numbers of tokens a step, else a tokens scale on top of each panel) and its panel list."""
     plt = _pyplot()
+    from matplotlib import ticker
+    from matplotlib.lines import Line2D
+
     panels = panels_of(runs)
     if not panels:
         raise StateError(f"no metrics to plot in {', '.join(r.name for r in runs)}: their metrics.jsonl has no "
                          "train or eval records yet")
-    fig, axes = plt.subplots(len(panels), 2, figsize=(13, 2.8 * len(panels)), squeeze=False)
+    per_step = tokens_per_step(runs)
+    xs_of = ("step",) if per_step else ("step", "tokens")
+    # against steps alone, the panels fill two columns; against steps and tokens, a row each
+    cols = 2 if per_step and len(panels) > 1 else len(xs_of)
+    nrows = -(-len(panels) * len(xs_of) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6.5 * cols, 2.9 * nrows + 0.7), squeeze=False)
+    cells = iter(ax for line in axes for ax in line)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    listed = []
-    for row, (title, keys, scale) in enumerate(panels):
-        for col, x in enumerate(("step", "tokens")):
-            ax = axes[row][col]
+    listed, kinds, raw = [], set(), False
+    for row, panel in enumerate(panels):
+        log = panel.scale == "log" and all(y > 0 for r in runs for ev, k, _ in panel.keys
+                                           for y in r.series(ev, k, "step")[1])
+        for x in xs_of:
+            ax = next(cells)
             for i, run in enumerate(runs):
-                for event, key, suffix in keys:
+                for j, (event, key, kind) in enumerate(panel.keys):
                     xs, ys = run.series(event, key, x)
                     if not xs:
                         continue
-                    label = run.name + (f" {suffix}" if suffix else "")
-                    style = dict(marker="o", markersize=3, linestyle="--") if event == "eval" else {}
+                    ys = [y * panel.factor for y in ys]
+                    kinds.add(kind)
+                    style = dict(STYLES[kind], color=colors[i % len(colors)], linewidth=1.3)
+                    if panel.named:  # one marker a metric, named in the panel's own legend
+                        style.update(marker="osD^v<>"[j % 7], label=key.partition("/")[2] if len(runs) == 1
+                                     else f"{run.name}: {key.partition('/')[2]}")
                     if len(xs) == 1:  # a line through one point draws nothing: a run logged once is a dot
                         style.setdefault("marker", "o")
-                    ax.plot(xs, ys, color=colors[i % len(colors)], label=label, linewidth=1.2, **style)
-            if title == "loss":
+                    if panel.smooth and kind == "train" and len(xs) >= SMOOTH_FROM:
+                        ax.plot(xs, ys, color=style["color"], linewidth=0.8, alpha=0.25)  # the values as logged
+                        ys, raw = smoothed(ys, log), True
+                    ax.plot(xs, ys, **style)
+            if panel.named:
+                ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+            if panel.metric == "loss":
                 _mark_events(ax, runs, x)
-            ax.set_title(f"{title} vs {x}", fontsize=10)
-            ax.set_xlabel(x)
-            if scale == "log" and all(y > 0 for r in runs for ev, k, _ in keys for y in r.series(ev, k, x)[1]):
-                ax.set_yscale("log")
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0] and (len(runs) > 1 or len(keys) > 1):
-                ax.legend(fontsize=8)
-            listed.append({"metric": title, "x": x, "keys": [k for _, k, _ in keys]})
+            ax.set_title(f"{panel.metric} vs {x}", fontsize=10)
+            ax.set_xlabel("tokens" if x == "tokens" else "step")
+            _axes_style(ax, panel, log)
+            if x == "tokens":
+                ax.xaxis.set_major_formatter(ticker.EngFormatter(sep=""))
+            elif per_step and row < cols:  # a tokens scale on top of the first row: every run's is the same
+                top = ax.secondary_xaxis("top", functions=(lambda s: s * per_step, lambda t: t / per_step))
+                top.set_xlabel(f"tokens ({per_step:,.0f} a step)", fontsize=8)
+                top.xaxis.set_major_formatter(ticker.EngFormatter(sep=""))
+            listed.append({"metric": panel.metric, "x": x, "keys": [k for _, k, _ in panel.keys]})
+    # one legend for the figure, above the panels, off the curves: the runs' colours and what each style is
+    handles = [Line2D([], [], color=colors[i % len(colors)], linewidth=2, label=r.name) for i, r in enumerate(runs)]
+    names = {"train": "train", "val": "validation", "host": "host memory (process)"}
+    handles += [Line2D([], [], color="0.3", label=names[k], **STYLES[k]) for k in names if k in kinds]
+    if raw:
+        handles.append(Line2D([], [], color="0.3", alpha=0.3, linewidth=0.8, label="as logged (faint; bold: moving "
+                              "average)"))
+    for ax in cells:  # an odd number of panels leaves a cell
+        ax.set_visible(False)
+    top = 1 - 0.65 / fig.get_figheight()
+    fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 3 * cols), fontsize=8.5, frameon=False,
+               bbox_to_anchor=(0.5, 1.0))
     with _quiet_glyphs():
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0, 1, top))
     return fig, listed
 
 

@@ -43,15 +43,16 @@ def read_png(path):
     return image.imread(path)
 
 
-def test_one_run_gets_a_panel_per_metric_against_steps_and_tokens(tmp_path):
+def test_one_run_gets_a_panel_per_metric_against_steps_with_a_tokens_scale(tmp_path):
     run = fake_run(tmp_path / "a")
     paths = write_plots([run], run / "plots.png")
     pixels = read_png(paths["png"])
     assert pixels.ndim == 3 and pixels.shape[0] > 500 and pixels.shape[1] > 500
     panels = json.loads(paths["json"].read_text())["panels"]
-    # loss, lr, grad norm, tokens/s, data wait (no MFU or memory on this CPU run) x (step, tokens)
-    assert [(p["metric"], p["x"]) for p in panels][:2] == [("loss", "step"), ("loss", "tokens")]
-    assert len(panels) == 10 and {p["x"] for p in panels} == {"step", "tokens"}
+    # loss, lr, grad norm, tokens/s, data wait (no MFU or memory in this run's records), against steps only: its
+    # tokens are 256 a step, a tokens column would repeat the steps' one
+    assert [p["metric"] for p in panels] == ["loss", "learning rate", "gradient norm", "tokens/s", "data wait"]
+    assert {p["x"] for p in panels} == {"step"}
     page = paths["html"].read_text()
     assert page.startswith("<!doctype html>") and "data:image/png;base64," in page and ">a<" in page
 
@@ -59,7 +60,8 @@ def test_one_run_gets_a_panel_per_metric_against_steps_and_tokens(tmp_path):
 def test_several_runs_share_the_panels_and_gpu_metrics_add_panels(tmp_path, recwarn):
     runs = [fake_run(tmp_path / "cpu"), fake_run(tmp_path / "gpu 运行 🔥", gpu=True, tokens_per_step=512)]
     fig, panels = draw([read_metrics(r) for r in runs])
-    assert len(fig.axes) == len(panels) == 14  # MFU and peak memory join
+    # 256 and 512 tokens a step: a column against tokens compares them; MFU and peak memory join
+    assert len(panels) == 14 and len([ax for ax in fig.axes if ax.get_visible()]) >= 14
     loss_vs_tokens = fig.axes[1]
     assert len(loss_vs_tokens.get_lines()) == 4  # train and val of each run
     assert max(loss_vs_tokens.get_lines()[2].get_xdata()) == 20 * 512  # the tokens axis is each run's own
@@ -108,6 +110,38 @@ def test_a_run_logged_once_is_drawn_as_a_dot(tmp_path):
     assert lines and all(line.get_marker() not in (None, "None", "") for line in lines)
 
 
+def test_the_panels_read_at_a_glance(tmp_path):
+    """Units on every y axis, a log axis labelled at 0.5 / 1 / 2 ..., MFU and data wait in percent, a moving
+    average over noisy per-step values, one legend above the panels (none over the curves), and a memory panel on
+    the CPU from the process's peak resident memory."""
+    run = tmp_path / "cpu"
+    run.mkdir()
+    recs = []
+    for s in range(1, 201):
+        recs.append({"event": "train", "step": s, "tokens": 64 * s, "loss": 4 + math.sin(s) / 2, "lr": 1e-3,
+                     "grad_norm": 1.5 + math.sin(s), "tokens_per_s": 900.0 + 300 * math.sin(s / 3), "mfu": 0.31,
+                     "data_wait": 0.02, "sys/peak_rss_gib": 0.42})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    fig, panels = draw([read_metrics(run)])
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_visible() and ax.get_title()}
+    assert set(axes) == {f"{p} vs step" for p in ("loss", "learning rate", "gradient norm", "tokens/s", "MFU",
+                                                  "memory", "data wait")}
+    units = {t: ax.get_ylabel() for t, ax in axes.items()}
+    assert "nats" in units["loss vs step"] and "%" in units["MFU vs step"] and "GiB" in units["memory vs step"]
+    assert "%" in units["data wait vs step"] and all(units.values())
+    fig.canvas.draw()
+    grad = axes["gradient norm vs step"]
+    labels = [t.get_text() for t in grad.get_yticklabels() if t.get_text()]
+    assert grad.get_yscale() == "log" and len(labels) >= 3 and all("^" not in x for x in labels)  # 0.5, 1, 2
+    assert max(axes["MFU vs step"].get_lines()[-1].get_ydata()) == pytest.approx(31.0)  # a percent
+    assert axes["memory vs step"].get_lines()[-1].get_ydata()[0] == pytest.approx(0.42)
+    loss = axes["loss vs step"].get_lines()
+    assert len(loss) == 2 and loss[0].get_alpha() < 0.5  # as logged, faint; and its moving average
+    assert max(loss[1].get_ydata()) - min(loss[1].get_ydata()) < max(loss[0].get_ydata()) - min(loss[0].get_ydata())
+    assert fig.legends and not any(ax.get_legend() for ax in fig.axes)  # one legend, off the curves
+    assert axes["loss vs step"].get_ylim()[0] > 0 and axes["tokens/s vs step"].get_ylim()[0] == 0
+
+
 def test_benchmark_scores_get_a_panel_per_task(tmp_path):
     run = fake_run(tmp_path / "a")
     with (run / "metrics.jsonl").open("a") as f:
@@ -128,8 +162,10 @@ def test_events_are_marked_on_the_loss_panels(tmp_path):
             {"event": "warning", "time": 3.0, "step": 12, "condition": "data_wait"},
             {"event": "early_stop", "time": 4.0, "step": 20, "reason": "no improvement"},
             {"event": "start", "time": 0.5, "step": 0}]))  # not an event to mark
-    fig, panels = draw([read_metrics(run)])
+    # beside a run of 200 tokens a step the loss has a panel against tokens too (alone, a tokens scale on top)
+    fig, panels = draw([read_metrics(run), read_metrics(fake_run(tmp_path / "other", tokens_per_step=200))])
     loss_step, loss_tokens = fig.axes[0], fig.axes[1]
+    assert loss_tokens.get_title() == "loss vs tokens"
     marks = sorted((line.get_gid(), line.get_xdata()[0]) for line in loss_step.lines if line.get_gid())
     assert marks == [("event:auto_batch", 0), ("event:early_stop", 20), ("event:rollback", 6),
                      ("event:warning", 12)]
