@@ -66,3 +66,12 @@ def test_a_run_trains_from_a_hub_id_and_records_the_snapshot(cache, tmp_path):
     assert sorted(losses(run_dir)) == [1, 2]
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["model"]["init_from"] == str(cache)  # a resume or an export reads the same files
+
+
+def test_kiln_plan_reads_a_hub_ids_config(cache):
+    from kiln.plan.estimate import resolve_model
+
+    notes: list[str] = []
+    model = resolve_model(load_config(None, ["model.init_from=kiln-org/tiny-llama"]), notes)
+    assert (model.d_model, model.n_layers, model.vocab_size) == (32, 2, 320)
+    assert notes[0].startswith("model.init_from=kiln-org/tiny-llama: HF_HUB_OFFLINE is set")

@@ -48,9 +48,11 @@ def hub_id(spec: str) -> tuple[str, str | None] | None:
     return (m["repo"], m["revision"]) if m else None
 
 
-def local_model_dir(spec: str, allow_pickle: bool = False, log: Callable[[str], None] = print) -> str:
+def local_model_dir(spec: str, allow_pickle: bool = False, log: Callable[[str], None] = print,
+                    files: list[str] | None = None) -> str:
     """`spec` itself when it is not a Hub id; else the local directory of its snapshot (fetched, or from the cache
-    when offline). ConfigError when it cannot be had, saying why and what to do."""
+    when offline); `files`: the patterns to fetch (default: what a model needs; ["config.json"] for its shape
+    alone). ConfigError when it cannot be had, saying why and what to do."""
     found = hub_id(spec)
     if found is None:
         if spec.startswith("hf://"):
@@ -74,7 +76,7 @@ def local_model_dir(spec: str, allow_pickle: bool = False, log: Callable[[str], 
     cache, off = hub_cache(), offline()
     try:
         path = snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=off,
-                                 allow_patterns=FILES + (PICKLES if allow_pickle else []))
+                                 allow_patterns=files or FILES + (PICKLES if allow_pickle else []))
     except LocalEntryNotFoundError:
         if off:
             raise ConfigError(f"model.init_from={spec}: HF_HUB_OFFLINE is set and {where} is not in the local cache "

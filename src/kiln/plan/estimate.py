@@ -74,8 +74,10 @@ def resolve_model(cfg: RunConfig, notes: list[str]) -> ModelConfig:
     m = cfg.model
     if m.init_from:
         from kiln.model.hf_import import resolve_init_from
+        from kiln.model.hub import local_model_dir
 
-        m = resolve_init_from(m)
+        local = local_model_dir(m.init_from, log=notes.append, files=["config.json"])  # a Hub id: its config only
+        m = resolve_init_from(m.model_copy(update={"init_from": local}))
     if m.vocab_size is None:
         vocab = _tokenizer_vocab(cfg.data.tokenizer)
         if vocab is None:
