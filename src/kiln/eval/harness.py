@@ -47,6 +47,11 @@ class KilnLM(TemplateLM):
 
             self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         self.model, self.tok = model, tokenizer
+        if tokenizer.eos_id is None and tokenizer.bos_id is None:
+            from kiln.errors import ConfigError
+
+            raise ConfigError("the model's tokenizer has neither an EOS nor a BOS token, which lm-eval conditions "
+                              "an empty context on and generation stops at; name one (data.eos_token)")
         self.batch_size = int(batch_size)
         cfg = getattr(model, "cfg", None)
         self._max_length = int(max_length or (cfg.max_seq_len if cfg is not None else 2048))

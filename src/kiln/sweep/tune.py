@@ -81,6 +81,10 @@ def sweep(config: str | None, space_path: str | Path, trials: int, out: str | Pa
         raise ConfigError(f"--trials {trials}: give at least 1")
     config = str(Path(config).expanduser().resolve()) if config and Path(config).expanduser().is_file() else config
     base = check_space(config, overrides, space)
+    if not base.data.streaming and not any(p.key.startswith("data.") for p in space.params):
+        from kiln.data.build import prepare_all
+
+        prepare_all(base.data)  # once, here: a data error shows before any trial, and the trials share the shards
     out = Path(out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -158,9 +162,11 @@ def write_results(grid, space: Space, out: Path) -> dict[str, Any]:
                      "status": _status(result, run_dir), "run_dir": run_dir})
     scored = [r for r in rows if r[f"best_{space.metric}"] is not None]
     if not scored:
+        errors = [str(result.error).strip().splitlines()[-1] for result in grid if result.error]
         raise ConfigError(f"no trial reported {space.metric}: name a metric of the runs' evaluations (val_loss, "
                           "val_bpb, or a task score with eval.tasks), and give the runs a validation split; the "
-                          f"trials' run directories in {out / 'trials'} say what happened")
+                          f"trials' run directories in {out / 'trials'} say what happened"
+                          + (f". The first trial's error: {errors[0]}" if errors else ""))
     best = (min if space.mode == "min" else max)(scored, key=lambda r: r[f"best_{space.metric}"])
     path = out / "results.csv"
     with path.open("w", newline="") as f:

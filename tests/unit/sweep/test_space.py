@@ -96,3 +96,13 @@ def test_the_search_and_the_scheduler_follow_the_space(tmp_path):
     assert isinstance(asha, ASHAScheduler) and asha._max_t == 6 and asha._reduction_factor == 4
     plain = read_space(write(tmp_path, "params: {train.lr: {choice: [0.1]}}"))
     assert search_algorithm(plain, 0) is None and scheduler_for(plain, 5) is None
+
+
+def test_the_data_is_prepared_once_before_any_trial(tmp_path):
+    from kiln.errors import DataError
+    from kiln.sweep.tune import sweep
+
+    space = write(tmp_path, "params: {train.lr: {choice: [0.1]}}")
+    with pytest.raises(DataError, match="matches no readable file"):
+        sweep(None, space, 1, tmp_path / "out", [f"data.sources=[{tmp_path}/nowhere/*.txt]"])
+    assert not (tmp_path / "out").exists()  # nothing started
