@@ -62,7 +62,10 @@ def run_trial(params: dict[str, Any], config: str | None, overrides: Sequence[st
 
     from kiln.train.run import run
 
-    os.chdir(cwd)  # Tune starts each trial in a folder of its own; CONFIG's relative paths are the user's
+    # Tune starts each trial in a folder of its own; the config's relative paths are the caller's (a node without
+    # the caller's folder keeps Tune's)
+    if os.path.isdir(cwd):
+        os.chdir(cwd)
     run_dir = Path(out) / "trials" / tune.get_context().get_trial_id()
     cfg = load_config(config, [*overrides, *(override(k, v) for k, v in params.items()), f"train.run_dir={run_dir}"])
     run(cfg, Console(quiet=True), callbacks=[ReportToTune(run_dir)])

@@ -27,7 +27,8 @@ def train_worker(params: dict[str, Any]) -> None:
 
     from kiln.train.run import run
 
-    os.chdir(params["cwd"])  # the config's relative paths are the caller's
+    if os.path.isdir(params["cwd"]):  # the config's relative paths are the caller's (on another node: its own folder)
+        os.chdir(params["cwd"])
     cfg = load_config(params["config"], params["overrides"])
     run(cfg, Console(), resume=params["resume"])
 
