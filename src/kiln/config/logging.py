@@ -43,6 +43,9 @@ class LoggingConfig(Section):
     mlflow_register: str | None = None
     """Register the final model (its Hugging Face export, with its lineage: data manifest hashes, config, final
     metrics) as a new version of this registered model in MLflow's model registry (needs logging.mlflow)."""
+    histograms_every: int = Field(0, ge=0)
+    """Every N steps, histograms of each weight and of the per-parameter gradient norms to TensorBoard and W&B
+    (0: off; each copies every weight to the host)."""
     log_model: bool = True
     """At the end of a finished run, upload the final model/ to W&B (an artifact of type 'model', aliases
     latest and step-N) and MLflow (artifacts under model/); false: only metrics, config and small files."""

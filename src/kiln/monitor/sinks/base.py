@@ -81,6 +81,12 @@ class MetricSink(Sink):
 
     def event(self, step: int, kind: str, text: str, info: dict[str, Any]) -> None: ...
 
+    def histograms(self, step: int, weights: dict[str, Any], grad_norms: dict[str, float]) -> None:
+        """Called every logging.histograms_every steps, by the sinks that define it (`draws_histograms`)."""
+
+    draws_histograms = False
+    tap = None
+
     def close(self, status: str) -> None: ...
 
     def _ensure_open(self, trainer) -> None:
@@ -90,11 +96,20 @@ class MetricSink(Sink):
 
     def on_train_start(self, trainer) -> None:
         self._ensure_open(trainer)
+        every = getattr(getattr(trainer.cfg, "logging", None), "histograms_every", 0)
+        if self.draws_histograms and every and getattr(trainer, "optimizer", None) is not None:
+            from kiln.monitor.sinks.histograms import ParamTap
+
+            self.tap = ParamTap(every)
+            self.tap.attach(trainer)
 
     def on_step_end(self, trainer, metrics: dict[str, Any] | None) -> None:
         if metrics:
             self._ensure_open(trainer)
             self.write(int(metrics.get("step", trainer.step)), numbers(metrics), "train")
+        if self.tap is not None and self.tap.due(trainer.step):
+            self.histograms(trainer.step, self.tap.weights(), self.tap.grad_norms if self.tap.at == trainer.step
+                            else {})
 
     def on_eval_end(self, trainer, metrics: dict[str, Any]) -> None:
         self._ensure_open(trainer)
@@ -110,6 +125,8 @@ class MetricSink(Sink):
         self.sample(trainer.step, text)
 
     def on_run_end(self, trainer, status: str) -> None:
+        if self.tap is not None:
+            self.tap.detach()
         if self.opened and not self.closed:
             self.closed = True
             self.close(status)

@@ -53,6 +53,16 @@ class TensorBoardSink(MetricSink):
         self.writer.add_text(f"events/{kind}", text, step)
         self.writer.flush()
 
+    draws_histograms = True
+
+    def histograms(self, step: int, weights: dict, grad_norms: dict[str, float]) -> None:
+        for name, values in weights.items():
+            self.writer.add_histogram(f"weights/{name}", values, step)
+        if grad_norms:
+            import torch
+
+            self.writer.add_histogram("grad_norms", torch.tensor(list(grad_norms.values())), step)
+
     def sample(self, step: int, text: str) -> None:
         self.writer.add_text("sample", "    " + text.replace("\n", "\n    "), step)
 

@@ -86,7 +86,7 @@ class WandbSink(MetricSink):
         if mode == "offline":
             self.run = self._init("offline")
         self.run.define_metric(STEP)
-        for kind in ("train", "eval", "events"):
+        for kind in ("train", "eval", "events", "weights", "grad_norms"):
             self.run.define_metric(f"{kind}/*", step_metric=STEP)
         self.mode = mode
         if mode == "offline":
@@ -162,6 +162,14 @@ class WandbSink(MetricSink):
                                level=self.wandb.AlertLevel.WARN, wait_duration=0)
             except Exception as e:  # noqa: BLE001 - an alert W&B refuses (rate limit, no network) is not the run's
                 self.log(f"W&B alert not sent ({type(e).__name__}: {e})")
+
+    draws_histograms = True
+
+    def histograms(self, step: int, weights: dict, grad_norms: dict[str, float]) -> None:
+        row = {f"weights/{name}": self.wandb.Histogram(values.numpy()) for name, values in weights.items()}
+        if grad_norms:
+            row["grad_norms/per_parameter"] = self.wandb.Histogram(list(grad_norms.values()))
+        self.run.log({STEP: step, **row})
 
     def sample(self, step: int, text: str) -> None:
         self.run.summary["sample"] = text

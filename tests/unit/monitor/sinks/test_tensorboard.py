@@ -12,7 +12,7 @@ pytest.importorskip("tensorboard")
 def read(run_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0, "histograms": 0})
     acc.Reload()
     return acc
 
@@ -85,3 +85,52 @@ def test_the_hparams_dashboard_gets_the_config_and_the_final_metrics(tmp_path, d
     experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
     assert {m.name.tag for m in experiment.metric_infos} == {"train/loss", "eval/val_loss", "eval/val_ppl"}
     assert scalars(read(tmp_path), "eval/val_loss")[-1] == (4, 4.0)  # the value the dashboard shows beside them
+
+
+def test_weight_and_gradient_norm_histograms_every_n_steps_of_a_real_trainer(tmp_path):
+    """Opt-in (logging.histograms_every): the gradients are freed after each step, so their norms are read by
+    an optimizer hook before the update; the weights after it."""
+    import torch
+
+    from kiln.config import RunConfig
+    from kiln.model.llama import Transformer
+    from kiln.train.trainer import Trainer
+
+    class Batches:  # resumable like the real loader: batches a pure function of the position
+        i = 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            x = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(self.i))
+            self.i += 1
+            return x[:, :-1], x[:, 1:], None
+
+        def state_dict(self):
+            return {"sample": self.i * 2}
+
+        def load_state_dict(self, state):
+            self.i = state["sample"] // 2
+
+    cfg = RunConfig.model_validate({
+        "model": {"size": "tiny", "vocab_size": 64}, "logging": {"tensorboard": True, "histograms_every": 2,
+                                                                  "every": 1},
+        "train": {"seq_len": 8, "batch_size": 2, "max_steps": 5, "warmup_steps": 1, "device": "cpu",
+                  "eval_every": 0, "run_dir": str(tmp_path)}})
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    sink = TensorBoardSink(cfg, tmp_path)
+    trainer = Trainer(cfg, model, Batches(), None, torch.device("cpu"), [sink])
+    trainer.train()
+    trainer.events.emit("on_run_end", trainer, "finished")
+    acc = read(tmp_path)
+    tags = acc.Tags()["histograms"]
+    name, weight = next(iter(model.named_parameters()))
+    assert f"weights/{name}" in tags and "grad_norms" in tags
+    assert [e.step for e in acc.Histograms("grad_norms")] == [2, 4]
+    drawn = acc.Histograms(f"weights/{name}")
+    assert [e.step for e in drawn] == [2, 4] and all(e.histogram_value.num == weight.numel() for e in drawn)
+    assert drawn[0].histogram_value.sum != drawn[1].histogram_value.sum  # the weights of each step, as trained
+    norms = acc.Histograms("grad_norms")[0].histogram_value
+    assert norms.num == len(list(model.parameters())) and norms.max > 0

@@ -328,3 +328,15 @@ def test_log_model_off_uploads_no_model(tmp_path, drive, config):
     offline_run(tmp_path)
     [log] = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     assert not [r for r in read_log(log) if r.WhichOneof("record_type") == "artifact"]
+
+
+def test_histograms_are_wandb_histograms_at_their_step(tmp_path, drive, config):
+    import torch
+
+    cfg = config("logging.wandb=true", "logging.wandb_mode=offline", "logging.histograms_every=2")
+    sink = WandbSink(cfg, tmp_path, log=print)
+    trainer = drive(sink, cfg, range(1, 3), status=None)
+    sink.histograms(2, {"layers.0.w": torch.linspace(-1, 1, 50)}, {"layers.0.w": 0.5, "embed": 2.0})
+    trainer.events.emit("on_run_end", trainer, "finished")
+    [row] = [r for r in offline_run(tmp_path)[1] if "weights/layers.0.w" in r]
+    assert row["step"] == 2 and "grad_norms/per_parameter" in row  # (W&B stores a histogram's bins and counts)
