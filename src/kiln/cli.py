@@ -245,11 +245,20 @@ def export(
 
     Example: kiln export runs/20261126-101500 --to exports/my-model --dtype bf16 --push-to-hub me/my-model
     """
-    from kiln.state.export import export_from
+    import warnings
+
+    from kiln.state.export import ExportWarning, export_from
 
     if private and not push_to_hub:
         raise ConfigError("--private applies to --push-to-hub: give the repository to create as OWNER/NAME")
-    out = export_from(source, to, dtype, tokenizer, adapters=adapters, repo=push_to_hub)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ExportWarning)
+        out = export_from(source, to, dtype, tokenizer, adapters=adapters, repo=push_to_hub)
+    for w in caught:  # Kiln's own as a plain warning line; the libraries' as Python shows them
+        if issubclass(w.category, ExportWarning):
+            err_console.print(f"warning: {w.message}", markup=False, highlight=False)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     print(out)
     if push_to_hub:
         from kiln.state.hub import push_to_hub as push

@@ -14,7 +14,7 @@ import torch
 
 from kiln.config import load_config
 from kiln.data.prepare.tokenizer import Tokenizer
-from kiln.state.export import export_from
+from kiln.state.export import ExportWarning, export_from
 from kiln.train.run import run
 
 from .hf_dirs import CHAT_TEMPLATE, dress, json_changes, llama_tokenizer, write_corpus, write_hf_dir
@@ -80,8 +80,15 @@ def test_a_source_that_is_gone_is_said(runs, tmp_path):
     shutil.copytree(runs / "run-llama", moved)
     shutil.move(runs / "llama", tmp_path / "llama-away")
     try:
-        with pytest.warns(UserWarning, match="is not there any more.*chat template"):
+        with pytest.warns(ExportWarning, match="is not there any more.*chat template"):
             out = export_from(moved, tmp_path / "out")
+        from typer.testing import CliRunner
+
+        from kiln.cli import app
+
+        said = CliRunner().invoke(app, ["export", str(moved), "--to", str(tmp_path / "cli")])
+        assert said.exit_code == 0 and "warning: model.init_from=" in said.output  # a line, not a Python warning
+        assert "UserWarning" not in said.output
     finally:
         shutil.move(tmp_path / "llama-away", runs / "llama")
     assert "chat_template" not in json.loads((out / "tokenizer_config.json").read_text())

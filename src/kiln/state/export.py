@@ -32,6 +32,11 @@ from kiln.errors import StateError
 from kiln.files import default_mode
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ExportWarning(UserWarning):
+    """What an export could not do as asked, said without stopping it (`kiln export` prints it as a warning line)."""
+
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained
 
 
@@ -81,7 +86,7 @@ def _source_of(cfg: ModelConfig) -> Path | None:
     if src is None and cfg.init_from:
         warnings.warn(f"model.init_from={cfg.init_from} is not there any more, so the export cannot keep its "
                       "tokenizer settings, chat template and generation config: it gets Kiln's own tokenizer files. "
-                      "Restore the directory and export again to keep them", stacklevel=3)
+                      "Restore the directory and export again to keep them", ExportWarning, stacklevel=3)
     return src
 
 
