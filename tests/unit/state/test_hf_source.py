@@ -60,3 +60,15 @@ def test_a_config_that_does_not_describe_the_model_gets_kilns_fields(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**to_hf_config_dict(CFG), "num_hidden_layers": 3}))
     cfg = CFG.model_copy(update={"init_from": str(tmp_path), "hf_model_type": "llama"})
     assert source_config(tmp_path, cfg, None, to_hf_config_dict(cfg), tokenizer=True)["num_hidden_layers"] == 2
+
+
+def test_a_hub_snapshot_fetches_what_an_export_carries():
+    """model.init_from=ORG/NAME downloads only the files a run needs: the chat template (chat_template.jinja, as
+    transformers 5 saves it) and the license must be among them, or the export has nothing to carry."""
+    from fnmatch import fnmatch
+
+    from kiln.model.hub import FILES
+
+    for name in ("chat_template.jinja", "LICENSE", "tokenizer_config.json", "generation_config.json",
+                 "special_tokens_map.json", "tokenizer.json"):
+        assert any(fnmatch(name, pattern) for pattern in FILES), name
