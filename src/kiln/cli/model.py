@@ -1,0 +1,187 @@
+"""`kiln generate`, `kiln export` and `kiln eval`: what is done with a trained model."""
+
+from __future__ import annotations
+
+import typer
+
+from kiln.cli.app import app, console
+from kiln.errors import ConfigError
+
+
+@app.command()
+def generate(
+    run_dir: str = typer.Argument(..., help="Run directory of a finished `kiln train` (or its model/ folder)."),
+    prompt: str = typer.Option("", "--prompt", "-p", help="Text to continue."),
+    max_new_tokens: int = typer.Option(100, "--max-new-tokens", "-n", min=1, help="Tokens to generate."),
+    temperature: float = typer.Option(0.8, "--temperature", "-t", min=0.0,
+                                      help="Sampling temperature: higher is more varied; 0 is greedy (always the "
+                                           "most likely token)."),
+    top_k: int = typer.Option(50, "--top-k", min=0, help="Sample among the k most likely tokens (0: all)."),
+    seed: int | None = typer.Option(None, "--seed", min=0, help="Seed for reproducible samples."),
+    threads: int | None = typer.Option(None, "--threads", min=1,
+                                          help="CPU threads of PyTorch (on the CPU only); default: 1 for a model "
+                                               "under 20M parameters (one token at a time is too little to "
+                                               "split), else PyTorch's."),
+) -> None:
+    """Sample text from a trained model.
+
+    Example: kiln generate runs/20261126-101500 --prompt "def main(" -n 64 --seed 0
+    """
+    import torch
+
+    from kiln.errors import ConfigError
+    from kiln.model.generate import generate as sample
+    from kiln.model.generate import start_ids
+    from kiln.state.weights import load_model
+    from kiln.train.threads import apply_threads
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tok = load_model(run_dir, device)
+    if tok is None:
+        raise ConfigError(f"{run_dir} holds no tokenizer.json; cannot encode the prompt")
+    apply_threads(threads, device, sum(p.numel() for p in model.parameters()), sampling=True)
+    try:
+        ids = start_ids(tok, prompt)
+    except ValueError as e:
+        raise ConfigError(f"--prompt: {e}; give a prompt") from None
+    try:
+        out = sample(model, ids, max_new_tokens, temperature, top_k or None, seed, vocab_size=tok.vocab_size)
+    except ValueError as e:
+        raise ConfigError(f"kiln generate {run_dir}: {e}") from None
+    print(prompt + tok.decode(out))
+
+
+@app.command()
+def export(
+    source: str = typer.Argument(..., help="A run directory, its model/ folder, a checkpoint directory "
+                                           "(checkpoints/step_...) or a Hugging Face model directory."),
+    to: str = typer.Option(..., "--to", help="Directory to write the Hugging Face model into."),
+    dtype: str | None = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (default: the dtype of the "
+                                     "model.init_from it was trained from, else as saved)."),
+    tokenizer: str | None = typer.Option(None, "--tokenizer", help="Tokenizer to ship with it (default: the "
+                                                                      "run's)."),
+    adapters: bool = typer.Option(False, "--adapters", help="A LoRA run's adapters alone, in PEFT's format "
+                                  "(adapter_model.safetensors, adapter_config.json), instead of the merged model."),
+    push_to_hub: str | None = typer.Option(None, "--push-to-hub", metavar="OWNER/NAME", help="Then upload it to "
+                                           "this Hugging Face Hub model repository (created if missing), with its "
+                                           "model card; the token is huggingface_hub's (HF_TOKEN)."),
+    private: bool = typer.Option(False, "--private", help="With --push-to-hub: create the repository private."),
+) -> None:
+    """Write a model in the Hugging Face layout (safetensors, config.json, tokenizer files) that
+    AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load. A LoRA run writes its
+    merged weights, or with --adapters the adapters that peft.PeftModel.from_pretrained loads onto the base.
+
+    Example: kiln export runs/20261126-101500 --to exports/my-model --dtype bf16 --push-to-hub me/my-model
+    """
+    import warnings
+
+    from kiln.state.export import ExportWarning, export_from
+
+    if private and not push_to_hub:
+        raise ConfigError("--private applies to --push-to-hub: give the repository to create as OWNER/NAME")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ExportWarning)
+        out = export_from(source, to, dtype, tokenizer, adapters=adapters, repo=push_to_hub)
+    for w in caught:  # Kiln's own as a plain warning line; the libraries' as Python shows them
+        if issubclass(w.category, ExportWarning):
+            err_console.print(f"warning: {w.message}", markup=False, highlight=False)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    print(out)
+    if push_to_hub:
+        from kiln.state.hub import push_to_hub as push
+
+        print(f"pushed to {push(out, push_to_hub, private=private)}")
+
+
+@app.command("eval")
+def eval_(
+    target: str = typer.Argument(..., help="A run directory (its model/, else its newest checkpoint), a model/ "
+                                           "folder, a checkpoint directory or a Hugging Face model directory."),
+    data: list[str] | None = typer.Option(None, "--data", "-d", help="Source files, directories or globs (any "
+                                          "format `kiln prepare` reads; repeat the option for more), or one "
+                                          "prepared dataset directory made with the model's tokenizer."),
+    tasks: str | None = typer.Option(None, "--tasks", help="Instead of --data: lm-evaluation-harness tasks, "
+                                     "comma-separated (hellaswag,arc_easy); needs the lm-eval extra."),
+    include_path: list[str] | None = typer.Option(None, "--include-path", help="With --tasks: a directory of "
+                                                  "task YAML files (yours, or a local copy of lm-eval's)."),
+    limit: int | None = typer.Option(None, "--limit", min=1, help="With --tasks: at most this many examples "
+                                     "per task (default: all)."),
+    num_fewshot: int | None = typer.Option(None, "--num-fewshot", min=0, help="With --tasks: examples shown "
+                                           "before each question (default: each task's own)."),
+    nproc: int = typer.Option(1, "--nproc", min=1, help="With --tasks: processes (one per GPU) that share the "
+                              "requests, each with the whole model (torchrun on this machine)."),
+    more: list[str] | None = typer.Argument(None, help="More sources (a glob the shell expanded after --data)."),
+    split: str | None = typer.Option(None, "--split", help="Split of a prepared dataset (default: val if it "
+                                     "has one, else train)."),
+    max_tokens: int | None = typer.Option(None, "--max-tokens", min=1, help="Evaluate at most this many tokens "
+                                          "(default: all)."),
+    batch_size: int | None = typer.Option(None, "--batch-size", min=1, help="Rows per batch (default: the run's "
+                                          "train.batch_size, else 8)."),
+    seq_len: int | None = typer.Option(None, "--seq-len", min=1, help="Tokens per row (default: the run's "
+                                       "train.seq_len, else up to 1024); with --tasks the longest input "
+                                       "(default: the model's context)."),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N."),
+    seed: int | None = typer.Option(None, "--seed", min=0, help="Seed of the row order (default: the run's "
+                                    "train.seed, as its validation reads them; else 0)."),
+    out: str | None = typer.Option(None, "--out", "-o", help="JSON file to write (default: RUN/eval.json, "
+                                   "RUN/eval-step_N.json for a checkpoint, DIR.eval.json for a Hugging Face model)."),
+    fmt: str | None = typer.Option(None, "--format", help="Format of the sources (as data.format; default: the "
+                                   "run's, else by suffix)."),
+    field: str | None = typer.Option(None, "--field", help="JSON field or column holding the text (as data.field)."),
+    text_unit: str | None = typer.Option(None, "--text-unit", help="Text files: a document per file, line or "
+                                         "paragraph (as data.text_unit)."),
+) -> None:
+    """Loss, perplexity and bits per byte of a model on any data (--data), or its scores on
+    lm-evaluation-harness benchmarks (--tasks), printed and written as JSON.
+
+    Bits per byte do not depend on the tokenizer, so models with different tokenizers compare on
+    the same text. Documents are packed and masked as in training.
+
+    Examples: kiln eval runs/20261126-101500 --data held-out/*.jsonl --max-tokens 1000000;
+    kiln eval runs/20261126-101500 --tasks hellaswag,arc_easy --limit 500
+    """
+    from rich.table import Table
+
+    from kiln.evaluate import evaluate, write_result
+
+    if (data is None) == (tasks is None):
+        raise ConfigError("kiln eval: give --data (loss and bits per byte on text) or --tasks (lm-eval benchmarks)")
+    if nproc > 1:
+        if tasks is None:
+            raise ConfigError("kiln eval --nproc shares lm-eval tasks between processes: give --tasks")
+        from kiln.parallel.launch.local import relaunch
+
+        raise typer.Exit(relaunch(nproc, command="eval"))
+    if tasks is not None:
+        from kiln.eval.score import score_target
+
+        names = [t.strip() for t in tasks.split(",") if t.strip()]
+        result = score_target(target, names, include_path=include_path or (), limit=limit, num_fewshot=num_fewshot,
+                              batch_size=batch_size or 16, device=device, max_length=seq_len)
+        if result["rank"] != 0:  # under --nproc: rank 0 writes and prints
+            return
+        path = write_result(result, out)
+        table = Table(title=f"kiln eval {result['target']}", title_justify="left")
+        for name in ("task", "metric", "value", "examples"):
+            table.add_column(name, justify="left" if name in ("task", "metric") else "right")
+        for key, value in result["scores"].items():
+            task, metric = key.split("/", 1)
+            if not metric.endswith("_stderr"):
+                table.add_row(task, metric, f"{value:.4f}", str(result["n_samples"].get(task, "")))
+        console.print(table)
+        console.print(f"written to {path}", highlight=False)
+        return
+
+    result = evaluate(target, [*(data or []), *(more or [])], split=split, max_tokens=max_tokens, batch_size=batch_size,
+                      seq_len=seq_len, device=device, seed=seed, format=fmt, field=field, text_unit=text_unit)
+    path = write_result(result, out)
+    table = Table(title=f"kiln eval {result['target']}", title_justify="left")
+    for name in ("loss", "perplexity", "bits per byte", "tokens", "bytes"):
+        table.add_column(name, justify="right")
+    bpb = result["bits_per_byte"]
+    table.add_row(f"{result['loss']:.4f}", f"{result['perplexity']:.3f}", f"{bpb:.4f}" if bpb is not None else "-",
+                  f"{result['tokens']:,}", f"{result['bytes']:,}")
+    console.print(table)
+    console.print(f"data: {', '.join(result['data'])} ({result['split']} split, seq_len {result['seq_len']}, "
+                  f"document mask {'on' if result['document_mask'] else 'off'}); written to {path}", highlight=False)
