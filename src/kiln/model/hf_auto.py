@@ -34,21 +34,13 @@ from torch import nn
 from kiln.config import LoraConfig, ModelConfig
 from kiln.errors import ConfigError, StateError
 from kiln.files import default_mode
+from kiln.model.hf_blocks import decoder_layers, transformers_module
 from kiln.model.hf_moe import RouterAux, router_aux_coef
 from kiln.model.hf_packing import doc_positions, merge_documents, recurrent_layers, split_documents
 from kiln.model.loss import IGNORE_INDEX
 
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 _FREE = {"init_from", "allow_pickle", "max_seq_len", "hf_class", "trust_remote_code", "init_std", "size"}
-
-
-def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError("model.hf_class=auto needs transformers: pip install 'kiln[hf]'") from None
-    transformers.utils.logging.disable_progress_bar()  # its per-file bars would break Kiln's console output
-    return transformers
 
 
 def check_remote_code(path: str | Path, hf: dict[str, Any], trust: bool) -> None:
@@ -117,7 +109,7 @@ def build_auto(cfg: ModelConfig, lora: LoraConfig | None = None, weights: bool =
     lora.base_dtype under LoRA); `weights` False: the architecture only, seeded-initialised (a resume,
     whose weights come from its checkpoint). With lora.rank > 0 the model gets PEFT LoRA adapters and
     only they train."""
-    tr = _transformers()
+    tr = transformers_module()
     from kiln.model.hf_import import read_hf_config, weight_files
 
     check_remote_code(cfg.init_from, read_hf_config(cfg.init_from), cfg.trust_remote_code)
@@ -165,21 +157,6 @@ def check_loaded(path: str | Path, info: dict[str, Any]) -> None:
         raise StateError(f"{path}: {len(missing)} weights of the model are not in its files (e.g. "
                          f"{', '.join(missing[:3])}){also}. They would start at random: give the directory whose "
                          "weights match its config.json")
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The list of decoder blocks of a transformers model: the ModuleList whose blocks are of a class the
-    model names in `_no_split_modules`, else the ModuleList that holds the most parameters."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(getattr(base, "_no_split_modules", None) or ())
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
-    for m in lists:
-        if type(m[0]).__name__ in names:
-            return m
-    if not lists:
-        raise StateError(f"{type(base).__name__} has no list of blocks (nn.ModuleList) to checkpoint, compile "
-                         "or shard")
-    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
 
 
 def _takes(fn, name: str) -> bool:
@@ -304,7 +281,7 @@ class HFCausalLM(nn.Module):
         cfg = self.cfg
         safetensors = weight_files(cfg.init_from, cfg.allow_pickle)[0].suffix == ".safetensors"
         try:
-            base = _transformers().AutoModelForCausalLM.from_pretrained(
+            base = transformers_module().AutoModelForCausalLM.from_pretrained(
                 cfg.init_from, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
                 use_safetensors=safetensors)
         except (ValueError, OSError, KeyError) as e:
@@ -324,7 +301,7 @@ def open_directory(path: str | Path) -> HFCausalLM:
 
 def load_auto(path: Path, cfg: ModelConfig) -> HFCausalLM:
     """The saved final model of an auto run (`<run>/model`, written by `HFCausalLM.save_pretrained`)."""
-    tr = _transformers()
+    tr = transformers_module()
     try:
         hf, info = tr.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, use_safetensors=True,
                                                            trust_remote_code=cfg.trust_remote_code,

@@ -18,6 +18,7 @@ from torch import nn
 
 from kiln.config import ModelConfig
 from kiln.errors import ConfigError
+from kiln.model.hf_blocks import decoder_layers, transformers_module
 
 SEPARATE = {"q": {"q_proj", "query", "wq"}, "k": {"k_proj", "key", "wk"}, "v": {"v_proj", "value", "wv"},
             "gate": {"gate_proj", "w1"}, "up": {"up_proj", "fc1", "c_fc", "w3", "dense_h_to_4h", "fc_in"},
@@ -34,7 +35,6 @@ def _linear(module: nn.Module) -> bool:
 
 def block_linears(model: nn.Module) -> dict[str, nn.Module]:
     """Every linear layer of the model's decoder blocks by its path inside a block (self_attn.q_proj, ...)."""
-    from kiln.model.hf_auto import decoder_layers
 
     out: dict[str, nn.Module] = {}
     for block in decoder_layers(model):
@@ -99,11 +99,10 @@ def describe(found: dict[str, list[str]]) -> str:
 def check_targets(cfg: ModelConfig, targets: list[str]) -> None:
     """ConfigError now, before any data is prepared, for a target the model of cfg.init_from has no layer for
     (its architecture built on the meta device: no memory, no weights read)."""
-    from kiln.model.hf_auto import _transformers
 
     if "all" in targets:
         return
-    tr = _transformers()
+    tr = transformers_module()
     try:
         conf = tr.AutoConfig.from_pretrained(cfg.init_from, trust_remote_code=cfg.trust_remote_code)
         with torch.device("meta"):

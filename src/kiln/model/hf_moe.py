@@ -4,7 +4,7 @@ A model whose config.json sets `output_router_logits` (Mixtral, Qwen2-MoE, OLMoE
 auxiliary loss that keeps its router spreading tokens over the experts; the Hugging Face Trainer trains
 on cross-entropy + `router_aux_loss_coef` x that loss, as the model's own forward adds it when given labels.
 Kiln computes the cross-entropy itself, so `HFCausalLM` adds the term the same way (`router_aux_coef`) in
-training and keeps the unscaled loss of each forward (`RouterAux`), which `RouterAuxLog` logs as
+training and keeps the unscaled loss of each forward (`RouterAux`), which kiln.train.router_aux logs as
 `aux_loss` beside `loss` (the sum that trains) at every logging step. Evaluation reports the cross-entropy
 alone: val_loss, perplexity and bits per byte compare with other models.
 """
@@ -15,8 +15,6 @@ import logging
 from typing import Any
 
 import torch
-
-from kiln.events import Callback
 
 log = logging.getLogger(__name__)
 
@@ -53,20 +51,3 @@ class RouterAux:
         mean = self.total / self.count
         self.total, self.count = None, 0
         return mean
-
-
-class RouterAuxLog(Callback):
-    """Adds `aux_loss` (the mean over the steps since the last log, and over the processes) to each logging
-    step's metrics; it runs before the sinks, which then show it."""
-
-    def __init__(self, aux: RouterAux):
-        self.aux = aux
-
-    def on_step_end(self, trainer, metrics: dict[str, Any] | None) -> None:
-        if metrics is None:
-            return
-        mean = self.aux.take()
-        if mean is not None:
-            from kiln.parallel.parallelize import reduce_mean
-
-            metrics["aux_loss"] = float(reduce_mean(mean.reshape(1), trainer.mesh).item())

@@ -35,6 +35,7 @@ from kiln.parallel.mesh import Mesh, check_same_config, init_mesh
 from kiln.parallel.parallelize import full_model, parallelize, strategy_of
 from kiln.parallel.watch import Watch
 from kiln.plan.memory import checkpoint_bytes
+from kiln.plan.threads import apply_threads
 from kiln.state.callback import CheckpointEvery
 from kiln.state.checkpointer import Checkpointer
 from kiln.state.lora_base import KEY as BASE_KEY
@@ -49,7 +50,6 @@ from kiln.train.early_stop import EarlyStop
 from kiln.train.events import EvalEvery
 from kiln.train.rollback import Rollback, host_room
 from kiln.train.spikes import loss_bound
-from kiln.train.threads import apply_threads
 from kiln.train.trainer import Trainer
 
 
@@ -268,7 +268,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     watchers = RunWatchers(cfg, run_dir, device, checkpoint_bytes(n_params), mesh.rank, plain)
     extra, callbacks = list(callbacks), [*watchers.first, EvalEvery(tcfg.eval_every)]
     if getattr(auto_model, "router_aux_coef", None) is not None:  # a mixture of experts: its aux_loss logged
-        from kiln.model.hf_moe import RouterAuxLog
+        from kiln.train.router_aux import RouterAuxLog
 
         callbacks.append(RouterAuxLog(auto_model.router_aux))
     if cfg.data.schedule is not None:  # kiln.data: a curriculum's weights in force join each logging step's metrics
