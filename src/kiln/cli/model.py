@@ -32,8 +32,8 @@ def generate(
     from kiln.errors import ConfigError
     from kiln.model.generate import generate as sample
     from kiln.model.generate import start_ids
+    from kiln.plan.threads import apply_threads
     from kiln.state.weights import load_model
-    from kiln.train.threads import apply_threads
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tok = load_model(run_dir, device)

@@ -152,12 +152,12 @@ def largest_batch(fits_at) -> int:
 
 
 def cpu_rate_for(cfg: RunConfig, n_params: int) -> tuple[float, int] | None:
-    """(fp32 matrix-product FLOP/s, threads) of this machine with the threads the run would use (kiln.train.threads),
+    """(fp32 matrix-product FLOP/s, threads) of this machine with the threads the run would use (kiln.plan.threads),
     measured now; None where it cannot be (no torch)."""
     try:
         import torch
 
-        from kiln.train.threads import cpu_threads
+        from kiln.plan.threads import cpu_threads
     except ImportError:
         return None
     threads = cpu_threads(cfg.train.threads, n_params) or torch.get_num_threads()

@@ -4,8 +4,8 @@ trains on the cores other processes leave idle and samples with 1 thread."""
 import pytest
 import torch
 
-from kiln.train import threads
-from kiln.train.threads import SMALL_MODEL, apply_threads, cpu_threads, idle_of
+from kiln.plan import threads
+from kiln.plan.threads import SMALL_MODEL, apply_threads, cpu_threads, idle_of
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
 
