@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from kiln.cli.app import app, console
+from kiln.cli.app import app, console, err_console
 from kiln.errors import ConfigError
 
 
