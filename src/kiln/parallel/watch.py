@@ -63,6 +63,13 @@ def beat() -> None:
         _active.count += 1
 
 
+def rest() -> None:
+    """Training is over: no progress is counted from here on, so none is judged (rank 0 alone writes model/ and
+    samples while the other ranks wait for it, which a watchdog shorter than that took for a hang)."""
+    if _active is not None:
+        _active.count = 0
+
+
 class Watch:
     frozen_min_s = 3.0  # a peer's heartbeat unmoved this long at least (and watchdog_s / 2) means a stopped process
 

@@ -33,7 +33,7 @@ from kiln.monitor.watchers import RunWatchers
 from kiln.parallel.materialize import build_model
 from kiln.parallel.mesh import Mesh, check_same_config, init_mesh
 from kiln.parallel.parallelize import full_model, parallelize, strategy_of
-from kiln.parallel.watch import Watch
+from kiln.parallel.watch import Watch, rest
 from kiln.plan.memory import checkpoint_bytes
 from kiln.plan.threads import apply_threads
 from kiln.state.callback import CheckpointEvery
@@ -338,6 +338,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         final = train_guarded(trainer, checkpointer, guard, run_dir, console.print)
     finally:
         watchers.close()
+        rest()  # kiln.parallel watchdog: training is over
     if final is None:  # preempted: the checkpoint is written, nothing else to do
         return run_dir
     if final:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import torch.distributed as dist
 
 from kiln.parallel.peers import FAILED_NOTE, note_failure
-from kiln.parallel.watch import ACK_WAIT_S, HANG_EXIT_CODE, Watch, _bounded, lost_peer
+from kiln.parallel.watch import ACK_WAIT_S, HANG_EXIT_CODE, Watch, _bounded, lost_peer, rest
 
 
 def _watch(rank: int, store, watchdog_s: float = 0.0) -> tuple[Watch, threading.Event, list]:
@@ -225,3 +225,15 @@ def test_a_rank_stopping_for_a_failure_on_another_node_repeats_its_error(capsys,
            "exist" in capsys.readouterr().err
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # one node: the error follows in the same log
     assert w0._where("rank 1", "ValueError: x") == "rank 1 failed (its error follows)"
+
+
+def test_nothing_is_judged_once_training_is_over(monkeypatch):
+    """Rank 0 writes model/ and samples alone while the others wait: a watchdog shorter than that named a hang in a
+    run that had finished."""
+    import kiln.parallel.watch as watch
+
+    w = _stalled(1, watchdog_s=1.0)
+    monkeypatch.setattr(watch, "_active", w)  # as Watch.start makes it, without its threads
+    assert w.verdict(100.0) is not None  # still training: a stall is judged
+    rest()  # as kiln.train.run says once training is over
+    assert w.verdict(200.0) is None
