@@ -73,6 +73,7 @@ def test_too_many_rollbacks_stop_with_the_good_state_saved_and_the_samples_named
     said: list[str] = []
     with pytest.raises(TrainingError) as err:
         train_guarded(t, ck, SignalGuard(said.append), cfg_dir, said.append)
+    t.events.end_run(t, err.value)  # as kiln.events.RunEnd does: metrics.jsonl is closed (no unclosed file later)
     msg = str(err.value)
     # step 6 goes bad on samples 20..23, then (those passed over) on 24..27, then on 28..31: the third stops it
     assert "3 bad steps within 100 steps" in msg and "recovery.max_rollbacks=2" in msg
