@@ -18,7 +18,7 @@ for _verbs in ("train", "data", "model", "runs", "launch"):  # each adds its ver
 
 
 def main() -> None:
-    from kiln.start_signals import stop_while_starting
+    from kiln.start_signals import started, stop_while_starting
     from kiln.streams import keep_writing
 
     stop_while_starting()  # a signal while the libraries load says so (kiln.start_signals)
@@ -39,4 +39,6 @@ def main() -> None:
     except KeyboardInterrupt:
         err_console.print("interrupted")
         sys.exit(130)
+    finally:
+        started()  # a command that ended before it took the signals over gives them back too
 
