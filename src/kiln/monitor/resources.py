@@ -17,8 +17,8 @@ down for heat or power. Each condition warns once, and the data wait and host me
 they have recovered (said too), so a slowdown late in a run is reported as one early on is.
 
 Beside the sample, each logging step's metrics get this process's peak resident memory since the last
-record (`sys/peak_rss_gib`, read in the loop: the sample is taken after the record and reports the
-interval before it).
+record (`sys/peak_rss_gib`, `PeakRss`: read in the loop, where the sample is taken after the record and
+reports the interval before it).
 """
 
 from __future__ import annotations
@@ -49,34 +49,43 @@ def percent(fraction: float) -> str:
     return f"{fraction * 100:.3g}%"
 
 
+def _status_kb(field: str) -> int | None:
+    """A `kB` field of /proc/self/status (Linux), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1))
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
 class PeakRss:
-    """This process's peak resident memory since the last `read` (Linux: VmHWM of /proc/self/status, reset by
-    writing 5 to /proc/self/clear_refs); elsewhere, or where the reset is refused, the peak since it started."""
+    """This process's peak resident memory since the last `read`, without touching the process's own lifetime peak
+    (which `/usr/bin/time` and the scheduler's accounting report): when the lifetime peak (VmHWM) rose since the last
+    read, the new high came in this interval and is the answer; else the highest of the resident sizes `poll` saw
+    (the monitor's thread polls every POLL_S seconds) and the one now. None off Linux."""
+
+    POLL_S = 0.2
 
     def __init__(self):
-        self.resets = True
+        self.hwm = 0  # kB: the lifetime peak at the last read
+        self.polled = 0  # kB: the highest resident size polled since the last read
+        self._lock = threading.Lock()
+
+    def poll(self) -> None:
+        now = _status_kb("VmRSS")
+        if now is not None:
+            with self._lock:
+                self.polled = max(self.polled, now)
 
     def read(self) -> float | None:
         """GiB, or None when it cannot be read."""
-        try:
-            with open("/proc/self/status") as f:
-                kb = int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1))
-        except (OSError, AttributeError, ValueError):
-            try:
-                import resource
-                import sys
-
-                peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux, bytes on macOS
-                return peak / (2**30 if sys.platform == "darwin" else 2**20)
-            except (ImportError, OSError):
-                return None
-        if self.resets:
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-            except OSError:
-                self.resets = False
-        return kb / 2**20
+        hwm, now = _status_kb("VmHWM"), _status_kb("VmRSS")
+        if hwm is None or now is None:
+            return None
+        with self._lock:
+            peak = hwm if hwm > self.hwm else max(self.polled, now)
+            self.hwm, self.polled = hwm, 0
+        return peak / 2**20
 
 
 class DataWait:
@@ -220,7 +229,9 @@ class ResourceMonitor(Callback):
 
     def _loop(self) -> None:
         while True:
-            self._wake.wait()
+            if not self._wake.wait(self.peak.POLL_S):  # between samples: the process's resident size, for its peak
+                self.peak.poll()
+                continue
             self._wake.clear()
             if self._stop.is_set():
                 return

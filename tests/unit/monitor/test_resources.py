@@ -212,3 +212,26 @@ def test_a_run_warns_before_a_save_that_leaves_no_room_for_the_next(tmp_path, mo
     assert [w["condition"] for w in warnings] == ["disk"]  # once, though every save was tight
     assert "before the checkpoint of step 2" in warnings[0]["message"]
     assert all("sys/rss_gib" in r for r in rows if r["event"] == "train")
+
+
+def test_the_peak_resident_memory_is_each_intervals_own_and_the_process_lifetime_peak_stays():
+    """A record reports the peak of its interval (an allocation made and freed in it), the next one the lower level
+    after it; the process's lifetime peak, which /usr/bin/time and schedulers report, is left as it is."""
+    import resource
+    import sys
+
+    from kiln.monitor.resources import PeakRss
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/self/status")
+    peak = PeakRss()
+    peak.read()
+    lifetime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    block = bytearray(lifetime * 1024 + (256 << 20))  # beyond any earlier high of this process
+    block[::4096] = b"x" * len(block[::4096])  # touch every page: resident
+    del block
+    high = peak.read()
+    assert high * 2**20 > lifetime + (200 << 10)  # the freed block's high, in this interval
+    after = peak.read()  # no new high since: the polled and present sizes
+    assert after < high - 0.15
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 >= high * 2**30 * 0.99  # not reset
