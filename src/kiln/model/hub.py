@@ -84,7 +84,7 @@ def local_model_dir(spec: str, allow_pickle: bool = False, log: Callable[[str], 
                               f"({cache}){local}. Unset HF_HUB_OFFLINE to download it, or set HF_HUB_CACHE or "
                               "HF_HOME to the cache that holds it") from None
         raise ConfigError(f"model.init_from={spec}: {where} could not be downloaded and is not in the local cache "
-                          f"({cache}); check the network (HF_ENDPOINT), or give a local directory") from None
+                          f"({cache}){local}; check the network (HF_ENDPOINT), or give a local directory") from None
     except GatedRepoError:
         raise ConfigError(f"model.init_from={spec}: {repo} is gated: accept its license on the Hub and log in "
                           "(`hf auth login`, or HF_TOKEN)") from None
