@@ -19,6 +19,8 @@ leaving the tensors as they were allocated (uninitialised memory, written out or
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import io
 import pickle
 import warnings
@@ -46,8 +48,10 @@ def _admitted(module: str, name: str) -> Any | None:
 
     if module in _METADATA_MODULES:
         obj = getattr(importlib.import_module(module), name, None)
-        # a dataclass or enum defined in that module (not a function, nor a name it imported from elsewhere)
-        return obj if isinstance(obj, type) and obj.__module__ == module else None
+        # a dataclass or enum defined in that module, which holds values only (not a reader or writer of files, a
+        # function, nor a name it imported from elsewhere)
+        plain = isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
+        return obj if plain and obj.__module__ == module and "Reader" not in name and "Writer" not in name else None
     if module == "torch":
         obj = getattr(torch, name, None)
         return obj if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)) else None

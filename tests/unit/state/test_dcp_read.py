@@ -115,3 +115,16 @@ def test_metadata_of_every_checkpoint_kind_is_admitted(trainer_factory):
     metadata = SafeFileSystemReader(str(ckpt)).read_metadata()
     assert saved_names(metadata, "model") == set(trainer.model.state_dict())
     assert pickle.loads((ckpt / ".metadata").read_bytes()).state_dict_metadata == metadata.state_dict_metadata
+
+
+@pytest.mark.parametrize("module,name", [("builtins", "eval"), ("os", "system"), ("subprocess", "Popen"),
+                                         ("torch.distributed.checkpoint.filesystem", "FileSystemWriter"),
+                                         ("torch", "load"), ("torch.serialization", "load")])
+def test_only_metadata_classes_are_admitted(module, name):
+    import io
+
+    from kiln.state.dcp_read import MetadataUnpickler
+
+    crafted = f"c{module}\n{name}\n(tR.".encode()  # protocol 0: GLOBAL module.name, called with no arguments
+    with pytest.raises(UnsafeCheckpoint, match=f"names {module}.{name}"):
+        MetadataUnpickler(io.BytesIO(crafted)).load()
