@@ -6,7 +6,8 @@ a rank and says what it is doing, in words (`state_words`). Linux only; elsewher
 
 torchrun learns first, and alone, how a worker ended (its exit code or signal). Kiln's torchrun writes it to the
 file named by FAILED_NOTE before it stops the other workers (kiln.parallel.launch.torchrun), so that they say
-"rank 1 was killed by SIGKILL" rather than take torchrun's SIGTERM for a preemption (`failed_note`).
+"rank 1 was killed by SIGKILL" rather than take torchrun's SIGTERM for a preemption (`failed_note`), and a
+collective broken by it for an error of their own (`lost_peer`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import os
 import time
 from pathlib import Path
 
+from kiln.parallel.env import env_int
+
+LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
+        "ECONNRESET", "EPIPE")  # a collective's error when a peer's process has ended
 FAILED_NOTE = "KILN_FAILED_FILE"  # environment: where torchrun notes how a worker ended, before it stops the others
 STATES = {  # /proc/PID/stat's state letter: what the process does, in words
     "T": "stopped (SIGSTOP, SIGTSTP or Ctrl-Z; `kill -CONT {pid}` lets it go on)",
@@ -101,3 +106,27 @@ def failed_note(wait_s: float = 0.0) -> str | None:
         if time.monotonic() >= end:
             return None
         time.sleep(0.05)
+
+
+def broken_by_a_lost_peer(error: BaseException) -> bool:
+    """Whether `error` is a collective broken because a peer's process ended (gloo's "Connection reset by peer")."""
+    return isinstance(error, RuntimeError) and any(s in str(error) for s in LOST)
+
+
+def lost_peer(error: BaseException, rank: int, world: int) -> str | None:
+    """Why this rank stops, in words, if `error` is a collective broken because a peer's process ended (gloo's
+    "Connection reset by peer"); None for any other error. Torchrun's note says which rank ended and how; without
+    it (a peer on another node), the kernel of this node is asked which sibling process is gone."""
+    if not broken_by_a_lost_peer(error):
+        return None
+    text = str(error)
+    note = failed_note(wait_s=3.0)  # torchrun sees a worker end within its monitor interval (0.1 s)
+    if note:
+        return note
+    local = max(1, env_int("LOCAL_WORLD_SIZE", world))
+    node = range(rank // local * local, min(world, (rank // local + 1) * local))
+    gone = [r for r in node if r != rank and (peer_state(r) or (0, "X"))[1] in "ZX"] if os.path.isdir("/proc") else []
+    if gone:
+        return f"rank {gone[0]}'s process ended (a collective with it broke here; torchrun's summary says how)"
+    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return f"a process of this job ended, on another node (a collective with it broke here: {first[:200]})"

@@ -42,6 +42,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from kiln.parallel.env import env_int
+from kiln.parallel.peers import broken_by_a_lost_peer, lost_peer, peer_state, process_state, state_words
 
 POLL_S = 0.5
 ACK_WAIT_S = 4 * POLL_S + 1.0  # how long a failing rank waits for the others to see its failure
@@ -51,8 +52,6 @@ HANG_EXIT_CODE = 124  # as timeout(1) and kiln.monitor.hang: the job stopped bec
 HUNG = "hung: "  # a recorded failure that is the watchdog's verdict ("rank R: hung: why")
 STOPPED = ("Interrupted:", "KeyboardInterrupt:")  # a rank's "failure" that is a SIGTERM/SIGINT (kiln.state.preempt)
 TIMED_OUT = ("Timed out waiting", "timed out after", "Socket Timeout")  # a collective's error at dist.timeout_s
-LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
-        "ECONNRESET", "EPIPE")  # a collective's error when a peer's process has ended
 
 _active: Watch | None = None
 
@@ -139,7 +138,7 @@ class Watch:
         if broken_by_a_lost_peer(error):
             with contextlib.suppress(ValueError):  # torchrun's SIGTERM to the survivors: this rank is stopping
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        lost = lost_peer(error)
+        lost = lost_peer(error, self.rank, self.world)
         if lost is not None:
             self._stop.set()
             print(f"rank {self.rank}: stopping, because {lost}", file=sys.stderr, flush=True)
@@ -155,7 +154,6 @@ class Watch:
         """A collective of this rank waited dist.timeout_s for the others: say so in a line, naming the rank whose
         process this node sees stopped or stuck in the kernel, and stop with HANG_EXIT_CODE."""
         from kiln.parallel.launch.torchrun import record_error
-        from kiln.parallel.peers import peer_state, state_words
 
         stuck = [r for r in range(self.world) if r != self.rank and (peer_state(r) or (0, ""))[1] in "TtD"]
         first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
@@ -227,8 +225,6 @@ class Watch:
     # ------------------------------------------------------------------ watch thread: the store
 
     def _loop(self) -> None:
-        from kiln.parallel.peers import peer_state, process_state
-
         host = peer_state(self.store_host) if self.store_host not in (None, self.rank) else None  # on this node
         while not self._stop.wait(POLL_S):
             if host is not None and process_state(host[0]) in (None, "Z", "X"):
@@ -313,7 +309,6 @@ class Watch:
     def _act(self, culprit: int | None, why: str, stuck: list[int]) -> None:
         """Print the verdict (once in the job, where the store can tell) and stop this process."""
         from kiln.parallel.launch.torchrun import record_error
-        from kiln.parallel.peers import state_words
 
         if culprit is not None and culprit != self.rank:
             kernel = state_words(culprit)
@@ -360,33 +355,6 @@ def _bounded(call: Callable[[], object], seconds: float) -> object | None:
     t.start()
     t.join(seconds)
     return out[0] if out else None
-
-
-def broken_by_a_lost_peer(error: BaseException) -> bool:
-    """Whether `error` is a collective broken because a peer's process ended (gloo's "Connection reset by peer")."""
-    return isinstance(error, RuntimeError) and any(s in str(error) for s in LOST)
-
-
-def lost_peer(error: BaseException) -> str | None:
-    """Why this rank stops, in words, if `error` is a collective broken because a peer's process ended (gloo's
-    "Connection reset by peer"); None for any other error. Torchrun's note says which rank ended and how; without
-    it (a peer on another node), the kernel of this node is asked which sibling process is gone."""
-    if not broken_by_a_lost_peer(error):
-        return None
-    text = str(error)
-    from kiln.parallel.peers import failed_note, peer_state
-
-    note = failed_note(wait_s=3.0)  # torchrun sees a worker end within its monitor interval (0.1 s)
-    if note:
-        return note
-    world, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
-    local = max(1, env_int("LOCAL_WORLD_SIZE", world))
-    node = range(rank // local * local, min(world, (rank // local + 1) * local))
-    gone = [r for r in node if r != rank and (peer_state(r) or (0, "X"))[1] in "ZX"] if os.path.isdir("/proc") else []
-    if gone:
-        return f"rank {gone[0]}'s process ended (a collective with it broke here; torchrun's summary says how)"
-    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
-    return f"a process of this job ended, on another node (a collective with it broke here: {first[:200]})"
 
 
 def thread_stacks(skip: tuple[str, ...] = ()) -> str:

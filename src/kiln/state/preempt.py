@@ -152,7 +152,7 @@ def verify_first(trainer, log: Callable[[str], None]) -> bool:
 def emergency_checkpoint(trainer, checkpointer, error: BaseException, log: Callable[[str], None]) -> Path | None:
     """After an unexpected error: checkpoint if the trainer is between steps, else say why not."""
     if checkpointer.distributed:
-        from kiln.parallel.watch import broken_by_a_lost_peer
+        from kiln.parallel.peers import broken_by_a_lost_peer
 
         if broken_by_a_lost_peer(error):  # a peer's process ended: this rank says so as it stops
             return None

@@ -410,6 +410,7 @@ def test_as_a_worker_fails_torchrun_notes_how_says_a_kill_at_once_and_kills_a_st
     import subprocess
     import time
 
+    from kiln.parallel.launch.failures import first_words
     from kiln.parallel.peers import FAILED_NOTE, failed_note, process_state
 
     frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -420,7 +421,7 @@ def test_as_a_worker_fails_torchrun_notes_how_says_a_kill_at_once_and_kills_a_st
             time.sleep(0.05)
         killed = ProcessFailure(local_rank=1, pid=101, exitcode=-9, error_file=str(tmp_path / "none.json"))
         note = tmp_path / "failed"
-        torchrun.first_words({1: killed}, {0: frozen.pid}, note=str(note))
+        first_words({1: killed}, {0: frozen.pid}, note=str(note))
         assert frozen.wait(10) == -signal.SIGKILL
     finally:
         frozen.kill()

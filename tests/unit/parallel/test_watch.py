@@ -4,13 +4,14 @@ watchdog names the rank(s) whose progress is lowest."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from kiln.parallel.peers import FAILED_NOTE, note_failure
-from kiln.parallel.watch import ACK_WAIT_S, HANG_EXIT_CODE, Watch, _bounded, lost_peer, rest
+from kiln.parallel.peers import FAILED_NOTE, lost_peer, note_failure
+from kiln.parallel.watch import ACK_WAIT_S, HANG_EXIT_CODE, Watch, _bounded, rest
 
 
 def _watch(rank: int, store, watchdog_s: float = 0.0) -> tuple[Watch, threading.Event, list]:
@@ -125,10 +126,15 @@ def test_a_collective_broken_by_a_peer_that_died_names_it_from_torchruns_note(mo
     note_failure("rank 1 (pid 7) was killed by SIGKILL", 1)
     w0 = Watch(0, 2, 0.0, store=dist.HashStore())
     error = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:4242: Connection reset by peer")
-    assert w0.report(error) is False  # not shown: no gloo traceback
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert w0.report(error) is False  # not shown: no gloo traceback
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # torchrun's SIGTERM no longer cuts its line short
+    finally:
+        signal.signal(signal.SIGTERM, before)  # ignored, it is inherited by every process the tests start after
     assert capsys.readouterr().err == "rank 0: stopping, because rank 1 (pid 7) was killed by SIGKILL\n"
     assert w0.failure() is None  # nothing recorded: it is no failure of this rank
-    assert lost_peer(RuntimeError("CUDA out of memory")) is None
+    assert lost_peer(RuntimeError("CUDA out of memory"), 0, 2) is None
 
 
 def test_the_failing_rank_leaves_only_once_the_others_have_seen_its_failure(capsys):

@@ -197,73 +197,10 @@ def no_restart_after_kiln_errors(agent_class=None) -> None:
             return result
         return _monitor_workers
 
-    _wrap_agent(agent_class, "_monitor_workers", wrap)
+    wrap_agent(agent_class, "_monitor_workers", wrap)
 
 
-def first_words(failures: dict, running: dict[int, int], note: str | None = None) -> None:
-    """As torchrun sees a worker fail (`failures`: rank -> torchrun's ProcessFailure), before it stops the others
-    (`running`: rank -> pid): note for them how it ended (kiln.parallel.peers: they say so, instead of taking
-    torchrun's SIGTERM for a preemption and a broken collective for an error of their own); say it at once if the
-    worker was killed (no line of its own says so); and kill the workers that are stopped (SIGSTOP): they cannot
-    stop by themselves, and torchrun would wait its whole shutdown timeout for them."""
-    from kiln.parallel.peers import note_failure, process_state
-
-    rank = min(failures, key=lambda r: (failures[r].timestamp, r))
-    failure = failures[rank]
-    data = failure.error_file_data or {}
-    if data.get(SHOWN):
-        hung = data.get(HUNG, -1)
-        what = (f"{'the store' if hung is None else f'rank {hung}'} hung (rank {rank}'s report says so)"
-                if HUNG in data else f"rank {rank} failed (its error is printed)")
-    else:
-        what = ended(rank, failure)
-        if failure.exitcode < 0:
-            print(f"kiln: {what}; the other ranks are stopped", file=sys.stderr, flush=True)
-    note_failure(what, rank, note)
-    for other, pid in sorted(running.items()):
-        if other not in failures and process_state(pid) == "T":
-            print(f"kiln: rank {other} (pid {pid}) is stopped (SIGSTOP or SIGTSTP): killed with SIGKILL, as a stopped "
-                  "process cannot stop by itself", file=sys.stderr, flush=True)
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-
-
-def say_failures_at_once(context_class=None) -> None:
-    """Call `first_words` the moment torchrun finds a worker failed, before it stops the others (it does so
-    within its poll of the processes, before its agent hears of it)."""
-    if context_class is None:
-        from torch.distributed.elastic.multiprocessing.api import SubprocessContext as context_class
-
-    def wrap(capture):
-        def _capture_process_failures(self, done_local_ranks):
-            result = capture(self, done_local_ranks)
-            failures = getattr(self, "_failures", None)
-            if failures and not getattr(self, "_kiln_said", False):
-                self._kiln_said = True
-                ranks = {lr: int(self.envs[lr].get("RANK", lr)) for lr in self.envs}
-                running = {ranks[lr]: h.proc.pid for lr, h in self.subprocess_handlers.items() if lr not in failures}
-                first_words({ranks[lr]: f for lr, f in failures.items()}, running)
-            return result
-        return _capture_process_failures
-
-    _wrap_agent(context_class, "_capture_process_failures", wrap)
-
-
-def forget_failures(agent_class=None) -> None:
-    """The note of a failure (`first_words`) is dropped as torchrun starts the workers again (--max-restarts)."""
-    from kiln.parallel.peers import FAILED_NOTE
-
-    def wrap(initialize):
-        def _initialize_workers(self, worker_group):
-            with contextlib.suppress(OSError):
-                os.remove(os.environ.get(FAILED_NOTE) or "")
-            return initialize(self, worker_group)
-        return _initialize_workers
-
-    _wrap_agent(agent_class, "_initialize_workers", wrap)
-
-
-def _wrap_agent(agent_class, name: str, wrap) -> None:
+def wrap_agent(agent_class, name: str, wrap) -> None:
     """Replace the method `name` of a torchrun class (its agent, LocalElasticAgent, unless given) with `wrap(method)`,
     once. These methods are private to torchrun: where one is absent, torchrun goes on as it is."""
     if agent_class is None:
@@ -291,7 +228,7 @@ def exit_barrier_on_signal(agent_class=None) -> None:
                 raise
         return run_joining_the_exit_barrier
 
-    _wrap_agent(agent_class, "run", wrap)
+    wrap_agent(agent_class, "run", wrap)
 
 
 def join_exit_barrier(agent, timeout_s: float | None = None) -> bool:
@@ -345,7 +282,7 @@ def short_exit_barrier_after_a_stop(agent_class=None) -> None:
                       "(a node lost?), so this one stops without it", file=sys.stderr, flush=True)
         return _exit_barrier
 
-    _wrap_agent(agent_class, "_exit_barrier", wrap)
+    wrap_agent(agent_class, "_exit_barrier", wrap)
 
 
 def quiet_rendezvous_shutdown(handler_class=None) -> None:
@@ -365,7 +302,7 @@ def quiet_rendezvous_shutdown(handler_class=None) -> None:
             return False
         return shutdown_unless_stopped
 
-    _wrap_agent(handler_class, "shutdown", wrap)
+    wrap_agent(handler_class, "shutdown", wrap)
 
 
 # torchrun's log lines (by logger) that kiln's own lines already say: each worker says the signal as it stops, and
@@ -426,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.run import parse_args, run
 
+    from kiln.parallel.launch.failures import forget_failures, say_failures_at_once
     from kiln.parallel.peers import FAILED_NOTE
     from kiln.streams import keep_writing
 
