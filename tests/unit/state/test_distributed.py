@@ -117,3 +117,37 @@ def test_fsdp2_sharded_checkpoint_reshards_to_one_process(two_processes):
     one = make_trainer(run_dir)  # plain tensors in one process, loaded from DTensor shards of two
     Checkpointer(run_dir, one.cfg, {"dataset": "d"}, print).load(one, Path(result["path"]))
     assert run_steps(one, 3) == result["expected"]
+
+
+TIMEOUT_WORKER = r'''
+import sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from kiln.config import RunConfig
+from kiln.state.checkpointer import Checkpointer
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+cfg = RunConfig.model_validate({"train": {"device": "cpu", "run_dir": sys.argv[1]}, "dist": {"timeout_s": 3}})
+ck = Checkpointer(sys.argv[1], cfg, {}, print)
+if dist.get_rank() == 0:
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.zeros(1), group=ck.control_group)  # rank 1 never joins it
+    except Exception:
+        print(f"gave up after {time.monotonic() - t0:.0f} s", flush=True)
+else:
+    time.sleep(40)
+'''
+
+
+@pytest.mark.slow  # torchrun, two processes
+def test_the_checkpoint_groups_wait_dist_timeout_s_not_torchs_30_minutes(tmp_path):
+    """A stopped rank left the others in a checkpoint collective for torch's default 30 minutes."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(TIMEOUT_WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
+           str(tmp_path / "run")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    waited = [line for line in done.stdout.splitlines() if line.startswith("gave up after")]
+    assert waited, done.stdout[-2000:] + done.stderr[-2000:]
+    assert int(waited[0].split()[3]) < 30  # dist.timeout_s=3, with room for a loaded machine
