@@ -322,6 +322,13 @@ class Watch:
             self.exit(EXIT_CODE)
             return
         names = ", ".join(map(str, stuck))
+        reporter = min((r for r in range(self.world) if r != culprit), default=self.rank)
+        if first is None and self.rank != reporter:  # no store to choose one reporter: the first rank after it reports
+            print(f"kiln watchdog (rank {self.rank}): {who} hung: {why}; rank {reporter} prints the report",
+                  file=sys.stderr, flush=True)
+            record_error(f"{who} hung: {why}", HANG_EXIT_CODE, culprit=culprit)
+            self.exit(HANG_EXIT_CODE)
+            return
         if culprit == self.rank:
             print(f"\nkiln watchdog: rank {self.rank} made no progress for {self.watchdog_s:.0f} s (dist.watchdog_s); "
                   f"stuck rank(s): {names}. Stacks of its threads:", file=sys.stderr, flush=True)

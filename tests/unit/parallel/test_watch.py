@@ -243,3 +243,25 @@ def test_nothing_is_judged_once_training_is_over(monkeypatch):
     assert w.verdict(100.0) is not None  # still training: a stall is judged
     rest()  # as kiln.train.run says once training is over
     assert w.verdict(200.0) is None
+
+
+class SilentStore:
+    """A store whose host is stopped: a call never returns (here: for a minute)."""
+
+    def __getattr__(self, name):
+        return lambda *a, **k: threading.Event().wait(60)
+
+
+def test_with_the_store_host_stopped_one_rank_reports_and_the_others_say_a_line(monkeypatch, capsys):
+    """Every rank of a job finds the stopped store host alike, and each printed the whole report with its stacks."""
+    import kiln.parallel.watch as watch
+
+    monkeypatch.setattr(watch, "STORE_CALL_S", 0.2)
+    codes = {}
+    for rank in (1, 2, 3):
+        w = Watch(rank, 4, 10.0, store=SilentStore(), exit_fn=lambda code, r=rank: codes.setdefault(r, code))
+        w._act(0, "it stopped answering", [0])
+    err = capsys.readouterr().err
+    assert codes == {1: HANG_EXIT_CODE, 2: HANG_EXIT_CODE, 3: HANG_EXIT_CODE}
+    assert err.count("Thread MainThread") == 1 and "kiln watchdog (rank 1): rank 0 hung" in err
+    assert "kiln watchdog (rank 3): rank 0 hung: it stopped answering; rank 1 prints the report" in err
