@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 
-from kiln.parallel.launch.torchrun import HUNG, SHOWN, ended, wrap_agent
+from kiln.parallel.launch.agent import HUNG, SHOWN, ended, wrap_agent
 
 
 def first_words(failures: dict, running: dict[int, int], note: str | None = None) -> None:

@@ -57,9 +57,9 @@ import sys
 import tempfile
 import time
 
-SHOWN = "kiln_shown"  # key of the error file: the rank printed this error itself
+from kiln.parallel.launch.agent import HUNG, SHOWN, ended, wrap_agent
+
 EXIT_CODE = "kiln_exit_code"  # key of the error file: the exit code of the process that printed it
-HUNG = "kiln_hung"  # key of the error file: the rank the watchdog found hung (kiln.parallel.watch), its report printed
 DUPLICATE_S = 1.0  # a signal this soon after the same one is the same event delivered twice
 STOPPED = "KILN_STOPPED_FILE"  # environment: where a worker that stopped on a signal writes the signal's name
 PARENT_PID = "KILN_PARENT_PID"  # environment: the pid of the process that started this one (stop_with_parent)
@@ -154,15 +154,6 @@ def summary(error) -> tuple[str, int]:
     return error.format_msg(), failure.exitcode if failure.exitcode > 0 else 1
 
 
-def ended(rank: int, failure) -> str:
-    """How rank `rank`'s worker ended (`failure`: torchrun's ProcessFailure), in words."""
-    if failure.exitcode < 0:
-        name = failure.signal_name()
-        why = " (by hand, or by the kernel when memory ran out: see `dmesg`)" if failure.exitcode == -signal.SIGKILL \
-            else ""
-        return f"rank {rank} (pid {failure.pid}) was killed by {name}{why}"
-    return f"rank {rank} (pid {failure.pid}) exited with code {failure.exitcode}"
-
 
 def stop_once(handler, clock=time.monotonic):
     """torchrun's signal handler (`handler`), less the copies of its first signal: that one raises
@@ -199,18 +190,6 @@ def no_restart_after_kiln_errors(agent_class=None) -> None:
 
     wrap_agent(agent_class, "_monitor_workers", wrap)
 
-
-def wrap_agent(agent_class, name: str, wrap) -> None:
-    """Replace the method `name` of a torchrun class (its agent, LocalElasticAgent, unless given) with `wrap(method)`,
-    once. These methods are private to torchrun: where one is absent, torchrun goes on as it is."""
-    if agent_class is None:
-        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent as agent_class
-    method = getattr(agent_class, name, None)
-    if method is None or getattr(method, "kiln", False):  # absent, or wrapped already
-        return
-    wrapped = wrap(method)
-    wrapped.kiln = True
-    setattr(agent_class, name, wrapped)
 
 
 def exit_barrier_on_signal(agent_class=None) -> None:
