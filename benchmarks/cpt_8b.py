@@ -87,8 +87,9 @@ def run_kiln(base: Path, root: Path, steps: int, data_bytes: int, overrides: lis
     late = [r for r in rows if r["step"] > steps // 3]
     tps = statistics.median(r["tokens_per_s"] for r in late)
     return {"name": "kiln", "tokens_per_s": tps, "mfu": statistics.median(r.get("mfu", 0.0) or 0.0 for r in late),
-            "peak_gib": peak_gib(), "batch": cfg.train.batch_size, "accum": cfg.train.grad_accum,
-            "seq": cfg.train.seq_len,
+            # the peak of the whole run, as the HF side's: each logging step's read resets the device's peak
+            "peak_gib": max([peak_gib(), *(r.get("peak_mem_gib") or 0.0 for r in rows)]),
+            "batch": cfg.train.batch_size, "accum": cfg.train.grad_accum, "seq": cfg.train.seq_len,
             "rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": list(cfg.lora.targets),
             "ac": cfg.train.activation_checkpointing, "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
             "wall_s": round(wall, 1)}

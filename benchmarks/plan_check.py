@@ -55,6 +55,8 @@ def measure(preset: str, steps: int, extra: list[str], root: Path) -> dict:
         def on_step_end(self, trainer, metrics):
             if metrics and trainer.step > steps // 3:
                 seen["tps"].append(metrics["tokens_per_s"])
+            if metrics and trainer.step > 3 and "peak_mem_gib" in metrics:  # the meter's read resets the peak
+                seen["logged"] = max(seen.get("logged", 0), int(metrics["peak_mem_gib"] * 2**30))
             if trainer.step <= 3 and cuda:  # the first steps apart (compilation, the optimizer's state appearing)
                 seen["step_peaks"].append(round(torch.cuda.max_memory_allocated() / 2**30, 2))
                 seen["first_peak"] = max(seen.get("first_peak", 0), torch.cuda.max_memory_allocated())
@@ -62,7 +64,8 @@ def measure(preset: str, steps: int, extra: list[str], root: Path) -> dict:
 
         def on_train_end(self, trainer, metrics):
             if cuda:
-                seen["steady"] = torch.cuda.max_memory_allocated()  # steps 4 to the end
+                # steps 4 to the end: the peaks of the logged intervals (each read resets it) and of the last one
+                seen["steady"] = max(torch.cuda.max_memory_allocated(), seen.get("logged", 0))
                 seen["allocated"] = max(seen["steady"], seen.get("first_peak", 0))
                 seen["reserved"] = torch.cuda.max_memory_reserved()
             raise _Done
