@@ -36,7 +36,7 @@ def score_target(target: str | Path, tasks: Sequence[str], *, include_path: Sequ
         raise ConfigError("--tasks: name at least one lm-eval task, e.g. --tasks hellaswag,arc_easy")
     manager = manager_for(tasks, include_path)
     check_tasks(manager, tasks)  # before the model is loaded
-    t = _auto_target(Path(target).expanduser()) or load_target(target)
+    t = load_target(target)  # any architecture kiln train takes: the native model or transformers (auto)
     dev, joined = _device(device), _join_torchrun(device)
     if joined is not None:
         dev = joined
@@ -79,22 +79,3 @@ def _join_torchrun(device: str) -> torch.device | None:
     dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": dev} if cuda else {}))
     return dev
 
-
-def _auto_target(p: Path):
-    """A Target of a Hugging Face directory whose architecture the native model does not import (None for any
-    other TARGET): the model through transformers (kiln.model.hf_auto), its own tokenizer."""
-    from kiln.config import ModelConfig
-    from kiln.evaluate import Target
-
-    if not (p / "config.json").is_file() or (p / "model_config.json").is_file() or (p / "meta.json").is_file():
-        return None
-    from kiln.model.hf import ARCHITECTURES
-    from kiln.model.hf_import import read_hf_config
-
-    if read_hf_config(p).get("model_type") in ARCHITECTURES:
-        return None
-    from kiln.data.prepare.tokenizer import Tokenizer
-    from kiln.model.hf_auto import auto_config, build_auto
-
-    cfg = auto_config(ModelConfig(init_from=str(p), hf_class="auto"))
-    return Target(build_auto(cfg), Tokenizer.load(p), "hf", p, None, default_out=p.with_name(p.name + ".eval.json"))
