@@ -79,6 +79,10 @@ def export(
 
     if private and not push_to_hub:
         raise ConfigError("--private applies to --push-to-hub: give the repository to create as OWNER/NAME")
+    if push_to_hub:
+        from kiln.state.hub import check_repo
+
+        check_repo(push_to_hub)  # before the export's work
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ExportWarning)
         out = export_from(source, to, dtype, tokenizer, adapters=adapters, repo=push_to_hub)

@@ -15,10 +15,10 @@ from pathlib import Path
 from kiln.errors import StateError
 
 
-def push_to_hub(folder: str | Path, repo: str, private: bool = False, message: str | None = None) -> str:
-    """Upload `folder` to the Hub model repository `repo` (created if missing); the URL of its commit."""
+def check_repo(repo: str) -> None:
+    """A StateError unless huggingface_hub is installed and `repo` is a Hub repository id OWNER/NAME: said before an
+    export's work, not after it."""
     try:
-        from huggingface_hub import HfApi
         from huggingface_hub.utils import HFValidationError, validate_repo_id
     except ImportError:
         raise StateError("--push-to-hub needs huggingface_hub: pip install 'kiln[hf]'") from None
@@ -28,6 +28,13 @@ def push_to_hub(folder: str | Path, repo: str, private: bool = False, message: s
         raise StateError(f"--push-to-hub {repo}: not a Hub repository id ({e}); give OWNER/NAME") from None
     if "/" not in repo:
         raise StateError(f"--push-to-hub {repo}: give the repository as OWNER/NAME (your user or organization name)")
+
+
+def push_to_hub(folder: str | Path, repo: str, private: bool = False, message: str | None = None) -> str:
+    """Upload `folder` to the Hub model repository `repo` (created if missing); the URL of its commit."""
+    check_repo(repo)
+    from huggingface_hub import HfApi
+
     api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)  # read now: huggingface_hub reads it at its import
     try:
         api.create_repo(repo, private=private, exist_ok=True, repo_type="model")

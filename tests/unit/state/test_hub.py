@@ -80,6 +80,10 @@ def test_push_errors_say_what_to_do(run_dir, hub, tmp_path, monkeypatch):
         push_to_hub(out, "tiny")
     result = CliRunner().invoke(app, ["export", str(run_dir), "--to", str(tmp_path / "x"), "--private"])
     assert isinstance(result.exception, ConfigError) and "--private applies to --push-to-hub" in str(result.exception)
+    # a repository id that cannot be pushed to is refused before the export is written, not after
+    result = CliRunner().invoke(app, ["export", str(run_dir), "--to", str(tmp_path / "y"), "--push-to-hub", "tiny"])
+    assert isinstance(result.exception, StateError) and "as OWNER/NAME" in str(result.exception)
+    assert not (tmp_path / "y").exists()
 
 
 @pytest.mark.slow  # two processes that import torch and transformers
