@@ -142,10 +142,10 @@ def check_exportable(model, say) -> None:
 
 def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: Mesh) -> Path:
     cfg.lora.require_base(cfg.model)
-    if not cfg.model.init_from:
-        check_exportable(cfg.model, console.print)
     if cfg.model.init_from:  # the architecture comes from the Hugging Face directory's config.json
         cfg = with_init_from(cfg, console.print)
+    else:
+        check_exportable(cfg.model, console.print)
     run_dir, may_resume = run_directory(cfg, resume, console.print)
     cfg = derive(cfg, {"train.run_dir": str(run_dir)})
     stops = StopSignals("during start-up", f"stopped before training; nothing in {run_dir} changed. Run the "
