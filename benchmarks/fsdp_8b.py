@@ -428,6 +428,7 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], help="another Kiln job after the HF Trainer's, with "
                     "these overrides (KEY=VALUE, ';' between several), a row of its own (repeatable)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--logs", default=None, help="copy every job's whole output (kiln.log, hf.log, ...) into this folder")
     ap.add_argument("--no-append", action="store_true", help=f"do not append to {RESULTS}")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, stop_jobs)
@@ -462,6 +463,10 @@ def main() -> None:
         if killed:
             print("kill-resume", json.dumps(killed), flush=True)
             print_phases("kiln after SIGKILL", killed["phases"])
+        if args.logs:  # the run directories go with the temporary folder: keep the jobs' output
+            Path(args.logs).mkdir(parents=True, exist_ok=True)
+            for log in root.glob("*.log"):
+                shutil.copy(log, Path(args.logs) / log.name)
     lines = [f"\n## {info['date']}: {args.size}, {args.nproc} x {card}, seq {args.seq}, batch 1/GPU, AC {args.ac}, "
              f"{args.steps} steps (median after {args.warmup})", "", *table(kiln, hf, variants)]
     if "blocked_s" in kiln:
