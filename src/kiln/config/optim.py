@@ -17,4 +17,5 @@ class OptimConfig(Section):
     eps: float = Field(1e-8, gt=0)
     """AdamW epsilon."""
     fused: bool | None = None
-    """Use the fused AdamW kernel; null: on CUDA only."""
+    """Use the fused AdamW kernel; null: on CUDA only, and on the host with train.offload (torch's fused CPU
+    kernel: vectorised, multi-threaded)."""

@@ -77,6 +77,12 @@ class RunConfig(Section):
             out.append((("train.seq_len", "model.max_seq_len"),
                         f"train.seq_len={t.seq_len} is longer than model.max_seq_len={m.max_seq_len}; raise "
                         "model.max_seq_len or shorten train.seq_len"))
+        if t.offload != "none" and self.lora.rank:
+            out.append((("train.offload", "lora.rank"), f"train.offload={t.offload} is for full training; a LoRA run's "
+                        "adapters and their AdamW state are small and stay on the device: remove train.offload"))
+        if t.offload != "none" and m.hf_class != "native":
+            out.append((("train.offload", "model.hf_class"), f"train.offload={t.offload} trains the native model; "
+                        f"model.hf_class={m.hf_class} is not supported with it: set model.hf_class=native"))
         es = t.early_stop
         if es.patience and es.metric not in ("val_loss", "val_ppl", "val_bpb") and \
                 es.metric.split("/", 1)[0] not in self.eval.tasks:

@@ -84,6 +84,14 @@ class TrainConfig(Section):
     """Recompute activations in the backward pass to save memory: 'selective' keeps each block's matrix
     product and attention outputs and recomputes its elementwise ops; 'full' recomputes whole blocks
     (3b on an H100 at batch 8: 61 GiB and 54% MFU selective, 46 GiB and 45% MFU full)."""
+    offload: Literal["none", "optimizer"] = "none"
+    """'optimizer': one GPU trains a model whose fp32 weights and AdamW state do not fit beside it (ZeRO-Offload
+    class): the device keeps the weights in the compute dtype (bf16: 2 bytes a parameter), each gradient goes to
+    pinned host memory as soon as the backward pass makes it, and fp32 master weights, AdamW moments and the
+    step's gradient sums stay in host memory (18 bytes a parameter; checked before the run starts), where a
+    multi-threaded AdamW steps them and the new weights are copied back. Exact: the same updates as 'none'
+    (clipping, accumulation), to the rounding of the compute dtype. One process only, no LoRA, the native model,
+    a fixed train.batch_size. 'none': everything on the device."""
     peak_tflops: float | None = Field(None, gt=0)
     """Peak dense bf16 TFLOP/s of one device for the MFU metric; null looks the GPU up in a table."""
     run_dir: str | None = None
@@ -128,6 +136,9 @@ class TrainConfig(Section):
         elif g is not None and self.grad_accum != 1:  # 1, the default, is what a run's config.yaml records
             out.append((("global_batch_tokens", "grad_accum"), "give train.global_batch_tokens or train.grad_accum, "
                         "not both: the accumulation follows from the global batch and the micro-batch"))
+        if self.offload != "none" and self.batch_size == "auto":
+            out.append((("offload", "batch_size"), f"train.offload={self.offload} needs a fixed train.batch_size "
+                        "(batch_size auto measures steps of the plain path); set train.batch_size=1, say"))
         if self.early_stop.patience and not self.eval_every:
             out.append((("early_stop", "eval_every"), f"train.early_stop.patience={self.early_stop.patience} counts "
                         "evaluations during training, and train.eval_every=0 makes none; set train.eval_every (or "

@@ -81,6 +81,10 @@ def parallelize(model: nn.Module, cfg: RunConfig, m: Mesh, n_params: int | None 
     if n_params is None:
         n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     strategy = strategy or choose_strategy(cfg, m, n_params, log)
+    if tcfg.offload != "none" and strategy != "single":
+        raise ConfigError(f"train.offload={tcfg.offload} runs in one process on one GPU; this run has {m.world} "
+                          f"processes ({strategy}): start one process, or remove train.offload and let FSDP shard "
+                          "the state (dist.cpu_offload offloads it under FSDP)")
     apply_ac(model, tcfg.activation_checkpointing)
     if tcfg.compile:
         # under DDP a whole-model graph is split by torch's compiler at DDP's bucket boundaries (of 1 MB at
@@ -95,6 +99,10 @@ def parallelize(model: nn.Module, cfg: RunConfig, m: Mesh, n_params: int | None 
             log(f"train.compile_scope=model is compiled per block under {strategy} ({per_block})")
             scope = "blocks"
         apply_compile(model, scope=scope)  # in place: state-dict keys stay the same
+    if strategy == "single" and tcfg.offload == "optimizer":  # fp32 masters stay on the host (kiln.parallel.offload)
+        from kiln.parallel.offload import place_model
+
+        return place_model(model, m.device, torch.bfloat16 if uses_bf16(cfg, m.device) else torch.float32)
     if strategy == "single":
         return model.to(m.device)
     if strategy == "ddp":

@@ -122,7 +122,9 @@ class RNGState:
 
 
 def trainer_parts(trainer) -> dict[str, Stateful]:
-    """The state of a `Trainer`, under the fixed keys."""
+    """The state of a `Trainer`, under the fixed keys (an offloaded optimizer's model and optim parts are its own:
+    kiln.parallel.offload)."""
+    offload = getattr(trainer, "offload", None)
     return {
         "model": ModelState(trainer.model),
         "optim": OptimizerState(trainer.model, trainer.optimizer),
@@ -130,6 +132,7 @@ def trainer_parts(trainer) -> dict[str, Stateful]:
         "loader": trainer.train_loader,
         "trainer": trainer,
         "rng": RNGState(),
+        **(offload.parts() if offload is not None else {}),
     }
 
 

@@ -28,6 +28,15 @@ def build_optimizer(model: nn.Module, ocfg: OptimConfig, lr: float, device: torc
                              eps=ocfg.eps, fused=fused)
 
 
+def offload_optimizer(model: nn.Module, ocfg: OptimConfig, lr: float):
+    """AdamW on the host over the fp32 masters of a model placed for offload (kiln.parallel.offload); optim.fused
+    null takes torch's fused CPU kernel (vectorised, multi-threaded)."""
+    from kiln.parallel.offload import OptimizerOffload
+
+    return OptimizerOffload(model, param_groups(model, ocfg.weight_decay), lr, (ocfg.beta1, ocfg.beta2), ocfg.eps,
+                            ocfg.fused)
+
+
 def lr_factor(step: int, tcfg: TrainConfig) -> float:
     """Multiplier of the peak learning rate at optimizer step `step` (0-based)."""
     total, warm, floor = tcfg.max_steps, tcfg.warmup_steps, tcfg.min_lr_ratio

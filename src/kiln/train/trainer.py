@@ -18,7 +18,7 @@ from kiln.parallel.mesh import Mesh, current_mesh
 from kiln.parallel.parallelize import clip_grad_norm, grad_sync, optimizer_device, reduce_mean
 from kiln.parallel.watch import beat
 from kiln.train.oom import OomRetry
-from kiln.train.optim import build_optimizer, build_scheduler
+from kiln.train.optim import build_optimizer, build_scheduler, offload_optimizer
 from kiln.train.rollback import SkipList, host_read, set_lr_scale
 
 
@@ -29,7 +29,10 @@ class Trainer:
         self.cfg, self.model, self.device = cfg, model, device
         self.mesh = mesh or current_mesh(device)  # kiln.parallel: ranks whose metrics are reduced
         self.train_loader, self.val_loader = train_loader, val_loader
-        self.optimizer = build_optimizer(model, cfg.optim, cfg.train.lr, optimizer_device(cfg, device, model))
+        # train.offload: AdamW on the host over fp32 masters (kiln.parallel.offload), else on the device
+        self.offload = offload_optimizer(model, cfg.optim, cfg.train.lr) if cfg.train.offload != "none" else None
+        self.optimizer = self.offload.optimizer if self.offload is not None else \
+            build_optimizer(model, cfg.optim, cfg.train.lr, optimizer_device(cfg, device, model))
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.events = Events(list(callbacks))
         self.step, self.tokens_seen = 0, 0
@@ -121,8 +124,12 @@ class Trainer:
         total = self.oom.run(self, lambda: self._accumulate(batch))
         clip = self.cfg.train.grad_clip
         # parameters without a gradient are skipped; max_norm=inf still measures the norm for the logs
-        gnorm = clip_grad_norm(self.model, clip if clip > 0 else float("inf"))  # kiln.parallel: over every shard
-        self.optimizer.step()
+        max_norm = clip if clip > 0 else float("inf")
+        if self.offload is not None:  # kiln.parallel.offload: norm, clipping and AdamW on the host, weights sent back
+            gnorm = self.offload.step(max_norm)
+        else:
+            gnorm = clip_grad_norm(self.model, max_norm)  # kiln.parallel: over every shard
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total, gnorm

@@ -1,0 +1,141 @@
+"""kiln.parallel.offload: the optimizer in host memory gives the plain path's training, resumes exactly, and says
+what it needs before it starts. On the CPU the "device" weights are a second copy in host memory; the hooks, the
+host thread that sums the gradients, the chunked step and the copies back are the code a GPU run takes."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from kiln.config import load_config
+from kiln.errors import ConfigError, ResourceError
+from kiln.events import Callback
+from kiln.parallel import offload
+from kiln.train.run import run
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("offload")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text = "".join(p.read_text(errors="replace") for p in sorted(stdlib.glob("*.py"))[:20])
+    (root / "corpus").mkdir()
+    for i in range(30):
+        (root / "corpus" / f"{i:03d}.txt").write_text(text[i * 2000:(i + 1) * 2000])
+    return root
+
+
+def args(root: Path, name: str, *extra: str) -> list[str]:
+    """A tiny CPU run of 20 steps: 2 micro-batches of 2 rows a step, clipping at 0.3 (every step clips)."""
+    return ["model.size=tiny", "train.seq_len=32", "train.max_steps=20", "train.warmup_steps=2", "train.batch_size=2",
+            "train.grad_accum=2", "train.grad_clip=0.3", "optim.fused=true", "train.eval_every=0",
+            "train.eval_batches=1", "train.sample_tokens=0", "train.device=cpu", "train.precision=fp32",
+            "checkpoint.every=10", "checkpoint.save_final=false", "logging.every=1", "logging.console=false",
+            "logging.plots=false", f"data.sources=[{root / 'corpus'}]", "data.val_fraction=0.1",
+            "data.vocab_size=512", f"data.cache_dir={root / 'cache'}", f"train.run_dir={root / name}", *extra]
+
+
+def train_records(run_dir: Path) -> dict[int, dict]:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in recs if r["event"] == "train"}
+
+
+class CrashAt(Callback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, trainer, metrics):
+        if trainer.step == self.step:
+            raise RuntimeError("injected failure")
+
+
+def quiet() -> Console:
+    return Console(quiet=True)
+
+
+@pytest.fixture(scope="module")
+def plain(corpus) -> dict[int, dict]:
+    run(load_config(None, args(corpus, "plain")), console=quiet())
+    return train_records(corpus / "plain")
+
+
+def test_offloaded_optimizer_trains_as_the_plain_path_with_accumulation_and_clipping(corpus, plain):
+    seen = {}
+
+    class Look(Callback):
+        def on_train_start(self, trainer):
+            o = trainer.offload
+            seen["hooks"] = len(o._hooks) == len(o.params) == len(list(trainer.model.parameters())) > 0
+            seen["apart"] = all(p.data_ptr() != m.data_ptr() for p, m in zip(o.params, o.masters))
+
+    run(load_config(None, args(corpus, "off", "train.offload=optimizer")), console=quiet(), callbacks=[Look()])
+    off = train_records(corpus / "off")
+    assert seen == {"hooks": True, "apart": True}  # a hook on every parameter; masters apart from the model's
+    assert len(plain) == 20 and min(r["grad_norm"] for r in plain.values()) > 0.3  # every step clipped
+    assert [r["loss"] for r in off.values()] == [r["loss"] for r in plain.values()]  # exact, all 20 steps
+    assert [r["grad_norm"] for r in off.values()] == [r["grad_norm"] for r in plain.values()]
+
+
+@pytest.mark.parametrize("first,then", [("optimizer", "optimizer"), ("none", "optimizer"), ("optimizer", "none")])
+def test_a_crashed_run_resumes_exactly_with_or_without_offload(corpus, plain, first, then):
+    """A crash at step 12 resumes from the step-10 checkpoint; the steps after it log the plain run's losses
+    (the offloaded checkpoint is the usual format: a plain run reads it and the reverse)."""
+    name = f"resume-{first}-{then}"
+    with pytest.raises(RuntimeError, match="injected failure"):
+        run(load_config(None, args(corpus, name, f"train.offload={first}")), console=quiet(), callbacks=[CrashAt(12)])
+    run(load_config(None, args(corpus, name, f"train.offload={then}")), console=quiet(), resume="force")
+    resumed = train_records(corpus / name)
+    assert [resumed[s]["loss"] for s in range(11, 21)] == [plain[s]["loss"] for s in range(11, 21)]
+
+
+def test_the_host_memory_it_needs_is_checked_before_the_run_starts(corpus, monkeypatch):
+    monkeypatch.setattr(offload, "host_available", lambda: 1_000_000)
+    with pytest.raises(ResourceError, match=r"train.offload=optimizer keeps .* in host memory: .* GB .* this machine "
+                                            r"has 0.0 GB available"):
+        run(load_config(None, args(corpus, "small", "train.offload=optimizer")), console=quiet())
+    assert not (corpus / "small" / "checkpoints").exists()
+    need = offload.check_host_memory(8_000_000_000, 2, available=200 * 10**9)
+    assert need == 144 * 10**9  # 18 bytes a parameter
+    with pytest.raises(ResourceError, match="144.0 GB .* 100.0 GB available"):
+        offload.check_host_memory(8_000_000_000, 2, available=100 * 10**9)
+
+
+def test_combinations_it_does_not_take_are_config_errors(corpus):
+    with pytest.raises(ConfigError, match="train.offload=optimizer is for full training"):
+        load_config(None, args(corpus, "x", "train.offload=optimizer", "lora.rank=4", "model.init_from=somewhere"))
+    with pytest.raises(ConfigError, match="needs a fixed train.batch_size"):
+        load_config(None, [*args(corpus, "x", "train.offload=optimizer", "train.batch_size=auto",
+                                 "train.global_batch_tokens=128"), "train.grad_accum=1"])
+
+
+def test_a_step_run_again_after_an_out_of_memory_error_forgets_the_sums_of_the_failed_attempt():
+    """zero_grad (what kiln.train.oom calls before it runs the step again) drops the gradients summed so far: the
+    step's update is that of the second attempt's gradients alone."""
+    torch.manual_seed(0)
+
+    def placed():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        return offload.place_model(model, torch.device("cpu"), torch.float32)
+
+    x = torch.randn(5, 4)
+    models = [placed(), placed()]
+    models[1].load_state_dict(models[0].state_dict())
+    for m, src in zip(getattr(models[1], offload.MASTERS).values(), getattr(models[0], offload.MASTERS).values()):
+        m.copy_(src)
+    offs = [offload.OptimizerOffload(m, [{"params": list(m.parameters()), "weight_decay": 0.0}], 0.1, (0.9, 0.95),
+                                     1e-8) for m in models]
+    models[0](x).sum().backward()  # the failed attempt
+    offs[0].optimizer.zero_grad(set_to_none=True)
+    for m in models:
+        m(x).pow(2).sum().backward()
+    for o in offs:
+        o.step(float("inf"))
+        o.close()
+    for a, b in zip(offs[0].masters, offs[1].masters):
+        assert torch.equal(a, b)
+    assert all(torch.equal(p, m) for p, m in zip(offs[0].params, offs[0].masters))  # the device copy was sent back
