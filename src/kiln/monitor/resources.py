@@ -334,7 +334,7 @@ class ResourceMonitor(Callback):
             self._thread.start()
         self.waits.begin(trainer.step)
         self.peak.read()  # the peaks of start-up (data preparation) are not the first interval's
-        self.request()
+        self._take()  # here, not in the thread: the first logging step's record already has every reading
 
     def on_step_end(self, trainer, metrics: dict[str, Any] | None) -> None:
         if metrics is not None:
