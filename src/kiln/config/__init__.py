@@ -26,6 +26,7 @@ from kiln.config.load import PRESETS_DIR, derive, dotted, load_config, resolve_c
 from kiln.config.logging import LoggingConfig
 from kiln.config.lora import LoraConfig
 from kiln.config.model import ModelConfig, RopeScaling
+from kiln.config.moe import MoEConfig
 from kiln.config.monitor import MonitorConfig, ProfileConfig
 from kiln.config.optim import OptimConfig
 from kiln.config.parallel import DistConfig
@@ -35,7 +36,7 @@ from kiln.config.train import EarlyStopConfig, TrainConfig
 
 __all__ = [
     "PRESETS_DIR", "CheckpointConfig", "DataConfig", "DistConfig", "EarlyStopConfig", "EvalConfig", "LoggingConfig",
-    "LoraConfig",
+    "LoraConfig", "MoEConfig",
     "MixtureEntry", "ModelConfig", "MonitorConfig", "OptimConfig", "Problem", "ProfileConfig", "RecoveryConfig",
     "RopeScaling", "RunConfig", "Section", "TrainConfig", "derive", "describe_fields", "dotted", "load_config",
     "resolve_config_path",

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from kiln.config.base import Problem, Section
+from kiln.config.moe import MoEConfig
 from kiln.sizes import SIZES
 
 
@@ -68,7 +69,12 @@ class ModelConfig(Section):
     """Rotary frequency scaling for longer contexts (Llama 3.1 'llama3', or 'linear'); null: none."""
     sliding_window: int | None = Field(None, ge=1)
     """Each token attends to at most this many latest tokens, itself included (Mistral); null: no limit."""
-    hf_model_type: Literal["llama", "mistral", "qwen2", "nemotron"] | None = None
+    moe: MoEConfig | None = None
+    """A mixture of experts in place of the MLP (see kiln.model.moe; set by init_from for Mixtral, Qwen2-MoE and
+    Qwen3-MoE); null: a dense MLP."""
+    qk_norm: bool = False
+    """RMSNorm over each attention head's queries and keys before the rotary embedding (Qwen3)."""
+    hf_model_type: Literal["llama", "mistral", "qwen2", "nemotron", "mixtral", "qwen2_moe", "qwen3_moe"] | None = None
     """Hugging Face architecture that `kiln export` writes (set by init_from); null: the simplest that fits."""
     init_from: str | None = None
     """A local Hugging Face model directory (config.json + safetensors), or a Hub model id (ORG/NAME[@REVISION],
@@ -109,6 +115,9 @@ class ModelConfig(Section):
         if self.n_heads % self.kv_heads:
             out.append((("n_heads", "n_kv_heads"),
                         f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"))
+        if self.moe is not None and any(i >= self.n_layers for i in self.moe.dense_layers):
+            out.append((("moe", "n_layers"), f"model.moe.dense_layers={self.moe.dense_layers} names a layer beyond "
+                                             f"the model's {self.n_layers}"))
         if self.hf_class == "auto" and not self.init_from:
             out.append((("hf_class", "init_from"), "model.hf_class=auto trains a Hugging Face model directory: set "
                                                    "model.init_from to it (or use hf_class native)"))

@@ -7,6 +7,9 @@ Four architectures map onto the native model (`kiln.model.llama.Transformer`):
     mistral     MistralForCausalLM    sliding_window (where set), head_size
     qwen2       Qwen2ForCausalLM      attention_bias='qkv', tied embeddings in the small ones
     nemotron    NemotronForCausalLM   mlp='relu2' (no gate), norm='layernorm1p', rotary_fraction
+    mixtral     MixtralForCausalLM    moe (top-k renormalised), sliding_window (kiln.model.hf_experts)
+    qwen2_moe   Qwen2MoeForCausalLM   moe with a gated shared expert, attention_bias='qkv'
+    qwen3_moe   Qwen3MoeForCausalLM   moe, qk_norm
 
 A model trained from scratch exports as the first of Llama, Mistral, Nemotron and Qwen2 that holds it (q/k/v
 biases as Llama's attention biases with a zero o_proj bias: transformers would load a Qwen2 directory's
@@ -25,10 +28,12 @@ import torch
 
 from kiln.config import ModelConfig, RopeScaling
 from kiln.errors import StateError
+from kiln.model import hf_experts
 
 _TOP_LEVEL = ("lm_head.",)  # keys HF keeps outside its `model.` submodule
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "nemotron": "NemotronForCausalLM"}
+                 "nemotron": "NemotronForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def hf_model_type(cfg: ModelConfig) -> str:
@@ -49,7 +54,7 @@ def hf_model_type(cfg: ModelConfig) -> str:
 # a model trained from scratch exports as the first of these that holds it: Llama before Qwen2 for q/k/v biases
 # (a zero o_proj bias), since transformers loads a Qwen2 directory's tokenizer as Qwen2Tokenizer, built from
 # the vocabulary with Qwen2's own pre-tokenizer, instead of the tokenizer.json Kiln trained
-FROM_SCRATCH = ("llama", "mistral", "nemotron", "qwen2")
+FROM_SCRATCH = ("llama", "mistral", "nemotron", "qwen2", "mixtral", "qwen3_moe", "qwen2_moe")
 
 
 def export_problem(cfg: ModelConfig) -> str | None:
@@ -74,8 +79,13 @@ def _unsupported(cfg: ModelConfig, kind: str) -> list[str]:
                         rotary_fraction=1.0, rope_scaling=None),
         "qwen2": dict(norm="rmsnorm", mlp="swiglu", attention_bias=("qkv",), mlp_bias=False, rotary_fraction=1.0),
         "nemotron": dict(norm="layernorm1p", mlp="relu2", sliding_window=None, attention_bias=("none", "all")),
+        "mixtral": dict(norm="rmsnorm", mlp="swiglu", attention_bias=("none",), mlp_bias=False, rotary_fraction=1.0,
+                        rope_scaling=None),
+        "qwen2_moe": dict(norm="rmsnorm", mlp="swiglu", attention_bias=("qkv",), mlp_bias=False, rotary_fraction=1.0),
+        "qwen3_moe": dict(norm="rmsnorm", mlp="swiglu", attention_bias=("none", "all"), mlp_bias=False,
+                          rotary_fraction=1.0),
     }[kind]
-    out = []
+    out = hf_experts.moe_problems(cfg, kind)
     for key, allowed in wants.items():
         value = getattr(cfg, key)
         ok = value in allowed if isinstance(allowed, tuple) else value == allowed
@@ -120,9 +130,12 @@ def to_hf_config_dict(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
         out["rms_norm_eps"] = cfg.norm_eps
     if kind in ("llama", "nemotron"):
         out.update(attention_bias=cfg.attention_bias != "none", mlp_bias=cfg.mlp_bias)
-    if kind == "mistral":
+    if kind in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window  # written even when null: Mistral's default is 4096
-    if kind == "qwen2":
+    if kind == "qwen3_moe":
+        out["attention_bias"] = cfg.attention_bias != "none"
+    out.update(hf_experts.moe_to_hf(cfg, kind))
+    if kind in ("qwen2", "qwen2_moe", "qwen3_moe"):
         sliding = cfg.sliding_window is not None
         out.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window,
                    max_window_layers=0 if sliding else cfg.n_layers)
@@ -148,7 +161,8 @@ def _hf_problems(hf: dict[str, Any], kind: str) -> list[str]:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3", "linear", None):
         problems.append(f"rope_type={rope_type} (Kiln has default, linear and llama3)")
-    if kind == "qwen2" and hf.get("use_sliding_window"):
+    problems += hf_experts.moe_hf_problems(hf, kind)
+    if kind in ("qwen2", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window"):
         layer_types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28)
                                                 else "full_attention" for i in range(hf["num_hidden_layers"])]
         if set(layer_types) != {"sliding_attention"}:
@@ -182,7 +196,9 @@ def from_hf_config_dict(hf: dict[str, Any]) -> ModelConfig:
     window = None
     if kind == "mistral":
         window = hf.get("sliding_window", 4096)  # Mistral's default when the key is absent
-    elif kind == "qwen2" and hf.get("use_sliding_window"):
+    elif kind == "mixtral":
+        window = hf.get("sliding_window")
+    elif kind in ("qwen2", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window"):
         window = hf.get("sliding_window", 4096)
     fraction = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5 if kind == "nemotron" else 1.0))
     return ModelConfig(
@@ -194,17 +210,21 @@ def from_hf_config_dict(hf: dict[str, Any]) -> ModelConfig:
         norm_eps=hf.get("norm_eps", 1e-5) if kind == "nemotron" else hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=hf.get("initializer_range", 0.02),
-        attention_bias="qkv" if kind == "qwen2" else ("all" if bias else "none"),
+        attention_bias="qkv" if kind == "qwen2" or (kind == "qwen2_moe" and hf.get("qkv_bias", True))
+        else ("all" if bias else "none"),
         mlp_bias=bool(hf.get("mlp_bias", False)),
         mlp="relu2" if kind == "nemotron" else "swiglu", norm="layernorm1p" if kind == "nemotron" else "rmsnorm",
         rotary_fraction=float(fraction), rope_scaling=scaling, sliding_window=window, hf_model_type=kind,
+        **hf_experts.moe_from_hf(hf, kind),
     )
 
 
-def to_hf_state_dict(state: dict[str, torch.Tensor], tie_embeddings: bool, zero_o_bias: bool = False
-                     ) -> dict[str, torch.Tensor]:
+def to_hf_state_dict(state: dict[str, torch.Tensor], tie_embeddings: bool, zero_o_bias: bool = False,
+                     kind: str | None = None) -> dict[str, torch.Tensor]:
     """Kiln state dict -> Hugging Face state dict (tied: lm_head.weight left out, as HF saves it). `zero_o_bias`:
-    a zero o_proj bias beside each o_proj weight (q/k/v biases written as Llama's attention_bias)."""
+    a zero o_proj bias beside each o_proj weight (q/k/v biases written as Llama's attention_bias). Stacked
+    experts are written one per expert, named as `kind`'s checkpoints name them (kiln.model.hf_experts)."""
+    state = hf_experts.unstack_experts(state, mixtral=kind == "mixtral")
     out = {}
     for key, value in state.items():
         if key == "lm_head.weight" and tie_embeddings:
@@ -227,6 +247,7 @@ def from_hf_state_dict(state: dict[str, torch.Tensor], tie_embeddings: bool) -> 
         if key.endswith("rotary_emb.inv_freq"):
             continue
         out[key.removeprefix("model.")] = value
+    out = hf_experts.stack_experts(out)  # per-expert weights (and Mixtral's block_sparse_moe) as Kiln holds them
     if tie_embeddings:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     elif "lm_head.weight" not in out:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import ModelConfig, RopeScaling
-from kiln.model import loss, masks
+from kiln.model import loss, masks, moe
 from kiln.model.masks import attend
 
 
@@ -112,12 +112,17 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.n_kv * self.hd, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.hd, d, bias=cfg.attention_bias == "all")
         self.rotate = apply_rotary if cfg.rotary_fraction == 1.0 else apply_partial_rotary
+        if cfg.qk_norm:  # Qwen3: each head's queries and keys normalised before rotation
+            self.q_norm, self.k_norm = RMSNorm(self.hd, cfg.norm_eps), RMSNorm(self.hd, cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.hd)  # (B, T, H, hd)
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd)  # (B, T, KV, hd)
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         # rotate in the (B, T, H, hd) layout the projections write: contiguous, so the fused
         # elementwise kernels (and their backward) read and write memory in order
         q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
@@ -129,9 +134,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None):
         super().__init__()
-        d, h, b = cfg.d_model, cfg.mlp_hidden, cfg.mlp_bias
+        d, h, b = cfg.d_model, hidden or cfg.mlp_hidden, cfg.mlp_bias
         self.gate_proj = nn.Linear(d, h, bias=b)
         self.up_proj = nn.Linear(d, h, bias=b)
         self.down_proj = nn.Linear(h, d, bias=b)
@@ -153,17 +158,30 @@ class ReluSquaredMLP(nn.Module):
         return self.down_proj(torch.square(F.relu(self.up_proj(x))))
 
 
+def make_mlp(cfg: ModelConfig, index: int) -> nn.Module:
+    """The MLP of block `index`: a mixture of experts (kiln.model.moe) where model.moe puts one, else dense."""
+    if cfg.moe is not None and index not in cfg.moe.dense_layers:
+        shared = cfg.moe.shared_expert_hidden
+        return moe.SparseMoE(cfg, MLP(cfg, shared) if shared else None)
+    return ReluSquaredMLP(cfg) if cfg.mlp == "relu2" else MLP(cfg)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """forward -> x; a block whose MLP is a mixture of experts returns (x, its router statistics)."""
+
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.input_layernorm = make_norm(cfg)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = make_norm(cfg)
-        self.mlp = ReluSquaredMLP(cfg) if cfg.mlp == "relu2" else MLP(cfg)
+        self.mlp = make_mlp(cfg, index)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        y = self.mlp(self.post_attention_layernorm(x))
+        if isinstance(y, tuple):  # kiln.model.moe: (output, router statistics)
+            return x + y[0], y[1]
+        return x + y
 
 
 class Transformer(nn.Module):
@@ -176,11 +194,13 @@ class Transformer(nn.Module):
         rng = torch.random.get_rng_state()  # so that eager and meta-then-init_weights agree
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        if cfg.moe is not None:  # the router losses of the training forwards, read by kiln.train.router_aux
+            self.router_aux, self.router_z = moe.RouterAux(), moe.RouterAux()
         self.rot_dim = int(cfg.head_dim * cfg.rotary_fraction)  # dims of each head that rotary embeddings turn
         cos, sin = self._rotary(cfg.max_seq_len, self.embed_tokens.weight.device)
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, hd)
@@ -205,13 +225,22 @@ class Transformer(nn.Module):
         order: list = [(self.embed_tokens.weight, normal)]
         for block in self.layers:
             attn, mlp = block.self_attn, block.mlp
-            linears = [attn.q_proj, attn.k_proj, attn.v_proj, getattr(mlp, "gate_proj", None), mlp.up_proj]
-            order += [(lin.weight, normal) for lin in linears if lin is not None]
-            order += [(lin.weight, resid) for lin in (attn.o_proj, mlp.down_proj)]
-            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.up_proj, mlp.down_proj,
-                        getattr(mlp, "gate_proj", None)):
-                if lin is not None and lin.bias is not None:
-                    order.append((lin.bias, nn.init.zeros_))
+            if isinstance(mlp, moe.SparseMoE):  # attention as below, then the router and experts
+                order += [(lin.weight, normal) for lin in (attn.q_proj, attn.k_proj, attn.v_proj)]
+                order += [(attn.o_proj.weight, resid)]
+                order += [(lin.bias, nn.init.zeros_) for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+                          if lin.bias is not None]
+                order += mlp.init_order(normal, resid)
+            else:
+                linears = [attn.q_proj, attn.k_proj, attn.v_proj, getattr(mlp, "gate_proj", None), mlp.up_proj]
+                order += [(lin.weight, normal) for lin in linears if lin is not None]
+                order += [(lin.weight, resid) for lin in (attn.o_proj, mlp.down_proj)]
+                for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.up_proj, mlp.down_proj,
+                            getattr(mlp, "gate_proj", None)):
+                    if lin is not None and lin.bias is not None:
+                        order.append((lin.bias, nn.init.zeros_))
+            if attn.qk_norm:
+                order += _norm_order(attn.q_norm) + _norm_order(attn.k_norm)
             order += _norm_order(block.input_layernorm) + _norm_order(block.post_attention_layernorm)
         order += _norm_order(self.norm)
         if not self.cfg.tie_embeddings:
@@ -236,11 +265,13 @@ class Transformer(nn.Module):
             return self._rotary(T, self.rope_cos.device)
         return self.rope_cos[:T], self.rope_sin[:T]
 
-    def hidden(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
+               stats: list[torch.Tensor] | None = None) -> torch.Tensor:
         """tokens (B, T) -> final normalised hidden states (B, T, d).
 
         doc_ids (B, T), optional: the document of each position within its row; attention then
-        stays inside each document (block-diagonal causal)."""
+        stays inside each document (block-diagonal causal). stats: a list that gets the router
+        statistics of each mixture-of-experts layer (kiln.model.moe)."""
         cos, sin = self._rope(tokens.shape[1])
         x = self.embed_tokens(tokens)  # (B, T, d)
         if torch.is_autocast_enabled(x.device.type):
@@ -250,12 +281,26 @@ class Transformer(nn.Module):
         mask = masks.doc_mask(doc_ids, x.device, self.cfg.sliding_window, tokens.shape[1])  # once, for every layer
         for block in self.layers:
             x = block(x, cos, sin, mask)
+            if isinstance(x, tuple):  # kiln.model.moe: (x, the layer's router statistics)
+                x, layer_stats = x
+                if stats is not None:
+                    stats.append(layer_stats)
         return self.norm(x)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.hidden(tokens, doc_ids)
+        stats: list[torch.Tensor] = []
+        h = self.hidden(tokens, doc_ids, stats)
         if targets is None:
             return self.lm_head(h)  # (B, T, V)
         # chunked: never holds the whole batch's logits; ignore_index=-100 marks positions with no loss
-        return loss.linear_cross_entropy(h, self.lm_head.weight, targets)  # kiln.parallel.compile may wrap it
+        out = loss.linear_cross_entropy(h, self.lm_head.weight, targets)  # kiln.parallel.compile may wrap it
+        if stats and self.training:  # a mixture of experts trains on its router losses too (kiln.model.moe)
+            m = self.cfg.moe
+            aux, z = moe.router_losses(stats, m.n_experts, tokens.numel())
+            self.router_aux.add(aux)
+            out = out + m.aux_loss_coef * aux
+            if m.z_loss_coef:
+                self.router_z.add(z)
+                out = out + m.z_loss_coef * z
+        return out

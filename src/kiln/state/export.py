@@ -47,7 +47,7 @@ def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig
     `dtype` (fp32, bf16 or fp16) casts the floating-point weights, None keeps them as they are. `source`: the
     Hugging Face directory the model came from (default: cfg.init_from), whose other files the export keeps
     (kiln.state.hf_source)."""
-    from kiln.model.hf import to_hf_config_dict, to_hf_state_dict, zero_o_bias
+    from kiln.model.hf import hf_model_type, to_hf_config_dict, to_hf_state_dict, zero_o_bias
     from kiln.state.hf_source import carry_files, same_tokenizer, source_config, written_tokenizer_config
 
     if dtype is not None and dtype not in DTYPES:
@@ -56,7 +56,7 @@ def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", DTYPES[dtype] if dtype and v.is_floating_point() else v.dtype).contiguous()
-               for k, v in to_hf_state_dict(state, cfg.tie_embeddings, zero_o_bias(cfg)).items()}
+               for k, v in to_hf_state_dict(state, cfg.tie_embeddings, zero_o_bias(cfg), hf_model_type(cfg)).items()}
     specials = _special_ids(tokenizer)
     name = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     config = to_hf_config_dict(cfg, **specials, dtype=name, torch_dtype=name)
