@@ -46,8 +46,16 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 
 def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """`grouped_mm` as a loop over the groups' row ranges (the CPU, fp32, older GPUs): the same products."""
-    sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()  # one host read of the group sizes
+    """`grouped_mm` as a loop over the groups (the CPU, fp32, older GPUs): the same products. Eager: each group's
+    row range (one host read of the sizes). Compiled: every group's product of every row, each row keeping its
+    own group's (G times the work, but static shapes and no host read, so the graph stays whole)."""
+    if torch.compiler.is_compiling():
+        group = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=offs.dtype), right=True)
+        out = x.new_zeros(x.shape[0], w.shape[1])
+        for g in range(w.shape[0]):
+            out = torch.where((group == g)[:, None], F.linear(x, w[g]), out)
+        return out
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
     return torch.cat([F.linear(rows, w[g]) for g, rows in enumerate(x.split(sizes))])
 
 
@@ -154,7 +162,7 @@ def router_losses(stats: list[torch.Tensor], n_experts: int, tokens: int) -> tup
 
     Load balancing as transformers' load_balancing_loss_func: with f_e the share of all top-k assignments of
     every layer's tokens that went to expert e (times k) and P_e its mean router probability over them,
-    E * sum_e f_e P_e (1.0 when perfectly balanced, whatever k). Z-loss: the mean over layers and tokens."""
+    E * sum_e f_e P_e (k when perfectly balanced). Z-loss: the mean over layers and tokens."""
     total = torch.stack(stats).sum(dim=0)
     rows = tokens * len(stats)
     counts, probs, z = total[:n_experts], total[n_experts:2 * n_experts], total[-1]

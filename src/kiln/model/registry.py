@@ -10,11 +10,12 @@ from kiln.sizes import SIZES
 if TYPE_CHECKING:
     from kiln.config import ModelConfig
 
-__all__ = ["SIZES", "flops_per_token", "param_count"]
+__all__ = ["SIZES", "active_param_count", "flops_per_token", "param_count"]
 
 
-def param_count(cfg: ModelConfig, vocab_size: int | None = None) -> int:
-    """Exact number of parameters of `Transformer(cfg)` (tied embeddings counted once)."""
+def param_count(cfg: ModelConfig, vocab_size: int | None = None, active: bool = False) -> int:
+    """Exact number of parameters of `Transformer(cfg)` (tied embeddings counted once). `active`: a mixture of
+    experts counts the top_k experts a token goes through, not all of them (the router and shared expert too)."""
     v = vocab_size or cfg.vocab_size
     if v is None:
         raise ValueError("param_count needs a vocabulary size")
@@ -24,18 +25,33 @@ def param_count(cfg: ModelConfig, vocab_size: int | None = None) -> int:
     gated = cfg.mlp == "swiglu"
     mlp = (3 if gated else 2) * d * h + ((2 if gated else 1) * h + d if cfg.mlp_bias else 0)
     norm = 2 * d if cfg.norm == "layernorm1p" else d  # LayerNorm1p has a bias
-    per_layer = attn + mlp + 2 * norm
+    attn += 2 * cfg.head_dim if cfg.qk_norm else 0
+    per_layer = attn + 2 * norm
     embed = v * d * (1 if cfg.tie_embeddings else 2)
-    return embed + cfg.n_layers * per_layer + norm  # final norm
+    m = cfg.moe
+    dense = cfg.n_layers if m is None else len(set(m.dense_layers))
+    total = embed + cfg.n_layers * per_layer + dense * mlp + norm  # final norm
+    if m is not None:
+        experts = m.top_k if active else m.n_experts
+        shared = 3 * d * m.shared_expert_hidden + d if m.shared_expert_hidden else 0  # its MLP and its gate
+        total += (cfg.n_layers - dense) * (d * m.n_experts + experts * 3 * d * m.expert_hidden + shared)
+    return total
+
+
+def active_param_count(cfg: ModelConfig, vocab_size: int | None = None) -> int:
+    """Parameters one token goes through: all of them, or with a mixture of experts its top_k experts alone."""
+    return param_count(cfg, vocab_size, active=True)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, vocab_size: int | None = None) -> float:
     """Training FLOPs per token, 6*N + 12*L*d*T, with N the parameters that do matrix products.
 
     N leaves out the input embedding table (a lookup), but keeps the output projection; with tied
-    embeddings the shared matrix counts once. The second term is attention's score and value
-    products (forward and backward) for a causal model of context T, as in the PaLM paper.
+    embeddings the shared matrix counts once. A mixture of experts counts its active parameters (the
+    router, the top_k experts, a shared expert): MFU is of the products each token makes. The second
+    term is attention's score and value products (forward and backward) for a causal model of context
+    T, as in the PaLM paper.
     """
     v = vocab_size or cfg.vocab_size
-    n = param_count(cfg, v) - (0 if cfg.tie_embeddings else v * cfg.d_model)
+    n = active_param_count(cfg, v) - (0 if cfg.tie_embeddings else v * cfg.d_model)
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.d_model * seq_len

@@ -25,7 +25,7 @@ from kiln.model.lora import (
     trainable_summary,
     training_bytes,
 )
-from kiln.model.registry import flops_per_token, param_count
+from kiln.model.registry import active_param_count, flops_per_token, param_count
 from kiln.monitor.plots import PlotAtEnd
 from kiln.monitor.profile import ProfileWindow
 from kiln.monitor.sinks import ConsoleSink, JsonlSink, enabled_sinks
@@ -228,6 +228,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         n_params, flops = param_count(cfg.model), flops_per_token(cfg.model, tcfg.seq_len)
         memory_params = n_params  # what dist.strategy=auto weighs, in fp32-trained parameters (16 bytes each)
         shape = f"{cfg.model.n_layers} layers, d={cfg.model.d_model}"
+        if cfg.model.moe is not None:  # kiln.model.moe: FLOPs (MFU) count the parameters each token goes through
+            m = cfg.model.moe
+            shape += (f"; {m.n_experts} experts, top {m.top_k}: {active_param_count(cfg.model) / 1e6:.2f}M active; "
+                      f"loss + {m.aux_loss_coef:g} x the load-balancing loss (aux_loss)")
     threads = apply_threads(tcfg.threads, device, n_params)  # CPU only
     console.print(f"model: {n_params / 1e6:.2f}M parameters ({shape}) "
                   f"on {device}" + (f" x {mesh.world} processes" if mesh.distributed else "")
@@ -278,6 +282,12 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         from kiln.train.router_aux import RouterAuxLog
 
         callbacks.append(RouterAuxLog(auto_model.router_aux))
+    elif cfg.model.moe is not None and cfg.model.hf_class == "native":  # kiln.model.moe: aux_loss, router_z_loss
+        from kiln.parallel.parallelize import unwrap
+        from kiln.train.router_aux import RouterAuxLog
+
+        native = unwrap(model)
+        callbacks.append(RouterAuxLog(native.router_aux, native.router_z if cfg.model.moe.z_loss_coef else None))
     if cfg.data.schedule is not None:  # kiln.data: a curriculum's weights in force join each logging step's metrics
         from kiln.data.load.schedule import ScheduleLog
 

@@ -13,7 +13,8 @@ def _line(text: str, key: str) -> str:
 def test_types_and_defaults_read_as_yaml():
     text = describe_fields()
     assert _line(text, "train.batch_size").strip().startswith("train.batch_size (int or auto, default 8): ")
-    assert "(llama, mistral, qwen2, nemotron or null, default null)" in _line(text, "model.hf_model_type")
+    assert "(llama, mistral, qwen2, nemotron, " in _line(text, "model.hf_model_type")  # a literal's choices, listed
+    assert " or null, default null)" in _line(text, "model.hf_model_type")
     assert "(bool, default true)" in _line(text, "model.tie_embeddings")
     assert "(float, > 0, <= 1, default 0.002): Peak learning rate" in _line(text, "train.lr")
     assert '(list of str, default ["@stdlib"])' in _line(text, "data.sources")
