@@ -1,0 +1,290 @@
+"""A Qwen3-MoE-shaped mixture of experts with FSDP2 on N GPUs: Kiln beside the Hugging Face Trainer, in one call.
+
+    python benchmarks/moe.py --nproc 4                                  # the 4-GPU measurement (20 layers, below)
+    python benchmarks/moe.py --nproc 1 --shape small --seq 2048          # one GPU, a small MoE
+    python benchmarks/moe.py --shape tiny --device cpu --nproc 1 --steps 3 --seq 32   # a smoke test
+
+Shapes (per layer as Qwen3-30B-A3B: d 2048, 32 query / 4 key-value heads of 128 with q/k norms, 128 experts of
+hidden 768, top 8 renormalised, vocab 151936, untied):
+    30b-a3b  --layers 20 by default: 13.1B parameters, 1.5B active per token. The whole 48 layers (30.5B) do not
+             fit 4 x 80 GB with fp32 weights, gradients and AdamW moments (16 bytes a parameter: 490 GB), on either
+             side; 20 layers take 52 GB a GPU of them, beside the gathered layers and the activations.
+    small    d 512, 8 layers, 16 experts of 256, top 4, vocab 32000 (one GPU).
+    tiny     d 64, 2 layers, 4 experts, top 2 (the CPU smoke test).
+
+(a) Kiln: `kiln train --nproc N`, the native model with model.moe (router, stacked experts, grouped GEMMs), the
+    load-balancing loss (coefficient 0.001) in the objective, dist.strategy=fsdp (each block sharded, its
+    experts with it), batch 1 per GPU, bf16, compile per block (GPU), activation checkpointing --ac, random init,
+    on the standard library corpus (tokenized once into --cache-dir).
+(b) The Hugging Face Trainer: Qwen3MoeForCausalLM of the same config (transformers' default experts
+    implementation, grouped_mm where it dispatches; output_router_logits on, so it trains on the same
+    load-balancing term), random init, bf16, fused AdamW, batch 1 per GPU, FSDP2 through accelerate wrapping each
+    Qwen3MoeDecoderLayer, its own activation checkpointing; random token ids; steps timed by a callback.
+
+tokens/s per GPU and MFU are medians over the steps after --warmup; both MFUs count the active parameters (the
+router and the top-k experts: kiln.model.registry.flops_per_token) and the card's peak. Peak memory is
+torch.cuda.max_memory_allocated from the first training step on. The table is printed and appended, dated and
+with the card's name, to benchmarks/results/moe.md; --json writes the numbers.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if not __package__:  # python benchmarks/moe.py: import the folder as the package, as python -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import tempfile
+import time
+
+from benchmarks.fsdp_8b import Job, fmt, kiln_phases, peak_flops, print_phases, stop_jobs, train_records
+
+RESULTS = Path(__file__).parent / "results" / "moe.md"
+
+SHAPES = {  # d, layers, heads, kv heads, head dim, experts, top k, expert hidden, vocab
+    "30b-a3b": dict(d=2048, layers=48, heads=32, kv=4, head=128, experts=128, top_k=8, hidden=768, vocab=151936),
+    "small": dict(d=512, layers=8, heads=8, kv=2, head=64, experts=16, top_k=4, hidden=256, vocab=32000),
+    "tiny": dict(d=64, layers=2, heads=4, kv=2, head=16, experts=4, top_k=2, hidden=32, vocab=512),
+}
+DEFAULT_LAYERS = {"30b-a3b": 20}
+
+HF_WORKER = r'''
+import json, os, statistics, sys, time
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+a = json.loads(sys.argv[1])
+s = a["shape"]
+cuda = a["device"] == "cuda"
+t_start = time.time()
+cfg = Qwen3MoeConfig(vocab_size=s["vocab"], hidden_size=s["d"], intermediate_size=4 * s["d"],
+                     num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv"],
+                     head_dim=s["head"], num_experts=s["experts"], num_experts_per_tok=s["top_k"],
+                     moe_intermediate_size=s["hidden"], norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                     max_position_embeddings=a["seq"], rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                     output_router_logits=True, router_aux_loss_coef=0.001, use_cache=False)
+cfg._attn_implementation = "sdpa"
+torch.manual_seed(0)
+device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+if cuda:
+    torch.cuda.set_device(device)
+with device:  # fp32 master weights on this rank's GPU; accelerate's fully_shard keeps this rank's shard
+    model = Qwen3MoeForCausalLM(cfg)
+experts = getattr(model.config, "_experts_implementation_internal", None) or getattr(
+    model.config, "_experts_implementation", None)
+if cuda: torch.cuda.synchronize()
+t_model = time.time()
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1 << 20
+    def __getitem__(self, i):
+        ids = torch.randint(0, s["vocab"], (a["seq"],), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+class Clock(TrainerCallback):
+    def __init__(self):
+        self.times, self.t0, self.first_begin, self.first_end, self.last_end = [], None, None, None, None
+    def on_step_begin(self, args, state, control, **kw):
+        if cuda: torch.cuda.synchronize()
+        if self.first_begin is None:
+            self.first_begin = time.time()
+            if cuda: torch.cuda.reset_peak_memory_stats()
+        self.t0 = time.perf_counter()
+    def on_step_end(self, args, state, control, **kw):
+        if cuda: torch.cuda.synchronize()
+        self.times.append(time.perf_counter() - self.t0)
+        self.last_end = time.time()
+        self.first_end = self.first_end or self.last_end
+
+fsdp_config = {"version": 2, "activation_checkpointing": a["ac"] != "none", "reshard_after_forward": True,
+               "transformer_layer_cls_to_wrap": ["Qwen3MoeDecoderLayer"]}
+args = TrainingArguments(output_dir=a["out"], per_device_train_batch_size=1, max_steps=a["steps"], learning_rate=3e-4,
+                         warmup_steps=0, bf16=cuda, optim="adamw_torch_fused", fsdp=True, fsdp_config=fsdp_config,
+                         logging_steps=1, save_strategy="no", report_to=[], dataloader_num_workers=0,
+                         use_cpu=not cuda, ddp_backend=None if cuda else "gloo", seed=0)
+clock = Clock()
+trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[clock])
+trainer.train()
+if int(os.environ.get("RANK", "0")) == 0:
+    late = clock.times[a["warmup"]:] or clock.times
+    step = statistics.median(late)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    loss = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    phases = {"start-up (imports)": t_start - a["t0"], "model build + init": t_model - t_start,
+              "Trainer + accelerate FSDP2 wrap": clock.first_begin - t_model,
+              "first step": clock.first_end - clock.first_begin, "other steps": clock.last_end - clock.first_end,
+              "end": time.time() - clock.last_end}
+    print("HF_RESULT " + json.dumps({"step_s": step, "tokens_per_s_per_gpu": a["seq"] / step, "peak_gib": peak,
+                                     "first_loss": loss[0] if loss else None, "last_loss": loss[-1] if loss else None,
+                                     "phases": phases, "experts_implementation": experts}), flush=True)
+'''
+
+
+def shape_of(args) -> dict:
+    s = dict(SHAPES[args.shape])
+    s["layers"] = args.layers or DEFAULT_LAYERS.get(args.shape, s["layers"])
+    return s
+
+
+def model_config(s: dict, seq: int):
+    """Kiln's ModelConfig of shape `s` (what flops_per_token and the parameter counts read)."""
+    from kiln.config import ModelConfig, MoEConfig
+
+    return ModelConfig(vocab_size=s["vocab"], d_model=s["d"], n_layers=s["layers"], n_heads=s["heads"],
+                       n_kv_heads=s["kv"], head_size=s["head"], qk_norm=True, tie_embeddings=False,
+                       max_seq_len=max(seq, 64), rope_theta=1e6, norm_eps=1e-6,
+                       moe=MoEConfig(n_experts=s["experts"], top_k=s["top_k"], expert_hidden=s["hidden"]))
+
+
+def kiln_command(args, s: dict, run_dir: Path) -> list[str]:
+    cuda = args.device == "cuda"
+    return [sys.executable, "-m", "kiln.cli", "train", f"model.vocab_size={s['vocab']}", f"model.d_model={s['d']}",
+            f"model.n_layers={s['layers']}", f"model.n_heads={s['heads']}", f"model.n_kv_heads={s['kv']}",
+            f"model.head_size={s['head']}", "model.qk_norm=true", "model.tie_embeddings=false",
+            "model.rope_theta=1000000", "model.norm_eps=1e-6", f"model.max_seq_len={max(args.seq, 64)}",
+            f"model.moe.n_experts={s['experts']}", f"model.moe.top_k={s['top_k']}",
+            f"model.moe.expert_hidden={s['hidden']}", "model.moe.norm_topk=true", "model.moe.aux_loss_coef=0.001",
+            f"train.seq_len={args.seq}", "train.batch_size=1", "train.grad_accum=1", f"train.max_steps={args.steps}",
+            f"train.device={args.device}", f"train.precision={'bf16' if cuda else 'fp32'}",
+            f"train.compile={str(cuda and not args.no_compile).lower()}", f"train.activation_checkpointing={args.ac}",
+            "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0", "train.warmup_steps=2",
+            "logging.every=1", "logging.plots=false", "logging.console=false", "checkpoint.save_final=false",
+            "checkpoint.at_end=false", "checkpoint.every=0", "dist.strategy=fsdp", "dist.sharding=full",
+            f"data.vocab_size={min(s['vocab'], 32000)}", f"data.cache_dir={args.cache_dir}",
+            f"train.run_dir={run_dir}", *args.set, "--nproc", str(args.nproc)]
+
+
+def run_kiln(args, s: dict, root: Path) -> dict:
+    run_dir = root / "kiln"
+    job = Job(kiln_command(args, s, run_dir), root / "kiln.log")
+    code = job.wait()
+    recs = {r["step"]: r for r in train_records(run_dir)}
+    if max(recs, default=0) < args.steps:
+        return {"error": f"kiln train failed ({code}):\n{job.text(3000)}"}
+    late = [st for st in recs if st > args.warmup] or list(recs)
+    return {"tokens_per_s_per_gpu": statistics.median(recs[st]["tokens_per_s_per_device"] for st in late),
+            "mfu": statistics.median(recs[st].get("mfu") or 0.0 for st in late) or None,
+            "peak_gib": max((r.get("peak_mem_gib") or 0.0 for r in recs.values()), default=0.0) or None,
+            "first_loss": recs[min(recs)]["loss"], "last_loss": recs[max(recs)]["loss"],
+            "aux_loss": [recs[st].get("aux_loss") for st in sorted(recs)],
+            "wall_s": job.t_end - job.t0, "exit_code": code, "phases": kiln_phases(job, recs)}
+
+
+def run_hf(args, s: dict, root: Path) -> dict:
+    spec = {"shape": s, "seq": args.seq, "steps": args.steps, "warmup": args.warmup, "ac": args.ac,
+            "device": args.device, "out": str(root / "hf"), "t0": time.time()}
+    script = root / "hf_worker.py"
+    script.write_text(HF_WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", str(script),
+           json.dumps(spec)]
+    job = Job(cmd, root / "hf.log", env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    code = job.wait()
+    line = next((x for _, x in job.lines if x.startswith("HF_RESULT ")), None)
+    if code != 0 or line is None:
+        return {"error": job.text(1500)}
+    out = json.loads(line.removeprefix("HF_RESULT "))
+    from kiln.model.registry import flops_per_token
+
+    peak = peak_flops(args.device)
+    fpt = flops_per_token(model_config(s, args.seq), args.seq)
+    out["mfu"] = out["tokens_per_s_per_gpu"] * fpt / peak if peak else None
+    out["wall_s"] = job.t_end - job.t0
+    return out
+
+
+def count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
+def table(kiln: dict, hf: dict) -> list[str]:
+    from benchmarks.common import table as markdown
+
+    named = [("Kiln (native MoE)", kiln), ("HF Trainer", hf)]
+    rows = [{**r, "trainer": name, "tokens": r.get("skipped") or ("failed" if "error" in r else
+                                                                   r.get("tokens_per_s_per_gpu"))}
+            for name, r in named]
+    lines = [markdown(rows, [("trainer", "trainer"), ("tokens/s/GPU", "tokens", ",.0f"), ("MFU (active)", "mfu", ".1%"),
+                             ("peak GiB", "peak_gib", ".1f"),
+                             ("first -> last loss", lambda r: f"{fmt(r.get('first_loss'), '.3f')} -> "
+                                                              f"{fmt(r.get('last_loss'), '.3f')}"
+                              if "tokens_per_s_per_gpu" in r else "")], markdown=True)]
+    if "tokens_per_s_per_gpu" in hf and "tokens_per_s_per_gpu" in kiln:
+        lines.append(f"\nKiln / HF Trainer: **{kiln['tokens_per_s_per_gpu'] / hf['tokens_per_s_per_gpu']:.2f}x** "
+                     "tokens/s per GPU")
+    if hf.get("experts_implementation"):
+        lines.append(f"\nThe HF Trainer's experts ran transformers' `{hf['experts_implementation']}` implementation")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="30b-a3b", choices=list(SHAPES))
+    ap.add_argument("--layers", type=int, default=0, help="layers of the shape (0: 20 for 30b-a3b, else its own)")
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=4, help="steps left out of the medians (compile, allocator)")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--ac", default="full", choices=["none", "selective", "full"])
+    ap.add_argument("--no-compile", action="store_true", help="Kiln without torch.compile")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "kiln-bench-cache"))
+    ap.add_argument("--set", action="append", default=[], help="extra Kiln KEY=VALUE override (repeatable)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-append", action="store_true", help=f"do not append to {RESULTS}")
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, stop_jobs)
+    import torch
+
+    from benchmarks.common import run_info
+    from kiln.model.registry import active_param_count, param_count
+
+    s = shape_of(args)
+    m = model_config(s, args.seq)
+    total, active = param_count(m), active_param_count(m)
+    card = torch.cuda.get_device_name() if args.device == "cuda" and torch.cuda.is_available() else "cpu"
+    info = run_info(torch.device(args.device), ["transformers", "accelerate"], card=card, nproc=args.nproc,
+                    shape=args.shape, layers=s["layers"], seq=args.seq, ac=args.ac, steps=args.steps,
+                    params=total, active_params=active)
+    print(f"{args.shape}, {s['layers']} layers: {count(total)} parameters, {count(active)} active per token",
+          flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        kiln = run_kiln(args, s, root)
+        print("kiln", json.dumps(kiln), flush=True)
+        if "phases" in kiln:
+            print_phases("kiln", kiln["phases"])
+        hf = {"skipped": "skipped (--skip-hf)"} if args.skip_hf else run_hf(args, s, root)
+        if "error" in hf and args.device == "cpu":  # accelerate's FSDP may refuse the CPU: the smoke test goes on
+            hf = {"skipped": "skipped on CPU", "error_tail": hf["error"][-300:]}
+        print("hf", json.dumps(hf), flush=True)
+        if "phases" in hf:
+            print_phases("HF Trainer", hf["phases"])
+    lines = [f"\n## {info['date']}: Qwen3-MoE shape {args.shape}, {s['layers']} layers ({count(total)} parameters, "
+             f"{count(active)} active: {s['experts']} experts, top {s['top_k']}), {args.nproc} x {card}, "
+             f"seq {args.seq}, batch 1/GPU, AC {args.ac}, {args.steps} steps (median after {args.warmup})", "",
+             *table(kiln, hf)]
+    for name, r in (("Kiln", kiln), ("HF Trainer", hf)):
+        if "error" in r:
+            lines.append(f"\n{name} failed: `{r['error'][-400:]!r}`")
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_append:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        with open(RESULTS, "a") as f:
+            f.write(text + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps({**info, "kiln": kiln, "hf": hf}, indent=1))
+    if "error" in kiln:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
