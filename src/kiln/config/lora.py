@@ -29,6 +29,13 @@ class LoraConfig(Section):
     qkv_proj, gate_up_proj) serves each target it computes."""
     base_dtype: Literal["bf16", "fp32"] = "bf16"
     """Dtype of the frozen base weights (bf16 halves their memory; the adapters train in fp32)."""
+    quantize_base: Literal["none", "nf4"] = "none"
+    """QLoRA: 'nf4' stores the frozen base's linear layers (q, k, v, o, gate, up, down of every block, adapted or
+    not) in 4-bit NormalFloat, blocks of 64 weights with double-quantized scales (about 0.52 bytes a weight):
+    an 8B base takes 5.6 GB instead of 16. The embeddings, norms and lm_head stay in lora.base_dtype; the adapters
+    train in fp32 and compute in bf16 under autocast. The base is quantized on the training device a block at a
+    time as it loads; the merged export is the adapters on the dequantized base, the model that was trained.
+    Needs torchao: pip install 'kiln[qlora]'. The native model only (not model.hf_class=auto)."""
 
     def problems(self) -> list[Problem]:
         known = {"q", "k", "v", "o", "gate", "up", "down", "all"}
@@ -37,6 +44,10 @@ class LoraConfig(Section):
             return [(("targets",), f"unknown LoRA target(s) {bad}; choose from {sorted(known)}")]
         if self.rank and not self.targets:
             return [(("targets",), "lora.targets is empty: name the layers that get adapters")]
+        if self.quantize_base != "none" and not self.rank:
+            return [(("quantize_base", "rank"), f"lora.quantize_base={self.quantize_base} quantizes the frozen base "
+                     "of a LoRA run, but lora.rank is 0 (every weight trains): set lora.rank (e.g. 16), or "
+                     "lora.quantize_base=none")]
         return []
 
     def require_base(self, model: ModelConfig) -> None:

@@ -83,6 +83,11 @@ class RunConfig(Section):
         if t.offload != "none" and m.hf_class != "native":
             out.append((("train.offload", "model.hf_class"), f"train.offload={t.offload} trains the native model; "
                         f"model.hf_class={m.hf_class} is not supported with it: set model.hf_class=native"))
+        if self.lora.quantize_base != "none" and m.hf_class == "auto":
+            out.append((("lora.quantize_base", "model.hf_class"),
+                        f"lora.quantize_base={self.lora.quantize_base} quantizes Kiln's native model; with "
+                        "model.hf_class=auto it is not supported: use model.hf_class=native (Llama, Mistral, Qwen2 "
+                        "and Nemotron shapes), or lora.quantize_base=none"))
         es = t.early_stop
         if es.patience and es.metric not in ("val_loss", "val_ppl", "val_bpb") and \
                 es.metric.split("/", 1)[0] not in self.eval.tasks:

@@ -143,16 +143,19 @@ def merge_state_dict(state: dict[str, torch.Tensor], lcfg: LoraConfig) -> dict[s
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
-    """A new plain `Transformer` (fp32, on the model's device) whose weights are the LoRA model's merged;
-    `model` itself is unchanged. A model without adapters is returned as it is."""
+    """A new plain `Transformer` (fp32, on the model's device) whose weights are the LoRA model's merged (an NF4
+    base dequantized: the QLoRA model in fp32); `model` itself is unchanged. A model without adapters is returned
+    as it is."""
     from kiln.model.llama import Transformer
 
     layers = lora_layers(model)
     if not layers:
         return model
     first = next(iter(layers.values()))
+    from kiln.model.quant import dequantized
+
     state = {k: v for k, v in model.state_dict().items() if not is_adapter_key(k)}
-    state = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
+    state = {k: (dequantized(v).float() if v.is_floating_point() else v) for k, v in state.items()}  # NF4: values
     for name, layer in layers.items():
         state[f"{name}.weight"] = state[f"{name}.weight"] + layer.delta_weight().to(state[f"{name}.weight"].device)
     with torch.device("meta"):
@@ -168,9 +171,10 @@ def trainable_summary(model: nn.Module, lcfg: LoraConfig) -> str:
     params = {id(p): p for p in model.parameters()}.values()
     total = sum(p.numel() for p in params)
     trainable = sum(p.numel() for p in params if p.requires_grad)
+    base = (f"the blocks' linear layers in NF4 (QLoRA), the rest in {lcfg.base_dtype}"
+            if lcfg.quantize_base == "nf4" else lcfg.base_dtype)
     return (f"LoRA r={lcfg.rank} (alpha {lcfg.alpha:g}) on {', '.join(lcfg.targets)}: {trainable:,} "
-            f"trainable of {total:,} parameters ({100 * trainable / max(1, total):.2f}%), base frozen in "
-            f"{lcfg.base_dtype}")
+            f"trainable of {total:,} parameters ({100 * trainable / max(1, total):.2f}%), base frozen in {base}")
 
 
 def trainable_count(model: nn.Module) -> int:
@@ -178,9 +182,12 @@ def trainable_count(model: nn.Module) -> int:
 
 
 def training_bytes(model: nn.Module) -> int:
-    """Bytes of weights, gradients and AdamW moments: the frozen weights as stored, 16 per trainable parameter."""
+    """Bytes of weights, gradients and AdamW moments: the frozen weights as stored (NF4 ones at their 4 bits and
+    scales), 16 per trainable parameter."""
+    from kiln.model.quant import param_bytes
+
     params = {id(p): p for p in model.parameters()}.values()
-    return sum(p.numel() * (16 if p.requires_grad else p.element_size()) for p in params)
+    return int(sum(p.numel() * 16 if p.requires_grad else param_bytes(p) for p in params))
 
 
 def lora_flops_per_token(full: float, cfg: ModelConfig, seq_len: int, trainable: int) -> float:

@@ -59,6 +59,11 @@ def build_model(cfg: RunConfig, m: Mesh, n_params: int, log: Callable[[str], Non
     in bf16 by default, and FSDP shards it from there).
     Call after torch.manual_seed(train.seed): on the CPU the random init draws from the global generator
     (on CUDA, FSDP draws on the GPU from generators seeded with train.seed: see the module doc)."""
+    if adapt is not None and cfg.lora.quantize_base == "nf4":  # QLoRA: built on the device, quantized per block
+        from kiln.parallel.nf4_base import nf4_model
+
+        model = nf4_model(cfg, m.device, weights_from, init)
+        return parallelize(model, cfg, m, adapt(model), log)
     if adapt is not None:
         model = _plain(cfg, weights_from, init)
         return parallelize(model, cfg, m, adapt(model), log)

@@ -62,9 +62,33 @@ def check_base(saved: dict[str, Any], current: str | None, where: str, init_from
                          "nothing on another base), or start a new run with --resume never")
 
 
+def _nf4_base(lora: LoraConfig):
+    """(whether the layer at a state-dict prefix is quantized, a weight's NF4 round trip in fp32 on the CPU) of a
+    QLoRA run (lora.quantize_base=nf4); nothing is quantized otherwise. Quantized where the run trains (a GPU
+    when there is one), as training did: each weight comes back as the run's base held it."""
+    import torch
+
+    if lora.quantize_base != "nf4":
+        return (lambda prefix: False), None
+    from kiln.model.lora import BASE_DTYPES
+    from kiln.model.quant import LAYERS, round_trip
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = BASE_DTYPES[lora.base_dtype]
+
+    def quantized(prefix: str) -> bool:
+        return prefix.startswith("layers.") and prefix.split(".", 2)[-1] in LAYERS
+
+    def nf4_round_trip(value: torch.Tensor, key: str) -> torch.Tensor:
+        return round_trip(value.to(device), dtype, key).to("cpu", torch.float32)
+
+    return quantized, nf4_round_trip
+
+
 def merged_model(cfg: ModelConfig, lora: LoraConfig, adapters: dict[str, torch.Tensor]):
     """A plain Transformer (CPU, fp32) of `adapters` (a LoRA model's adapter tensors) merged onto the base of
-    cfg.init_from as stored: W + (alpha / r) B A, every sum in fp32."""
+    cfg.init_from as stored: W + (alpha / r) B A, every sum in fp32. QLoRA (lora.quantize_base=nf4): onto the
+    dequantized base, the weights the adapters were trained with; embeddings, norms and lm_head as stored."""
     import torch
 
     from kiln.model.hf import from_hf_state_dict
@@ -73,6 +97,7 @@ def merged_model(cfg: ModelConfig, lora: LoraConfig, adapters: dict[str, torch.T
 
     base = from_hf_state_dict(read_hf_state_dict(cfg.init_from, cfg.allow_pickle), cfg.tie_embeddings)
     scale = lora.alpha / lora.rank
+    quantized, nf4_round_trip = _nf4_base(lora)
     state: dict[str, torch.Tensor] = {}
     for key in list(base):  # one tensor at a time, the stored one dropped as its fp32 copy is made: the merge
         value = base.pop(key)  # peaks near the model's fp32 size, not that plus the stored base
@@ -80,6 +105,8 @@ def merged_model(cfg: ModelConfig, lora: LoraConfig, adapters: dict[str, torch.T
             continue
         state[key] = value.float() if value.is_floating_point() else value
         prefix = key.removesuffix(".weight")
+        if quantized(prefix):  # QLoRA: the base weight the adapters were trained on
+            state[key] = nf4_round_trip(value, key)
         if f"{prefix}.lora_A.weight" in adapters:
             a = adapters[f"{prefix}.lora_A.weight"].detach().to("cpu", torch.float32)
             b = adapters[f"{prefix}.lora_B.weight"].detach().to("cpu", torch.float32)
