@@ -428,7 +428,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], help="another Kiln job after the HF Trainer's, with "
                     "these overrides (KEY=VALUE, ';' between several), a row of its own (repeatable)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--logs", default=None, help="copy every job's whole output (kiln.log, hf.log, ...) into this folder")
+    ap.add_argument("--logs", default=None,
+                    help="copy every job's whole output (kiln.log, hf.log, ...) into this folder")
     ap.add_argument("--no-append", action="store_true", help=f"do not append to {RESULTS}")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, stop_jobs)
