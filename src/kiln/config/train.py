@@ -80,6 +80,11 @@ class TrainConfig(Section):
     'model' the whole forward pass up to the loss (1-2% faster at 124m, longer to compile; under DDP torch
     splits that graph at the gradient buckets, so their reduction overlaps the backward pass; under FSDP it
     is compiled per block, each block being a shard unit)."""
+    compile_cache: str | None = "~/.cache/kiln/compile"
+    """With compile: the directory torch.compile keeps its compiled graphs and kernels in between runs, so a
+    run of the same model and shapes recompiles little (an 8B model's first step: 82 s cold, about 20 s warm).
+    Share it between nodes on a shared filesystem (or copy it); null: torch's default, /tmp/torchinductor_$USER,
+    lost at a reboot. The environment variable TORCHINDUCTOR_CACHE_DIR, where set, wins."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """Recompute activations in the backward pass to save memory: 'selective' keeps each block's matrix
     product and attention outputs and recomputes its elementwise ops; 'full' recomputes whole blocks

@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kiln.config import RunConfig
 from kiln.errors import ConfigError
+from kiln.parallel import compile_cache
 from kiln.parallel.ac import apply_ac
 from kiln.parallel.compile import apply_compile
 from kiln.parallel.mesh import Mesh
@@ -87,6 +88,7 @@ def parallelize(model: nn.Module, cfg: RunConfig, m: Mesh, n_params: int | None 
                           "the state (dist.cpu_offload offloads it under FSDP)")
     apply_ac(model, tcfg.activation_checkpointing)
     if tcfg.compile:
+        compile_cache.use(tcfg.compile_cache)
         # under DDP a whole-model graph is split by torch's compiler at DDP's bucket boundaries (of 1 MB at
         # least), so each bucket's all-reduce still overlaps the backward pass (1% faster than per block at 124m)
         per_block = None  # why a whole-model graph cannot be kept
