@@ -22,6 +22,9 @@ IGNORE_INDEX = -100
 # elements of one chunk of logits: 2**28 (0.5 GiB in bf16) keeps the matrix products large enough
 # to run at full rate while the memory they need stays small next to the model's
 CHUNK_ELEMENTS = 2**28
+# rows of the output projection's gradient made, and scaled, at a time: a (V, d) temporary beside the fp32
+# gradient would be 2 GB more at a 256K vocabulary (Nemotron), 0.3% of an H100's time in slices of this size
+VOCAB_SLICE = 8192
 
 
 def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, want_grad: bool
@@ -74,7 +77,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss += part
             if want_grad:
                 grad_h[s:s + rows] = g @ w
-                grad_w += g.t() @ hc
+                for v in range(0, w.shape[0], VOCAB_SLICE):  # in slices of the vocabulary: no (V, d) temporary
+                    grad_w[v:v + VOCAB_SLICE] += g[:, v:v + VOCAB_SLICE].t() @ hc
             del g  # before the next chunk's logits exist: one chunk's worth of memory at a time
         count = (targets != IGNORE_INDEX).sum().to(acc)
         ctx.save_for_backward(grad_h, grad_w, count)
@@ -86,7 +90,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w, count = ctx.saved_tensors
         scale = grad_out.to(count.dtype) / count
         gh = (grad_h * scale).to(grad_h.dtype) if ctx.needs_input_grad[0] else None
-        gw = (grad_w * scale).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        gw = None
+        if ctx.needs_input_grad[1]:  # scaled and cast a slice at a time: no (V, d) fp32 temporary beside grad_w
+            gw = torch.empty(grad_w.shape, device=grad_w.device, dtype=ctx.weight_dtype)
+            for v in range(0, grad_w.shape[0], VOCAB_SLICE):
+                gw[v:v + VOCAB_SLICE] = grad_w[v:v + VOCAB_SLICE] * scale
         return gh, gw, None, None, None, None
 
 

@@ -15,6 +15,7 @@ from kiln.config import ModelConfig, RunConfig
 from kiln.model.registry import flops_per_token, param_count
 from kiln.plan.gpus import CPU_STEP_SHARE, FULL_AC_FACTOR, GIB, Gpu, MfuEstimate, cpu_matmul_flops, estimate_mfu
 from kiln.plan.memory import Layout, Lora, Memory, checkpoint_bytes, lora_params, peak_memory
+from kiln.plan.offload import offload_memory
 
 FRAGMENTATION = 0.05  # the caching allocator reserves a little more than the peak it hands out
 CONTEXT = 1 * GIB  # CUDA context, NCCL and cuBLAS workspaces: outside PyTorch's count
@@ -105,9 +106,9 @@ def layout_for(cfg: RunConfig, gpus: int, n_params: int, memory: int, strategy: 
                offload: bool | None = None) -> Layout:
     """The layout `kiln train` picks for `gpus` processes (kiln.parallel.parallelize.choose_strategy)."""
     d = cfg.dist
+    if gpus <= 1:  # offload here: train.offload's optimizer in host memory (kiln.plan.offload)
+        return Layout("single", offload=cfg.train.offload != "none" and not cfg.lora.rank)
     offload = d.cpu_offload if offload is None else offload
-    if gpus <= 1:
-        return Layout("single")
     strategy = strategy or d.strategy
     if strategy == "auto":
         strategy = "fsdp" if offload or d.sharding != "full" or 16 * n_params > DDP_FIT * memory else "ddp"
@@ -186,6 +187,8 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
     flex = cfg.data.document_mask and gpu.key != "cpu"  # document masks run flex attention on CUDA
 
     def mem(batch: int, ac: str, lay: Layout) -> Memory:
+        if lay.strategy == "single" and lay.offload and not lora:
+            return offload_memory(m, t.seq_len, batch, ac, compiled, bf16, flex)
         return peak_memory(m, t.seq_len, batch, ac, compiled, bf16, lay, lora, flex)
 
     def fit(ac: str, lay: Layout):
@@ -226,7 +229,9 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
     ckpt = checkpoint_bytes(trained)  # with LoRA the adapters only: the base is referenced by its hash
     shard = max(1, layout.shard)
     snapshot = cfg.recovery.rollback or cfg.checkpoint.snapshot_every > 0  # kiln.train.rollback takes one
-    parts = {"offloaded state": memory.host,
+    offloaded = ("fp32 master weights, AdamW moments, gradient sums and pinned buffers (train.offload)"
+                 if layout.strategy == "single" else "offloaded state")
+    parts = {offloaded: memory.host,
              "the pinned copy async checkpoints write from": cfg.checkpoint.async_save * 12 * trained // shard,
              "the in-memory snapshot rollbacks restore (recovery.rollback)": snapshot * 12 * trained // shard}
     host = sum(parts.values())
@@ -234,7 +239,8 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
                 seconds, ckpt, (cfg.checkpoint.keep_last + 1) * ckpt + 4 * trained, int(host),
                 host_parts=[k for k, v in parts.items() if v], lora=lora, accumulation=-(-rows // batch), notes=notes)
 
-    layouts = [layout] if gpus <= 1 else [layout_for(cfg, gpus, n, gpu.memory, s, o) for s, o in
+    layouts = [layout, Layout("single", offload=not layout.offload)] if gpus <= 1 and not lora else \
+        [layout] if gpus <= 1 else [layout_for(cfg, gpus, n, gpu.memory, s, o) for s, o in
                                           (("ddp", False), ("fsdp", False), ("fsdp", True))]
     for lay in dict.fromkeys(layouts):
         for ac in ("none", "selective", "full"):
@@ -251,6 +257,9 @@ def _advise(plan: Plan, fit) -> None:
     """Warnings and suggestions: what does not fit, and what would."""
     cfg, t, gpu = plan.cfg, plan.cfg.train, plan.gpu
     where = f"{plan.gpus} x {gpu.key}" if plan.gpus > 1 else gpu.key
+    if plan.gpus > 1 and t.offload != "none":
+        plan.warnings.append(f"train.offload={t.offload} runs in one process: kiln train refuses it with "
+                             f"{plan.gpus} processes (dist.cpu_offload offloads under FSDP)")
     if plan.gpus <= 1 and cfg.dist.cpu_offload:
         plan.notes.append("dist.cpu_offload applies to several processes under FSDP; one process keeps all on "
                           "the device")
@@ -263,7 +272,7 @@ def _advise(plan: Plan, fit) -> None:
         f"train.batch_size={plan.batch}"
     plan.warnings.append(f"does not fit: a step at {at} needs about {need / GIB:.1f} GiB "
                          f"per device, {where} has {plan.capacity / GIB:.1f} GiB")
-    fitting = [o for o in plan.options if o.max_batch > 0]
+    fitting = [o for o in plan.options if o.max_batch > 0 and o.strategy != "single+offload"]  # said below
     if plan.max_batch:
         g = plan.batch * plan.accumulation
         b = plan.max_batch
@@ -275,6 +284,13 @@ def _advise(plan: Plan, fit) -> None:
         best = max(fitting, key=lambda o: (o.tokens_per_s or 0, o.max_batch))
         plan.warnings.append(f"fits with {best.strategy}, activation_checkpointing={best.ac}, micro-batch up to "
                              f"{best.max_batch}")
+    offload = [o for o in plan.options if o.strategy == "single+offload" and o.max_batch > 0]
+    if offload and not plan.layout.offload:  # one GPU, the optimizer in host memory (kiln.plan.offload)
+        best = max(offload, key=lambda o: (o.tokens_per_s or 0, o.max_batch))
+        plan.warnings.append(f"full training fits with train.offload=optimizer, activation_checkpointing={best.ac}, "
+                             f"micro-batch up to {best.max_batch} (the optimizer in host memory: "
+                             f"{best.memory.host / 1e9:.0f} GB of it); for an 8B model: the preset cpt-8b-24gb "
+                             f"(kiln plan cpt-8b-24gb --gpu {gpu.key})")
     if not plan.max_batch and plan.lora is None:
         lora = Lora(16, ("all",), 2)
         mem = peak_memory(plan.model, t.seq_len, 1, "full", t.compile, plan.bf16, plan.layout, lora)

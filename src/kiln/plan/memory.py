@@ -123,12 +123,13 @@ def loss_rest_per_token(m: ModelConfig, e: int) -> int:
 
 def loss_chunk_bytes(m: ModelConfig, tokens: int, compiled: bool, e: int, bf16: bool) -> int:
     """One chunk of logits and its gradient (the compiled kernel; eager adds fp32 temporaries), plus the
-    output projection's fp32 gradient, its compute copy and one product's result."""
+    output projection's fp32 gradient and its compute copy (its products are made in slices of the vocabulary:
+    kiln.model.loss.VOCAB_SLICE)."""
     v = m.vocab_size or 0
     rows = min(tokens, max(256, (LOGIT_CHUNK // max(v, 1)) // 256 * 256))
     # compiled kernel: the logits and their gradient; eager: also the fp32 copy, the one-hot, exp and a temporary
     per_logit = 2 * e if compiled else e + (4 if e < 4 else 0) + 12
-    return rows * v * per_logit + v * m.d_model * (4 + e + (2 if bf16 else 0))
+    return rows * v * per_logit + v * m.d_model * (4 + e)
 
 
 def activation_bytes(m: ModelConfig, tokens: int, ac: str, compiled: bool, e: int, flex: bool = False) -> int:

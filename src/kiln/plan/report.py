@@ -8,6 +8,7 @@ from rich.table import Table
 
 from kiln.plan.estimate import CONTEXT, CPU_PROCESS, FRAGMENTATION, Plan, needs
 from kiln.plan.gpus import GIB
+from kiln.plan.offload import offload_rows
 
 
 def gib(n: float) -> str:
@@ -49,7 +50,7 @@ def _where(plan: Plan) -> str:
 def _layout(plan: Plan) -> str:
     lay = plan.layout
     if lay.strategy == "single":
-        return "one process"
+        return "one process" + (", the optimizer in host memory (train.offload)" if lay.offload else "")
     if lay.strategy == "ddp":
         return f"DDP over {plan.gpus} processes"
     how = {"full": "full sharding", "grad_op": "grad_op sharding", "hybrid": "hybrid sharding"}[lay.sharding]
@@ -82,6 +83,8 @@ def render(plan: Plan, console: Console) -> None:
             ("compute copies of the weights", mem.compute_weights),
             (f"activations (AC {t.activation_checkpointing})", mem.activations),
             ("loss buffers", mem.loss)]
+    if plan.layout.offload and plan.layout.strategy == "single":  # train.offload (kiln.plan.offload)
+        rows = offload_rows(mem, t.activation_checkpointing, "bf16" if plan.bf16 else "fp32")
     for what, n in rows:
         table.add_row(what, gib(n))
     table.add_row(f"peak (end of the {mem.phase} pass)", gib(mem.peak), style="bold")

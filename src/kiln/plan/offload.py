@@ -1,0 +1,52 @@
+"""Memory of a one-GPU run with its optimizer in host memory (train.offload: optimizer; kiln.parallel.offload).
+
+On the device: the weights in the compute dtype (2 bytes a parameter under bf16, no fp32 copy and no autocast
+casts), the activations and loss buffers of the plain path, and the gradients in flight: each leaves for the
+host as soon as the backward pass makes it, so at most the largest parameter's gradient and the next one exist
+at once. No AdamW state. On the host: fp32 master weights (4), AdamW's moments (8), the step's fp32 gradient
+sums (4) and one pinned buffer in the compute dtype (2): 18 bytes a parameter under bf16.
+"""
+
+from __future__ import annotations
+
+from kiln.config import ModelConfig
+from kiln.model.registry import param_count
+from kiln.plan.memory import Layout, Memory, layer_params, peak_memory
+
+HOST_BYTES = 4 + 8 + 4  # fp32 masters, two fp32 moments, fp32 gradient sums; plus the compute dtype's buffer
+
+
+def largest_param(m: ModelConfig) -> int:
+    """Elements of the model's largest parameter: the embedding or output projection (V x d), or an MLP matrix."""
+    return max((m.vocab_size or 0) * m.d_model, m.d_model * m.mlp_hidden, layer_params(m) // 3)
+
+
+def offload_memory(m: ModelConfig, seq_len: int, batch: int, ac: str, compiled: bool, bf16: bool,
+                   flex: bool = False) -> Memory:
+    """Peak bytes on the device, and host bytes, of a step with the optimizer offloaded (see the module doc)."""
+    n, e = param_count(m), (2 if bf16 else 4)
+    plain = peak_memory(m, seq_len, batch, ac, compiled, bf16, Layout("single"), None, flex)
+    weights = e * n
+    grads = e * (largest_param(m) + m.d_model * m.mlp_hidden)  # one being copied out while the next is made
+    # the weights are already in the compute dtype: the plain path's casts of them (compute copies, the output
+    # projection's copy in the loss) do not exist
+    loss = plain.loss - ((m.vocab_size or 0) * m.d_model * e if bf16 else 0)
+    forward_end = weights + plain.activations + loss
+    backward_end = weights + grads + plain.backward - (2 * layer_params(m) if bf16 and ac == "full" else 0)
+    peak, phase = max((forward_end, "forward"), (backward_end, "backward"))
+    return Memory(weights, grads, 0, 0, plain.activations, loss, plain.backward, peak, phase,
+                  host_bytes(n, e))
+
+
+def host_bytes(n: int, compute_bytes: int = 2) -> int:
+    """kiln.parallel.offload.host_bytes, without torch."""
+    return (HOST_BYTES + compute_bytes) * n
+
+
+def offload_rows(mem: Memory, ac: str, compute: str) -> list[tuple[str, int]]:
+    """The rows of `kiln plan`'s memory table for an offloaded run."""
+    return [(f"weights, {compute} (fp32 masters on the host)", mem.weights),
+            (f"gradients in flight to the host, {compute}", mem.grads),
+            ("AdamW moments: on the host", 0),
+            (f"activations (AC {ac})", mem.activations),
+            ("loss buffers", mem.loss)]
