@@ -3,9 +3,9 @@
 Inductor caches its compiled graphs (FX graph and AOT autograd caches) and Triton kernels on disk, by default in
 /tmp/torchinductor_$USER: lost when the machine restarts, and not seen by other nodes. `use(path)` points
 TORCHINDUCTOR_CACHE_DIR at `train.compile_cache` (unless the user set it elsewhere than torch's default), a
-directory that survives between runs; several processes of one job, and several jobs, share it safely
-(entries are written whole, then renamed). To share it between nodes, put it on a shared filesystem, or copy the directory to the same
-path on the other node. Entries are keyed by the graph, the torch and Triton versions and the GPU, so a
+directory that survives between runs; several processes of one job, and several jobs, share it safely (entries are
+written whole, then renamed). To share it between nodes, put it on a shared filesystem, or copy the directory to
+the same path on the other node. Entries are keyed by the graph, the torch and Triton versions and the GPU, so a
 cache from another setup is ignored, never misused.
 """
 
