@@ -448,6 +448,10 @@ def main() -> None:
         kiln = run_kiln(args, root)
         print("kiln", json.dumps(kiln), flush=True)
         print_phases("kiln", kiln["phases"])
+        if args.logs:  # a profiler window's traces (--set profile.steps=N) go with the run directory
+            Path(args.logs).mkdir(parents=True, exist_ok=True)
+            for trace in (root / "kiln").glob("**/profile/*.json"):
+                shutil.copy(trace, Path(args.logs) / trace.name)
         shutil.rmtree(root / "kiln")  # its checkpoints (about 2 x 90 GB at 8B) make room for the next job's
         hf = {"skipped": "skipped (--skip-hf)"} if args.skip_hf else run_hf(args, root)
         if "error" in hf and args.device == "cpu":  # accelerate's FSDP may refuse the CPU: the smoke test goes on
