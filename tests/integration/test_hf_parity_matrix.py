@@ -1,8 +1,9 @@
-"""The parity matrix: the families of causal LM Kiln trains, natively (Llama, Mistral, Qwen2, Nemotron) or
-through transformers (`model.hf_class=auto`: dense, mixture-of-experts, Mamba and hybrid models; see
-hf_dirs.MATRIX), each as a tiny random model in fp32 on the CPU. Imported, Kiln's logits
-are transformers'; trained a step and exported, transformers' logits and greedy generation are Kiln's (within
-1e-5), and every JSON file of the source directory survives the export unchanged."""
+"""The parity matrix: the families of causal LM Kiln trains, natively (the model_types of
+kiln.model.hf.ARCHITECTURES: Llama, Mistral, Qwen2, Qwen3, Phi-3, Nemotron, ...) or through transformers
+(`model.hf_class=auto`: dense, mixture-of-experts, Mamba and hybrid models; see hf_dirs.MATRIX), each as a tiny
+random model in fp32 on the CPU. Imported, Kiln's logits are transformers'; trained a step and exported,
+transformers' logits and greedy generation are Kiln's (within 1e-5), and every JSON file of the source directory
+survives the export unchanged."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from kiln.config import ModelConfig, load_config
 from kiln.model.generate import generate
+from kiln.model.hf import ARCHITECTURES
 from kiln.state.export import export_from
 from kiln.state.weights import load_model
 from kiln.train.run import run
@@ -20,7 +22,7 @@ from kiln.train.run import run
 from .hf_dirs import MATRIX, VOCAB, json_changes, write_corpus, write_matrix_dir
 
 transformers = pytest.importorskip("transformers")
-NATIVE = ("llama", "mistral", "qwen2", "nemotron")
+NATIVE = tuple(ARCHITECTURES)  # what `kiln train model.init_from=DIR` builds as Kiln's own model
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +74,7 @@ def test_parity(root, kind, tmp_path):
         "logging.console=false", "logging.plots=false", "train.compile=false"]))
     out = export_from(run_dir, tmp_path / "out")
     model, _ = load_model(run_dir)
+    assert (type(model).__name__ == "Transformer") == native  # the run took the path the matrix names
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         ours = model(x)

@@ -52,7 +52,7 @@ class ModelConfig(Section):
     """Share the input embedding and output projection weights."""
     init_std: float = Field(0.02, gt=0, le=1)
     """Standard deviation of the normal initialisation of linear and embedding weights."""
-    # --- options of imported architectures (Llama 3.1, Mistral, Qwen2, Nemotron); the defaults are Llama's
+    # --- options of imported architectures (Llama 3.1, Mistral, Qwen2, Qwen3, Phi-3, Nemotron); Llama's by default
     head_size: int | None = Field(None, ge=2)
     """Width of each attention head (Hugging Face's head_dim); null means d_model / n_heads."""
     attention_bias: Literal["none", "qkv", "all"] = "none"
@@ -74,7 +74,11 @@ class ModelConfig(Section):
     Qwen3-MoE); null: a dense MLP."""
     qk_norm: bool = False
     """RMSNorm over each attention head's queries and keys before the rotary embedding (Qwen3)."""
-    hf_model_type: Literal["llama", "mistral", "qwen2", "nemotron", "mixtral", "qwen2_moe", "qwen3_moe"] | None = None
+    fused_projections: bool = False
+    """q, k and v computed by one qkv_proj, the MLP's gate and up by one gate_up_proj (Phi-3's layout, which
+    exports as it came; lora.targets q, k, v adapt qkv_proj whole, gate and up gate_up_proj)."""
+    hf_model_type: Literal["llama", "mistral", "qwen2", "nemotron", "mixtral", "qwen2_moe", "qwen3_moe", "qwen3",
+                           "phi3"] | None = None
     """Hugging Face architecture that `kiln export` writes (set by init_from); null: the simplest that fits."""
     init_from: str | None = None
     """A local Hugging Face model directory (config.json + safetensors), or a Hub model id (ORG/NAME[@REVISION],
@@ -82,8 +86,8 @@ class ModelConfig(Section):
     tokenizer the run starts from; its config sets the model fields and the context (beside it, only
     max_seq_len with rope_scaling, to extend the context on purpose)."""
     hf_class: Literal["native", "auto"] = "native"
-    """'native': Kiln's own model (Llama, Mistral, Qwen2, Nemotron from init_from); 'auto': any other causal LM
-    of model.init_from through transformers' AutoModelForCausalLM (slower; see docs/huggingface.md)."""
+    """'native': Kiln's own model (Llama, Mistral, Qwen2, Qwen3, Phi-3, Nemotron from init_from); 'auto': any other
+    causal LM of model.init_from through transformers' AutoModelForCausalLM (slower; see docs/huggingface.md)."""
     trust_remote_code: bool = False
     """With hf_class 'auto': let transformers run the model code shipped in the init_from directory (off by
     default, since that code runs with your permissions; turn it on only for a directory you trust)."""
@@ -118,6 +122,9 @@ class ModelConfig(Section):
         if self.moe is not None and any(i >= self.n_layers for i in self.moe.dense_layers):
             out.append((("moe", "n_layers"), f"model.moe.dense_layers={self.moe.dense_layers} names a layer beyond "
                                              f"the model's {self.n_layers}"))
+        if self.fused_projections and self.mlp != "swiglu":
+            out.append((("fused_projections", "mlp"), f"fused_projections fuses the gate and up projections of a "
+                                                      f"swiglu MLP; mlp={self.mlp} has no gate"))
         if self.hf_class == "auto" and not self.init_from:
             out.append((("hf_class", "init_from"), "model.hf_class=auto trains a Hugging Face model directory: set "
                                                    "model.init_from to it (or use hf_class native)"))

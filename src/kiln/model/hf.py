@@ -1,6 +1,6 @@
 """Mapping between Kiln's model and Hugging Face causal LMs: config and state dict, both ways.
 
-Four architectures map onto the native model (`kiln.model.llama.Transformer`):
+Six architectures map onto the native model (`kiln.model.llama.Transformer`):
 
     model_type  class                 what Kiln's ModelConfig says for it
     llama       LlamaForCausalLM      the defaults; rope_scaling (Llama 3.1), attention/mlp biases
@@ -10,6 +10,8 @@ Four architectures map onto the native model (`kiln.model.llama.Transformer`):
     mixtral     MixtralForCausalLM    moe (top-k renormalised), sliding_window (kiln.model.hf_experts)
     qwen2_moe   Qwen2MoeForCausalLM   moe with a gated shared expert, attention_bias='qkv'
     qwen3_moe   Qwen3MoeForCausalLM   moe, qk_norm
+    qwen3       Qwen3ForCausalLM      qk_norm, head_size, attention_bias on all four projections or none
+    phi3        Phi3ForCausalLM       fused_projections (qkv_proj, gate_up_proj, kept fused), sliding_window
 
 A model trained from scratch exports as the first of Llama, Mistral, Nemotron and Qwen2 that holds it (q/k/v
 biases as Llama's attention biases with a zero o_proj bias: transformers would load a Qwen2 directory's
@@ -33,7 +35,8 @@ from kiln.model import hf_experts
 _TOP_LEVEL = ("lm_head.",)  # keys HF keeps outside its `model.` submodule
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "nemotron": "NemotronForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
 
 
 def hf_model_type(cfg: ModelConfig) -> str:
@@ -54,7 +57,7 @@ def hf_model_type(cfg: ModelConfig) -> str:
 # a model trained from scratch exports as the first of these that holds it: Llama before Qwen2 for q/k/v biases
 # (a zero o_proj bias), since transformers loads a Qwen2 directory's tokenizer as Qwen2Tokenizer, built from
 # the vocabulary with Qwen2's own pre-tokenizer, instead of the tokenizer.json Kiln trained
-FROM_SCRATCH = ("llama", "mistral", "nemotron", "qwen2", "mixtral", "qwen3_moe", "qwen2_moe")
+FROM_SCRATCH = ("llama", "mistral", "nemotron", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "qwen2_moe")
 
 
 def export_problem(cfg: ModelConfig) -> str | None:
@@ -68,7 +71,7 @@ def export_problem(cfg: ModelConfig) -> str | None:
     return (f"no Hugging Face class holds this model shape ({why}), so `kiln export` will not be able to write it "
             "(training, checkpoints, kiln eval and kiln generate work). To export it, use a shape one of them holds: "
             "rmsnorm with swiglu (Llama; Mistral for a sliding window, without rope_scaling or biases), layernorm1p "
-            "with relu2 (Nemotron)")
+            "with relu2 (Nemotron), qk_norm (Qwen3), fused_projections (Phi-3)")
 
 
 def _unsupported(cfg: ModelConfig, kind: str) -> list[str]:
@@ -84,7 +87,12 @@ def _unsupported(cfg: ModelConfig, kind: str) -> list[str]:
         "qwen2_moe": dict(norm="rmsnorm", mlp="swiglu", attention_bias=("qkv",), mlp_bias=False, rotary_fraction=1.0),
         "qwen3_moe": dict(norm="rmsnorm", mlp="swiglu", attention_bias=("none", "all"), mlp_bias=False,
                           rotary_fraction=1.0),
+        "qwen3": dict(norm="rmsnorm", mlp="swiglu", attention_bias=("none", "qkv", "all"), mlp_bias=False,
+                      rotary_fraction=1.0, qk_norm=True),
+        "phi3": dict(norm="rmsnorm", mlp="swiglu", attention_bias=("none",), mlp_bias=False, rope_scaling=None,
+                     fused_projections=True),
     }[kind]
+    wants = {"fused_projections": False, **wants}  # Phi-3's own
     out = hf_experts.moe_problems(cfg, kind)
     for key, allowed in wants.items():
         value = getattr(cfg, key)
@@ -132,10 +140,12 @@ def to_hf_config_dict(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
         out.update(attention_bias=cfg.attention_bias != "none", mlp_bias=cfg.mlp_bias)
     if kind in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window  # written even when null: Mistral's default is 4096
-    if kind == "qwen3_moe":
-        out["attention_bias"] = cfg.attention_bias != "none"
+    if kind == "phi3":
+        out.update(sliding_window=cfg.sliding_window, pad_token_id=None)  # Phi-3's default pad id is 32000
+    if kind in ("qwen3", "qwen3_moe"):
+        out["attention_bias"] = cfg.attention_bias != "none"  # qwen3 with qkv: a zero o_proj bias
     out.update(hf_experts.moe_to_hf(cfg, kind))
-    if kind in ("qwen2", "qwen2_moe", "qwen3_moe"):
+    if kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         sliding = cfg.sliding_window is not None
         out.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window,
                    max_window_layers=0 if sliding else cfg.n_layers)
@@ -160,9 +170,10 @@ def _hf_problems(hf: dict[str, Any], kind: str) -> list[str]:
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3", "linear", None):
-        problems.append(f"rope_type={rope_type} (Kiln has default, linear and llama3)")
+        key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+        problems.append(f"{key}.rope_type={rope_type} (Kiln has default, linear and llama3)")
     problems += hf_experts.moe_hf_problems(hf, kind)
-    if kind in ("qwen2", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window"):
+    if kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window"):
         layer_types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28)
                                                 else "full_attention" for i in range(hf["num_hidden_layers"])]
         if set(layer_types) != {"sliding_attention"}:
@@ -182,7 +193,7 @@ def from_hf_config_dict(hf: dict[str, Any]) -> ModelConfig:
     if problems:
         raise StateError(f"this {kind} config uses features Kiln's model does not have: {', '.join(problems)}")
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or d // heads
+    head_dim = hf.get("head_dim") or (128 if kind == "qwen3" else d // heads)  # Qwen3's default head_dim
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     scaling = None
@@ -198,16 +209,19 @@ def from_hf_config_dict(hf: dict[str, Any]) -> ModelConfig:
         window = hf.get("sliding_window", 4096)  # Mistral's default when the key is absent
     elif kind == "mixtral":
         window = hf.get("sliding_window")
-    elif kind in ("qwen2", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window"):
+    elif kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window"):
         window = hf.get("sliding_window", 4096)
+    elif kind == "phi3":
+        window = hf.get("sliding_window")
     fraction = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5 if kind == "nemotron" else 1.0))
+    eps = 1e-5 if kind == "phi3" else 1e-6  # rms_norm_eps where config.json leaves it out: the class's default
     return ModelConfig(
         vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_hidden=hf["intermediate_size"],
         head_size=None if head_dim * heads == d else head_dim,
         max_seq_len=hf.get("max_position_embeddings", 2048),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        norm_eps=hf.get("norm_eps", 1e-5) if kind == "nemotron" else hf.get("rms_norm_eps", 1e-6),
+        norm_eps=hf.get("norm_eps", 1e-5) if kind == "nemotron" else hf.get("rms_norm_eps", eps),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=hf.get("initializer_range", 0.02),
         attention_bias="qkv" if kind == "qwen2" or (kind == "qwen2_moe" and hf.get("qkv_bias", True))
@@ -216,6 +230,7 @@ def from_hf_config_dict(hf: dict[str, Any]) -> ModelConfig:
         mlp="relu2" if kind == "nemotron" else "swiglu", norm="layernorm1p" if kind == "nemotron" else "rmsnorm",
         rotary_fraction=float(fraction), rope_scaling=scaling, sliding_window=window, hf_model_type=kind,
         **hf_experts.moe_from_hf(hf, kind),
+        **({"qk_norm": True} if kind == "qwen3" else {}), fused_projections=kind == "phi3",
     )
 
 

@@ -162,4 +162,4 @@ def moe_problems(cfg: ModelConfig, kind: str) -> list[str]:
 
 
 # kinds beside the MoE ones whose attention has q/k norms (kiln.model.hf adds Qwen3 here)
-QK_NORM_KINDS: tuple[str, ...] = ()
+QK_NORM_KINDS: tuple[str, ...] = ("qwen3",)

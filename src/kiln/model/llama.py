@@ -4,8 +4,9 @@ Module names follow Hugging Face's `LlamaForCausalLM` (without its `model.` pref
 embeddings use the same half-rotation layout, so weights map one to one in both directions.
 
 The options of the other architectures Kiln imports (biases, a gateless squared-ReLU MLP, LayerNorm1p,
-partial rotary, scaled rotary frequencies, a sliding window: see ModelConfig) are chosen when a module
-is built, as different submodules or flags read once, so the default Llama path runs the same code.
+partial rotary, scaled rotary frequencies, a sliding window, q/k norms, fused projections: see ModelConfig)
+are chosen when a module is built, as different submodules or flags read once, so the default Llama path
+runs the same code.
 """
 
 from __future__ import annotations
@@ -107,22 +108,33 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         d, qkv_bias = cfg.d_model, cfg.attention_bias != "none"
-        self.q_proj = nn.Linear(d, self.n_heads * self.hd, bias=qkv_bias)
-        self.k_proj = nn.Linear(d, self.n_kv * self.hd, bias=qkv_bias)
-        self.v_proj = nn.Linear(d, self.n_kv * self.hd, bias=qkv_bias)
+        self.widths = [self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd]  # of q, k, v
+        if cfg.fused_projections:  # Phi-3: one projection gives (q | k | v)
+            self.qkv_proj = nn.Linear(d, sum(self.widths), bias=qkv_bias)
+        else:
+            self.q_proj = nn.Linear(d, self.widths[0], bias=qkv_bias)
+            self.k_proj = nn.Linear(d, self.widths[1], bias=qkv_bias)
+            self.v_proj = nn.Linear(d, self.widths[2], bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.hd, d, bias=cfg.attention_bias == "all")
+        # Qwen3: each head's queries and keys normalised, before rotation
+        self.q_norm = RMSNorm(self.hd, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.hd, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.rotate = apply_rotary if cfg.rotary_fraction == 1.0 else apply_partial_rotary
-        if cfg.qk_norm:  # Qwen3: each head's queries and keys normalised before rotation
-            self.q_norm, self.k_norm = RMSNorm(self.hd, cfg.norm_eps), RMSNorm(self.hd, cfg.norm_eps)
-        self.qk_norm = cfg.qk_norm
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, d) -> q (B, T, H, hd), k and v (B, T, KV, hd)."""
+        B, T, _ = x.shape
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).split(self.widths, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return (q.view(B, T, self.n_heads, self.hd), k.view(B, T, self.n_kv, self.hd),
+                v.view(B, T, self.n_kv, self.hd))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.hd)  # (B, T, H, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)  # (B, T, KV, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.project(x)  # (B, T, H|KV, hd)
+        q, k = self.q_norm(q), self.k_norm(k)
         # rotate in the (B, T, H, hd) layout the projections write: contiguous, so the fused
         # elementwise kernels (and their backward) read and write memory in order
         q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
@@ -158,12 +170,28 @@ class ReluSquaredMLP(nn.Module):
         return self.down_proj(torch.square(F.relu(self.up_proj(x))))
 
 
+class FusedMLP(nn.Module):
+    """SwiGLU with gate and up in one projection (Phi-3): gate_up(x) = (gate | up)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, h, b = cfg.d_model, cfg.mlp_hidden, cfg.mlp_bias
+        self.gate_up_proj = nn.Linear(d, 2 * h, bias=b)
+        self.down_proj = nn.Linear(h, d, bias=b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
 def make_mlp(cfg: ModelConfig, index: int) -> nn.Module:
     """The MLP of block `index`: a mixture of experts (kiln.model.moe) where model.moe puts one, else dense."""
     if cfg.moe is not None and index not in cfg.moe.dense_layers:
         shared = cfg.moe.shared_expert_hidden
         return moe.SparseMoE(cfg, MLP(cfg, shared) if shared else None)
-    return ReluSquaredMLP(cfg) if cfg.mlp == "relu2" else MLP(cfg)
+    if cfg.mlp == "relu2":
+        return ReluSquaredMLP(cfg)
+    return FusedMLP(cfg) if cfg.fused_projections else MLP(cfg)
 
 
 class Block(nn.Module):
@@ -225,22 +253,20 @@ class Transformer(nn.Module):
         order: list = [(self.embed_tokens.weight, normal)]
         for block in self.layers:
             attn, mlp = block.self_attn, block.mlp
+            a = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "qkv_proj")]
             if isinstance(mlp, moe.SparseMoE):  # attention as below, then the router and experts
-                order += [(lin.weight, normal) for lin in (attn.q_proj, attn.k_proj, attn.v_proj)]
+                order += [(lin.weight, normal) for lin in a if lin is not None]
                 order += [(attn.o_proj.weight, resid)]
-                order += [(lin.bias, nn.init.zeros_) for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
-                          if lin.bias is not None]
+                order += [(lin.bias, nn.init.zeros_) for lin in (*a, attn.o_proj)
+                          if lin is not None and lin.bias is not None]
                 order += mlp.init_order(normal, resid)
             else:
-                linears = [attn.q_proj, attn.k_proj, attn.v_proj, getattr(mlp, "gate_proj", None), mlp.up_proj]
-                order += [(lin.weight, normal) for lin in linears if lin is not None]
+                m = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "gate_up_proj")]
+                order += [(lin.weight, normal) for lin in a + m if lin is not None]
                 order += [(lin.weight, resid) for lin in (attn.o_proj, mlp.down_proj)]
-                for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.up_proj, mlp.down_proj,
-                            getattr(mlp, "gate_proj", None)):
-                    if lin is not None and lin.bias is not None:
-                        order.append((lin.bias, nn.init.zeros_))
-            if attn.qk_norm:
-                order += _norm_order(attn.q_norm) + _norm_order(attn.k_norm)
+                biased = (*a[:3], attn.o_proj, m[1], mlp.down_proj, m[0], a[3], m[2])
+                order += [(lin.bias, nn.init.zeros_) for lin in biased if lin is not None and lin.bias is not None]
+            order += _norm_order(attn.q_norm) + _norm_order(attn.k_norm)  # qk_norm's; nn.Identity has none
             order += _norm_order(block.input_layernorm) + _norm_order(block.post_attention_layernorm)
         order += _norm_order(self.norm)
         if not self.cfg.tie_embeddings:

@@ -61,7 +61,7 @@ def test_state_dict_round_trip_and_config():
 def test_unsupported_hf_config_is_a_clear_error():
     bad = to_hf_config_dict(ModelConfig(size="tiny", vocab_size=256)) | {"rope_parameters": {"rope_type": "yarn"},
                                                                          "hidden_act": "gelu"}
-    with pytest.raises(StateError, match="hidden_act=gelu, rope_type=yarn"):
+    with pytest.raises(StateError, match="hidden_act=gelu, rope_parameters.rope_type=yarn"):
         from_hf_config_dict(bad)
     with pytest.raises(StateError, match="model_type 'gemma' is not one Kiln's native model imports"):
         from_hf_config_dict(bad | {"model_type": "gemma"})
