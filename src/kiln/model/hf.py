@@ -252,7 +252,7 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], tie_embeddings: bool, zero_
 
 def zero_o_bias(cfg: ModelConfig) -> bool:
     """True when `cfg` exports with a zero o_proj bias: q/k/v biases held by an architecture with all four."""
-    return cfg.attention_bias == "qkv" and hf_model_type(cfg) in ("llama", "nemotron")
+    return cfg.attention_bias == "qkv" and hf_model_type(cfg) in ("llama", "nemotron", "qwen3")
 
 
 def from_hf_state_dict(state: dict[str, torch.Tensor], tie_embeddings: bool) -> dict[str, torch.Tensor]:
