@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from kiln.config.base import Problem, Section
 from kiln.errors import ConfigError
 
 if TYPE_CHECKING:
     from kiln.config.model import ModelConfig
+
+# lora.targets may name a layer as Hugging Face models do: read as the targets it computes
+HF_TARGETS = {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("o",), "gate_proj": ("gate",),
+              "up_proj": ("up",), "down_proj": ("down",), "qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 
 
 class LoraConfig(Section):
@@ -25,8 +29,9 @@ class LoraConfig(Section):
     """Dropout on the adapter's input while training."""
     targets: list[str] = ["q", "k", "v", "o"]
     """Layers that get adapters: any of q, k, v, o (attention) and gate, up, down (MLP); 'all' for every one.
-    A target the model has no layer for is an error; with model.hf_class=auto a fused projection (Phi-3's
-    qkv_proj, gate_up_proj) serves each target it computes."""
+    Hugging Face's layer names are read as the targets they compute (q_proj as q, ..., Phi-3's qkv_proj as q, k,
+    v and gate_up_proj as gate, up). A target the model has no layer for is an error; a fused projection
+    (Phi-3's qkv_proj, gate_up_proj) is adapted whole for any target it computes."""
     base_dtype: Literal["bf16", "fp32"] = "bf16"
     """Dtype of the frozen base weights (bf16 halves their memory; the adapters train in fp32)."""
     quantize_base: Literal["none", "nf4"] = "none"
@@ -37,11 +42,17 @@ class LoraConfig(Section):
     time as it loads; the merged export is the adapters on the dequantized base, the model that was trained.
     Needs torchao: pip install 'kiln[qlora]'. The native model only (not model.hf_class=auto)."""
 
+    @field_validator("targets")
+    @classmethod
+    def _kiln_names(cls, targets: list[str]) -> list[str]:
+        return list(dict.fromkeys(t for name in targets for t in HF_TARGETS.get(name, (name,))))
+
     def problems(self) -> list[Problem]:
         known = {"q", "k", "v", "o", "gate", "up", "down", "all"}
         bad = [t for t in self.targets if t not in known]
         if bad:
-            return [(("targets",), f"unknown LoRA target(s) {bad}; choose from {sorted(known)}")]
+            return [(("targets",), f"unknown LoRA target(s) {bad}; choose from {sorted(known)} (or Hugging Face's "
+                                   f"names: {', '.join(HF_TARGETS)})")]
         if self.rank and not self.targets:
             return [(("targets",), "lora.targets is empty: name the layers that get adapters")]
         if self.quantize_base != "none" and not self.rank:

@@ -30,6 +30,10 @@ from kiln.errors import ConfigError
 # lora.targets -> the layer of each block it names (module path inside a Block)
 TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
            "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+# a model with fused_projections (Phi-3): the layer that computes each target
+FUSED = {"self_attn.q_proj": "self_attn.qkv_proj", "self_attn.k_proj": "self_attn.qkv_proj",
+         "self_attn.v_proj": "self_attn.qkv_proj", "mlp.gate_proj": "mlp.gate_up_proj",
+         "mlp.up_proj": "mlp.gate_up_proj"}
 ADAPTER_MARKS = (".lora_A.", ".lora_B.")
 BASE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -88,7 +92,10 @@ def target_layers(cfg: ModelConfig, targets: list[str]) -> list[str]:
     unknown = [n for n in names if n not in TARGETS]
     if unknown:
         raise ConfigError(f"lora.targets: unknown layer(s) {unknown}; choose from {sorted(TARGETS)} or 'all'")
-    return [TARGETS[n] for n in names]
+    paths = [TARGETS[n] for n in names]
+    if cfg.fused_projections:  # Phi-3: q, k, v adapt qkv_proj whole, gate and up gate_up_proj
+        paths = list(dict.fromkeys(FUSED.get(p, p) for p in paths))
+    return paths
 
 
 def hf_target_modules(cfg: ModelConfig, targets: list[str]) -> list[str]:

@@ -77,6 +77,10 @@ def lora_params(m: ModelConfig, lora: Lora) -> int:
     if m.mlp == "swiglu":
         shapes["gate"] = (d, h)
     names = shapes if "all" in lora.targets else [t for t in lora.targets if t in shapes]
+    if m.fused_projections:  # one adapter on qkv_proj for any of q, k, v; one on gate_up_proj for gate, up
+        shapes.update(qkv=(d, q + 2 * kv), gate_up=(d, 2 * h))
+        names = list(dict.fromkeys({"q": "qkv", "k": "qkv", "v": "qkv", "gate": "gate_up", "up": "gate_up"}.get(t, t)
+                                   for t in names))
     return m.n_layers * sum(lora.rank * sum(shapes[t]) for t in names)
 
 

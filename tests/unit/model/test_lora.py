@@ -17,6 +17,7 @@ from kiln.model.lora import (
     apply_lora,
     hf_target_modules,
     is_adapter_key,
+    lora_layers,
     merge_lora,
     merge_state_dict,
     trainable_summary,
@@ -156,7 +157,7 @@ def test_merged_model_equals_the_lora_model():
     assert merge_lora(Transformer(CFG)).__class__ is Transformer  # nothing to merge: the model itself
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "nemotron"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "nemotron", "qwen3", "phi3"])
 def test_peft_loads_the_adapters_onto_the_base_with_equal_logits(arch, hf_model, tmp_path):
     peft = pytest.importorskip("peft")
     hf = hf_model(arch)
@@ -179,6 +180,40 @@ def test_peft_loads_the_adapters_onto_the_base_with_equal_logits(arch, hf_model,
         theirs = loaded(input_ids=x).logits
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
     assert (ours - Transformer(cfg).eval()(x)).abs().max() > 1e-3  # the adapters do change the output
+
+
+def test_phi3_targets_as_users_write_them_adapt_its_fused_layers_and_load_in_peft(hf_model, tmp_path):
+    """Phi-3 keeps qkv_proj and gate_up_proj fused: lora.targets in Hugging Face's names (or Kiln's) adapt them
+    whole, PEFT loads the adapters onto Phi3ForCausalLM with the same logits, and the plan counts them."""
+    peft = pytest.importorskip("peft")
+    from kiln.model.lora import trainable_count
+    from kiln.plan.memory import Lora, lora_params
+
+    hf = hf_model("phi3")
+    hf.save_pretrained(tmp_path / "base")
+    cfg, state = import_hf(tmp_path / "base")
+    for targets, adapted in ((["q"], {"qkv_proj"}), (["q", "k", "v", "o"], {"qkv_proj", "o_proj"}),
+                             (["up", "down"], {"gate_up_proj", "down_proj"})):
+        model, lcfg = lora_model(cfg=cfg, targets=targets)
+        assert {n.rsplit(".", 1)[1] for n in lora_layers(model)} == adapted
+        assert lora_params(cfg, Lora(lcfg.rank, tuple(lcfg.targets))) == trainable_count(model)
+    lcfg = LoraConfig(rank=4, alpha=16.0, targets=["qkv_proj", "gate_up_proj", "o_proj", "down_proj"],
+                      base_dtype="fp32")
+    assert lcfg.targets == ["q", "k", "v", "gate", "up", "o", "down"]
+    model = Transformer(cfg)
+    model.load_state_dict(state)
+    apply_lora(model, lcfg)
+    assert {n.split("layers.0.")[1] for n in lora_layers(model) if n.startswith("layers.0.")} == {
+        "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"}
+    randomize_adapters(model)
+    out = write_peft_adapters(adapter_state_dict(model), cfg, lcfg, str(tmp_path / "base"), tmp_path / "adapter")
+    loaded = peft.PeftModel.from_pretrained(hf, out).eval()
+    assert loaded.peft_config["default"].target_modules == {"qkv_proj", "gate_up_proj", "o_proj", "down_proj"}
+    x = tokens(shape=(2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x).logits, model.eval()(x), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown LoRA target.*qkv_proj"):
+        LoraConfig(rank=4, targets=["qkv"])
 
 
 def test_bf16_autocast_gives_fp32_gradients_to_the_adapters():
