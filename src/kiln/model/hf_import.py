@@ -154,7 +154,9 @@ def resolve_init_from(model: ModelConfig) -> ModelConfig:
         raise StateError(f"model.init_from={model.init_from}: {e}. Set model.hf_class=auto to train it through "
                          "transformers' AutoModelForCausalLM instead (slower; see the README)") from None
     max_seq_len, scaling = _context(model, imported.max_seq_len, imported.rope_scaling)
+    imported, weights_only = router_losses_of(model, imported)  # model.moe's loss weights are the run's to choose
     free = _FREE | ({"rope_scaling"} if scaling != imported.rope_scaling else set())
+    free |= {"moe"} if weights_only else set()
     clash = [f"model.{k}={getattr(model, k)!r} (the model has {getattr(imported, k)!r})"
              for k in sorted(model.model_fields_set - free) if getattr(model, k) != getattr(imported, k)]
     if clash:
@@ -194,3 +196,15 @@ def load_init_weights(model: torch.nn.Module, cfg: ModelConfig) -> None:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:
         raise StateError(f"the weights in {cfg.init_from} do not fit its config.json: {e}") from None
+
+
+def router_losses_of(model: ModelConfig, imported: ModelConfig) -> tuple[ModelConfig, bool]:
+    """(`imported` with the router-loss weights the run sets beside init_from, whether model.moe set those alone):
+    moe.aux_loss_coef and moe.z_loss_coef weigh training's objective, not the architecture, so a run chooses them;
+    any other moe field beside init_from is a clash that resolve_init_from names."""
+    if "moe" not in model.model_fields_set or model.moe is None or imported.moe is None:
+        return imported, False
+    chosen = {k: getattr(model.moe, k) for k in model.moe.model_fields_set & {"aux_loss_coef", "z_loss_coef"}}
+    if len(chosen) < len(model.moe.model_fields_set):
+        return imported, False
+    return imported.model_copy(update={"moe": imported.moe.model_copy(update=chosen)}), True

@@ -41,6 +41,7 @@ from torch import nn
 
 from kiln.config import RunConfig
 from kiln.errors import StateError
+from kiln.model.hf_experts import expert_slot, renamed, stack_experts
 from kiln.model.hf_import import load_init_weights, read_hf_state_dict, weight_files
 from kiln.model.llama import Transformer
 from kiln.parallel.mesh import Mesh
@@ -176,33 +177,42 @@ def _hf_name(name: str) -> str:
 @torch.no_grad()
 def load_shards(model: nn.Module, path: str | Path, allow_pickle: bool, tied: bool) -> None:
     """Each parameter's rows of this process, read from the safetensors files of `path` (a Hugging Face
-    model directory) without loading the rest. Pickled weights are read whole, then sliced."""
+    model directory) without loading the rest. Pickled weights are read whole, then sliced. A mixture of
+    experts' per-expert tensors each fill their rows of the stacked parameter (kiln.model.hf_experts)."""
     files = weight_files(path, allow_pickle)
     params = dict(model.named_parameters())  # a tied lm_head is the embedding: listed once
     if tied:
         params.pop("lm_head.weight", None)
     wanted = {_hf_name(n): n for n in params}
     if files[0].suffix != ".safetensors":
-        state = read_hf_state_dict(path, allow_pickle)
+        state = stack_experts(read_hf_state_dict(path, allow_pickle))
         _check_names(path, wanted, state.keys(), tied)
         for hf, name in wanted.items():
             _copy(params[name], state[hf], path, hf)
         return
     from safetensors import safe_open
 
-    found = set()
+    found, experts = set(), {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 keys = list(f.keys())
-                found.update(keys)
                 for hf in keys:
-                    if hf in wanted:
-                        _copy(params[wanted[hf]], f.get_slice(hf), path, hf)
+                    slot = expert_slot(hf)
+                    if slot is not None and slot[0] in wanted:
+                        _copy_expert(params[wanted[slot[0]]], f.get_slice(hf), slot[1], slot[2], path, hf)
+                        experts.setdefault(slot[0], set()).add(slot[1:])
+                        continue
+                    found.add(renamed(hf))  # Mixtral's block_sparse_moe.gate is Kiln's mlp.gate
+                    if renamed(hf) in wanted:
+                        _copy(params[wanted[renamed(hf)]], f.get_slice(hf), path, hf)
         except StateError:
             raise
         except Exception as e:  # safetensors raises its own types on damaged files
             raise StateError(f"{file} cannot be read ({e}); copy it again from its source") from None
+    for name, parts in experts.items():  # a stacked parameter is read when every expert's every part was
+        if len(parts) == params[wanted[name]].shape[0] * (1 if name.endswith("down_proj") else 2):
+            found.add(name)
     _check_names(path, wanted, found, tied)
 
 
@@ -214,6 +224,23 @@ def _check_names(path, wanted: dict[str, str], found, tied: bool) -> None:
     if missing or unexpected:
         raise StateError(f"the weights in {path} do not fit its config.json: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
+
+
+def _copy_expert(param: torch.Tensor, source, index: int, part: str, path, hf: str) -> None:
+    """Expert `index`'s `part` (gate, up: halves of gate_up_proj's rows; down) into this process's rows of the
+    stacked `param` (E, rows, cols), where it holds any of them."""
+    n, rows, cols = param.shape
+    lo_row, hi_row = {"gate": (0, rows // 2), "up": (rows // 2, rows), "down": (0, rows)}[part]
+    shape = tuple(source.get_shape())
+    if index >= n or shape != (hi_row - lo_row, cols):
+        raise StateError(f"the weights in {path} do not fit its config.json: {hf} has shape {list(shape)}, the model "
+                         f"expects {[hi_row - lo_row, cols]} for one of its {n} experts")
+    s_exp, s_row, s_col = local_slices(param)
+    lo, hi = max(s_row.start, lo_row), min(s_row.stop, hi_row)
+    if not s_exp.start <= index < s_exp.stop or lo >= hi:
+        return
+    _local(param)[index - s_exp.start, lo - s_row.start:hi - s_row.start].copy_(
+        source[lo - lo_row:hi - lo_row, s_col])
 
 
 def _copy(param: torch.Tensor, source, path, hf: str) -> None:

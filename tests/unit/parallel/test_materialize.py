@@ -237,3 +237,32 @@ def test_the_global_stream_init_is_the_same_on_any_world_size_too():
     got = put_together(3, cfg, draw, expected)
     for name, want in expected.items():
         assert torch.equal(got[name], want), name
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_a_mixture_of_experts_reads_each_experts_rows_from_per_expert_tensors(tmp_path, kind):
+    """FSDP with init_from: a rank's rows of a stacked expert parameter (4 experts over 3 ranks: 2, 2, 0) are read
+    from the checkpoint's one tensor per expert (Mixtral's w1/w3/w2 under block_sparse_moe, or Qwen's names); the
+    shards put together are the model's weights; a checkpoint that lacks an expert is refused."""
+    from safetensors.torch import save_file
+
+    from kiln.errors import StateError
+    from kiln.parallel.materialize import load_shards
+
+    moe = {"n_experts": 4, "top_k": 2, "expert_hidden": 64}
+    cfg = config(tie_embeddings=False, n_layers=2, moe=moe, qk_norm=kind == "qwen3_moe", hf_model_type=kind)
+    source = Transformer(RunConfig.model_validate(cfg).model)
+    path = tmp_path / "hf"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(to_hf_config_dict(source.cfg)))
+    state = to_hf_state_dict({k: v.contiguous() for k, v in source.state_dict().items()}, False, kind=kind)
+    assert ("model.layers.1.block_sparse_moe.experts.3.w2.weight" in state) == (kind == "mixtral")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
+    expected = {n: p.detach() for n, p in source.named_parameters()}
+    got = put_together(3, cfg, lambda m: load_shards(m, path, False, False), expected)
+    for name, want in expected.items():
+        assert torch.equal(got[name], want), name
+    missing = next(k for k in state if ".experts.3." in k)
+    save_file({k: v.contiguous() for k, v in state.items() if k != missing}, str(path / "model.safetensors"))
+    with pytest.raises(StateError, match="missing .*experts"):
+        put_together(2, cfg, lambda m: load_shards(m, path, False, False), expected)
