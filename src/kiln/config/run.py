@@ -95,6 +95,11 @@ class RunConfig(Section):
             out.append((("train.early_stop.metric", "eval.tasks"),
                         f"train.early_stop.metric={es.metric} is no metric of the run's evaluations: watch val_loss, "
                         f"val_ppl, val_bpb, or TASK/METRIC of a task in eval.tasks (now {tasks})"))
+        if t.fp8.enabled and (self.lora.rank or m.hf_class == "auto"):
+            what = "lora.rank > 0" if self.lora.rank else "model.hf_class=auto"
+            out.append((("train.fp8.enabled", "lora.rank" if self.lora.rank else "model.hf_class"),
+                        f"train.fp8.enabled converts the native model's linear layers, and {what} trains "
+                        "another kind of model; train it in bf16 (train.fp8.enabled=false)"))
         return out
 
     def all_problems(self) -> list[tuple[str, tuple[str, ...], str]]:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from kiln.config.base import Problem, Section
+from kiln.config.fp8 import Fp8Config
 from kiln.errors import ConfigError
 
 
@@ -73,6 +74,8 @@ class TrainConfig(Section):
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """'bf16': autocast, with fp32 weights and optimizer state and a bf16 residual stream; 'fp32';
     or 'auto' (bf16 on CUDA, fp32 on CPU)."""
+    fp8: Fp8Config = Fp8Config()
+    """Float8 matrix products in the blocks' linear layers (GPUs with compute capability 8.9+; off by default)."""
     compile: bool = False
     """Compile the model and the loss kernel with torch.compile (fastest on GPU; slow to start on CPU)."""
     compile_scope: Literal["blocks", "model"] = "blocks"
@@ -148,6 +151,13 @@ class TrainConfig(Section):
             out.append((("early_stop", "eval_every"), f"train.early_stop.patience={self.early_stop.patience} counts "
                         "evaluations during training, and train.eval_every=0 makes none; set train.eval_every (or "
                         "train.early_stop.patience=0)"))
+        if self.fp8.enabled and self.precision == "fp32":
+            out.append((("fp8.enabled", "precision"), "train.fp8.enabled runs the rest of the model in bf16, and "
+                        "train.precision=fp32 asks for fp32; set train.precision=bf16 (or auto)"))
+        if self.fp8.enabled and not self.device.startswith(("auto", "cuda")):
+            out.append((("fp8.enabled", "device"), f"train.fp8.enabled needs a CUDA GPU with float8 tensor cores "
+                        f"(compute capability 8.9 or more: H100, H200, L4, L40S), and train.device={self.device}; "
+                        "set train.fp8.enabled=false to train on it in bf16 or fp32"))
         return out
 
     def step_rows(self, world: int) -> int:

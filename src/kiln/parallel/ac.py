@@ -24,6 +24,7 @@ MODES = ("none", "selective", "full")
 _aten = torch.ops.aten
 _SAVED_OPS = {
     _aten.mm.default, _aten.addmm.default, _aten.bmm.default,
+    _aten._scaled_mm.default,  # float8 linear layers (train.fp8)
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,

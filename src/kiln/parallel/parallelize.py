@@ -1,6 +1,6 @@
 """Parallelism applied to a plain model from outside, in the order that composes:
 
-    activation checkpointing -> torch.compile (per block) -> FSDP2 `fully_shard` / DDP
+    float8 linear layers (train.fp8) -> activation checkpointing -> torch.compile (per block) -> FSDP2 / DDP
 
 The model file knows nothing of it. `parallelize` returns the module the trainer drives: the
 model itself (one process, or FSDP2, which changes the module's class in place and turns its
@@ -76,8 +76,9 @@ def choose_strategy(cfg: RunConfig, m: Mesh, n_params: int, log: Callable[[str],
 
 def parallelize(model: nn.Module, cfg: RunConfig, m: Mesh, n_params: int | None = None,
                 log: Callable[[str], None] = print, strategy: str | None = None) -> nn.Module:
-    """Apply AC, compile and the run's strategy (`strategy`, else `choose_strategy`'s) to `model`, built
-    on the CPU (or, for fsdp, on the meta device: see kiln.parallel.materialize). Returns what to train."""
+    """Apply float8 (train.fp8), AC, compile and the run's strategy (`strategy`, else `choose_strategy`'s) to
+    `model`, built on the CPU (or, for fsdp, on the meta device: see kiln.parallel.materialize). Returns what to
+    train."""
     tcfg, d = cfg.train, cfg.dist
     if n_params is None:
         n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
@@ -86,6 +87,10 @@ def parallelize(model: nn.Module, cfg: RunConfig, m: Mesh, n_params: int | None 
         raise ConfigError(f"train.offload={tcfg.offload} runs in one process on one GPU; this run has {m.world} "
                           f"processes ({strategy}): start one process, or remove train.offload and let FSDP shard "
                           "the state (dist.cpu_offload offloads it under FSDP)")
+    if tcfg.fp8.enabled:  # the blocks' linear layers in float8 (kiln.parallel.float8), before AC wraps them
+        from kiln.parallel.float8 import convert
+
+        convert(model, tcfg.fp8, fsdp=strategy == "fsdp", log=log)
     apply_ac(model, tcfg.activation_checkpointing)
     if tcfg.compile:
         compile_cache.use(tcfg.compile_cache)

@@ -142,6 +142,10 @@ def check_exportable(model, say) -> None:
 
 def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: Mesh) -> Path:
     cfg.lora.require_base(cfg.model)
+    if cfg.train.fp8.enabled:  # kiln.parallel.float8: a GPU with float8 tensor cores and torchao, before data work
+        from kiln.parallel.float8 import check_device
+
+        check_device(mesh.device)
     if cfg.model.init_from:  # the architecture comes from the Hugging Face directory's config.json
         cfg = with_init_from(cfg, console.print)
     else:
@@ -323,6 +327,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     trainer = Trainer(cfg, model, train_loader, val_loader, device, callbacks,
                       flops_per_token=flops, mesh=mesh, micro_batch=micro)
     end.trainer = trainer
+    if tcfg.fp8.enabled:  # kiln.parallel.float8: under FSDP, the float8 weights' scales after each optimizer step
+        from kiln.parallel.float8 import scale_after_step
+
+        scale_after_step(trainer.optimizer, model)
     watchers.attach(trainer, checkpointer, plain)
     trainer.events.log = plain  # a failing sink is reported here
     if val_loader is not None:  # bytes of text per token id: validation reports bits per byte

@@ -1,0 +1,106 @@
+"""Each process of the 2-process gloo float8 test (tests/unit/parallel/test_float8.py): the tiny model with
+float8 layers (emulated), sharded by FSDP2 with float8 gathers, trained, checkpointed with DCP and loaded back.
+Writes what it found to argv[1] (rank 0); the checkpoint goes to argv[2]."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from kiln.config import ModelConfig
+from kiln.config.fp8 import Fp8Config
+from kiln.model.llama import Transformer
+from kiln.parallel import float8
+
+CFG = ModelConfig(size="tiny", vocab_size=256, max_seq_len=64)
+STEPS = 6
+
+
+def batches(rank: int, world: int):
+    """Step k's global batch of 4 rows (two batches in turn: the loss falls in a few steps); this rank's slice."""
+    for k in range(STEPS):
+        x = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(k % 2))
+        rows = x[rank * 4 // world:(rank + 1) * 4 // world]
+        yield rows[:, :-1], rows[:, 1:]
+
+
+def train(model, rank: int, world: int) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    float8.scale_after_step(opt, model)
+    losses = []
+    for x, y in batches(rank, world):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        summed = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(summed)
+        losses.append(summed.item() / world)
+    return losses
+
+
+def local_scale(model):
+    return model.layers[0].self_attn.q_proj.weight._local_tensor._precomputed_scale
+
+
+def main(out: str, ckpt: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    fp8 = Fp8Config(enabled=True)
+
+    torch.manual_seed(0)
+    one = Transformer(CFG)  # one process's reference: the same weights, the whole batch
+    float8.convert(one, fp8, emulate=True)
+    one_losses = train(one, 0, 1)
+
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    keys = list(model.state_dict())
+    float8.convert(model, fp8, fsdp=True, emulate=True)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    losses = train(model, rank, world)
+    found = {"gathers": float8.gathers_float8(model), "scales_after_step": local_scale(model) is not None,
+             "losses": losses, "one_process_losses": one_losses}
+    state = get_model_state_dict(model)
+    weight = state["layers.0.self_attn.q_proj.weight"]
+    found["keys_same"] = list(state) == keys
+    found["plain_local"] = type(weight._local_tensor).__name__
+    dcp.save(state, checkpoint_id=ckpt)
+    saved = {k: v.full_tensor() for k, v in state.items()}
+
+    torch.manual_seed(1)  # other weights, then the checkpoint's
+    other = Transformer(CFG)
+    float8.convert(other, fp8, fsdp=True, emulate=True)
+    for block in other.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(other, mesh=mesh)
+    opt = torch.optim.AdamW(other.parameters(), lr=3e-3)
+    float8.scale_after_step(opt, other)
+    x, y = next(batches(rank, world))
+    other(x, y).backward()
+    opt.step()  # a scale of the old weights
+    loaded = get_model_state_dict(other)
+    dcp.load(loaded, checkpoint_id=ckpt)
+    set_model_state_dict(other, loaded)
+    found["scales_after_load"] = local_scale(other) is not None
+    found["loaded_equal"] = all(torch.equal(v.full_tensor(), saved[k])
+                                for k, v in get_model_state_dict(other).items())
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(found, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
