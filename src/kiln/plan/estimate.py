@@ -13,6 +13,8 @@ from pathlib import Path
 
 from kiln.config import ModelConfig, RunConfig
 from kiln.model.registry import flops_per_token, param_count
+from kiln.plan.fp8 import FP8_GPUS, converted_params, converted_share
+from kiln.plan.fp8 import speedup as fp8_speedup
 from kiln.plan.gpus import CPU_STEP_SHARE, FULL_AC_FACTOR, GIB, Gpu, MfuEstimate, cpu_matmul_flops, estimate_mfu
 from kiln.plan.memory import Layout, Lora, Memory, checkpoint_bytes, lora_params, peak_memory
 from kiln.plan.offload import offload_memory
@@ -185,11 +187,17 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
     layout = layout_for(cfg, gpus, trained if lora else n, gpu.memory)
 
     flex = cfg.data.document_mask and gpu.key != "cpu"  # document masks run flex attention on CUDA
+    fp8 = converted_params(m) if t.fp8.enabled else 0  # kiln.plan.fp8: per block, in float8 layers
+    if t.fp8.enabled and gpu.key not in FP8_GPUS:
+        notes.append(f"train.fp8: {gpu.name} has no float8 tensor cores (compute capability 8.9+: H100, H200, "
+                     "L40S, RTX 4090); kiln train refuses train.fp8.enabled there, and this plan is of bf16")
+        fp8 = 0
 
     def mem(batch: int, ac: str, lay: Layout) -> Memory:
         if lay.strategy == "single" and lay.offload and not lora:
             return offload_memory(m, t.seq_len, batch, ac, compiled, bf16, flex)
-        return peak_memory(m, t.seq_len, batch, ac, compiled, bf16, lay, lora, flex)
+        gather8 = lay.strategy == "fsdp" and t.fp8.recipe == "tensorwise" and t.fp8.all_gather
+        return peak_memory(m, t.seq_len, batch, ac, compiled, bf16, lay, lora, flex, fp8, gather8)
 
     def fit(ac: str, lay: Layout):
         return lambda b: needs(mem(b, ac, lay), gpu) <= cap
@@ -208,6 +216,11 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
         if gpu.peak_flops is None:
             return None, None
         est = estimate_mfu(gpu.key, n, ac, compiled and gpu.key != "cpu", gpus, lay.offload)
+        if fp8:  # kiln.plan.fp8: the converted products' share of the step, faster
+            x = fp8_speedup(m, t.seq_len, est.mfu)
+            est = MfuEstimate(est.mfu * x, f"{est.basis}; x{x:.2f} for float8 (kiln.plan.fp8: "
+                                           f"{converted_share(m, t.seq_len):.0%} of the FLOPs in float8 layers, "
+                                           "MFU counted against the bf16 peak)")
         return est, est.mfu * gpu.peak_flops * gpus / fpt * (1.5 if lora else 1.0)
 
     max_batch = largest_batch(fit(t.activation_checkpointing, layout))

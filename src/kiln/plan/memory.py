@@ -150,16 +150,20 @@ def state_bytes(n: int, layout: Layout) -> tuple[int, int, int]:
     return -(-4 * n // s), -(-4 * n // s), -(-8 * n // s)
 
 
-def compute_weight_bytes(m: ModelConfig, n: int, ac: str, bf16: bool, layout: Layout, compiled: bool = True) -> int:
+def compute_weight_bytes(m: ModelConfig, n: int, ac: str, bf16: bool, layout: Layout, compiled: bool = True,
+                         fp8: int = 0, fp8_gather: bool = False) -> int:
     """Copies of the weights in the compute dtype alive at the end of the forward pass: eager autocast caches
-    its bf16 copy of every weight until its block ends, whatever the activation checkpointing."""
+    its bf16 copy of every weight until its block ends, whatever the activation checkpointing. `fp8`: parameters
+    per block in float8 layers (kiln.plan.fp8), which autocast does not cache and FSDP gathers in 1 byte
+    each with `fp8_gather`."""
     p, w = layer_params(m), (2 if bf16 else 4)
+    fewer = fp8 * (w - 1) if fp8_gather else 0  # bytes a block's float8 gather saves
     if layout.strategy == "fsdp":
         if layout.sharding == "grad_op" and not layout.offload:
-            return w * n  # gathered from forward to backward
+            return w * n - m.n_layers * fewer  # gathered from forward to backward
         root = (m.vocab_size or 0) * m.d_model * (1 if m.tie_embeddings else 2)
-        return w * (root + 2 * p)  # the root unit (embeddings) and a block with the next one prefetched
-    return 2 * m.n_layers * p if bf16 and (ac == "none" or not compiled) else 0  # autocast's bf16 casts
+        return w * (root + 2 * p) - 2 * fewer  # the root unit (embeddings) and a block with the next one prefetched
+    return 2 * m.n_layers * (p - fp8) if bf16 and (ac == "none" or not compiled) else 0  # autocast's bf16 casts
 
 
 def backward_bytes(m: ModelConfig, tokens: int, ac: str, compiled: bool, e: int, bf16: bool,
@@ -179,9 +183,10 @@ def backward_bytes(m: ModelConfig, tokens: int, ac: str, compiled: bool, e: int,
 
 def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", compiled: bool = True,
                 bf16: bool = True, layout: Layout = Layout(), lora: Lora | None = None,
-                flex: bool = False) -> Memory:
+                flex: bool = False, fp8: int = 0, fp8_gather: bool = False) -> Memory:
     """Peak bytes on one device of a training step with micro-batch `batch` (see the module doc).
-    `flex`: document-masked attention on CUDA (FLEX_GQA_EXTRA).
+    `flex`: document-masked attention on CUDA (FLEX_GQA_EXTRA). `fp8`, `fp8_gather`: float8 training
+    (see `compute_weight_bytes`).
 
     With `lora`, only the adapters have gradients and AdamW state; the frozen base takes lora.base_bytes
     a weight (no compute copies when that is bf16), and each block keeps the adapters' rank-wide
@@ -190,7 +195,7 @@ def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", comp
     tokens = seq_len * batch
     e = 2 if bf16 else 4
     weights, grads, optim = state_bytes(n, layout)
-    compute = compute_weight_bytes(m, n, ac, bf16, layout, compiled)
+    compute = compute_weight_bytes(m, n, ac, bf16, layout, compiled, fp8, fp8_gather)
     acts = activation_bytes(m, tokens, ac, compiled, e, flex and compiled and ac != "full")
     if lora is not None:
         s, trained = max(1, layout.shard), lora_params(m, lora)

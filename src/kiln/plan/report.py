@@ -7,6 +7,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kiln.plan.estimate import CONTEXT, CPU_PROCESS, FRAGMENTATION, Plan, needs
+from kiln.plan.fp8 import FP8_GPUS
 from kiln.plan.gpus import GIB
 from kiln.plan.offload import offload_rows
 
@@ -60,6 +61,8 @@ def _layout(plan: Plan) -> str:
 def render(plan: Plan, console: Console) -> None:
     t, m, mem = plan.cfg.train, plan.model, plan.memory
     precision = "bf16 autocast" if plan.bf16 else "fp32"
+    if t.fp8.enabled and plan.gpu.key in FP8_GPUS:  # kiln.plan.fp8
+        precision += f" with float8 linear layers ({t.fp8.recipe})"
     console.print(f"[bold]kiln plan[/] on {_where(plan)}", highlight=False)
     n = plan.n_params
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"

@@ -59,7 +59,7 @@ def setting(cfg: RunConfig, device: torch.device, world: int) -> dict:
             "activation_checkpointing": t.activation_checkpointing, "document_mask": cfg.data.document_mask,
             "device": dev, "world": world, "dist": [d.strategy, d.sharding, d.cpu_offload],
             "lora": [cfg.lora.rank, sorted(cfg.lora.targets)], "margin": cfg.recovery.auto_batch_margin,
-            "optim_fused": cfg.optim.fused}
+            "optim_fused": cfg.optim.fused, **({"fp8": t.fp8.model_dump(mode="json")} if t.fp8.enabled else {})}
 
 
 def cache_key(found: dict) -> str:
