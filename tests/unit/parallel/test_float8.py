@@ -34,11 +34,20 @@ def _batch():
     return x, x.roll(-1, 1)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The tiny products wait on each other's threads on a loaded machine (1 s a step with 2, 0.1 s with 1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def needs_torchao() -> None:
     pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install 'kiln[fp8]')")
 
 
-def test_conversion_keeps_the_state_dict_and_trains_both_recipes():
+def test_conversion_keeps_the_state_dict_rounds_like_float8_and_trains():
     needs_torchao()
     from kiln.parallel.ac import apply_ac
 
@@ -61,6 +70,8 @@ def test_conversion_keeps_the_state_dict_and_trains_both_recipes():
         float8.convert(checkpointed, Fp8Config(enabled=True, recipe=recipe), emulate=True)
         checkpointed(x, y).backward()
         assert all(torch.equal(p.grad, grads[n]) for n, p in checkpointed.named_parameters())
+        if recipe == "rowwise":  # trained on the GPU (tests/gpu/test_fp8_gpu.py)
+            continue
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = []
         for _ in range(8):
@@ -69,7 +80,7 @@ def test_conversion_keeps_the_state_dict_and_trains_both_recipes():
             loss = model(x, y)
             loss.backward()
             losses.append(loss.item())
-        assert losses[-1] < first.item() - 1.0, recipe
+        assert losses[-1] < first.item() - 1.0
 
 
 def test_layers_kept_in_bf16_and_why():
