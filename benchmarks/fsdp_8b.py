@@ -2,6 +2,7 @@
 
     python benchmarks/fsdp_8b.py --nproc 4 --steps 30 --ac full                  # the 4-GPU measurement
     python benchmarks/fsdp_8b.py --nproc 4 --steps 30 --ac selective --kill-resume
+    python benchmarks/fsdp_8b.py --nproc 4 --steps 30 --ac selective --skip-hf --fp8 tensorwise,rowwise  # fp8 vs bf16
     python benchmarks/fsdp_8b.py --size tiny --device cpu --nproc 2 --steps 12 --seq 64   # a smoke test (gloo)
 
 (a) Kiln: `kiln train --nproc N` with model.size=SIZE (8b: d 4096, 32 layers, GQA 32/8, vocab 128256),
@@ -373,6 +374,11 @@ def table(kiln: dict, hf: dict, variants: dict[str, dict] | None = None) -> list
         ratios = [(name, r["tokens_per_s_per_gpu"] / hf["tokens_per_s_per_gpu"]) for name, r in named
                   if name != "HF Trainer" and "tokens_per_s_per_gpu" in r]
         lines += [f"\n{name} / HF Trainer: **{x:.2f}x** tokens/s per GPU" for name, x in ratios]
+    if "tokens_per_s_per_gpu" in kiln:  # each variant (--fp8's float8 runs) against the first Kiln job
+        lines += [f"\nKiln, `{v}` / Kiln: **{r['tokens_per_s_per_gpu'] / kiln['tokens_per_s_per_gpu']:.2f}x** "
+                  f"tokens/s per GPU, peak memory {fmt(r.get('peak_gib'), '.1f')} against "
+                  f"{fmt(kiln.get('peak_gib'), '.1f')} GiB" for v, r in (variants or {}).items()
+                  if "tokens_per_s_per_gpu" in r]
     if hf.get("reduce_dtype"):
         lines.append(f"\nThe HF Trainer reduced its gradients in {hf['reduce_dtype']} (accelerate's FSDP2 mixed "
                      "precision); Kiln in float32 unless `dist.reduce_fp32=false`")
@@ -427,11 +433,14 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="extra Kiln KEY=VALUE override (repeatable)")
     ap.add_argument("--variant", action="append", default=[], help="another Kiln job after the HF Trainer's, with "
                     "these overrides (KEY=VALUE, ';' between several), a row of its own (repeatable)")
+    ap.add_argument("--fp8", default="", help="float8 Kiln jobs beside the bf16 one, one per recipe named "
+                    "(tensorwise, rowwise; comma-separated): variants train.fp8.enabled=true;train.fp8.recipe=R")
     ap.add_argument("--json", default=None)
     ap.add_argument("--logs", default=None,
                     help="copy every job's whole output (kiln.log, hf.log, ...) into this folder")
     ap.add_argument("--no-append", action="store_true", help=f"do not append to {RESULTS}")
     args = ap.parse_args()
+    args.variant += [f"train.fp8.enabled=true;train.fp8.recipe={r}" for r in filter(None, args.fp8.split(","))]
     signal.signal(signal.SIGTERM, stop_jobs)
     import torch
 
