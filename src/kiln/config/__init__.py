@@ -25,7 +25,7 @@ from kiln.config.eval import EvalConfig
 from kiln.config.load import PRESETS_DIR, derive, dotted, load_config, resolve_config_path
 from kiln.config.logging import LoggingConfig
 from kiln.config.lora import LoraConfig
-from kiln.config.model import ModelConfig, RopeScaling
+from kiln.config.model import MambaConfig, ModelConfig, RopeScaling
 from kiln.config.moe import MoEConfig
 from kiln.config.monitor import MonitorConfig, ProfileConfig
 from kiln.config.optim import OptimConfig
@@ -36,8 +36,8 @@ from kiln.config.train import EarlyStopConfig, TrainConfig
 
 __all__ = [
     "PRESETS_DIR", "CheckpointConfig", "DataConfig", "DistConfig", "EarlyStopConfig", "EvalConfig", "LoggingConfig",
-    "LoraConfig", "MoEConfig",
-    "MixtureEntry", "ModelConfig", "MonitorConfig", "OptimConfig", "Problem", "ProfileConfig", "RecoveryConfig",
+    "LoraConfig", "MambaConfig", "MoEConfig", "MixtureEntry", "ModelConfig", "MonitorConfig", "OptimConfig",
+    "Problem", "ProfileConfig", "RecoveryConfig",
     "RopeScaling", "RunConfig", "Section", "TrainConfig", "derive", "describe_fields", "dotted", "load_config",
     "resolve_config_path",
 ]

@@ -11,6 +11,8 @@ from kiln.config.base import Problem, Section
 from kiln.config.moe import MoEConfig
 from kiln.sizes import SIZES
 
+LAYER_KINDS = {"M": "Mamba-2", "*": "attention", "-": "MLP"}  # the characters of model.layer_pattern
+
 
 class RopeScaling(Section):
     type: Literal["llama3", "linear"] = "llama3"
@@ -23,6 +25,35 @@ class RopeScaling(Section):
     """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are left as they are."""
     original_max_position_embeddings: int = 8192
     """llama3: the context length the model was first trained with."""
+
+
+class MambaConfig(Section):
+    """The Mamba-2 layers of a hybrid model (model.layer_pattern 'M'; Nemotron-H): their shape and time steps."""
+
+    heads: int | None = Field(None, ge=1)
+    """Number of SSM heads; null means 2 * d_model / head_dim (Mamba-2's expansion of 2)."""
+    head_dim: int = Field(64, ge=1)
+    """Channels of each SSM head."""
+    state: int = Field(128, ge=1)
+    """Size of each head's state (Hugging Face's ssm_state_size)."""
+    groups: int = Field(8, ge=1)
+    """Groups of heads sharing the input-dependent B and C projections (n_groups); divides heads."""
+    conv_kernel: int = Field(4, ge=1)
+    """Width of the causal depthwise convolution before the scan."""
+    chunk: int = Field(128, ge=1)
+    """Positions per chunk of the chunked scan (a speed setting: the result does not depend on it)."""
+    dt_min: float = Field(0.001, gt=0)
+    """Smallest time step drawn at initialisation (log-uniform between dt_min and dt_max)."""
+    dt_max: float = Field(0.1, gt=0)
+    """Largest time step drawn at initialisation."""
+    dt_floor: float = Field(1e-4, gt=0)
+    """Time steps drawn at initialisation are at least this."""
+    dt_limit: tuple[float, float] = (0.0, float("inf"))
+    """Every time step is clamped into [low, high] in the forward pass ((0, inf): no clamp)."""
+    conv_bias: bool = True
+    """A bias on the convolution."""
+    proj_bias: bool = False
+    """Biases on the input and output projections."""
 
 
 class ModelConfig(Section):
@@ -77,8 +108,14 @@ class ModelConfig(Section):
     fused_projections: bool = False
     """q, k and v computed by one qkv_proj, the MLP's gate and up by one gate_up_proj (Phi-3's layout, which
     exports as it came; lora.targets q, k, v adapt qkv_proj whole, gate and up gate_up_proj)."""
+    layer_pattern: str | None = None
+    """A hybrid model's layers, one character each (Nemotron-H's hybrid_override_pattern): 'M' Mamba-2, '*'
+    attention (without position embeddings), '-' MLP, each a norm and its mixer on the residual; its length is
+    n_layers. null: every layer attention then MLP (Llama)."""
+    mamba: MambaConfig = MambaConfig()
+    """Shape of the Mamba-2 layers of layer_pattern."""
     hf_model_type: Literal["llama", "mistral", "qwen2", "nemotron", "mixtral", "qwen2_moe", "qwen3_moe", "qwen3",
-                           "phi3"] | None = None
+                           "phi3", "nemotron_h"] | None = None
     """Hugging Face architecture that `kiln export` writes (set by init_from); null: the simplest that fits."""
     init_from: str | None = None
     """A local Hugging Face model directory (config.json + safetensors), or a Hub model id (ORG/NAME[@REVISION],
@@ -125,10 +162,32 @@ class ModelConfig(Section):
         if self.fused_projections and self.mlp != "swiglu":
             out.append((("fused_projections", "mlp"), f"fused_projections fuses the gate and up projections of a "
                                                       f"swiglu MLP; mlp={self.mlp} has no gate"))
+        out += self._pattern_problems()
         if self.hf_class == "auto" and not self.init_from:
             out.append((("hf_class", "init_from"), "model.hf_class=auto trains a Hugging Face model directory: set "
                                                    "model.init_from to it (or use hf_class native)"))
         return out
+
+    def _pattern_problems(self) -> list[Problem]:
+        if self.layer_pattern is None:
+            return []
+        out: list[Problem] = []
+        bad = sorted(set(self.layer_pattern) - set(LAYER_KINDS))
+        if bad:
+            moe = " (mixture-of-experts layers: train that model with model.hf_class=auto)" if "E" in bad else ""
+            out.append((("layer_pattern",), f"layer_pattern has {bad}{moe}: its layers are 'M' (Mamba-2), '*' "
+                                             "(attention) and '-' (MLP)"))
+        if len(self.layer_pattern) != self.n_layers:
+            out.append((("layer_pattern", "n_layers"), f"layer_pattern has {len(self.layer_pattern)} layers but "
+                                                         f"n_layers={self.n_layers}"))
+        if "M" in self.layer_pattern and self.mamba_heads % self.mamba.groups:
+            out.append((("mamba",), f"mamba.groups={self.mamba.groups} does not divide the {self.mamba_heads} "
+                                    "Mamba heads"))
+        return out
+
+    @property
+    def mamba_heads(self) -> int:
+        return self.mamba.heads or max(1, 2 * self.d_model // self.mamba.head_dim)
 
     @property
     def kv_heads(self) -> int:

@@ -1,6 +1,6 @@
 """Mapping between Kiln's model and Hugging Face causal LMs: config and state dict, both ways.
 
-Six architectures map onto the native model (`kiln.model.llama.Transformer`):
+Seven architectures map onto the native model (`kiln.model.llama.Transformer`):
 
     model_type  class                 what Kiln's ModelConfig says for it
     llama       LlamaForCausalLM      the defaults; rope_scaling (Llama 3.1), attention/mlp biases
@@ -12,6 +12,7 @@ Six architectures map onto the native model (`kiln.model.llama.Transformer`):
     qwen3_moe   Qwen3MoeForCausalLM   moe, qk_norm
     qwen3       Qwen3ForCausalLM      qk_norm, head_size, attention_bias on all four projections or none
     phi3        Phi3ForCausalLM       fused_projections (qkv_proj, gate_up_proj, kept fused), sliding_window
+    nemotron_h  NemotronHForCausalLM  layer_pattern (Mamba-2, attention, MLP layers), mamba: kiln.model.hf_nemotron_h
 
 A model trained from scratch exports as the first of Llama, Mistral, Nemotron and Qwen2 that holds it (q/k/v
 biases as Llama's attention biases with a zero o_proj bias: transformers would load a Qwen2 directory's
@@ -30,13 +31,13 @@ import torch
 
 from kiln.config import ModelConfig, RopeScaling
 from kiln.errors import StateError
-from kiln.model import hf_experts
+from kiln.model import hf_experts, hf_nemotron_h
 
 _TOP_LEVEL = ("lm_head.",)  # keys HF keeps outside its `model.` submodule
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "nemotron": "NemotronForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "nemotron_h": hf_nemotron_h.ARCHITECTURE}
 
 
 def hf_model_type(cfg: ModelConfig) -> str:
@@ -57,7 +58,8 @@ def hf_model_type(cfg: ModelConfig) -> str:
 # a model trained from scratch exports as the first of these that holds it: Llama before Qwen2 for q/k/v biases
 # (a zero o_proj bias), since transformers loads a Qwen2 directory's tokenizer as Qwen2Tokenizer, built from
 # the vocabulary with Qwen2's own pre-tokenizer, instead of the tokenizer.json Kiln trained
-FROM_SCRATCH = ("llama", "mistral", "nemotron", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "qwen2_moe")
+FROM_SCRATCH = ("llama", "mistral", "nemotron", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "qwen2_moe",
+                "nemotron_h")  # the last: hybrid models alone
 
 
 def export_problem(cfg: ModelConfig) -> str | None:
@@ -75,6 +77,8 @@ def export_problem(cfg: ModelConfig) -> str | None:
 
 
 def _unsupported(cfg: ModelConfig, kind: str) -> list[str]:
+    if kind == "nemotron_h" or cfg.layer_pattern is not None:
+        return hf_nemotron_h.unsupported(cfg, kind)
     wants = {  # option: value each architecture needs (None: any)
         "llama": dict(norm="rmsnorm", mlp="swiglu", sliding_window=None, rotary_fraction=1.0,
                       attention_bias=("none", "qkv", "all")),  # qkv: written with a zero o_proj bias
@@ -121,6 +125,8 @@ def to_hf_config_dict(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
     if cfg.vocab_size is None:
         raise ValueError("ModelConfig.vocab_size must be set to describe the model to Hugging Face")
     kind = hf_model_type(cfg)
+    if kind == "nemotron_h":
+        return {**hf_nemotron_h.config_dict(cfg), **extra}
     rope = _rope_parameters(cfg)
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURES[kind]], "model_type": kind,
@@ -189,6 +195,8 @@ def from_hf_config_dict(hf: dict[str, Any]) -> ModelConfig:
     if kind not in ARCHITECTURES:
         raise StateError(f"model_type '{kind}' is not one Kiln's native model imports (it imports "
                          f"{', '.join(ARCHITECTURES)})")
+    if kind == "nemotron_h":
+        return hf_nemotron_h.model_config(hf)
     problems = _hf_problems(hf, kind)
     if problems:
         raise StateError(f"this {kind} config uses features Kiln's model does not have: {', '.join(problems)}")
@@ -241,10 +249,11 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], tie_embeddings: bool, zero_
     experts are written one per expert, named as `kind`'s checkpoints name them (kiln.model.hf_experts)."""
     state = hf_experts.unstack_experts(state, mixtral=kind == "mixtral")
     out = {}
+    renames = hf_nemotron_h.TOP_LEVEL if hf_nemotron_h.is_hybrid_state(state) else {}
     for key, value in state.items():
         if key == "lm_head.weight" and tie_embeddings:
             continue
-        out[key if key.startswith(_TOP_LEVEL) else f"model.{key}"] = value
+        out[key if key.startswith(_TOP_LEVEL) else f"model.{renames.get(key, key)}"] = value
         if zero_o_bias and key.endswith("o_proj.weight"):
             out[f"model.{key.removesuffix('weight')}bias"] = value.new_zeros(value.shape[0])
     return out
@@ -258,10 +267,12 @@ def zero_o_bias(cfg: ModelConfig) -> bool:
 def from_hf_state_dict(state: dict[str, torch.Tensor], tie_embeddings: bool) -> dict[str, torch.Tensor]:
     """Hugging Face state dict -> Kiln state dict (rotary caches dropped; tied head filled in)."""
     out = {}
+    hybrid = {f"model.{hf}": kiln for kiln, hf in hf_nemotron_h.TOP_LEVEL.items()}
     for key, value in state.items():
-        if key.endswith("rotary_emb.inv_freq"):
+        if key.endswith("rotary_emb.inv_freq") or key.startswith("mtp."):  # mtp: Nemotron-H's extra heads
             continue
-        out[key.removeprefix("model.")] = value
+        key = hf_nemotron_h.model_key(key)
+        out[hybrid.get(key) or key.removeprefix("model.")] = value
     out = hf_experts.stack_experts(out)  # per-expert weights (and Mixtral's block_sparse_moe) as Kiln holds them
     if tie_embeddings:
         out["lm_head.weight"] = out["embed_tokens.weight"]

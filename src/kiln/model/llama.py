@@ -21,6 +21,7 @@ from torch import nn
 
 from kiln.config import ModelConfig, RopeScaling
 from kiln.model import loss, masks, moe
+from kiln.model.mamba2 import Mamba2
 from kiln.model.masks import attend
 
 
@@ -103,8 +104,13 @@ def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return torch.cat((apply_rotary(x[..., :r], cos, sin), x[..., r:]), dim=-1)
 
 
+def no_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Attention without position embeddings (a hybrid model's: its Mamba layers carry the order)."""
+    return x
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rotary: bool = True):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         d, qkv_bias = cfg.d_model, cfg.attention_bias != "none"
@@ -120,6 +126,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(self.hd, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.rotate = apply_rotary if cfg.rotary_fraction == 1.0 else apply_partial_rotary
+        if not rotary:
+            self.rotate = no_rotary
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, T, d) -> q (B, T, H, hd), k and v (B, T, KV, hd)."""
@@ -212,6 +220,41 @@ class Block(nn.Module):
         return x + y
 
 
+class HybridBlock(nn.Module):
+    """A layer of a hybrid model (model.layer_pattern; Nemotron-H): x + mixer(norm(x)), the mixer Mamba-2 ('M'),
+    attention without position embeddings ('*') or the MLP ('-'). Module names are Hugging Face's (norm, mixer)."""
+
+    def __init__(self, cfg: ModelConfig, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.norm = make_norm(cfg)
+        if kind == "M":
+            self.mixer = Mamba2(cfg)
+        elif kind == "*":
+            self.mixer = Attention(cfg, rotary=False)
+        else:
+            self.mixer = ReluSquaredMLP(cfg) if cfg.mlp == "relu2" else MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.norm(x)
+        if self.kind == "M":
+            return x + self.mixer(h, docs)  # docs (B, T): the scan and convolution restart at each document
+        if self.kind == "*":
+            return x + self.mixer(h, cos, sin, mask)
+        return x + self.mixer(h)
+
+    def init_order(self, normal, resid) -> list:
+        m = self.mixer
+        if self.kind == "M":
+            return _norm_order(self.norm) + m.init_order(normal, resid)
+        ins = [m.q_proj, m.k_proj, m.v_proj] if self.kind == "*" else [getattr(m, "gate_proj", None), m.up_proj]
+        out = m.o_proj if self.kind == "*" else m.down_proj
+        linears = [lin for lin in [*ins, out] if lin is not None]
+        order = [(lin.weight, normal) for lin in linears if lin is not out] + [(out.weight, resid)]
+        return order + [(lin.bias, nn.init.zeros_) for lin in linears if lin.bias is not None] + _norm_order(self.norm)
+
+
 class Transformer(nn.Module):
     """Decoder-only language model. `forward(tokens)` gives logits; with `targets`, the mean loss."""
 
@@ -222,7 +265,8 @@ class Transformer(nn.Module):
         rng = torch.random.get_rng_state()  # so that eager and meta-then-init_weights agree
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(HybridBlock(cfg, kind) for kind in cfg.layer_pattern) if cfg.layer_pattern \
+            else nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -252,6 +296,10 @@ class Transformer(nn.Module):
         normal, resid = functools.partial(nn.init.normal_, std=std), functools.partial(nn.init.normal_, std=out_std)
         order: list = [(self.embed_tokens.weight, normal)]
         for block in self.layers:
+            if isinstance(block, HybridBlock):  # one residual branch per layer
+                order += block.init_order(normal, functools.partial(nn.init.normal_, std=std / math.sqrt(
+                    self.cfg.n_layers)))
+                continue
             attn, mlp = block.self_attn, block.mlp
             a = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "qkv_proj")]
             if isinstance(mlp, moe.SparseMoE):  # attention as below, then the router and experts
@@ -305,8 +353,10 @@ class Transformer(nn.Module):
             # traffic of every norm, residual add and saved activation; the weights stay fp32
             x = x.to(torch.get_autocast_dtype(x.device.type))
         mask = masks.doc_mask(doc_ids, x.device, self.cfg.sliding_window, tokens.shape[1])  # once, for every layer
+        # a hybrid model's Mamba layers keep documents apart with the ids themselves
+        docs = (doc_ids.to(x.device, non_blocking=True),) if doc_ids is not None and self.cfg.layer_pattern else ()
         for block in self.layers:
-            x = block(x, cos, sin, mask)
+            x = block(x, cos, sin, mask, *docs)
             if isinstance(x, tuple):  # kiln.model.moe: (x, the layer's router statistics)
                 x, layer_stats = x
                 if stats is not None:

@@ -41,6 +41,7 @@ from torch import nn
 
 from kiln.config import RunConfig
 from kiln.errors import StateError
+from kiln.model import hf_nemotron_h
 from kiln.model.hf_experts import expert_slot, renamed, stack_experts
 from kiln.model.hf_import import load_init_weights, read_hf_state_dict, weight_files
 from kiln.model.llama import Transformer
@@ -170,8 +171,10 @@ def init_seeded(model: nn.Module, device: torch.device | str, seed: int) -> None
         torch.cuda.empty_cache()  # the cached full-size blocks go back: training's memory is what is left
 
 
-def _hf_name(name: str) -> str:
-    return name if name.startswith("lm_head.") else f"model.{name}"
+def _hf_name(name: str, hybrid: bool) -> str:
+    if name.startswith("lm_head."):
+        return name
+    return f"model.{hf_nemotron_h.TOP_LEVEL.get(name, name) if hybrid else name}"
 
 
 @torch.no_grad()
@@ -183,9 +186,11 @@ def load_shards(model: nn.Module, path: str | Path, allow_pickle: bool, tied: bo
     params = dict(model.named_parameters())  # a tied lm_head is the embedding: listed once
     if tied:
         params.pop("lm_head.weight", None)
-    wanted = {_hf_name(n): n for n in params}
+    hybrid = hf_nemotron_h.is_hybrid_state(params)
+    wanted = {_hf_name(n, hybrid): n for n in params}
     if files[0].suffix != ".safetensors":
-        state = stack_experts(read_hf_state_dict(path, allow_pickle))
+        state = stack_experts({hf_nemotron_h.model_key(k): v for k, v in read_hf_state_dict(path, allow_pickle).items()
+                               if not k.startswith("mtp.")})
         _check_names(path, wanted, state.keys(), tied)
         for hf, name in wanted.items():
             _copy(params[name], state[hf], path, hf)
@@ -197,15 +202,18 @@ def load_shards(model: nn.Module, path: str | Path, allow_pickle: bool, tied: bo
         try:
             with safe_open(str(file), framework="pt") as f:
                 keys = list(f.keys())
-                for hf in keys:
+                for key in keys:
+                    if key.startswith("mtp."):  # Nemotron-H's multi-token-prediction heads: not in the model
+                        continue
+                    hf = hf_nemotron_h.model_key(key)  # Nemotron-H's files name the decoder backbone.
                     slot = expert_slot(hf)
                     if slot is not None and slot[0] in wanted:
-                        _copy_expert(params[wanted[slot[0]]], f.get_slice(hf), slot[1], slot[2], path, hf)
+                        _copy_expert(params[wanted[slot[0]]], f.get_slice(key), slot[1], slot[2], path, key)
                         experts.setdefault(slot[0], set()).add(slot[1:])
                         continue
                     found.add(renamed(hf))  # Mixtral's block_sparse_moe.gate is Kiln's mlp.gate
                     if renamed(hf) in wanted:
-                        _copy(params[wanted[renamed(hf)]], f.get_slice(hf), path, hf)
+                        _copy(params[wanted[renamed(hf)]], f.get_slice(key), path, key)
         except StateError:
             raise
         except Exception as e:  # safetensors raises its own types on damaged files

@@ -58,7 +58,7 @@ def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig
     tensors = {k: v.detach().to("cpu", DTYPES[dtype] if dtype and v.is_floating_point() else v.dtype).contiguous()
                for k, v in to_hf_state_dict(state, cfg.tie_embeddings, zero_o_bias(cfg), hf_model_type(cfg)).items()}
     specials = _special_ids(tokenizer)
-    name = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
+    name = str(state["embed_tokens.weight"].dtype if dtype is None else DTYPES[dtype]).removeprefix("torch.")
     config = to_hf_config_dict(cfg, **specials, dtype=name, torch_dtype=name)
     src = source if source is not None else _source_of(cfg)
     keep_tokenizer = src is not None and same_tokenizer(src, tokenizer)

@@ -87,6 +87,6 @@ def test_missing_directory_config_or_weights(tmp_path, hf_dir):
 
 
 def test_unsupported_model_type_names_the_supported_ones(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "nemotron_h", "hidden_size": 8}))
-    with pytest.raises(StateError, match="'nemotron_h'.*llama, mistral, qwen2, nemotron"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "jamba", "hidden_size": 8}))
+    with pytest.raises(StateError, match="'jamba'.*llama, mistral, qwen2, nemotron"):
         resolve_init_from(ModelConfig(init_from=str(tmp_path)))

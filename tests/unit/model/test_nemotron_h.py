@@ -1,0 +1,128 @@
+"""Native Nemotron-H (hybrid Mamba-2, attention and MLP layers) against transformers' NemotronHForCausalLM built
+locally: import, export, generation, and packed documents kept apart."""
+
+import json
+
+import pytest
+import torch
+
+from kiln.config import ModelConfig
+from kiln.errors import StateError
+from kiln.model.generate import generate
+from kiln.model.hf import from_hf_config_dict, from_hf_state_dict, hf_config, to_hf_config_dict, to_hf_state_dict
+from kiln.model.hf_import import import_hf
+from kiln.model.llama import Transformer
+
+transformers = pytest.importorskip("transformers")
+
+# every layer kind, groups of heads, a chunk shorter than the rows; time_step_min low: transformers 5.2x clamps
+# the time steps there (Kiln: at the config's time_step_limit, as Mamba-2's kernels do)
+SMALL = dict(vocab_size=96, hidden_size=64, hybrid_override_pattern="M*-M-", num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8, mamba_head_dim=16,
+             ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8, time_step_min=1e-6, max_position_embeddings=64,
+             tie_word_embeddings=False)
+
+
+def build_hf(seed=0, **over):
+    config = transformers.NemotronHConfig(**{**SMALL, **over})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.NemotronHForCausalLM(config).float().eval()
+    with torch.no_grad():  # every parameter random, norms, D, dt_bias and the convolution's bias too
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.5 if "dt_bias" in name or "A_log" in name else 0.1))
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(transformers' model, Kiln's import of it): built once, the first transformers model costs seconds."""
+    hf = build_hf()
+    return hf, imported(hf)[1]
+
+
+def imported(hf):
+    cfg = from_hf_config_dict(json.loads(hf.config.to_json_string()))
+    model = Transformer(cfg).eval()
+    model.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg.tie_embeddings), strict=True)
+    return cfg, model
+
+
+def test_import_gives_transformers_logits_and_loss(pair):
+    hf, kiln = pair
+    cfg = kiln.cfg
+    assert cfg.layer_pattern == "M*-M-" and cfg.mamba.groups == 2 and cfg.hf_model_type == "nemotron_h"
+    x = torch.randint(0, 96, (2, 21))  # 21: the last chunk of the scan is padded
+    with torch.no_grad():
+        out = hf(input_ids=x, labels=x)
+        assert (kiln(x) - out.logits).abs().max() < 1e-5
+        y = torch.cat([x[:, 1:], torch.full((2, 1), -100)], dim=1)
+        assert abs(kiln(x, y).item() - out.loss.item()) < 1e-5
+
+
+def test_export_loads_in_transformers_with_the_same_logits():
+    cfg = ModelConfig(vocab_size=96, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=96, norm="rmsnorm",
+                      mlp="relu2", layer_pattern="M-*M", mamba=dict(heads=8, head_dim=16, state=8, groups=2, chunk=4),
+                      tie_embeddings=False, max_seq_len=64)
+    torch.manual_seed(0)
+    kiln = Transformer(cfg).eval()
+    fields = json.loads(json.dumps(to_hf_config_dict(cfg)))  # what config.json holds
+    assert fields["model_type"] == "nemotron_h" and fields["hybrid_override_pattern"] == "M-*M"
+    hf = transformers.NemotronHForCausalLM(hf_config(cfg)).eval()
+    hf.load_state_dict(to_hf_state_dict(kiln.state_dict(), False), strict=True)
+    x = torch.randint(0, 96, (1, 17))
+    with torch.no_grad():
+        assert (hf(x).logits - kiln(x)).abs().max() < 1e-5
+    again = from_hf_config_dict(fields)
+    assert again.model_dump() == cfg.model_dump() | {"hf_model_type": "nemotron_h"}
+
+
+def test_packed_documents_give_what_they_give_alone(pair):
+    _, kiln = pair
+    first, second = torch.randint(0, 96, (1, 11)), torch.randint(0, 96, (1, 14))
+    row = torch.cat([first, second], dim=1)
+    docs = torch.tensor([[0] * 11 + [1] * 14])
+    with torch.no_grad():
+        packed = kiln(row, doc_ids=docs)
+        assert (packed[:, 11:] - kiln(second)).abs().max() < 1e-5
+        assert (packed[:, :11] - kiln(first)).abs().max() < 1e-5
+        assert (kiln(row)[:, 11:] - kiln(second)).abs().max() > 1e-3  # without the ids the state carries over
+
+
+def test_greedy_generation_matches_transformers(pair):
+    """transformers generates step by step from its cached states (the recurrent form); Kiln recomputes the row."""
+    hf, kiln = pair
+    prompt = [5, 17, 3, 44, 60]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)[0, 5:].tolist()
+    assert generate(kiln, prompt, 8, temperature=0.0) == want
+
+
+def test_a_saved_directory_imports(tmp_path, pair):
+    hf, _ = pair
+    hf.save_pretrained(tmp_path)  # names the decoder backbone., as the released checkpoints do
+    cfg, state = import_hf(tmp_path)
+    model = Transformer(cfg)
+    model.load_state_dict(state, strict=True)
+    assert torch.equal(model.norm.weight, hf.model.norm_f.weight)
+
+
+def test_what_the_native_model_lacks_is_refused(pair):
+    fields = json.loads(pair[0].config.to_json_string())
+    moe = fields | {"layers_block_type": ["linear_attention", "moe"]}
+    with pytest.raises(StateError, match="mixture-of-experts.*hf_class=auto"):
+        from_hf_config_dict(moe)
+    with pytest.raises(StateError, match="mlp_hidden_act=silu"):
+        from_hf_config_dict(fields | {"mlp_hidden_act": "silu"})
+
+
+def test_init_covers_every_parameter_once():
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2, layer_pattern="M*-", mlp="relu2",
+                      mamba=dict(head_dim=8, state=4, groups=2))
+    model = Transformer(cfg)
+    order = [p for p, _ in model.init_order()]
+    assert len(order) == len({id(p) for p in order}) == len({id(p) for p in model.parameters()})
+    mixer = model.layers[0].mixer
+    assert torch.equal(mixer.A_log, torch.log(torch.arange(1.0, 9.0)))
+    dt = torch.nn.functional.softplus(mixer.dt_bias)
+    assert (dt >= 1e-3 - 1e-7).all() and (dt <= 0.1 + 1e-6).all()
