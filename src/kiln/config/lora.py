@@ -28,10 +28,11 @@ class LoraConfig(Section):
     dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the adapter's input while training."""
     targets: list[str] = ["q", "k", "v", "o"]
-    """Layers that get adapters: any of q, k, v, o (attention) and gate, up, down (MLP); 'all' for every one.
-    Hugging Face's layer names are read as the targets they compute (q_proj as q, ..., Phi-3's qkv_proj as q, k,
-    v and gate_up_proj as gate, up). A target the model has no layer for is an error; a fused projection
-    (Phi-3's qkv_proj, gate_up_proj) is adapted whole for any target it computes."""
+    """Layers that get adapters: any of q, k, v, o (attention), gate, up, down (MLP) and in_proj, out_proj (the
+    Mamba-2 layers of a hybrid model); 'all' for every one the model has. Hugging Face's layer names are read as
+    the targets they compute (q_proj as q, ..., Phi-3's qkv_proj as q, k, v and gate_up_proj as gate, up). A
+    target the model has no layer for is an error; a fused projection (Phi-3's qkv_proj, gate_up_proj) is adapted
+    whole for any target it computes."""
     base_dtype: Literal["bf16", "fp32"] = "bf16"
     """Dtype of the frozen base weights (bf16 halves their memory; the adapters train in fp32)."""
     quantize_base: Literal["none", "nf4"] = "none"
@@ -48,7 +49,7 @@ class LoraConfig(Section):
         return list(dict.fromkeys(t for name in targets for t in HF_TARGETS.get(name, (name,))))
 
     def problems(self) -> list[Problem]:
-        known = {"q", "k", "v", "o", "gate", "up", "down", "all"}
+        known = {"q", "k", "v", "o", "gate", "up", "down", "in_proj", "out_proj", "all"}
         bad = [t for t in self.targets if t not in known]
         if bad:
             return [(("targets",), f"unknown LoRA target(s) {bad}; choose from {sorted(known)} (or Hugging Face's "

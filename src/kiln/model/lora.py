@@ -34,6 +34,9 @@ TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_p
 FUSED = {"self_attn.q_proj": "self_attn.qkv_proj", "self_attn.k_proj": "self_attn.qkv_proj",
          "self_attn.v_proj": "self_attn.qkv_proj", "mlp.gate_proj": "mlp.gate_up_proj",
          "mlp.up_proj": "mlp.gate_up_proj"}
+# a hybrid model's layers (model.layer_pattern) hold one mixer each: the targets its mixers have, and the layer kind
+HYBRID_TARGETS = {"q": "*", "k": "*", "v": "*", "o": "*", "gate": "-", "up": "-", "down": "-", "in_proj": "M",
+                  "out_proj": "M"}
 ADAPTER_MARKS = (".lora_A.", ".lora_B.")
 BASE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -83,7 +86,10 @@ def is_adapter_key(key: str) -> bool:
 
 def target_layers(cfg: ModelConfig, targets: list[str]) -> list[str]:
     """The module paths inside each block that lora.targets names; ConfigError for one the model lacks."""
-    names = list(TARGETS) if "all" in targets else list(dict.fromkeys(targets))
+    known = HYBRID_TARGETS if cfg.layer_pattern else TARGETS
+    names = list(known) if "all" in targets else list(dict.fromkeys(targets))
+    if cfg.layer_pattern:
+        return _hybrid_layers(cfg, names, "all" in targets)
     if cfg.mlp == "relu2":
         if "gate" in names and "all" not in targets:
             raise ConfigError("lora.targets names 'gate', but this model's MLP has no gate projection (squared-"
@@ -96,6 +102,22 @@ def target_layers(cfg: ModelConfig, targets: list[str]) -> list[str]:
     if cfg.fused_projections:  # Phi-3: q, k, v adapt qkv_proj whole, gate and up gate_up_proj
         paths = list(dict.fromkeys(FUSED.get(p, p) for p in paths))
     return paths
+
+
+def _hybrid_layers(cfg: ModelConfig, names: list[str], every: bool) -> list[str]:
+    """The mixer layers a hybrid model's targets name (Mamba-2: in_proj, out_proj); with 'all', those it has."""
+    unknown = [n for n in names if n not in HYBRID_TARGETS]
+    if unknown:
+        raise ConfigError(f"lora.targets: unknown layer(s) {unknown} for a hybrid model; choose from "
+                          f"{sorted(HYBRID_TARGETS)} or 'all'")
+    if cfg.mlp == "relu2":
+        names = [n for n in names if n != "gate" or not every]
+    absent = [n for n in names if HYBRID_TARGETS[n] not in cfg.layer_pattern or (n == "gate" and cfg.mlp == "relu2")]
+    if absent and not every:
+        raise ConfigError(f"lora.targets names {absent}, but no layer of this model (layer_pattern "
+                          f"{cfg.layer_pattern!r}) has them: q, k, v, o are attention's ('*'), up, down the MLP's "
+                          "('-'; gate only with swiglu), in_proj, out_proj Mamba-2's ('M')")
+    return [f"mixer.{TARGETS[n].split('.')[1] if n in TARGETS else n}" for n in names if n not in absent]
 
 
 def hf_target_modules(cfg: ModelConfig, targets: list[str]) -> list[str]:
@@ -123,7 +145,8 @@ def apply_lora(model: nn.Module, lcfg: LoraConfig) -> nn.Module:
         for path in paths:
             parent_name, name = path.split(".")
             parent = getattr(block, parent_name)
-            setattr(parent, name, LoraLinear(getattr(parent, name), lcfg.rank, lcfg.alpha, lcfg.dropout))
+            if isinstance(getattr(parent, name, None), nn.Linear):  # a hybrid model's layers each have some
+                setattr(parent, name, LoraLinear(getattr(parent, name), lcfg.rank, lcfg.alpha, lcfg.dropout))
     return model
 
 
@@ -200,6 +223,8 @@ def training_bytes(model: nn.Module) -> int:
 def lora_flops_per_token(full: float, cfg: ModelConfig, seq_len: int, trainable: int) -> float:
     """Training FLOPs per token with a frozen base, from the full model's `full` (6 N + attention): the base's
     weight gradients (2 N) are not computed, the adapters' 6 r (in + out) per layer are."""
-    n = (full - 12.0 * cfg.n_layers * cfg.d_model * seq_len) / 6.0  # the parameters that do matrix products
+    from kiln.model.registry import sequence_flops
+
+    n = (full - sequence_flops(cfg, seq_len)) / 6.0  # the parameters that do matrix products
     return full - 2.0 * n + 6.0 * trainable
 

@@ -126,3 +126,52 @@ def test_init_covers_every_parameter_once():
     assert torch.equal(mixer.A_log, torch.log(torch.arange(1.0, 9.0)))
     dt = torch.nn.functional.softplus(mixer.dt_bias)
     assert (dt >= 1e-3 - 1e-7).all() and (dt <= 0.1 + 1e-6).all()
+
+
+def hybrid_cfg(**over):
+    return ModelConfig(**{**dict(vocab_size=64, d_model=32, n_layers=4, n_heads=2, n_kv_heads=1, ffn_hidden=48,
+                                 mlp="relu2", layer_pattern="M*-M", tie_embeddings=False,
+                                 mamba=dict(head_dim=8, state=4, groups=2, chunk=4)), **over})
+
+
+@pytest.mark.parametrize("over", [{}, dict(tie_embeddings=True, mlp_bias=True,
+                                           mamba=dict(head_dim=8, state=4, groups=2, proj_bias=True, conv_bias=False))])
+def test_param_count_and_flops_know_the_mamba_layers(over):
+    from kiln.model.lora import lora_flops_per_token
+    from kiln.model.registry import flops_per_token, param_count
+
+    cfg = hybrid_cfg(**over)
+    model = Transformer(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    assert param_count(cfg) == n
+    T, m = 16, cfg.mamba
+    H, P, N, G, L = cfg.mamba_heads, m.head_dim, m.state, m.groups, min(m.chunk, T)
+    scan = 6 * (L * G * N + L * H * P + 2 * H * P * N + T / L**2 * H * P * N)
+    matmul = n - (0 if cfg.tie_embeddings else 64 * 32)
+    want = 6 * matmul + 12 * 2 * 16 * T + 2 * scan  # one attention layer of 2 heads of 16, two Mamba layers
+    assert flops_per_token(cfg, T) == pytest.approx(want)
+    assert lora_flops_per_token(want, cfg, T, 0) == pytest.approx(want - 2 * matmul)
+
+
+def test_lora_on_every_projection_trains_the_adapters_and_merges():
+    from kiln.config import LoraConfig
+    from kiln.errors import ConfigError
+    from kiln.model.lora import LoraLinear, apply_lora, hf_target_modules, merge_lora
+
+    cfg = hybrid_cfg()
+    torch.manual_seed(0)
+    model = apply_lora(Transformer(cfg), LoraConfig(rank=4, targets=["all"], base_dtype="fp32"))
+    adapted = {n for n, mod in model.named_modules() if isinstance(mod, LoraLinear)}
+    assert {"layers.0.mixer.in_proj", "layers.0.mixer.out_proj", "layers.1.mixer.q_proj", "layers.1.mixer.o_proj",
+            "layers.2.mixer.up_proj", "layers.2.mixer.down_proj"} <= adapted and len(adapted) == 10
+    assert hf_target_modules(cfg, ["in_proj", "out_proj", "q"]) == ["in_proj", "out_proj", "q_proj"]
+    x = torch.randint(0, 64, (2, 12))
+    frozen = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(x, x).backward()
+    opt.step()
+    assert all(torch.equal(frozen[k], v) for k, v in model.state_dict().items() if k in frozen)
+    with torch.no_grad():
+        assert (merge_lora(model)(x) - model(x)).abs().max() < 1e-5
+    with pytest.raises(ConfigError, match="no layer of this model"):
+        apply_lora(Transformer(hybrid_cfg(layer_pattern="M-M-")), LoraConfig(rank=4, targets=["q", "in_proj"]))
