@@ -105,6 +105,13 @@ def test_a_saved_directory_imports(tmp_path, pair):
     model = Transformer(cfg)
     model.load_state_dict(state, strict=True)
     assert torch.equal(model.norm.weight, hf.model.norm_f.weight)
+    from kiln.parallel.materialize import load_shards
+
+    with torch.device("meta"):  # the path FSDP takes: each parameter's rows read straight from the file
+        sharded = Transformer(cfg)
+    sharded.to_empty(device="cpu")
+    load_shards(sharded, tmp_path, allow_pickle=False, tied=False)
+    assert all(torch.equal(a, b) for a, b in zip(sharded.state_dict().values(), model.state_dict().values()))
 
 
 def test_what_the_native_model_lacks_is_refused(pair):
