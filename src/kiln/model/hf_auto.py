@@ -1,4 +1,4 @@
-"""Any causal LM of transformers as a Kiln model: `model.hf_class=auto` (the slower path).
+"""Any causal LM of transformers as a Kiln model: `model.hf_class=auto` (the generic path).
 
     cfg = auto_config(run_cfg.model)                    # vocab and context of model.init_from
     model = build_auto(cfg, lora=run_cfg.lora)          # AutoModelForCausalLM, its weights, PEFT adapters
@@ -6,14 +6,21 @@
     model.save_pretrained(out, tokenizer)               # the Hugging Face layout, loaded by from_pretrained
 
 Architectures the native model does not have (Phi, Gemma, GPT-2, Nemotron-H's Mamba hybrid, ...)
-train in the same loop, loader, checkpoints and metrics. It is slower than the native model: the
-loss is computed on the whole batch's logits (not chunked), the blocks are compiled without
-`fullgraph`, and the attention is whatever the model's code does.
+train in the same loop, loader, checkpoints and metrics, and as far as each model allows, as the native model
+trains: kiln.parallel checkpoints, compiles and shards each decoder block (`layers`), and
+- attention is Kiln's (kiln.model.hf_attention): causal SDPA, and flex attention with a block mask per batch
+  for packed documents, where the model's attention is plain causal dot-product attention;
+- the loss is Kiln's chunked cross-entropy on the decoder's hidden states (kiln.model.hf_head), where the
+  logits are the output layer's alone: never the whole batch's logits;
+- under bf16 autocast the residual stream is bf16 and rotary tables fp32 (kiln.model.hf_precision).
+Each that a model does not allow (soft-capping, sliding windows, ALiBi, a biased head, ...) falls back to the
+model's own code, and `describe_fast_path` says which and why (the run's model line).
 
 Documents in a packed row: with `doc_ids` the model gets `position_ids` that restart at every
-document; transformers' models that build their masks through `masking_utils` then attend inside
-each document (its packed-sequence mask). A model with recurrent layers (Mamba, ...) or whose forward
-takes no `position_ids` runs each document as its own sequence instead (kiln.model.hf_packing).
+document, and Kiln's attention a block-diagonal mask; a model on its own attention whose masks come from
+transformers' `masking_utils` attends inside each document through the position ids. A model with recurrent
+layers (Mamba, ...) or whose forward takes no `position_ids` can run each document as its own sequence
+instead (kiln.model.hf_packing), which a run chooses with data.document_mask=split.
 
 Remote code: a directory whose config.json has `auto_map` ships Python that transformers would import
 and run. It is refused unless `model.trust_remote_code` is true.
@@ -34,9 +41,14 @@ from torch import nn
 from kiln.config import LoraConfig, ModelConfig
 from kiln.errors import ConfigError, StateError
 from kiln.files import default_mode
+from kiln.model import loss, masks
+from kiln.model.hf_attention import MASK_KEY
+from kiln.model.hf_attention import install as install_attention
 from kiln.model.hf_blocks import decoder_layers, transformers_module
+from kiln.model.hf_head import decoder_of, plain_head
 from kiln.model.hf_moe import RouterAux, router_aux_coef
 from kiln.model.hf_packing import doc_positions, merge_documents, recurrent_layers, split_documents
+from kiln.model.hf_precision import match_native
 from kiln.model.loss import IGNORE_INDEX
 
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
@@ -173,7 +185,7 @@ class HFCausalLM(nn.Module):
     `layers` are its decoder blocks (for activation checkpointing, compile and FSDP in kiln.parallel);
     `cfg` is the run's ModelConfig (its max_seq_len bounds generation)."""
 
-    fullgraph = False  # transformers' blocks take keyword arguments and caches: compiled with graph breaks
+    fullgraph = False  # a model's blocks may break the graph (a Llama block compiles whole: tests/unit/model)
 
     def __init__(self, hf: nn.Module, cfg: ModelConfig):
         super().__init__()
@@ -187,6 +199,10 @@ class HFCausalLM(nn.Module):
         self.takes_router_flag = _takes(self.base.forward, "output_router_logits")
         self.router_aux_coef = router_aux_coef(getattr(self.base, "config", None), self.takes_router_flag)
         self.router_aux = RouterAux()
+        # the native model's attention, loss and precision where the model allows: each is None, or why not
+        self.own_attention = install_attention(self.base, cfg.max_seq_len, self.split_documents)
+        self.own_head = plain_head(self.base, None if self.own_attention else MASK_KEY)
+        self._hooks = match_native(self.decoder) if self.decoder is not None else []
 
     @property
     def base(self) -> nn.Module:
@@ -201,6 +217,25 @@ class HFCausalLM(nn.Module):
     def is_peft(self) -> bool:
         return hasattr(self.hf, "peft_config")
 
+    @property
+    def decoder(self) -> nn.Module | None:
+        """The transformers model's decoder (embeddings, blocks, final norm: kiln.model.hf_head)."""
+        return decoder_of(self.base)
+
+    @property
+    def norm(self) -> nn.Module | None:
+        """The decoder's final norm (compiled beside the blocks, kiln.parallel.compile), where it has one."""
+        norm = getattr(self.decoder, "norm", None)
+        return norm if isinstance(norm, nn.Module) else None
+
+    def describe_fast_path(self) -> str:
+        """Where this model runs as the native one does and where not (the run's model line)."""
+        parts = ["attention: " + ("Kiln's (SDPA; flex document masks on CUDA)" if self.own_attention is None
+                                  else f"the model's own ({self.own_attention})"),
+                 "loss: " + ("chunked on the hidden states" if self.own_head is None
+                             else f"on the full logits ({self.own_head})")]
+        return "; ".join(parts)
+
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V), or with targets (B, T) the mean cross-entropy over targets
@@ -209,22 +244,33 @@ class HFCausalLM(nn.Module):
         aux = self.router_aux_coef is not None and targets is not None and self.training
         if self.takes_router_flag:
             kwargs["output_router_logits"] = aux  # off in evaluation: val_loss is the cross-entropy alone
-        if doc_ids is not None and self.split_documents:  # each document its own sequence, then packed again
+        if self.own_attention is None:
+            kwargs[MASK_KEY] = None  # plain causal attention
+        split = doc_ids is not None and self.split_documents
+        if split:  # each document its own sequence, then packed again
             rows, seg, pos = split_documents(tokens, doc_ids.to(tokens.device))  # (N, L), (B, T), (B, T)
-            out = self.hf(input_ids=rows, **kwargs)
-            logits = merge_documents(out.logits, seg, pos)  # (B, T, V)
+            kwargs["input_ids"] = rows
         else:
+            kwargs["input_ids"] = tokens
             if doc_ids is not None:
-                kwargs["position_ids"] = doc_positions(doc_ids.to(tokens.device))
-            out = self.hf(input_ids=tokens, **kwargs)
-            logits = out.logits  # (B, T, V)
+                doc_ids = doc_ids.to(tokens.device)
+                kwargs["position_ids"] = doc_positions(doc_ids)
+                if self.own_attention is None:  # built once, for every layer (kiln.model.masks)
+                    kwargs[MASK_KEY] = masks.doc_mask(doc_ids, tokens.device)
+        if targets is not None and self.own_head is None and not aux:  # never the whole batch's logits
+            h = self.decoder(**kwargs).last_hidden_state  # (B, T, d) or (N, L, d)
+            if split:
+                h = merge_documents(h, seg, pos)
+            return loss.linear_cross_entropy(h, self.base.get_output_embeddings().weight, targets)
+        out = self.hf(**kwargs)
+        logits = merge_documents(out.logits, seg, pos) if split else out.logits  # (B, T, V)
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+        result = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
         if aux and getattr(out, "aux_loss", None) is not None:  # as the model adds it given labels
             self.router_aux.add(out.aux_loss)
-            loss = loss + self.router_aux_coef * out.aux_loss.float()
-        return loss
+            result = result + self.router_aux_coef * out.aux_loss.float()
+        return result
 
     def param_count(self) -> int:
         """Parameters of the model, shared ones counted once."""

@@ -1,0 +1,169 @@
+"""The native model's attention inside a transformers model (model.hf_class=auto).
+
+transformers' attention layers call whatever function the model's `config._attn_implementation` names
+in its attention registry, with queries, keys and values already projected and rotated. `install` registers
+`kiln_attention` there and points the model at it, so the auto path attends as the native model does
+(kiln.model.masks): plain causal SDPA (flash / cuDNN) without documents, and with documents of a packed
+row a mask built once per forward by `HFCausalLM` (a flex-attention block mask on CUDA, which skips the
+blocks that cross documents; a boolean block-diagonal mask elsewhere), passed to every layer as the
+keyword `kiln_mask` (transformers hands a model's extra keywords down to its attention function).
+transformers then builds no mask of its own: a per-step (B, 1, T, T) mask from the position ids, and the
+SDPA kernel that takes one, are what made packed rows slow on this path.
+
+A model whose attention is not plain causal dot-product attention (logit soft-capping, attention sinks,
+sliding windows, attention dropout, ...) or whose layers do not pass the keyword on keeps its own:
+`install` checks the structure, then runs a packed row of two documents through both (`probe`) and keeps
+Kiln's only where the second document's logits equal those it gives alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.model import masks
+
+NAME = "kiln"  # the name in transformers' attention registry
+MASK_KEY = "kiln_mask"  # the keyword that carries the mask from HFCausalLM.forward to every layer
+_WINDOW_KEYS = ("sliding_window", "attention_window")
+_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+_CAP_KEYS = ("attn_logit_softcapping", "attention_logit_softcapping")
+
+
+class NotPlain(RuntimeError):
+    """A layer asked Kiln's attention for what it does not compute."""
+
+
+def kiln_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask=None, dropout: float = 0.0, scaling: float | None = None, **kwargs
+                   ) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query (B, H, T, hd), key and value (B, KV, T, hd) ->
+    ((B, T, H, hd), no weights), causal, inside each document where `kiln_mask` holds a mask."""
+    name = type(module).__name__
+    if MASK_KEY not in kwargs:  # HFCausalLM always passes it: a layer that does not hand its keywords on
+        raise NotPlain(f"{name} does not hand the model's keywords on to its attention function")
+    for arg in ("softcap", "s_aux"):
+        if kwargs.get(arg) is not None:
+            raise NotPlain(f"{name} asks for {arg}")
+    window = kwargs.get("sliding_window")
+    if window is not None and window < key.shape[2]:  # install() keeps windows shorter than max_seq_len out
+        raise NotPlain(f"{name} asks for a sliding window of {window}")
+    if dropout:
+        raise NotPlain(f"{name} asks for attention dropout")
+    if query.shape[2] != key.shape[2]:
+        raise NotPlain("Kiln's attention runs without a key-value cache (use_cache=False)")
+    mask = kwargs[MASK_KEY]
+    dtype = value.dtype  # rotary embeddings in fp32 promote q and k: attend in the values' (autocast) dtype
+    q, k = query.to(dtype), key.to(dtype)
+    gqa = k.shape[1] != q.shape[1]
+    if mask is None:
+        y = F.scaled_dot_product_attention(q, k, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+    elif isinstance(mask, torch.Tensor):
+        y = F.scaled_dot_product_attention(q, k, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    else:  # a flex-attention block mask (CUDA)
+        y = _flex(q, k, value, mask, scaling, gqa)
+    return y.transpose(1, 2), None  # (B, T, H, hd)
+
+
+def _flex(q, k, v, mask, scale, gqa):
+    tiles = masks._tiles(q)
+    if torch.compiler.is_compiling():  # inside a compiled block: traced into its graph
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, kernel_options=tiles)
+    return masks._flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, kernel_options=tiles)
+
+
+def register() -> None:
+    """Put `kiln_attention` in transformers' attention registry (once per process)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, kiln_attention)
+
+
+def text_config(model: nn.Module):
+    config = getattr(model, "config", None)
+    return getattr(config, "text_config", None) or config
+
+
+def unsupported(model: nn.Module, max_seq_len: int) -> str | None:
+    """Why `model`'s attention is not Kiln's plain causal attention, from its config and modules (None: it may be;
+    `probe` decides)."""
+    config = text_config(model)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        return "its config names no attention implementation"
+    if getattr(config, "is_causal", True) is False:
+        return "its attention is not causal"
+    for key in _WINDOW_KEYS:
+        window = getattr(config, key, None)
+        if isinstance(window, int) and 0 < window < max_seq_len and getattr(config, "use_sliding_window", True):
+            return f"a sliding window ({key}={window})"
+    for key in _CAP_KEYS:
+        if getattr(config, key, None):
+            return f"attention logit soft-capping ({key})"
+    for key in _DROPOUT_KEYS:
+        if (getattr(config, key, 0) or 0) > 0:
+            return f"attention dropout ({key})"
+    for m in model.modules():
+        if getattr(m, "is_causal", True) is False:
+            return f"{type(m).__name__} is not causal"
+        if getattr(m, "sinks", None) is not None:
+            return f"{type(m).__name__} has attention sinks"
+    return None
+
+
+def install(model: nn.Module, max_seq_len: int, split_documents: bool) -> str | None:
+    """Point `model` (a transformers causal LM, eval or train) at Kiln's attention where its logits stay the
+    same. Returns None when installed, else why not (the model keeps its own attention)."""
+    why = unsupported(model, max_seq_len)
+    if why:
+        return why
+    register()
+    config = text_config(model)
+    own = config._attn_implementation
+    try:
+        model.set_attn_implementation(NAME)
+    except (ValueError, ImportError, AttributeError, TypeError) as e:
+        return f"transformers does not take it ({type(e).__name__}: {e})"
+    try:
+        why = probe(model, own, split_documents)
+    except NotPlain as e:
+        why = str(e)
+    except Exception as e:  # a model whose code does not fit the attention function
+        why = f"its forward fails with it ({type(e).__name__}: {str(e)[:200]})"
+    if why:
+        model.set_attn_implementation(own)
+    return why
+
+
+@torch.no_grad()
+def probe(model: nn.Module, own: str, split_documents: bool) -> str | None:
+    """Two documents packed in one row through Kiln's attention (a block-diagonal mask, position ids restarting
+    at the second) against each alone through the model's own attention: None if their logits agree."""
+    from kiln.model.hf_packing import doc_positions
+
+    training, device = model.training, next(model.parameters()).device
+    model.eval()
+    try:
+        vocab = model.get_input_embeddings().weight.shape[0]
+        g = torch.Generator().manual_seed(0)
+        a, b = torch.randint(0, vocab, (1, 7), generator=g), torch.randint(0, vocab, (1, 5), generator=g)
+        a, b = a.to(device), b.to(device)
+        if split_documents:  # documents run as rows of their own: one document, no mask
+            rows, mask, pos, parts = a, None, None, [a]
+        else:
+            rows = torch.cat([a, b], 1)
+            docs = torch.tensor([[0] * 7 + [1] * 5], device=device)
+            mask, pos, parts = masks.dense_mask(docs, device), doc_positions(docs), [a, b]
+        got = model(input_ids=rows, position_ids=pos, use_cache=False, **{MASK_KEY: mask}).logits.float()
+        model.set_attn_implementation(own)
+        want = torch.cat([model(input_ids=p, use_cache=False).logits.float() for p in parts], 1)
+        model.set_attn_implementation(NAME)
+    finally:
+        model.train(training)
+    tol = 1e-4 if got.dtype == torch.float32 and next(model.parameters()).dtype == torch.float32 else 3e-2
+    err = (got - want).abs().max().item()
+    if not err <= tol * (1 + want.abs().max().item()):
+        return f"its logits differ with it by {err:.2g}"
+    return None
