@@ -67,7 +67,8 @@ def test_parity(root, kind, tmp_path):
         torch.testing.assert_close(imported(src, native)(x), source(input_ids=x).logits, rtol=0, atol=1e-5)
 
     run_dir = run(load_config(None, [
-        f"model.init_from={src}", *([] if native else ["model.hf_class=auto"]), f"data.sources=[{root / 'corpus'}]",
+        f"model.init_from={src}", *([] if native else ["model.hf_class=auto", "data.document_mask=split"]),
+        f"data.sources=[{root / 'corpus'}]",
         f"data.cache_dir={root / 'cache'}", "data.workers=1", "data.val_fraction=0", "train.seq_len=32",
         "train.batch_size=2", "train.max_steps=1", "train.warmup_steps=0", "train.lr=1e-2", "train.device=cpu",
         "train.precision=fp32", "train.sample_tokens=0", f"train.run_dir={tmp_path / 'run'}", "checkpoint.every=0",

@@ -128,8 +128,11 @@ class DataConfig(Section):
     linearly from one mixture to another ({unit: steps, stages: [{at: 0, weights: [1, 0]}, {at: 500,
     weights: [0.5, 0.5], blend: true}]}). The stages' weights replace the entries' `weight`; validation
     reads the last stage's mix."""
-    document_mask: bool = True
-    """Keep attention inside each document of a packed row, so no token attends across an EOS."""
+    document_mask: bool | Literal["split"] = True
+    """Keep attention inside each document of a packed row, so no token attends across an EOS. A model of
+    model.hf_class=auto whose layers cannot keep documents apart (recurrent layers: Mamba, ...; a forward without
+    position_ids) is refused with true; 'split' runs each of its documents as a row of its own instead (padded
+    to the longest document: up to several times the compute); false lets documents see each other."""
     shuffle: bool = True
     """Visit packed rows in a new seeded order each epoch (streaming: the files); false keeps stream order."""
     streaming: bool = False

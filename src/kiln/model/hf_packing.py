@@ -9,7 +9,9 @@ dropped), so for a model with such layers (`recurrent_layers`), and for one whos
 `position_ids`, each document runs as its own sequence: `split_documents` moves every document to the start
 of a row of its own (right-padded: a causal model's padding never reaches the tokens before it), and
 `merge_documents` puts their logits back in the packed layout. The logits are those of each document alone;
-the cost is the padding (rows of the longest document's length).
+the cost is the padding (rows of the longest document's length: with documents of uneven length, several
+times the compute of the packed rows). A run chooses it with data.document_mask=split; with true such a model
+is refused (`check_packing`), with false its documents see each other.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import re
 
 import torch
 from torch import nn
+
+from kiln.errors import ConfigError
 
 # class names of layers whose state runs along the sequence (not attention)
 _RECURRENT = re.compile(r"Mamba|Mixer|DeltaNet|DeltaAttention|ShortConv|Recurrent|Rwkv|LinearAttention|Lightning")
@@ -63,3 +67,15 @@ def split_documents(tokens: torch.Tensor, doc_ids: torch.Tensor) -> tuple[torch.
 def merge_documents(logits: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The (N, L, V) logits of `split_documents`' rows -> (B, T, V) in the packed layout."""
     return logits[seg, pos]
+
+
+def check_packing(model, data) -> str:
+    """Why `model` (an HFCausalLM whose documents must run as rows of their own) cannot keep the documents of a
+    packed row apart; ConfigError unless data.document_mask is 'split'."""
+    why = f"recurrent layers: {', '.join(model.recurrent)}" if model.recurrent else "its forward takes no position_ids"
+    if data.document_mask != "split":
+        raise ConfigError(f"data.document_mask=true: {type(model.base).__name__} cannot keep the documents of a packed "
+                          f"row apart ({why}). Set data.document_mask=split to run each document as a row of its own "
+                          "(padded to the longest document of each batch: up to several times the compute), or "
+                          "data.document_mask=false to let the documents of a row see each other")
+    return why

@@ -216,6 +216,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     auto_model = None
     if cfg.model.hf_class == "auto":  # any transformers causal LM (kiln.model.hf_auto): the slower path
         from kiln.model.hf_auto import build_auto
+        from kiln.model.hf_packing import check_packing
 
         model = auto_model = build_auto(cfg.model, cfg.lora, weights=weights is not None)  # PEFT LoRA inside
         n_params, flops = model.param_count(), model.flops_per_token(tcfg.seq_len)
@@ -223,9 +224,9 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         shape = f"{type(model.base).__name__} through AutoModelForCausalLM, {len(model.layers)} blocks"
         if model.is_peft:
             shape += f"; {trainable_count(model) / 1e6:.2f}M of them train (PEFT LoRA: {model.lora_where})"
-        if model.split_documents and cfg.data.document_mask:
-            why = f"recurrent layers: {', '.join(model.recurrent)}" if model.recurrent else "it takes no position_ids"
-            shape += f"; each document of a packed row runs as its own sequence ({why})"
+        if model.split_documents and cfg.data.document_mask:  # refused unless 'split' (kiln.model.hf_packing)
+            shape += f"; each document of a packed row runs as its own sequence ({check_packing(model, cfg.data)})"
+        shape += f"; {model.describe_fast_path()}"
         if model.router_aux_coef is not None:
             shape += f"; loss + {model.router_aux_coef:g} x the router's load-balancing loss (aux_loss)"
     else:

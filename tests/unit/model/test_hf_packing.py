@@ -64,3 +64,15 @@ def test_second_document_of_a_packed_row_equals_it_alone_through_mamba_layers(tm
 def test_an_attention_model_keeps_its_packed_rows(tmp_path):
     model = auto_model(tmp_path, "llama", LLAMA)
     assert model.recurrent == [] and not model.split_documents  # position_ids keep its documents apart
+
+
+def test_a_model_that_cannot_keep_documents_apart_is_refused_unless_split_is_chosen(tmp_path):
+    from kiln.config import DataConfig
+    from kiln.errors import ConfigError
+    from kiln.model.hf_packing import check_packing
+
+    model = auto_model(tmp_path, "nemotron_h", NEMOTRON_H)
+    with pytest.raises(ConfigError, match=r"NemotronHForCausalLM cannot keep the documents .*Mamba2Mixer.*"
+                                          r"data.document_mask=split"):
+        check_packing(model, DataConfig(document_mask=True))
+    assert "Mamba2Mixer" in check_packing(model, DataConfig(document_mask="split"))
