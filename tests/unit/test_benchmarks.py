@@ -52,7 +52,7 @@ SMOKE = {
                      "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "train.compile=false",
                      "data.val_fraction=0.2", "train.eval_batches=1", "logging.every=1"],
                     r"final validation loss, bf16 against fp32: [+-]\d"),
-    "hf_auto": (["--batch", "2", "--seq", "32", "--steps", "1", "--warmup", "1"], r"auto / native: \d"),
+    "hf_auto": (["--batch", "2", "--seq", "32", "--steps", "1", "--warmup", "1", "--before"], r"auto / native: \d"),
     "lm_eval_speed": (["--examples", "4", "--docs", "2", "--batch", "4", "--seq", "128", "--vocab", "512"],
                       r"kiln / hf: \d[\d.]*x faster; scores agree: bench_mc/acc yes"),
     "loader": (["--tokens", "100000", "--seconds", "0.1", "--min-rate", "0", "--seq-len", "64", "--batch-size", "2",
