@@ -26,6 +26,7 @@ from torch import nn
 
 from kiln.config import LoraConfig, ModelConfig
 from kiln.errors import ConfigError
+from kiln.model.lora_experts import LoraGroupedExperts, adapt_experts, merge_experts
 
 # lora.targets -> the layer of each block it names (module path inside a Block)
 TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -142,9 +143,12 @@ def apply_lora(model: nn.Module, lcfg: LoraConfig) -> nn.Module:
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
     for block in model.layers:
+        experts = adapt_experts(block, paths, lcfg.rank, lcfg.alpha, lcfg.dropout)  # a mixture of experts' MLP
         for path in paths:
             parent_name, name = path.split(".")
             parent = getattr(block, parent_name)
+            if path in experts:  # and its shared expert's layer (Qwen2-MoE), where it has one
+                parent = getattr(parent, "shared_expert", None)
             if isinstance(getattr(parent, name, None), nn.Linear):  # a hybrid model's layers each have some
                 setattr(parent, name, LoraLinear(getattr(parent, name), lcfg.rank, lcfg.alpha, lcfg.dropout))
     return model
@@ -163,6 +167,7 @@ def merge_state_dict(state: dict[str, torch.Tensor], lcfg: LoraConfig) -> dict[s
     """A plain model's state dict from a LoRA model's (base + adapters): every floating-point tensor in
     fp32, each adapted weight plus (alpha / r) B A, the adapter keys dropped."""
     scale = lcfg.alpha / lcfg.rank
+    state = merge_experts(state, scale)  # a mixture of experts' stacked adapters (kiln.model.lora_experts)
     out = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items() if not is_adapter_key(k)}
     for key in state:
         if key.endswith(".lora_A.weight"):
@@ -179,18 +184,21 @@ def merge_lora(model: nn.Module) -> nn.Module:
     from kiln.model.llama import Transformer
 
     layers = lora_layers(model)
-    if not layers:
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, LoraGroupedExperts)}
+    if not layers and not experts:
         return model
-    first = next(iter(layers.values()))
+    device = (next(iter(layers.values())).weight if layers else next(iter(experts.values())).down_proj).device
     from kiln.model.quant import dequantized
 
     state = {k: v for k, v in model.state_dict().items() if not is_adapter_key(k)}
+    for name, stacked in experts.items():  # each expert's adapters merged into its rows
+        state.update({f"{name}.{k}": v for k, v in stacked.merged().state_dict().items()})
     state = {k: (dequantized(v).float() if v.is_floating_point() else v) for k, v in state.items()}  # NF4: values
     for name, layer in layers.items():
         state[f"{name}.weight"] = state[f"{name}.weight"] + layer.delta_weight().to(state[f"{name}.weight"].device)
     with torch.device("meta"):
         plain = Transformer(model.cfg)
-    plain.to_empty(device=first.weight.device)
+    plain.to_empty(device=device)
     plain.init_weights()  # re-ties embeddings and builds the rope tables; the weights come next
     plain.load_state_dict(state)
     return plain.train(model.training)

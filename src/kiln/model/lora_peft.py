@@ -57,11 +57,25 @@ def peft_config(model_cfg: ModelConfig, lcfg: LoraConfig, base: str | None) -> d
     }
 
 
+def peft_refusal(adapters: dict[str, torch.Tensor]) -> str | None:
+    """Why these adapters have no PEFT form Kiln writes (None: they have one): a mixture of experts' per-expert
+    adapters (kiln.model.lora_experts), which the merged model holds instead."""
+    from kiln.model.lora_experts import stacked_adapter
+
+    if any(stacked_adapter(k) is not None for k in adapters):
+        return ("the adapters on the mixture of experts' stacked expert projections (lora.targets gate, up, down) "
+                "have no PEFT form Kiln writes; the merged model (kiln export without --adapters) holds them")
+    return None
+
+
 def write_peft_adapters(adapters: dict[str, torch.Tensor], model_cfg: ModelConfig, lcfg: LoraConfig,
                         base: str | None, out: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write `adapters` (Kiln keys) as a PEFT adapter directory `out`; `dtype` casts them (None: as they are)."""
     if not adapters:
         raise StateError("no LoRA adapters to write: this model was not trained with lora.rank > 0")
+    why = peft_refusal(adapters)
+    if why is not None:
+        raise StateError(why)
     return save_peft(adapters, peft_config(model_cfg, lcfg, base), out, dtype)
 
 

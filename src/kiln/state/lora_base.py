@@ -94,6 +94,7 @@ def merged_model(cfg: ModelConfig, lora: LoraConfig, adapters: dict[str, torch.T
     from kiln.model.hf import from_hf_state_dict
     from kiln.model.hf_import import read_hf_state_dict
     from kiln.model.llama import Transformer
+    from kiln.model.lora_experts import merge_experts, stacked_adapter
 
     base = from_hf_state_dict(read_hf_state_dict(cfg.init_from, cfg.allow_pickle), cfg.tie_embeddings)
     scale = lora.alpha / lora.rank
@@ -111,6 +112,9 @@ def merged_model(cfg: ModelConfig, lora: LoraConfig, adapters: dict[str, torch.T
             a = adapters[f"{prefix}.lora_A.weight"].detach().to("cpu", torch.float32)
             b = adapters[f"{prefix}.lora_B.weight"].detach().to("cpu", torch.float32)
             state[key] = state[key] + scale * (b @ a)
+    stacked = {k: v.detach().to("cpu") for k, v in adapters.items() if stacked_adapter(k) is not None}
+    if stacked:  # a mixture of experts' per-expert adapters, into their experts' rows (kiln.model.lora_experts)
+        state = merge_experts({**state, **stacked}, scale)
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     with torch.device("meta"):

@@ -422,10 +422,14 @@ def _save_final(model, cfg: RunConfig, tok, run_dir: Path, console: Console) -> 
             out = save_model(model, cfg.model, tok, run_dir / "model")
         else:
             if cfg.lora.rank:  # the adapters alone, in PEFT's format (first: a complete model/ has them)
-                from kiln.model.lora_peft import write_peft_adapters
+                from kiln.model.lora_peft import peft_refusal, write_peft_adapters
 
-                write_peft_adapters(adapter_state_dict(model), cfg.model, cfg.lora, cfg.model.init_from,
-                                    run_dir / "model" / "adapters")
+                why = peft_refusal(adapter_state_dict(model))
+                if why is None:
+                    write_peft_adapters(adapter_state_dict(model), cfg.model, cfg.lora, cfg.model.init_from,
+                                        run_dir / "model" / "adapters")
+                else:
+                    console.print(f"model/adapters is not written: {why}", highlight=False)
             # LoRA: merged onto the base as stored in init_from (as an export of a checkpoint is), not the
             # training copy, rounded to lora.base_dtype
             merged = merged_model(cfg.model, cfg.lora, adapter_state_dict(model)) if cfg.lora.rank else model
