@@ -73,13 +73,14 @@ def cut_after(run_dir: Path, step: int) -> None:
 @pytest.fixture(scope="module")
 def fp8_run(base, tmp_path_factory) -> tuple[Path, str]:
     run_dir = tmp_path_factory.mktemp("runs") / "fp8"
-    out = kiln_train(*base, "train.fp8.enabled=true", f"train.run_dir={run_dir}")
+    out = kiln_train(*base, "train.fp8.enabled=true", "train.sample_tokens=16", f"train.run_dir={run_dir}")
     return run_dir, out.stdout
 
 
 def test_fp8_trains_and_saves_the_weights_of_a_bf16_run(base, fp8_run, tmp_path):
     run_dir, stdout = fp8_run
     assert "train.fp8: 14 linear layers in float8, tensorwise scaling" in stdout
+    assert "sample again with: kiln generate" in stdout  # the sample after training (the layers plain again)
     got = losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1)) and all(v == v for v in got.values())  # no NaN
     assert sum(got[s] for s in range(STEPS - 4, STEPS + 1)) / 5 < got[1] - 1.5
@@ -105,8 +106,9 @@ def test_fp8_resumes_with_the_losses_of_the_run_that_went_on(base, fp8_run, tmp_
 def test_rowwise_trains(base, tmp_path):
     run_dir = tmp_path / "rowwise"
     out = kiln_train(*base, "train.fp8.enabled=true", "train.fp8.recipe=rowwise", f"train.max_steps={EVERY}",
-                     f"train.run_dir={run_dir}")
+                     "train.sample_tokens=16", f"train.run_dir={run_dir}")  # the sample: plain layers again
     assert "train.fp8: 14 linear layers in float8, rowwise scaling" in out.stdout
+    assert "sample again with: kiln generate" in out.stdout
     got = losses(run_dir)
     assert got[EVERY] < got[1] - 1.0
 

@@ -130,6 +130,21 @@ def _plain_weight(module: nn.Module, state: dict, prefix: str, local_metadata) -
                                         shape=weight.shape, stride=weight.stride())
 
 
+def to_plain(model: nn.Module) -> int:
+    """Swap every float8 layer of `model` back for an nn.Linear holding the same parameters, in place (a model
+    not sharded by FSDP, after training: its sample and save are a bf16 run's; rowwise float8 products cannot
+    give the fp32 outputs of a generation outside autocast). Returns how many were swapped."""
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ == "Float8Linear":
+                plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+                plain.weight, plain.bias = child.weight, child.bias
+                setattr(parent, name, plain)
+                swapped += 1
+    return swapped
+
+
 def gathers_float8(model: nn.Module) -> bool:
     """Whether any of `model`'s float8 weights is gathered in float8 under FSDP2 (their scales then come from
     `precompute_scales` after each optimizer step)."""

@@ -382,6 +382,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         console.print("streaming skipped records (first epoch read): "
                       + ", ".join(f"{n} {r}" for r, n in sorted(dropped.items())), highlight=False)
 
+    if tcfg.fp8.enabled and strategy_of(model) != "fsdp":  # kiln.parallel.float8: save and sample as bf16 runs do
+        from kiln.parallel.float8 import to_plain
+
+        to_plain(model)
     if mesh.distributed and (cfg.checkpoint.save_final or tcfg.sample_tokens):
         stops.during = "while gathering the final model"
         stops.then = (f"training is complete; `kiln train {run_dir}` writes model/ from its final checkpoint"

@@ -81,6 +81,12 @@ def test_conversion_keeps_the_state_dict_rounds_like_float8_and_trains():
             loss.backward()
             losses.append(loss.item())
         assert losses[-1] < first.item() - 1.0
+        # after training: plain layers over the same tensors, as a bf16 run saves and samples
+        before = {k: v.data_ptr() for k, v in model.state_dict().items()}
+        assert float8.to_plain(model) == 14
+        assert not [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
+        assert {k: v.data_ptr() for k, v in model.state_dict().items()} == before
+        assert model(x, y).item() == pytest.approx(losses[-1], rel=0.05)
 
 
 def test_layers_kept_in_bf16_and_why():
