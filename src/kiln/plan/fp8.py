@@ -30,10 +30,24 @@ FP8_GPUS = {"h100", "h200", "l40s", "rtx4090"}
 
 
 def converted_params(m: ModelConfig) -> int:
-    """Parameters per block in linear layers train.fp8 converts: those with both sizes multiples of 16."""
-    d, q, kv, h = m.d_model, m.n_heads * m.head_dim, m.kv_heads * m.head_dim, m.mlp_hidden
-    shapes = [(d, q), (d, kv), (d, kv), (q, d), (d, h), (h, d)] + ([(d, h)] if m.mlp == "swiglu" else [])
-    return sum(a * b for a, b in shapes if a % 16 == 0 and b % 16 == 0)
+    """Parameters per block (the mean over blocks) in linear layers train.fp8 converts: those with both sizes
+    multiples of 16. A mixture of experts keeps its router and experts in bf16: its blocks count attention, the
+    shared expert and the dense layers' MLPs."""
+    d, q, kv = m.d_model, m.n_heads * m.head_dim, m.kv_heads * m.head_dim
+
+    def mlp(h: int) -> list[tuple[int, int]]:
+        return [(d, h), (h, d)] + ([(d, h)] if m.mlp == "swiglu" else [])
+
+    def params(shapes: list[tuple[int, int]]) -> int:
+        return sum(a * b for a, b in shapes if a % 16 == 0 and b % 16 == 0)
+
+    attn = params([(d, q), (d, kv), (d, kv), (q, d)])
+    if m.moe is None:
+        return attn + params(mlp(m.mlp_hidden))
+    dense = len(m.moe.dense_layers)
+    shared = params(mlp(m.moe.shared_expert_hidden)) if m.moe.shared_expert_hidden else 0
+    total = m.n_layers * attn + dense * params(mlp(m.mlp_hidden)) + (m.n_layers - dense) * shared
+    return total // m.n_layers
 
 
 def converted_share(m: ModelConfig, seq_len: int) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.config import load_config
+from kiln.config.moe import MoEConfig
 from kiln.model.registry import flops_per_token
 from kiln.plan import make_plan
 from kiln.plan.fp8 import FP8_GEMM_SPEEDUP, converted_params, converted_share, speedup
@@ -24,6 +25,10 @@ def test_speedup_is_the_converted_share_of_the_step_made_faster():
     assert 1.0 < speedup(cfg, 2048, 0.3) < speedup(cfg, 2048, 0.55) < FP8_GEMM_SPEEDUP
     odd = cfg.model_copy(update={"ffn_hidden": 5000})  # 5000 is no multiple of 16: the MLP stays bf16
     assert converted_params(odd) < converted_params(cfg) and speedup(odd, 2048, 0.5) < speedup(cfg, 2048, 0.5)
+    moe = cfg.model_copy(update={"moe": MoEConfig(n_experts=8, shared_expert_hidden=1024)})
+    d, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    attention = d * (2 * q + 2 * kv)
+    assert converted_params(moe) == attention + 3 * d * 1024  # the experts and the router stay bf16
 
 
 def test_fp8_plans_faster_and_gathers_a_byte_a_weight_under_fsdp():
