@@ -1,5 +1,6 @@
-"""DDP and FSDP2 (full, grad_op, hybrid), with and without gradient accumulation, train the tiny model to
-the same losses as one process with the same global batch; `auto` picks by memory and says why."""
+"""DDP and FSDP2 (full, grad_op, hybrid), with and without gradient accumulation, train the tiny model (and
+FSDP2 one with Qwen3's and Phi-3's attention layouts) to the same losses as one process with the same global
+batch; `auto` picks by memory and says why."""
 
 from __future__ import annotations
 
@@ -37,19 +38,28 @@ CASES = {  # global batch 4 sequences everywhere: batch_size x grad_accum x 2 ra
                         "dist": {"strategy": "fsdp", "sharding": "hybrid", "replicas": 2}},
     "fsdp_hybrid_1x2": {"batch_size": 1, "grad_accum": 2,
                         "dist": {"strategy": "fsdp", "sharding": "hybrid", "replicas": 1}},
+    # Qwen3's q/k norms (a head width of its own) and Phi-3's fused projections and sliding window in one model
+    "fsdp_qwen3_phi3_layouts": {"batch_size": 2, "grad_accum": 1, "dist": {"strategy": "fsdp", "sharding": "full"},
+                                "model": {"qk_norm": True, "head_size": 32, "fused_projections": True,
+                                          "sliding_window": 8}},
 }
 WRAPPER = {"ddp": "DistributedDataParallel", "fsdp": "FSDPTransformer"}
 
 
 @pytest.mark.slow
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
-    ref_losses, ref_metrics, _ = train_losses(config(4, 1), Mesh())  # one process, 4 sequences per step
-    assert len(ref_losses) == STEPS and ref_losses[0] != ref_losses[-1]
+    refs = {}  # one process, 4 sequences per step, of each model shape the cases train
+    for case in CASES.values():
+        key = json.dumps(case.get("model"))
+        if key not in refs:
+            refs[key] = train_losses(config(4, 1, model=case.get("model")), Mesh())[:2]
+            assert len(refs[key][0]) == STEPS and refs[key][0][0] != refs[key][0][-1]
     out = tmp_path / "out.json"
     done = torchrun([str(HERE / "workers.py"), str(out), json.dumps(CASES)])
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())
     for name, case in CASES.items():
+        ref_losses, ref_metrics = refs[json.dumps(case.get("model"))]
         losses, metrics, wrapper = results[name]
         assert wrapper == WRAPPER[case["dist"]["strategy"]], name
         assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-5), name
