@@ -20,6 +20,7 @@ LAYERS: list[list[str]] = [
     ["kiln", "kiln.errors", "kiln.files", "kiln.events", "kiln.streams", "kiln.start_signals"],  # no imports of Kiln
     ["kiln.sizes", "kiln.config", "kiln.docs_ref"],  # the validated config (named sizes are plain data), its docs
     ["kiln.data", "kiln.model", "kiln.plan"],  # read, prepare and load data; the pure model; the planner
+    ["kiln.docs_models"],  # the model tables of the docs, from the families and the native architectures
     ["kiln.parallel", "kiln.monitor", "kiln.state"],  # parallelism, sinks, checkpoints and the run directory
     # the loop and `kiln train` end to end; `kiln eval` of any model, benchmarks; sweeps of runs
     ["kiln.train", "kiln.evaluate", "kiln.eval", "kiln.sweep"],
