@@ -44,6 +44,8 @@ SMOKE = {
     "fsdp_8b": (["--size", "tiny", "--device", "cpu", "--nproc", "1", "--steps", "4", "--warmup", "1", "--seq", "32",
                  "--no-append", "--run-root", "{tmp}", "--cache-dir", "{tmp}/cache", "--set", "data.max_bytes=150000",
                  "--json", "{tmp}/out.json"], r"Kiln / HF Trainer: \*\*\d"),
+    "families": (["--families", "qwen3,phi3", "--batch", "2", "--seq", "32", "--steps", "1", "--warmup", "1",
+                  "--json", "{tmp}/out.json"], r"qwen3: auto / native \d.*\nphi3: auto / native \d"),
     "fp8": (["--size", "tiny", "--batch", "2", "--seq", "32", "--warmup", "1", "--steps", "1", "--compile", "0",
              "--vocab", "512", "--device", "cpu", "--json", "{tmp}/out.json"], r"bf16 +tiny +32 +2 +[1-9][\d,]* +"),
     "fp8_quality": (["--config", "quickstart", "--gpus", "cpu", "--sides", "fp32,bf16", "--steps", "4", "--seq", "32",

@@ -147,7 +147,8 @@ def to_hf_config_dict(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
     if kind in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window  # written even when null: Mistral's default is 4096
     if kind == "phi3":
-        out.update(sliding_window=cfg.sliding_window, pad_token_id=None)  # Phi-3's default pad id is 32000
+        # Phi-3's default special ids (bos 1, eos and pad 32000) are its tokenizer's: none unless `extra` gives them
+        out.update(sliding_window=cfg.sliding_window, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if kind in ("qwen3", "qwen3_moe"):
         out["attention_bias"] = cfg.attention_bias != "none"  # qwen3 with qkv: a zero o_proj bias
     out.update(hf_experts.moe_to_hf(cfg, kind))
