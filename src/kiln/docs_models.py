@@ -69,8 +69,8 @@ def models_page() -> str:
         "- **parity**: imported, Kiln's logits are transformers' (within 1e-5); trained a step and exported, "
         "transformers loads the export with the logits and greedy generation of Kiln's model, and every JSON file "
         "of the source survives;",
-        "- **LoRA**: adapters on its projections train, and their PEFT export loads onto transformers' class with "
-        "the same logits;",
+        "- **LoRA**: adapters on its projections train, and merged (or exported in PEFT's format, loaded onto "
+        "transformers' class) they give the adapted model's logits;",
         "- **FSDP**: two processes with FSDP2 train to the losses of one with the same global batch;",
         "- **document masks**: a document packed after another in a row gives the logits it gives alone.", "",
         "On the generic path LoRA, FSDP and document masks run one code for every family; LoRA and FSDP are "

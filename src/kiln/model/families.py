@@ -76,8 +76,9 @@ FAMILIES: list[Family] = [
     Family("Qwen2-MoE", ("qwen2_moe",), _matrix("qwen2_moe"), featured=True),
     Family("Qwen3-MoE", ("qwen3_moe",), _matrix("qwen3_moe"), featured=True),
     Family("Nemotron-H", ("nemotron_h",), _matrix("nemotron_h", **{
-        "document masks": "tests/unit/model/test_hf_packing.py::test_second_document_of_a_packed_row_equals_it_alone_"
-                          "through_mamba_layers"}), featured=True),
+        "LoRA": "tests/unit/model/test_nemotron_h.py::test_lora_on_every_projection_trains_the_adapters_and_merges",
+        "document masks": "tests/unit/model/test_nemotron_h.py::test_packed_documents_give_what_they_give_alone"}),
+        note="hybrid Mamba-2 and attention layers", featured=True),
     Family("Gemma", ("gemma",), _matrix("gemma")),
     Family("Gemma 2", ("gemma2",), _matrix("gemma2"), featured=True),
     Family("Gemma 3", ("gemma3_text",), _matrix("gemma3_text"), featured=True),
