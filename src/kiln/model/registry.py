@@ -31,7 +31,7 @@ def param_count(cfg: ModelConfig, vocab_size: int | None = None, active: bool = 
     per_layer = attn + 2 * norm
     embed = v * d * (1 if cfg.tie_embeddings else 2)
     m = cfg.moe
-    dense = cfg.n_layers if m is None else len(set(m.dense_layers))
+    dense = cfg.n_layers if m is None else len({i for i in m.dense_layers if i < cfg.n_layers})
     total = embed + cfg.n_layers * per_layer + dense * mlp + norm  # final norm
     if m is not None:
         experts = m.top_k if active else m.n_experts

@@ -97,6 +97,8 @@ def test_counts_and_flops_use_the_active_experts():
     assert param_count(cfg) == sum(p.numel() for p in model.parameters())
     expert = 3 * 32 * 16
     assert param_count(cfg) - active_param_count(cfg) == (4 - 2) * expert  # one MoE layer: two experts idle
+    # the planner's blockless model (n_layers 0) keeps the embeddings and the final norm alone
+    assert param_count(cfg.model_copy(update={"n_layers": 0})) == 64 * 32 + 32  # tied
     dense = cfg.model_copy(update={"moe": None})
     assert flops_per_token(cfg, 32) - flops_per_token(dense, 32) == pytest.approx(
         6 * (active_param_count(cfg) - param_count(dense)))
