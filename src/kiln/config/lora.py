@@ -32,7 +32,8 @@ class LoraConfig(Section):
     Mamba-2 layers of a hybrid model); 'all' for every one the model has. Hugging Face's layer names are read as
     the targets they compute (q_proj as q, ..., Phi-3's qkv_proj as q, k, v and gate_up_proj as gate, up). A
     target the model has no layer for is an error; a fused projection (Phi-3's qkv_proj, gate_up_proj) is adapted
-    whole for any target it computes."""
+    whole for any target it computes. In a mixture of experts gate, up and down give every expert an adapter of its
+    own (stacked over the experts)."""
     base_dtype: Literal["bf16", "fp32"] = "bf16"
     """Dtype of the frozen base weights (bf16 halves their memory; the adapters train in fp32)."""
     quantize_base: Literal["none", "nf4"] = "none"

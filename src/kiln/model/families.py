@@ -24,6 +24,11 @@ PHI3_LORA = ("tests/unit/model/test_lora.py::test_phi3_targets_as_users_write_th
              "in_peft")
 AUTO_LORA = "tests/integration/test_hf_auto_train.py::test_peft_lora_trains_adapters_and_exports_them"
 AUTO_FSDP = "tests/integration/test_hf_auto_train.py::test_two_processes_train_the_losses_of_one"
+# mixtures of experts (kiln.model.moe): per-expert LoRA merged, FSDP over two processes from a Mixtral directory
+MOE_LORA = "tests/unit/model/test_lora_experts.py::test_merged_weights_give_the_adapted_models_logits"
+MOE_FSDP = "tests/unit/train/test_router_aux.py::test_fsdp_over_two_processes_trains_the_moe_to_the_one_process_losses"
+MOE_NOTE = ("experts stacked, grouped GEMMs; load-balancing loss (router_aux_loss_coef) trained and logged as "
+            "aux_loss; expert LoRA exports merged (no PEFT form)")
 AUTO_DOCS = "tests/unit/model/test_hf_auto.py::test_documents_in_a_packed_row_do_not_see_each_other"
 
 
@@ -72,9 +77,14 @@ FAMILIES: list[Family] = [
         note="qkv_proj and gate_up_proj kept fused (lora.targets qkv_proj, gate_up_proj); longrope (128K, Phi-3.5) "
              "is refused: use hf_class=auto", featured=True),
     Family("Nemotron", ("nemotron",), {**_matrix("nemotron"), "LoRA": f"{PEFT}[nemotron]"}, featured=True),
-    Family("Mixtral", ("mixtral",), _matrix("mixtral"), featured=True),
-    Family("Qwen2-MoE", ("qwen2_moe",), _matrix("qwen2_moe"), featured=True),
-    Family("Qwen3-MoE", ("qwen3_moe",), _matrix("qwen3_moe"), featured=True),
+    Family("Mixtral", ("mixtral",), _matrix("mixtral", **{
+        "LoRA": f"{MOE_LORA}[mixtral]", "FSDP": MOE_FSDP,
+        "document masks": "tests/unit/model/test_moe.py::test_a_packed_document_does_not_see_the_one_before_it"}),
+        note=MOE_NOTE, featured=True),
+    Family("Qwen2-MoE", ("qwen2_moe",), _matrix("qwen2_moe", LoRA=f"{MOE_LORA}[qwen2_moe]"),
+           note=MOE_NOTE + "; the gated shared expert", featured=True),
+    Family("Qwen3-MoE", ("qwen3_moe",), _matrix("qwen3_moe", LoRA=f"{MOE_LORA}[qwen3_moe]"), note=MOE_NOTE,
+           featured=True),
     Family("Nemotron-H", ("nemotron_h",), _matrix("nemotron_h", **{
         "LoRA": "tests/unit/model/test_nemotron_h.py::test_lora_on_every_projection_trains_the_adapters_and_merges",
         "document masks": "tests/unit/model/test_nemotron_h.py::test_packed_documents_give_what_they_give_alone"}),

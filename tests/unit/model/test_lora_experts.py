@@ -14,15 +14,19 @@ from kiln.model.lora import LoraLinear, adapter_state_dict, apply_lora, merge_lo
 from kiln.model.lora_experts import LoraGroupedExperts
 from kiln.model.lora_peft import write_peft_adapters
 
-CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, ffn_hidden=48,
-                  attention_bias="qkv", hf_model_type="qwen2_moe",
+SHAPE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, ffn_hidden=48)
+CFG = ModelConfig(**SHAPE, attention_bias="qkv", hf_model_type="qwen2_moe",
                   moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16, shared_expert_hidden=24, dense_layers=[1]))
+FAMILIES = {"qwen2_moe": CFG,
+            "mixtral": ModelConfig(**SHAPE, hf_model_type="mixtral", moe=MoEConfig(n_experts=4, expert_hidden=16)),
+            "qwen3_moe": ModelConfig(**SHAPE, hf_model_type="qwen3_moe", qk_norm=True,
+                                     moe=MoEConfig(n_experts=4, expert_hidden=16, norm_topk=False))}
 LORA = LoraConfig(rank=4, alpha=8, targets=["all"], base_dtype="fp32")
 
 
-def _adapted(seed: int = 0) -> Transformer:
+def _adapted(cfg: ModelConfig = CFG, seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
-    model = apply_lora(Transformer(CFG), LORA)
+    model = apply_lora(Transformer(cfg), LORA)
     with torch.no_grad():  # B starts at zero (a no-op): give every adapter a value so that merging shows
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -48,14 +52,16 @@ def test_every_projection_gets_its_adapter_and_only_adapters_train():
     assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
 
 
-def test_merged_weights_give_the_adapted_models_logits(tmp_path):
-    model = _adapted().eval()
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_merged_weights_give_the_adapted_models_logits(tmp_path, kind):
+    cfg = FAMILIES[kind]
+    model = _adapted(cfg).eval()
     x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(x)
         merged = merge_lora(model)
         torch.testing.assert_close(merged(x), want, rtol=0, atol=1e-5)
-        plain = Transformer(CFG)
+        plain = Transformer(cfg)
         plain.load_state_dict(merge_state_dict(model.state_dict(), LORA))
         torch.testing.assert_close(plain.eval()(x), want, rtol=0, atol=1e-5)
     # the export's merge: the adapters onto the base as its Hugging Face directory stores it
@@ -63,14 +69,14 @@ def test_merged_weights_give_the_adapted_models_logits(tmp_path):
     from kiln.state.lora_base import merged_model
 
     torch.manual_seed(0)
-    base = Transformer(CFG)
+    base = Transformer(cfg)
     with torch.no_grad():
         assert not torch.allclose(base.eval()(x), want, atol=1e-3)  # the adapters change the logits
-    path = export_hf(base, CFG, None, tmp_path / "base")
-    cfg = CFG.model_copy(update={"init_from": str(path)})
-    exported = Transformer(CFG)  # merged_model's own has its weights only (no rope tables): the export's state
-    exported.load_state_dict(merged_model(cfg, LORA, adapter_state_dict(model)).state_dict())
+    path = export_hf(base, cfg, None, tmp_path / "base")
+    exported = Transformer(cfg)  # merged_model's own has its weights only (no rope tables): the export's state
+    from_base = merged_model(cfg.model_copy(update={"init_from": str(path)}), LORA, adapter_state_dict(model))
+    exported.load_state_dict(from_base.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(exported.eval()(x), want, rtol=0, atol=1e-5)
     with pytest.raises(StateError, match="no PEFT form"):
-        write_peft_adapters(adapter_state_dict(model), CFG, LORA, str(path), tmp_path / "peft")
+        write_peft_adapters(adapter_state_dict(model), cfg, LORA, str(path), tmp_path / "peft")
