@@ -97,8 +97,20 @@ def place_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> n
     return model
 
 
-def _pin(t: torch.Tensor, cuda: bool) -> torch.Tensor:
-    return t.pin_memory() if cuda else t
+def _pinned_views(params: list[torch.Tensor], cuda: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One host buffer for every parameter, in their dtype (one dtype: the compute dtype), and a view of it for
+    each. On CUDA it is page-locked where it lies (cudaHostRegister): the caching host allocator would round a
+    pinned allocation up to a power of two (a 16 GB buffer to 32 GB)."""
+    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
+    if cuda and flat.numel():
+        code = int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel() * flat.element_size(), 0))
+        if code != 0:  # registering failed (a kernel limit on locked memory, say): the allocator's pinned memory
+            flat = flat.pin_memory()
+    views, at = [], 0
+    for p in params:
+        views.append(flat[at:at + p.numel()].view(p.shape))
+        at += p.numel()
+    return flat, views
 
 
 class OptimizerOffload:
@@ -124,7 +136,7 @@ class OptimizerOffload:
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         # per parameter: the pinned buffer its gradient comes through (and its new weights go back through), and
         # the fp32 sum of its gradients over the step's micro-batches
-        self.buffers = [_pin(torch.empty(p.shape, dtype=p.dtype), cuda) for p in self.params]
+        self._flat, self.buffers = _pinned_views(self.params, cuda)
         self.sums = [torch.empty(p.shape, dtype=torch.float32) for p in self.params]
         self.summed = [False] * len(self.params)  # whether the step has a gradient of each parameter yet
         self.free = [threading.Event() for _ in self.params]  # its buffer may take the next gradient
