@@ -62,6 +62,8 @@ SMOKE = {
     "moe": (["--shape", "tiny", "--device", "cpu", "--nproc", "1", "--steps", "3", "--warmup", "1", "--seq", "32",
              "--no-append", "--cache-dir", "{tmp}/cache", "--set", "data.max_bytes=150000", "--json", "{tmp}/out.json"],
             r"\| Kiln \(native MoE\) \| [1-9]"),
+    "offload_8b": (["--shape", "tiny", "--device", "cpu", "--steps", "2", "--data-bytes", "150000",
+                    "--json", "{tmp}/out.json"], r"kiln cpt-8b-24gb \(train.offload\) +[1-9]"),
     "plan_check": (["--presets", "quickstart", "--steps", "4", *(x for o in TINY for x in ("--set", o)),
                     "--out", "{tmp}/plan.md", "--json", "{tmp}/out.json"], r"\| quickstart \| 2 \| none \| \d"),
     "prepare_memory": (["--gb", "0.0005", "--workers", "1", "--vocab", "300", "--dir", "{tmp}"], r"peak RSS ratio \d"),
