@@ -126,7 +126,8 @@ def side_kiln(args, base: Path, root: Path) -> dict:
     run_dir = root / "kiln-run"
     over = [f"model.init_from={base}", f"train.run_dir={run_dir}", f"train.max_steps={steps}", "train.warmup_steps=1",
             "train.eval_every=0", "train.sample_tokens=0", "logging.every=1", "logging.console=false",
-            "logging.plots=false", "checkpoint.every=0", "checkpoint.save_final=false",
+            "logging.plots=false", "checkpoint.every=0", "checkpoint.at_end=false",
+            "checkpoint.save_final=false", "train.eval_batches=1",
             f"data.max_bytes={args.data_bytes}", f"data.cache_dir={root / 'cache'}", f"train.seq_len={s['seq']}",
             f"train.grad_accum={s['accum']}", f"train.lr={s['lr']}"]
     if args.device == "cpu":
@@ -246,7 +247,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--cap-gib", type=float, default=24.0, help="GPU memory each side may allocate")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--data-bytes", type=int, default=20_000_000, help="characters of the corpus Kiln prepares")
+    ap.add_argument("--data-bytes", type=int, default=3_000_000, help="characters of the corpus Kiln prepares")
     ap.add_argument("--set", action="append", default=[], help="extra KEY=VALUE override of the Kiln run")
     ap.add_argument("--no-deepspeed", action="store_true", help="Kiln alone")
     ap.add_argument("--json", default=None)
