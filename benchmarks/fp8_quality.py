@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "source of this machine, as benchmarks/real_run.py reads it)")
     p.add_argument("--cache", default=".kiln-cache", help="data.cache_dir (prepared data is reused from here)")
     p.add_argument("--out", default="benchmarks/results/fp8_quality", help="path of the results, without suffix")
-    p.add_argument("--runs", default=None, help="where the two run directories go (default: <out>_runs)")
+    p.add_argument("--runs", default="runs/fp8_quality", help="where the two run directories and their logs go")
     p.add_argument("extra", nargs="*", help="more KEY=VALUE overrides for both runs")
     a = p.parse_args(argv)
     names = a.sides.split(",")
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--gpus takes two GPUs (0,1) or 'cpu'")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    root = Path(a.runs or f"{out}_runs")
+    root = Path(a.runs)
 
     data = data_overrides(a.max_bytes, a.cache, a.vocab)
     if a.sources:

@@ -51,6 +51,7 @@ SMOKE = {
     "fp8_quality": (["--config", "quickstart", "--gpus", "cpu", "--sides", "fp32,bf16", "--steps", "4", "--seq", "32",
                      "--batch", "2", "--warmup", "1", "--eval-every", "2", "--vocab", "300", "--sources",
                      str(Path(json.__file__).parent / "*.py"), "--cache", "{tmp}/cache", "--out", "{tmp}/q",
+                     "--runs", "{tmp}/runs",
                      "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "train.compile=false",
                      "data.val_fraction=0.2", "train.eval_batches=1", "logging.every=1"],
                     r"final validation loss, bf16 against fp32: [+-]\d"),
