@@ -67,17 +67,18 @@ def make_base(root: Path, size: str, device: str) -> Path:
     return out
 
 
-def run_kiln(base: Path, root: Path, steps: int, data_bytes: int, overrides: list[str]) -> dict:
+def run_kiln(base: Path, root: Path, steps: int, data_bytes: int, overrides: list[str],
+             preset: str = "cpt-8b-1gpu") -> dict:
     from rich.console import Console
 
     from kiln.config import load_config
     from kiln.train.run import run
 
     run_dir = root / "kiln-run"
-    cfg = load_config("cpt-8b-1gpu", [f"model.init_from={base}", f"train.run_dir={run_dir}",
-                                      f"train.max_steps={steps}", "train.eval_every=0", "train.sample_tokens=0",
-                                      "logging.every=1", "checkpoint.every=0", "checkpoint.save_final=false",
-                                      f"data.max_bytes={data_bytes}", f"data.cache_dir={root / 'cache'}", *overrides])
+    cfg = load_config(preset, [f"model.init_from={base}", f"train.run_dir={run_dir}",
+                               f"train.max_steps={steps}", "train.eval_every=0", "train.sample_tokens=0",
+                               "logging.every=1", "checkpoint.every=0", "checkpoint.save_final=false",
+                               f"data.max_bytes={data_bytes}", f"data.cache_dir={root / 'cache'}", *overrides])
     free()
     t0 = time.perf_counter()
     run(cfg, Console(quiet=True), resume="never")
@@ -95,13 +96,19 @@ def run_kiln(base: Path, root: Path, steps: int, data_bytes: int, overrides: lis
             "wall_s": round(wall, 1)}
 
 
-def run_peft(base: Path, kiln: dict, steps: int, device: str) -> dict:
-    """PEFT LoRA of the same rank, alpha and targets under transformers.Trainer, same rows per step."""
+def run_peft(base: Path, kiln: dict, steps: int, device: str, quantization_config=None,
+             name: str = "peft+hf-trainer") -> dict:
+    """PEFT LoRA of the same rank, alpha and targets under transformers.Trainer, same rows per step;
+    `quantization_config` (a transformers BitsAndBytesConfig): the base quantized as it loads (QLoRA)."""
     import peft
     import transformers
 
     free()
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).to(device)
+    if quantization_config is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).to(device)
+    else:  # bitsandbytes quantizes each weight on the GPU as it is placed there
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            base, dtype=torch.bfloat16, quantization_config=quantization_config, device_map={"": device})
     targets = [HF_TARGETS[t] for t in kiln["targets"]] if "all" not in kiln["targets"] else "all-linear"
     model = peft.get_peft_model(model, peft.LoraConfig(r=kiln["rank"], lora_alpha=kiln["alpha"],
                                                        target_modules=targets, task_type="CAUSAL_LM"))
@@ -122,7 +129,7 @@ def run_peft(base: Path, kiln: dict, steps: int, device: str) -> dict:
         trainer = transformers.Trainer(model=model, args=args, train_dataset=hf_rows(rows), callbacks=[clock])
         trainer.train()
     tps = (steps - warm) * batch * accum * seq / clock.seconds
-    res = {"name": "peft+hf-trainer", "tokens_per_s": tps, "mfu": kiln["mfu"] * tps / kiln["tokens_per_s"],
+    res = {"name": name, "tokens_per_s": tps, "mfu": kiln["mfu"] * tps / kiln["tokens_per_s"],
            "peak_gib": peak_gib(), "batch": batch, "accum": accum, "seq": seq, "rank": kiln["rank"],
            "ac": kiln["ac"]}
     del trainer, model

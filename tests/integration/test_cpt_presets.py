@@ -1,7 +1,7 @@
 """The continued-pretraining presets train every architecture their header names: cpt-8b-1gpu (LoRA),
-cpt-8b-4gpu (full, FSDP) and cpt-8b-24gb (full, the optimizer in host memory) on a tiny random Llama, Mistral,
-Qwen2 and Nemotron, on the CPU (the presets' GPU settings overridden: device, precision, compile, row length;
-their LoRA, sharding and offload kept)."""
+cpt-8b-16gb (QLoRA), cpt-8b-4gpu (full, FSDP) and cpt-8b-24gb (full, the optimizer in host memory) on a tiny
+random Llama, Mistral, Qwen2 and Nemotron, on the CPU (the presets' GPU settings overridden: device, precision,
+compile, row length; their LoRA, quantization, sharding and offload kept)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ CPU = ["train.device=cpu", "train.precision=fp32", "train.compile=false", "train
        "train.sample_tokens=0", "logging.every=1", "logging.console=false", "logging.plots=false"]
 
 
-@pytest.mark.parametrize("preset", ["cpt-8b-1gpu", "cpt-8b-4gpu", "cpt-8b-24gb"])
+@pytest.mark.parametrize("preset", ["cpt-8b-1gpu", "cpt-8b-16gb", "cpt-8b-4gpu", "cpt-8b-24gb"])
 def test_the_header_names_these_architectures(preset):
     header = resolve_config_path(preset).read_text().splitlines()[0]
     assert set(re.findall(r"(Llama|Mistral|Qwen2|Nemotron)-", header)) == set(NAMED)
@@ -47,13 +47,13 @@ def root(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("name", sorted(NAMED))
-@pytest.mark.parametrize("preset", ["cpt-8b-1gpu", "cpt-8b-4gpu", "cpt-8b-24gb"])
+@pytest.mark.parametrize("preset", ["cpt-8b-1gpu", "cpt-8b-16gb", "cpt-8b-4gpu", "cpt-8b-24gb"])
 def test_cpt_preset_trains_each_architecture_it_names(root, tmp_path, preset, name):
     cfg = load_config(preset, [f"model.init_from={root / name}", f"data.sources=[{root / 'corpus'}]",
                                f"data.cache_dir={root / 'cache'}", f"train.run_dir={tmp_path / 'run'}", *CPU])
     run_dir = run(cfg)
     assert sorted(losses(run_dir)) == [1, 2]
-    if preset == "cpt-8b-1gpu":
+    if preset in ("cpt-8b-1gpu", "cpt-8b-16gb"):
         assert cfg.lora.rank > 0 and (run_dir / "model" / "adapters" / "adapter_model.safetensors").is_file()
     if preset == "cpt-8b-24gb":
         assert cfg.train.offload == "optimizer" and cfg.lora.rank == 0

@@ -68,6 +68,8 @@ SMOKE = {
     "plan_check": (["--presets", "quickstart", "--steps", "4", *(x for o in TINY for x in ("--set", o)),
                     "--out", "{tmp}/plan.md", "--json", "{tmp}/out.json"], r"\| quickstart \| 2 \| none \| \d"),
     "prepare_memory": (["--gb", "0.0005", "--workers", "1", "--vocab", "300", "--dir", "{tmp}"], r"peak RSS ratio \d"),
+    "qlora": (["--size", "tiny", "--device", "cpu", "--steps", "3", "--data-bytes", "150000"],
+              r"kiln \(NF4, torchao\) +[1-9]"),
     "real_run": (["--config", "quickstart", "--out", "{tmp}/run", "--cache", "{tmp}/cache", "--max-bytes", "100000",
                   "--steps", "2", "--vocab", "384", *TINY[:6], "train.eval_batches=2"],
                  r'"tokens_per_s_median": [1-9]'),
