@@ -117,6 +117,11 @@ def parallelize(model: nn.Module, cfg: RunConfig, m: Mesh, n_params: int | None 
             log("dist.sharding and dist.cpu_offload apply to fsdp only; ignored under ddp")
         model.to(m.device)
         ids = [m.device.index] if m.device.type == "cuda" else None
+        # frozen parameters (a LoRA base, read from init_from by every rank) are not broadcast from rank 0: the same
+        # already, gigabytes for an 8B base, and an NF4 one (QLoRA) would come back quantized a second time
+        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+        if frozen:
+            DDP._set_params_and_buffers_to_ignore_for_model(model, frozen)
         with warnings.catch_warnings():  # broadcast_buffers is deprecated in name only: it is still the way
             warnings.simplefilter("ignore", FutureWarning)  # to skip syncing buffers
             # rope tables are rebuilt identically on every rank: no buffer broadcast in each forward
@@ -211,7 +216,9 @@ def full_model(model: nn.Module, cfg: RunConfig, m: Mesh) -> nn.Module | None:
         return plain.to(m.device)
     from kiln.model.llama import Transformer
     from kiln.model.lora import apply_lora
+    from kiln.model.quant import dequantized
 
+    state = {k: dequantized(v) for k, v in state.items()}  # QLoRA: an NF4 base's values, in a plain model
     with torch.device("meta"):
         plain = apply_lora(Transformer(cfg.model), cfg.lora)  # LoRA: the adapters' keys too
     plain.to_empty(device="cpu")

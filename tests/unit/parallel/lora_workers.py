@@ -22,11 +22,16 @@ from kiln.train.trainer import Trainer  # noqa: E402
 
 def lora_run(case: dict, mesh: Mesh) -> dict:
     """Train the tiny model with LoRA on `mesh`: the losses, the checkpoint part's keys, the gathered adapters."""
-    cfg = config(case["batch_size"], case["grad_accum"], **case.get("dist", {}))
+    cfg = config(case["batch_size"], case["grad_accum"], model=case.get("model"), **case.get("dist", {}))
     cfg = cfg.model_copy(update={"lora": LoraConfig(**case["lora"])})
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update=case.get("train", {}))})
     torch.manual_seed(0)
-    model = apply_lora(Transformer(cfg.model), cfg.lora)
+    if cfg.lora.quantize_base == "nf4":  # QLoRA: the base built on the device a block at a time, in NF4
+        from kiln.parallel.nf4_base import nf4_model
+
+        model = apply_lora(nf4_model(cfg, mesh.device), cfg.lora)
+    else:
+        model = apply_lora(Transformer(cfg.model), cfg.lora)
     model = parallelize(model, cfg, mesh, log=lambda _: None)
     record = Losses()
     trainer = Trainer(cfg, model, GlobalBatches(cfg.train.batch_size, mesh.rank, mesh.world), None, mesh.device,

@@ -1,6 +1,7 @@
 """LoRA under DDP and FSDP2 (2 gloo processes): frozen base parameters are accepted, only the adapters are
 reduced, optimized and checkpointed, and the losses and adapters equal one process's with the same global
-batch; FSDP with a bf16 base and fp32 adapters in one shard unit trains too."""
+batch; FSDP with a bf16 base and fp32 adapters in one shard unit trains too; so does QLoRA (an NF4 base) under
+both, equal to one process."""
 
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ CASES = {
     "fsdp_bf16_base": {"batch_size": 2, "grad_accum": 1, "dist": {"strategy": "fsdp"},
                        "lora": {**LORA, "base_dtype": "bf16"}, "train": {"activation_checkpointing": "full"}},
 }
+# QLoRA: an NF4 base (torchao) wide enough that FSDP2 splits each layer's codes and scales evenly over 2 ranks;
+# its values and the other weights in fp32, so that one process and two compute alike (bf16 would round a batch
+# split in two otherwise)
+QLORA = {**LORA, "base_dtype": "fp32", "quantize_base": "nf4"}
+WIDE = {"d_model": 256, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 512}
+CASES.update({name: {"batch_size": 2, "grad_accum": 1, "dist": {"strategy": name.split("_")[1]}, "lora": QLORA,
+                     "model": WIDE} for name in ("qlora_ddp", "qlora_fsdp")})
 
 
 @pytest.mark.slow
@@ -40,6 +48,14 @@ def test_lora_under_ddp_and_fsdp_matches_one_process(tmp_path):
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-5), name
         assert got["adapters"].keys() == ref["adapters"].keys() and got["frozen_ok"], name
         for key, value in ref["adapters"].items():  # gathered on rank 0 (full_model)
+            assert got["adapters"][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (name, key)
+    qlora = lora_run({"batch_size": 4, "grad_accum": 1, "lora": QLORA, "model": WIDE}, Mesh())
+    assert qlora["part"] == ref["part"]  # (learning is shown end to end: tests/integration/test_qlora_train.py)
+    for name in ("qlora_ddp", "qlora_fsdp"):  # the same quantized base on every rank (FSDP: its shards)
+        got = results[name]
+        assert got["part"] == qlora["part"] and got["frozen_ok"], name
+        assert got["losses"] == pytest.approx(qlora["losses"], rel=1e-5, abs=1e-5), name
+        for key, value in qlora["adapters"].items():
             assert got["adapters"][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (name, key)
     mixed = results["fsdp_bf16_base"]
     assert mixed["part"] == ref["part"]
