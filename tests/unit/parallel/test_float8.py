@@ -89,6 +89,45 @@ def test_conversion_keeps_the_state_dict_rounds_like_float8_and_trains():
         assert model(x, y).item() == pytest.approx(losses[-1], rel=0.05)
 
 
+class SameBatch:
+    """A loader that gives one batch again and again (its loss falls in a few steps)."""
+
+    def __init__(self):
+        self.x, self.y = _batch()
+
+    def __next__(self):
+        return self.x, self.y, None
+
+    def state_dict(self):
+        return {}
+
+
+def test_parallelize_converts_before_checkpointing_and_the_trainer_trains_it():
+    """Kiln's own path with torchao's real float8 products (torch's CPU _scaled_mm) under bf16 autocast."""
+    needs_torchao()
+    from kiln.config import RunConfig
+    from kiln.parallel.mesh import Mesh
+    from kiln.parallel.parallelize import parallelize
+    from kiln.train.trainer import Trainer
+
+    cfg = RunConfig.model_validate({
+        "model": {"size": "tiny", "vocab_size": 256, "max_seq_len": 64},
+        "train": {"seq_len": 32, "batch_size": 4, "max_steps": 8, "warmup_steps": 1, "lr": 3e-3, "device": "cuda",
+                  "precision": "bf16", "activation_checkpointing": "selective", "fp8": {"enabled": True}}})
+    torch.manual_seed(0)
+    said = []
+    model = parallelize(_model(), cfg, Mesh(), log=said.append)
+    assert said == ["train.fp8: 14 linear layers in float8, tensorwise scaling"]
+    assert type(model.layers[1].mlp.down_proj).__name__ == "Float8Linear" and model.layers[1]._kiln_ac == "selective"
+    trainer = Trainer(cfg, model, SameBatch(), None, torch.device("cpu"))
+    assert not float8.scale_after_step(trainer.optimizer, model)  # one process: nothing gathered
+    try:
+        losses = [trainer.train_step()[0].item() for _ in range(8)]
+    except (RuntimeError, NotImplementedError) as e:  # a torch without float8 products on the CPU
+        pytest.skip(f"torch._scaled_mm on the CPU: {e}")
+    assert losses[-1] < losses[0] - 1.0
+
+
 def test_layers_kept_in_bf16_and_why():
     needs_torchao()
     cfg = CFG.model_copy(update={"ffn_hidden": 200})  # 200 is no multiple of 16: the MLP stays
