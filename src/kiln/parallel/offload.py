@@ -46,6 +46,7 @@ from torch import nn
 from kiln.errors import ResourceError
 
 CHUNK = 1 << 26  # elements of master weights stepped together before their copy to the device starts
+SUM_SLICE = 1 << 26  # elements of a gradient converted to fp32 at a time (a 256 MB scratch) to be summed
 MASTERS = "_kiln_offload_masters"  # the model's attribute holding its fp32 master weights (place_model)
 
 
@@ -138,6 +139,7 @@ class OptimizerOffload:
         # the fp32 sum of its gradients over the step's micro-batches
         self._flat, self.buffers = _pinned_views(self.params, cuda)
         self.sums = [torch.empty(p.shape, dtype=torch.float32) for p in self.params]
+        self._scratch = torch.empty(min(SUM_SLICE, max(p.numel() for p in self.params)), dtype=torch.float32)
         self.summed = [False] * len(self.params)  # whether the step has a gradient of each parameter yet
         self.free = [threading.Event() for _ in self.params]  # its buffer may take the next gradient
         for e in self.free:
@@ -183,7 +185,7 @@ class OptimizerOffload:
                     if done is not None:
                         done.synchronize()
                     if self.summed[i]:
-                        self.sums[i].add_(self.buffers[i])
+                        self._add(self.sums[i].view(-1), self.buffers[i].view(-1))
                     else:
                         self.sums[i].copy_(self.buffers[i])
                         self.summed[i] = True
@@ -193,6 +195,19 @@ class OptimizerOffload:
                 if i is not None:
                     self.free[i].set()
                 self._work.task_done()
+
+    def _add(self, total: torch.Tensor, part: torch.Tensor) -> None:
+        """total (fp32) += part (the compute dtype), through an fp32 scratch a slice at a time: torch's add of a
+        bf16 tensor into an fp32 one runs about 4x slower than a conversion and an fp32 add (measured on the CPU);
+        the result is the same (a bf16 value converts to fp32 exactly)."""
+        if part.dtype == total.dtype:
+            total.add_(part)
+            return
+        for lo in range(0, part.numel(), SUM_SLICE):
+            piece = part[lo:lo + SUM_SLICE]
+            scratch = self._scratch[:piece.numel()]
+            scratch.copy_(piece)
+            total[lo:lo + SUM_SLICE].add_(scratch)
 
     def wait(self) -> None:
         """Until every gradient of the backward passes so far is summed (raises what the host thread raised)."""
@@ -216,7 +231,10 @@ class OptimizerOffload:
             self.masters[i].grad = self.sums[i]
         grads = [self.sums[i] for i in have]
         norm = nn.utils.get_total_norm(grads, 2.0)
-        nn.utils.clip_grads_with_norm_([self.masters[i] for i in have], max_norm, norm)
+        # torch's clipping multiplies by min(1, max_norm / (norm + 1e-6)): by exactly 1 when the norm is within the
+        # bound, which leaves the gradients as they are, so that pass over them (a read and a write) is skipped
+        if not float(max_norm / (norm + 1e-6)) >= 1.0:  # NaN too, as torch would
+            nn.utils.clip_grads_with_norm_([self.masters[i] for i in have], max_norm, norm)
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the backward pass is done with them
         for chunk in self.chunks:
