@@ -151,7 +151,7 @@ def test_bf16_gradients_are_summed_in_fp32_exactly_a_slice_at_a_time(monkeypatch
     o = offload.OptimizerOffload(model, [{"params": list(model.parameters()), "weight_decay": 0.0}], 0.1,
                                  (0.9, 0.95), 1e-8)
     grads = []
-    for k in range(3):
+    for _ in range(3):
         x = torch.randn(4, 6, dtype=torch.bfloat16)
         w, b = (p.detach().clone().requires_grad_(True) for p in model.parameters())
         torch.nn.functional.linear(x, w, b).float().pow(2).sum().backward()
