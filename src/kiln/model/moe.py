@@ -30,11 +30,17 @@ from kiln.model.hf_moe import RouterAux
 __all__ = ["GroupedExperts", "Router", "RouterAux", "SparseMoE", "grouped_mm", "router_losses"]
 
 
+def hopper_or_newer(index: int) -> bool:
+    """Whether CUDA device `index` is a Hopper (sm90) or newer GPU, where torch's grouped GEMM kernel runs. Both
+    calls are ones torch's compiler folds into constants when it traces a graph: no graph break."""
+    return torch.cuda.is_available() and torch.cuda.get_device_properties(index).major >= 9
+
+
 def _grouped_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether torch's grouped GEMM serves these operands: CUDA, bf16, a Hopper (or newer) GPU, 16-byte rows."""
     if not (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16):
         return False
-    return torch.cuda.get_device_capability(x.device) >= (9, 0) and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0
+    return hopper_or_newer(x.device.index or 0) and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

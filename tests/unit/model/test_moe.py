@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from kiln.config import ModelConfig, MoEConfig
 from kiln.model.llama import Transformer
-from kiln.model.moe import SparseMoE, grouped_mm, grouped_mm_loop, router_losses
+from kiln.model.moe import SparseMoE, grouped_mm, grouped_mm_loop, hopper_or_newer, router_losses
 from kiln.model.registry import active_param_count, flops_per_token, param_count
 
 
@@ -27,6 +27,9 @@ def test_grouped_products_match_one_product_per_row_eager_and_compiled_form():
     torch.testing.assert_close(grouped_mm(x, w, offs), want)
     compiled_form = torch.compile(grouped_mm_loop, backend="eager", fullgraph=True)  # no host read in the graph
     torch.testing.assert_close(compiled_form(x, w, offs), want)
+    # the GPU check traces as a constant: a whole-graph compile does not break on it
+    checked = torch.compile(lambda t: t + int(hopper_or_newer(0)), backend="eager", fullgraph=True)
+    assert torch.equal(checked(x), x + int(hopper_or_newer(0)))
 
 
 @pytest.mark.parametrize("norm_topk, shared", [(True, None), (False, 24)])
