@@ -1,5 +1,6 @@
 """The mixture of experts on a GPU: torch's grouped GEMM gives the loop's products in bf16, and a compiled MoE block
-(inductor, grouped GEMMs inside, no host sync) trains as the eager one does."""
+(inductor, grouped GEMMs inside, no host sync), with selective activation checkpointing too, trains as the eager
+one does."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from kiln.config import ModelConfig, MoEConfig
 from kiln.model import moe
 from kiln.model.llama import Transformer
+from kiln.parallel.ac import apply_ac
 
 pytestmark = pytest.mark.gpu
 
@@ -39,9 +41,11 @@ def test_compiled_moe_blocks_train_as_eager_ones_in_bf16():
                       max_seq_len=512, moe=MoEConfig(n_experts=8, top_k=2, expert_hidden=256))
     x = torch.randint(0, 4096, (4, 512), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
     losses = {}
-    for compiled in (False, True):
+    for compiled in (False, True, "selective AC"):
         torch.manual_seed(0)
         model = Transformer(cfg).cuda().train()
+        if compiled == "selective AC":  # the grouped products kept for the backward pass, the rest recomputed
+            apply_ac(model, "selective")
         if compiled:
             for block in model.layers:
                 block.compile(fullgraph=True)  # the whole block in one graph: no host read of the expert sizes
@@ -57,5 +61,6 @@ def test_compiled_moe_blocks_train_as_eager_ones_in_bf16():
         losses[compiled] = run
         assert model.router_aux.take() > 0
     assert losses[True][-1] < losses[True][0]
-    for a, b in zip(losses[False], losses[True]):
-        assert abs(a - b) < 0.05 * abs(a), losses
+    for other in (True, "selective AC"):
+        for a, b in zip(losses[False], losses[other]):
+            assert abs(a - b) < 0.05 * abs(a), losses

@@ -25,6 +25,7 @@ _aten = torch.ops.aten
 _SAVED_OPS = {
     _aten.mm.default, _aten.addmm.default, _aten.bmm.default,
     _aten._scaled_mm.default,  # float8 linear layers (train.fp8)
+    *([_aten._grouped_mm.default] if hasattr(_aten, "_grouped_mm") else []),  # a mixture of experts' (kiln.model.moe)
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
