@@ -66,20 +66,34 @@ def host_available() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_host_memory(n_params: int, compute_bytes: int, on_cpu: bool = False, available: int | None = None) -> int:
+def check_host_memory(n_params: int, compute_bytes: int, on_cpu: bool = False, async_save: bool = False,
+                      available: int | None = None) -> int:
     """Before the model is built: a ResourceError unless the offloaded state of `n_params` parameters (and on the
-    CPU, where the "device" copy is in host memory too, that copy) fits the host's available memory. Returns the
-    bytes it needs."""
-    need = host_bytes(n_params, compute_bytes) + (compute_bytes * n_params if on_cpu else 0)
+    CPU, where the "device" copy is in host memory too, that copy; with `async_save`, the copy of the fp32 weights
+    and moments an asynchronous checkpoint writes from) fits the host's available memory. Returns the bytes it
+    needs."""
+    staging = 12 * n_params if async_save else 0
+    need = host_bytes(n_params, compute_bytes) + (compute_bytes * n_params if on_cpu else 0) + staging
     have = host_available() if available is None else available
     if need > have:
+        more = (f" and the async checkpoint's staging copy (checkpoint.async_save: {staging / 1e9:.1f} GB; false "
+                "writes checkpoints from host memory as they are)") if staging else ""
         raise ResourceError(
             f"train.offload=optimizer keeps the training state of {n_params / 1e9:.2f}B parameters in host memory: "
             f"{need / 1e9:.1f} GB (fp32 master weights 4, AdamW moments 8, gradient sums 4 and pinned transfer "
-            f"buffers {compute_bytes} bytes a parameter), and this machine has {have / 1e9:.1f} GB available. Free "
-            "host memory, use a machine with more (`kiln plan` states the need), or train with LoRA (lora.rank) "
+            f"buffers {compute_bytes} bytes a parameter{more}), and this machine has {have / 1e9:.1f} GB available. "
+            "Free host memory, use a machine with more (`kiln plan` states the need), or train with LoRA (lora.rank) "
             "or with several GPUs under FSDP instead")
     return need
+
+
+def rollback_room(n_params: int, copies: int, available: int, compute_bytes: int = 2,
+                  share: float = 0.75) -> tuple[bool, int]:
+    """(fits, bytes) of `copies` host copies of an offloaded run's state for rollbacks (kiln.train.rollback): fp32
+    weights and two moments, 12 bytes a parameter each. `available` was read once the fp32 masters existed: the
+    offload's moments, gradient sums and pinned buffers are still to come out of `share` of it."""
+    need = 12 * n_params * copies
+    return need + host_bytes(n_params, compute_bytes) - 4 * n_params <= share * available, need
 
 
 @torch.no_grad()

@@ -254,7 +254,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         from kiln.parallel.offload import check_host_memory
 
         e = 2 if tcfg.precision == "bf16" or (tcfg.precision == "auto" and device.type == "cuda") else 4
-        need = check_host_memory(n_params, e, on_cpu=device.type == "cpu")
+        need = check_host_memory(n_params, e, on_cpu=device.type == "cpu", async_save=cfg.checkpoint.async_save)
         console.print(f"train.offload={tcfg.offload}: {need / 1e9:.1f} GB of host memory for fp32 master weights, "
                       "AdamW moments, gradient sums and transfer buffers", highlight=False)
     # kiln.parallel: AC -> compile -> FSDP2 / DDP; under FSDP built on the meta device, each rank initialising its shard
@@ -303,6 +303,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         callbacks.append(TasksAtEval(cfg.eval, tok, plain if mesh.rank == 0 else None))
     if cfg.recovery.rollback:  # kiln.train.rollback: bad steps undone from the memory snapshots
         fits, need, have = host_room(model, 2 if cfg.checkpoint.async_save else 1, mesh.local_world)
+        if tcfg.offload != "none":  # the state is the host's fp32 masters and moments, not the device's bf16 weights
+            from kiln.parallel.offload import rollback_room
+
+            fits, need = rollback_room(n_params, 2 if cfg.checkpoint.async_save else 1, have, e)
         if fits:
             callbacks.insert(0, Rollback(cfg.recovery, checkpointer.snapshots, cfg.checkpoint.snapshot_every,
                                          checkpointer, loss_bound(cfg.recovery, cfg.model.vocab_size)))

@@ -104,6 +104,12 @@ def test_the_host_memory_it_needs_is_checked_before_the_run_starts(corpus, monke
     assert need == 144 * 10**9  # 18 bytes a parameter
     with pytest.raises(ResourceError, match="144.0 GB .* 100.0 GB available"):
         offload.check_host_memory(8_000_000_000, 2, available=100 * 10**9)
+    with pytest.raises(ResourceError, match=r"240.0 GB .*checkpoint.async_save: 96.0 GB; false .* 200.0 GB available"):
+        offload.check_host_memory(8_000_000_000, 2, async_save=True, available=200 * 10**9)
+    # a rollback's snapshot of the fp32 state (96 GB), with the offload's moments, sums and buffers still to come
+    # (112 GB), out of 3/4 of what is available
+    assert offload.rollback_room(8_000_000_000, 1, 280 * 10**9) == (True, 96 * 10**9)
+    assert offload.rollback_room(8_000_000_000, 1, 270 * 10**9) == (False, 96 * 10**9)
 
 
 def test_combinations_it_does_not_take_are_config_errors(corpus):
