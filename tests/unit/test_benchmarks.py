@@ -61,7 +61,7 @@ SMOKE = {
     "loader": (["--tokens", "100000", "--seconds", "0.1", "--min-rate", "0", "--seq-len", "64", "--batch-size", "2",
                 "--out", "{tmp}/out.json"], r"ratio kiln \(doc ids\) / nanoGPT: \d"),
     "moe": (["--shape", "tiny", "--device", "cpu", "--nproc", "1", "--steps", "3", "--warmup", "1", "--seq", "32",
-             "--no-append", "--cache-dir", "{tmp}/cache", "--set", "data.max_bytes=150000", "--json", "{tmp}/out.json"],
+             "--no-append", "--cache-dir", "{tmp}/cache", "--data-bytes", "150000", "--json", "{tmp}/out.json"],
             r"\| Kiln \(native MoE\) \| [1-9]"),
     "offload_8b": (["--shape", "tiny", "--device", "cpu", "--steps", "2", "--data-bytes", "150000",
                     "--json", "{tmp}/out.json"], r"kiln cpt-8b-24gb \(train.offload\) +[1-9]"),
