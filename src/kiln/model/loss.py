@@ -8,8 +8,9 @@ chunk of logits instead of (B*T, V) logits in fp32 plus their gradient, which fo
 at 32K tokens a step is 8 GiB saved. The backward pass only rescales the stored gradients.
 
 Under autocast the two matrix products run in the autocast dtype (as `nn.Linear` would) while the
-softmax is always computed in fp32. The elementwise part is a plain function (`chunk_loss_and_grad`)
-that `kiln.parallel.compile` may replace with a compiled, fused version.
+softmax is always computed in fp32. Soft-capped logits (Gemma: `softcap`, cap * tanh(logits / cap)) are
+capped there too, and their gradient carries the cap's derivative. The elementwise part is a plain function
+(`chunk_loss_and_grad`) that `kiln.parallel.compile` may replace with a compiled, fused version.
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ CHUNK_ELEMENTS = 2**28
 VOCAB_SLICE = 8192
 
 
-def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, want_grad: bool
+def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, want_grad: bool, softcap: float | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits (n, V), targets (n,) -> (summed loss in fp32, d(sum loss)/d(logits) in logits' dtype or None)."""
+    """logits (n, V), targets (n,) -> (summed loss in fp32, d(sum loss)/d(logits) in logits' dtype or None);
+    softcap: the loss of cap * tanh(logits / cap) instead (None: of the logits)."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 (fp64 stays fp64)
+    if softcap is not None:
+        x = torch.tanh(x / softcap) * softcap
     valid = targets != IGNORE_INDEX  # (n,)
     safe = torch.where(valid, targets, 0).unsqueeze(1)  # (n, 1)
     lse = torch.logsumexp(x, dim=-1, keepdim=True)  # (n, 1)
@@ -39,6 +43,8 @@ def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, want_grad: 
         return loss, None
     onehot = torch.zeros_like(x).scatter_(1, safe, 1.0)
     grad = (torch.exp(x - lse) - onehot) * valid.unsqueeze(1)  # (n, V): softmax minus one-hot
+    if softcap is not None:  # through the cap: d(c tanh(l / c))/dl = 1 - tanh^2
+        grad = grad * (1 - torch.square(x / softcap))
     return loss, grad.to(logits.dtype)
 
 
@@ -63,7 +69,7 @@ def chunk_rows(n_rows: int, vocab: int) -> int:
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
-                rows: int, want_grad: bool) -> torch.Tensor:
+                rows: int, want_grad: bool, softcap: float | None) -> torch.Tensor:
         n = h.shape[0]
         w = weight.to(dtype)  # (V, d)
         acc = torch.promote_types(dtype, torch.float32)
@@ -73,7 +79,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         kernel = ChunkKernel.fn
         for s in range(0, n, rows):
             hc = h[s:s + rows].to(dtype)  # (r, d)
-            part, g = kernel(hc @ w.t(), targets[s:s + rows], want_grad)  # g: (r, V)
+            part, g = kernel(hc @ w.t(), targets[s:s + rows], want_grad, softcap)  # g: (r, V)
             loss += part
             if want_grad:
                 grad_h[s:s + rows] = g @ w
@@ -95,12 +101,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             gw = torch.empty(grad_w.shape, device=grad_w.device, dtype=ctx.weight_dtype)
             for v in range(0, grad_w.shape[0], VOCAB_SLICE):
                 gw[v:v + VOCAB_SLICE] = grad_w[v:v + VOCAB_SLICE] * scale
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None, None, None
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         rows: int | None = None) -> torch.Tensor:
-    """Mean cross-entropy of the logits `h @ weight.T` against `targets`, skipping targets of -100.
+                         rows: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Mean cross-entropy of the logits `h @ weight.T` (soft-capped by `softcap`, if given) against `targets`,
+    skipping targets of -100.
 
     h: (..., d) hidden states; weight: (V, d) output projection; targets: (...) token ids.
     A batch whose targets are all -100 gives NaN, as `F.cross_entropy` does. A model compiled whole runs it
@@ -109,4 +116,4 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     h2, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     want_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     rows = rows or chunk_rows(h2.shape[0], weight.shape[0])
-    return _LinearCrossEntropy.apply(h2, weight, t, _compute_dtype(h2), rows, want_grad)
+    return _LinearCrossEntropy.apply(h2, weight, t, _compute_dtype(h2), rows, want_grad, softcap)

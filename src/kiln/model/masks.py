@@ -16,6 +16,10 @@ tokens in a packed row as in the document alone. Without doc_ids a window needs 
 (a (1, 1, T, T) band, or a flex block mask, which skips the blocks left of the band); a window at
 least as long as the row is no constraint and keeps plain causal SDPA.
 
+Scores soft-capped (Gemma 2: `attend(..., softcap=cap)`) need a mask on every layer, since SDPA cannot cap
+them: `doc_mask(..., always=True)` gives one even where plain causal attention would do, and `attend` runs
+flex attention with kiln.model.softcap's score modifier on it (CUDA) or eager attention (elsewhere).
+
 The mask is always built eagerly (`doc_mask` is excluded from compilation), so a compiled block
 or a whole compiled model receives it as an input and never retraces its construction.
 """
@@ -26,6 +30,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from kiln.model import softcap
 
 # flex attention's tiles (forward BLOCK_M x BLOCK_N, backward BLOCK_M1/N1/M2/N2) for 16-bit 64-wide
 # heads on Hopper GPUs: measured 12% faster (forward + backward) than PyTorch's defaults on an H100 at
@@ -63,6 +69,9 @@ def block_mask(doc_ids: torch.Tensor | None, device: torch.device, window: int |
     _gpu["hopper"] = torch.cuda.get_device_capability(device)[0] == 9
     docs = None if doc_ids is None else doc_ids.to(device, non_blocking=True)
 
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
     def same_doc_causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
 
@@ -71,6 +80,8 @@ def block_mask(doc_ids: torch.Tensor | None, device: torch.device, window: int |
         return inside if docs is None else inside & (docs[b, q_idx] == docs[b, kv_idx])
 
     mod = same_doc_causal if window is None else windowed
+    if docs is None and window is None:  # a mask for attention that needs one (soft-capped scores)
+        mod = causal
     return _block_mask_builder()(mod, B, None, T, T, device=device)
 
 
@@ -89,29 +100,40 @@ def dense_mask(doc_ids: torch.Tensor | None, device: torch.device, window: int |
 
 
 def doc_mask(doc_ids: torch.Tensor | None, device: torch.device | None = None, window: int | None = None,
-             T: int = 0):
+             T: int = 0, always: bool = False):
     """doc_ids (B, T), on any device -> a mask `attend` understands on `device` (None: plain causal).
 
-    window: a sliding window (None: none); T: the row length, needed only for a window without doc_ids.
+    window: a sliding window (None: none); T: the row length, needed without doc_ids; always: a causal mask
+    where None would do (for soft-capped attention, which SDPA's is_causal cannot run).
     A model compiled whole builds it outside its graph (`kiln.parallel.compile`) and takes the mask as an input."""
     if window is not None and (window >= (T if doc_ids is None else doc_ids.shape[1])):
         window = None  # the window reaches the start of every row: plain causal
-    if doc_ids is None and window is None:
+    if doc_ids is None and window is None and not always:
         return None
     device = (doc_ids.device if doc_ids is not None else torch.device("cpu")) if device is None else device
     build = block_mask if device.type == "cuda" else dense_mask
     return build(doc_ids, device, window, T)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
-    """q (B, H, T, hd), k and v (B, KV, T, hd) -> (B, H, T, hd), causal, within documents if masked."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, scale: float | None = None,
+           cap: float | None = None) -> torch.Tensor:
+    """q (B, H, T, hd), k and v (B, KV, T, hd) -> (B, H, T, hd), causal, within documents if masked.
+    scale: of the scores (None: 1/sqrt(hd)); cap: their soft-cap (None: none; see the module doc)."""
     gqa = k.shape[1] != q.shape[1]
+    if cap is not None and not _is_block_mask(mask):
+        return softcap.eager_attention(q, k, v, mask, scale, cap)
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     if isinstance(mask, torch.Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
+    mod = None if cap is None else softcap.score_mod(cap)
     if torch.compiler.is_compiling():  # inside a compiled block: traced into its graph
         from torch.nn.attention.flex_attention import flex_attention
 
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=_tiles(q))
-    return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=_tiles(q))
+        return flex_attention(q, k, v, score_mod=mod, block_mask=mask, scale=scale, enable_gqa=gqa,
+                              kernel_options=_tiles(q))
+    return _flex()(q, k, v, score_mod=mod, block_mask=mask, scale=scale, enable_gqa=gqa, kernel_options=_tiles(q))
+
+
+def _is_block_mask(mask) -> bool:
+    return mask is not None and not isinstance(mask, torch.Tensor)

@@ -62,3 +62,20 @@ def test_chunk_rows_bounds_memory():
     assert chunk_rows(32768, 32000) == 8192
     assert chunk_rows(32768, 128256) % 256 == 0 and chunk_rows(32768, 128256) * 128256 <= 2**28
     assert chunk_rows(100, 32000) == 100
+
+
+@pytest.mark.parametrize("rows", [None, 300])
+def test_softcapped_logits_match_cross_entropy_and_grads(rows):
+    """Gemma's soft-cap inside the chunks: the loss of cap * tanh(logits / cap), and gradients through the cap."""
+    g = torch.Generator().manual_seed(2)
+    n, d, v, cap = 700, 16, 97, 2.0
+    h = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(v, d, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::5] = -100
+    loss = linear_cross_entropy(h, w, t, rows=rows, softcap=cap)
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    ref = F.cross_entropy(torch.tanh((h @ w.t()) / cap) * cap, t, ignore_index=-100)
+    rh, rw = torch.autograd.grad(ref, (h, w))
+    assert torch.allclose(loss, ref, rtol=1e-9) and not torch.allclose(loss, _reference(h, w, t), rtol=1e-2)
+    assert torch.allclose(gh, rh, rtol=1e-7, atol=1e-12) and torch.allclose(gw, rw, rtol=1e-7, atol=1e-12)
