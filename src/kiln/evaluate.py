@@ -62,8 +62,8 @@ def _transformer(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> torch.nn.M
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    cos, sin = model._rotary(cfg.max_seq_len, torch.device("cpu"))
-    model.rope_cos, model.rope_sin = cos, sin  # buffers not in the state dict: computed on the CPU
+    for name, table in model.rope_tables(cfg.max_seq_len, torch.device("cpu")).items():
+        setattr(model, name, table)  # buffers not in the state dict: computed on the CPU
     return model
 
 

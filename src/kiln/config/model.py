@@ -90,10 +90,12 @@ class ModelConfig(Section):
     """Biases in attention: none (Llama, Mistral), on the q/k/v projections (Qwen2), or on all four."""
     mlp_bias: bool = False
     """Biases on the MLP's linear layers."""
-    mlp: Literal["swiglu", "relu2"] = "swiglu"
-    """MLP: 'swiglu' (gate, up, down projections) or 'relu2' (up, squared ReLU, down; Nemotron)."""
-    norm: Literal["rmsnorm", "layernorm1p"] = "rmsnorm"
-    """Normalisation: 'rmsnorm', or 'layernorm1p' (LayerNorm with bias whose scale is stored minus one; Nemotron)."""
+    mlp: Literal["swiglu", "relu2", "geglu"] = "swiglu"
+    """MLP: 'swiglu' (gate, up, down projections), 'relu2' (up, squared ReLU, down; Nemotron) or 'geglu' (SwiGLU's
+    projections with GELU's tanh approximation for SiLU; Gemma)."""
+    norm: Literal["rmsnorm", "layernorm1p", "rmsnorm1p"] = "rmsnorm"
+    """Normalisation: 'rmsnorm', 'layernorm1p' (LayerNorm with bias whose scale is stored minus one; Nemotron) or
+    'rmsnorm1p' (RMSNorm whose scale is stored minus one; Gemma)."""
     rotary_fraction: float = Field(1.0, gt=0, le=1)
     """Fraction of each head's dimensions that rotary embeddings rotate (the first ones; Nemotron: 0.5)."""
     rope_scaling: RopeScaling | None = None
@@ -104,7 +106,8 @@ class ModelConfig(Section):
     """A mixture of experts in place of the MLP (see kiln.model.moe; set by init_from for Mixtral, Qwen2-MoE and
     Qwen3-MoE); null: a dense MLP."""
     qk_norm: bool = False
-    """RMSNorm over each attention head's queries and keys before the rotary embedding (Qwen3)."""
+    """A norm (of the kind `norm` names) over each attention head's queries and keys before the rotary embedding
+    (Qwen3; Gemma 3)."""
     fused_projections: bool = False
     """q, k and v computed by one qkv_proj, the MLP's gate and up by one gate_up_proj (Phi-3's layout, which
     exports as it came; lora.targets q, k, v adapt qkv_proj whole, gate and up gate_up_proj)."""
@@ -114,8 +117,25 @@ class ModelConfig(Section):
     n_layers. null: every layer attention then MLP (Llama)."""
     mamba: MambaConfig = MambaConfig()
     """Shape of the Mamba-2 layers of layer_pattern."""
+    # --- Gemma 2 and 3 (each null or off: as Llama)
+    sandwich_norm: bool = False
+    """Norms after attention and after the MLP too, before each joins the residual stream (Gemma 2 and 3)."""
+    embed_scale: bool = False
+    """Multiply the input embeddings by sqrt(d_model), rounded to the compute dtype as Gemma's checkpoints were."""
+    attn_scale_dim: float | None = Field(None, gt=0)
+    """Attention scores are scaled by 1/sqrt(attn_scale_dim) (Gemma's query_pre_attn_scalar); null: by
+    1/sqrt(head dimension)."""
+    attn_softcap: float | None = Field(None, gt=0)
+    """Soft-cap of attention scores, cap * tanh(score / cap) (Gemma 2's attn_logit_softcapping); null: none."""
+    logit_softcap: float | None = Field(None, gt=0)
+    """Soft-cap of the output logits, in the loss too (Gemma 2 and 3's final_logit_softcapping); null: none."""
+    full_attention_layers: list[int] | None = None
+    """With sliding_window: the layers (0-based) that attend to the whole context, the others being local (Gemma 2:
+    every second layer, Gemma 3: every sixth); null: the window applies to every layer (Mistral)."""
+    rope_local_theta: float | None = Field(None, gt=0)
+    """Rotary base of the sliding-window layers, without rope_scaling (Gemma 3's local base); null: rope_theta."""
     hf_model_type: Literal["llama", "mistral", "qwen2", "nemotron", "mixtral", "qwen2_moe", "qwen3_moe", "qwen3",
-                           "phi3", "nemotron_h"] | None = None
+                           "phi3", "nemotron_h", "gemma2", "gemma3_text"] | None = None
     """Hugging Face architecture that `kiln export` writes (set by init_from); null: the simplest that fits."""
     init_from: str | None = None
     """A local Hugging Face model directory (config.json + safetensors), or a Hub model id (ORG/NAME[@REVISION],
@@ -163,6 +183,14 @@ class ModelConfig(Section):
             out.append((("fused_projections", "mlp"), f"fused_projections fuses the gate and up projections of a "
                                                       f"swiglu MLP; mlp={self.mlp} has no gate"))
         out += self._pattern_problems()
+        if self.full_attention_layers is not None:
+            if self.sliding_window is None:
+                out.append((("full_attention_layers", "sliding_window"), "full_attention_layers names the layers "
+                            "without a sliding window: set sliding_window too (or remove full_attention_layers)"))
+            outside = [i for i in self.full_attention_layers if not 0 <= i < self.n_layers]
+            if outside:
+                out.append((("full_attention_layers",), f"layers {outside} are not among the model's {self.n_layers} "
+                                                        f"(0 to {self.n_layers - 1})"))
         if self.hf_class == "auto" and not self.init_from:
             out.append((("hf_class", "init_from"), "model.hf_class=auto trains a Hugging Face model directory: set "
                                                    "model.init_from to it (or use hf_class native)"))

@@ -124,7 +124,7 @@ class KilnLM(TemplateLM):
             if self._hidden is not None:
                 h = self._hidden(tokens, None)  # (B, T, C)
                 rows = torch.cat([h[i, lo:hi] for i, (lo, hi) in enumerate(picks)])  # (N, C)
-                logits = self.model.lm_head(rows).float()  # (N, V)
+                logits = self.model.logits(rows).float()  # (N, V)
             else:
                 full = self.model(tokens)  # (B, T, V)
                 logits = torch.cat([full[i, lo:hi] for i, (lo, hi) in enumerate(picks)]).float()

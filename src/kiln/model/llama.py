@@ -4,9 +4,9 @@ Module names follow Hugging Face's `LlamaForCausalLM` (without its `model.` pref
 embeddings use the same half-rotation layout, so weights map one to one in both directions.
 
 The options of the other architectures Kiln imports (biases, a gateless squared-ReLU MLP, LayerNorm1p,
-partial rotary, scaled rotary frequencies, a sliding window, q/k norms, fused projections: see ModelConfig)
-are chosen when a module is built, as different submodules or flags read once, so the default Llama path
-runs the same code.
+partial rotary, scaled rotary frequencies, a sliding window, q/k norms, fused projections; Gemma's layers from
+kiln.model.gemma: see ModelConfig) are chosen when a module is built, as different submodules or flags read
+once, so the default Llama path runs the same code.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import ModelConfig, RopeScaling
-from kiln.model import loss, masks, moe
+from kiln.model import gemma, loss, masks, moe
 from kiln.model.mamba2 import Mamba2
 from kiln.model.masks import attend
+from kiln.model.softcap import softcap
 
 
 class RMSNorm(nn.Module):
@@ -55,13 +56,16 @@ class LayerNorm1P(nn.LayerNorm):
 
 
 def _norm_order(norm: nn.Module) -> list:
-    """A norm's parameters with their initialiser: RMSNorm's scale at one, LayerNorm1P's weight and bias at zero."""
-    init = nn.init.zeros_ if isinstance(norm, LayerNorm1P) else nn.init.ones_
+    """A norm's parameters with their initialiser: RMSNorm's scale at one, LayerNorm1P's weight and bias and
+    RMSNorm1P's scale at zero."""
+    init = nn.init.zeros_ if isinstance(norm, (LayerNorm1P, gemma.RMSNorm1P)) else nn.init.ones_
     return [(p, init) for p in norm.parameters()]
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
-    return LayerNorm1P(cfg.d_model, cfg.norm_eps) if cfg.norm == "layernorm1p" else RMSNorm(cfg.d_model, cfg.norm_eps)
+def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    """The norm cfg.norm names over `dim` features (None: d_model)."""
+    kind = {"layernorm1p": LayerNorm1P, "rmsnorm1p": gemma.RMSNorm1P}.get(cfg.norm, RMSNorm)
+    return kind(dim or cfg.d_model, cfg.norm_eps)
 
 
 def scale_frequencies(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -122,10 +126,13 @@ class Attention(nn.Module):
             self.k_proj = nn.Linear(d, self.widths[1], bias=qkv_bias)
             self.v_proj = nn.Linear(d, self.widths[2], bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.hd, d, bias=cfg.attention_bias == "all")
-        # Qwen3: each head's queries and keys normalised, before rotation
-        self.q_norm = RMSNorm(self.hd, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(self.hd, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        # Qwen3, Gemma 3: each head's queries and keys normalised, before rotation
+        self.q_norm = make_norm(cfg, self.hd) if cfg.qk_norm else nn.Identity()
+        self.k_norm = make_norm(cfg, self.hd) if cfg.qk_norm else nn.Identity()
         self.rotate = apply_rotary if cfg.rotary_fraction == 1.0 else apply_partial_rotary
+        scale = None if cfg.attn_scale_dim is None else cfg.attn_scale_dim ** -0.5  # Gemma's query scale, cap
+        self.attend = attend if scale is None and cfg.attn_softcap is None else \
+            functools.partial(attend, scale=scale, cap=cfg.attn_softcap)
         if not rotary:
             self.rotate = no_rotary
 
@@ -147,7 +154,7 @@ class Attention(nn.Module):
         # elementwise kernels (and their backward) read and write memory in order
         q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|KV, T, hd)
-        y = attend(q, k, v, mask)  # (B, H, T, hd); mask: see kiln.model.masks
+        y = self.attend(q, k, v, mask)  # (B, H, T, hd); mask: see kiln.model.masks
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, d)
 
 
@@ -199,6 +206,8 @@ def make_mlp(cfg: ModelConfig, index: int) -> nn.Module:
         return moe.SparseMoE(cfg, MLP(cfg, shared) if shared else None)
     if cfg.mlp == "relu2":
         return ReluSquaredMLP(cfg)
+    if cfg.mlp == "geglu":
+        return gemma.GeGLU(cfg)
     return FusedMLP(cfg) if cfg.fused_projections else MLP(cfg)
 
 
@@ -266,7 +275,10 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(HybridBlock(cfg, kind) for kind in cfg.layer_pattern) if cfg.layer_pattern \
-            else nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+            else nn.ModuleList(gemma.SandwichBlock(Attention(cfg), make_mlp(cfg, i), lambda: make_norm(cfg))
+                               if cfg.sandwich_norm else Block(cfg, i) for i in range(cfg.n_layers))
+        for i, block in enumerate(self.layers):  # the rotary tables and mask of each (see _layer_inputs)
+            block.attention_kind = int(i in (cfg.full_attention_layers or ()))
         self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -274,9 +286,8 @@ class Transformer(nn.Module):
         if cfg.moe is not None:  # the router losses of the training forwards, read by kiln.train.router_aux
             self.router_aux, self.router_z = moe.RouterAux(), moe.RouterAux()
         self.rot_dim = int(cfg.head_dim * cfg.rotary_fraction)  # dims of each head that rotary embeddings turn
-        cos, sin = self._rotary(cfg.max_seq_len, self.embed_tokens.weight.device)
-        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, hd)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        for name, table in self.rope_tables(cfg.max_seq_len, self.embed_tokens.weight.device).items():
+            self.register_buffer(name, table, persistent=False)  # (max_seq_len, hd)
         if self.embed_tokens.weight.device.type != "meta":
             torch.random.set_rng_state(rng)
             self.init_weights()
@@ -316,6 +327,8 @@ class Transformer(nn.Module):
                 order += [(lin.bias, nn.init.zeros_) for lin in biased if lin is not None and lin.bias is not None]
             order += _norm_order(attn.q_norm) + _norm_order(attn.k_norm)  # qk_norm's; nn.Identity has none
             order += _norm_order(block.input_layernorm) + _norm_order(block.post_attention_layernorm)
+            if isinstance(block, gemma.SandwichBlock):
+                order += _norm_order(block.pre_feedforward_layernorm) + _norm_order(block.post_feedforward_layernorm)
         order += _norm_order(self.norm)
         if not self.cfg.tie_embeddings:
             order.append((self.lm_head.weight, normal))
@@ -327,17 +340,40 @@ class Transformer(nn.Module):
         tables, which are not saved: after to_empty(), before weights are initialised or loaded."""
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = self._rotary(self.cfg.max_seq_len, self.rope_cos.device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        for name, table in self.rope_tables(self.cfg.max_seq_len, self.rope_cos.device).items():
+            getattr(self, name).copy_(table)
 
     def _rotary(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary_tables(self.rot_dim, T, self.cfg.rope_theta, device, self.cfg.rope_scaling)
 
-    def _rope(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_tables(self, T: int, device) -> dict[str, torch.Tensor]:
+        """The rotary buffers by name for T positions: rope_cos and rope_sin, and with cfg.rope_local_theta the
+        windowed layers' own rope_local_cos and rope_local_sin (not scaled)."""
+        cos, sin = self._rotary(T, device)
+        out = {"rope_cos": cos, "rope_sin": sin}
+        if self.cfg.rope_local_theta is not None:
+            out["rope_local_cos"], out["rope_local_sin"] = rotary_tables(self.rot_dim, T, self.cfg.rope_local_theta,
+                                                                         device)
+        return out
+
+    def _rope(self, T: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         if T > self.rope_cos.shape[0]:  # longer than max_seq_len: extend on the fly (generation only)
-            return self._rotary(T, self.rope_cos.device)
+            tables = self.rope_tables(T, self.rope_cos.device)
+            return (tables["rope_local_cos"], tables["rope_local_sin"]) if local else (tables["rope_cos"],
+                                                                                       tables["rope_sin"])
+        if local:
+            return self.rope_local_cos[:T], self.rope_local_sin[:T]
         return self.rope_cos[:T], self.rope_sin[:T]
+
+    def _layer_inputs(self, doc_ids: torch.Tensor | None, T: int, device) -> list[tuple]:
+        """(cos, sin, mask) of each block's attention_kind: 0, the layers with cfg.sliding_window (all of them
+        but cfg.full_attention_layers, with cfg.rope_local_theta's tables where set); 1, the full-attention ones."""
+        cfg, capped = self.cfg, self.cfg.attn_softcap is not None
+        mask = masks.doc_mask(doc_ids, device, cfg.sliding_window, T, capped)  # once, for every layer of its kind
+        windowed = (*self._rope(T, local=cfg.rope_local_theta is not None), mask)
+        if cfg.full_attention_layers is None:
+            return [windowed]
+        return [windowed, (*self._rope(T), masks.doc_mask(doc_ids, device, None, T, capped))]
 
     def hidden(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
                stats: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -346,31 +382,39 @@ class Transformer(nn.Module):
         doc_ids (B, T), optional: the document of each position within its row; attention then
         stays inside each document (block-diagonal causal). stats: a list that gets the router
         statistics of each mixture-of-experts layer (kiln.model.moe)."""
-        cos, sin = self._rope(tokens.shape[1])
         x = self.embed_tokens(tokens)  # (B, T, d)
         if torch.is_autocast_enabled(x.device.type):
             # carry the residual stream in the autocast dtype (bf16), not fp32: half the memory
             # traffic of every norm, residual add and saved activation; the weights stay fp32
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        mask = masks.doc_mask(doc_ids, x.device, self.cfg.sliding_window, tokens.shape[1])  # once, for every layer
+        if self.cfg.embed_scale:
+            x = x * gemma.embed_scale(self.cfg.d_model, x.dtype)
+        inputs = self._layer_inputs(doc_ids, tokens.shape[1], x.device)  # (cos, sin, mask) of each attention_kind
         # a hybrid model's Mamba layers keep documents apart with the ids themselves
         docs = (doc_ids.to(x.device, non_blocking=True),) if doc_ids is not None and self.cfg.layer_pattern else ()
         for block in self.layers:
-            x = block(x, cos, sin, mask, *docs)
+            x = block(x, *inputs[block.attention_kind], *docs)
             if isinstance(x, tuple):  # kiln.model.moe: (x, the layer's router statistics)
                 x, layer_stats = x
                 if stats is not None:
                     stats.append(layer_stats)
         return self.norm(x)
 
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Hidden states (..., d) -> logits (..., V), soft-capped where the model caps them."""
+        if self.cfg.logit_softcap is None:
+            return self.lm_head(h)
+        return softcap(self.lm_head(h), self.cfg.logit_softcap)
+
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         stats: list[torch.Tensor] = []
         h = self.hidden(tokens, doc_ids, stats)
         if targets is None:
-            return self.lm_head(h)  # (B, T, V)
+            return self.logits(h)  # (B, T, V)
         # chunked: never holds the whole batch's logits; ignore_index=-100 marks positions with no loss
-        out = loss.linear_cross_entropy(h, self.lm_head.weight, targets)  # kiln.parallel.compile may wrap it
+        out = loss.linear_cross_entropy(h, self.lm_head.weight, targets,  # kiln.parallel.compile may wrap it
+                                        softcap=self.cfg.logit_softcap)
         if stats and self.training:  # a mixture of experts trains on its router losses too (kiln.model.moe)
             m = self.cfg.moe
             aux, z = moe.router_losses(stats, m.n_experts, tokens.numel())

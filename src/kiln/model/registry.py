@@ -24,11 +24,11 @@ def param_count(cfg: ModelConfig, vocab_size: int | None = None, active: bool = 
     d, h, kv, q = cfg.d_model, cfg.mlp_hidden, cfg.kv_heads * cfg.head_dim, cfg.n_heads * cfg.head_dim
     attn = 2 * d * q + 2 * d * kv
     attn += {"none": 0, "qkv": q + 2 * kv, "all": q + 2 * kv + d}[cfg.attention_bias]
-    gated = cfg.mlp == "swiglu"
+    gated = cfg.mlp != "relu2"  # swiglu and geglu: gate, up and down
     mlp = (3 if gated else 2) * d * h + ((2 if gated else 1) * h + d if cfg.mlp_bias else 0)
     norm = 2 * d if cfg.norm == "layernorm1p" else d  # LayerNorm1p has a bias
-    attn += 2 * cfg.head_dim if cfg.qk_norm else 0
-    per_layer = attn + 2 * norm
+    attn += 2 * cfg.head_dim * norm // d if cfg.qk_norm else 0  # q/k norms of the same kind, over a head
+    per_layer = attn + (4 if cfg.sandwich_norm else 2) * norm  # sandwich: after attention and the MLP too
     embed = v * d * (1 if cfg.tie_embeddings else 2)
     m = cfg.moe
     dense = cfg.n_layers if m is None else len({i for i in m.dense_layers if i < cfg.n_layers})
@@ -70,14 +70,18 @@ def sequence_flops(cfg: ModelConfig, seq_len: int) -> float:
     scan counted as the chunked form computes it, per token of a chunk of L positions (forward multiply-adds,
     times 6 for training's 2 FLOPs each, forward and backward): C B^T within the chunk (L*G*N), those scores
     times x (L*H*P), the chunk's state and the reading of it (2*H*P*N), and the state passing between the T/L
-    chunks (T/L^2 * H*P*N); the convolution's products are its parameters'."""
+    chunks (T/L^2 * H*P*N); the convolution's products are its parameters'. A layer with a sliding window
+    w < T counts 2w - w^2/T for T: its keys per query, doubled as the causal count doubles T/2 to T."""
     pattern = cfg.layer_pattern or "*" * cfg.n_layers
-    attn = 12.0 * cfg.n_heads * cfg.head_dim * seq_len if cfg.layer_pattern else 12.0 * cfg.d_model * seq_len
+    w, full = cfg.sliding_window, cfg.full_attention_layers or ()
+    local = seq_len if w is None or w >= seq_len else 2 * w - w * w / seq_len
+    attn = 12.0 * cfg.n_heads * cfg.head_dim
     m, H = cfg.mamba, cfg.mamba_heads
     L = min(m.chunk, seq_len)
     HPN = H * m.head_dim * m.state
     scan = 6.0 * (L * m.groups * m.state + L * H * m.head_dim + 2 * HPN + seq_len / L**2 * HPN)
-    return sum(attn if k == "*" else scan if k == "M" else 0.0 for k in pattern[:cfg.n_layers])
+    return sum(attn * (seq_len if i in full else local) if k == "*" else scan if k == "M" else 0.0
+               for i, k in enumerate(pattern[:cfg.n_layers]))
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, vocab_size: int | None = None) -> float:

@@ -74,7 +74,7 @@ def lora_params(m: ModelConfig, lora: Lora) -> int:
     """Trainable parameters of the adapters: rank x (in + out) for each target layer of every block."""
     d, q, kv, h = m.d_model, m.n_heads * m.head_dim, m.kv_heads * m.head_dim, m.mlp_hidden
     shapes = {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "up": (d, h), "down": (h, d)}
-    if m.mlp == "swiglu":
+    if m.mlp != "relu2":  # gated: swiglu, geglu
         shapes["gate"] = (d, h)
     names = shapes if "all" in lora.targets else [t for t in lora.targets if t in shapes]
     if m.fused_projections:  # one adapter on qkv_proj for any of q, k, v; one on gate_up_proj for gate, up
@@ -109,7 +109,7 @@ def layer_params(m: ModelConfig) -> int:
 def act_per_layer_token(m: ModelConfig, ac: str, compiled: bool, e: int) -> int:
     """Activation bytes one block keeps per token for the backward pass (see the module doc)."""
     d, q, kv, h, H = m.d_model, m.n_heads * m.head_dim, m.kv_heads * m.head_dim, m.mlp_hidden, m.n_heads
-    gated = m.mlp == "swiglu"
+    gated = m.mlp != "relu2"  # swiglu, geglu
     if ac == "full":
         return e * d
     if ac == "selective":
