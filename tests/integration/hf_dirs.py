@@ -28,7 +28,11 @@ MATRIX_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num
 MATRIX = {
     "llama": {}, "mistral": dict(sliding_window=8), "qwen2": dict(tie_word_embeddings=True), "nemotron": {},
     "gpt2": TINY["gpt2"], "phi": TINY["phi"], "phi3": dict(pad_token_id=0), "gemma": dict(head_dim=16),
-    "gemma2": dict(head_dim=16), "gemma3_text": dict(head_dim=16), "qwen3": dict(head_dim=16), "olmo2": {},
+    # windows shorter than the rows, scores and logits capped where they reach the cap (the native path's options)
+    "gemma2": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=8, attn_logit_softcapping=1.0,
+                   final_logit_softcapping=2.0),
+    "gemma3_text": dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                        query_pre_attn_scalar=8, final_logit_softcapping=2.0), "qwen3": dict(head_dim=16), "olmo2": {},
     "stablelm": {}, "starcoder2": {}, "falcon": {}, "gpt_neox": {}, "granite": {},
     "mixtral": dict(num_local_experts=2, num_experts_per_tok=1),
     "qwen2_moe": dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,

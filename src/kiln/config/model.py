@@ -143,8 +143,9 @@ class ModelConfig(Section):
     tokenizer the run starts from; its config sets the model fields and the context (beside it, only
     max_seq_len with rope_scaling, to extend the context on purpose)."""
     hf_class: Literal["native", "auto"] = "native"
-    """'native': Kiln's own model (Llama, Mistral, Qwen2, Qwen3, Phi-3, Nemotron from init_from); 'auto': any other
-    causal LM of model.init_from through transformers' AutoModelForCausalLM (slower; see docs/huggingface.md)."""
+    """'native': Kiln's own model (Llama, Mistral, Qwen2, Qwen3, Phi-3, Nemotron, Gemma 2 and 3 from init_from);
+    'auto': any other causal LM of model.init_from through transformers' AutoModelForCausalLM (slower; see
+    docs/huggingface.md)."""
     trust_remote_code: bool = False
     """With hf_class 'auto': let transformers run the model code shipped in the init_from directory (off by
     default, since that code runs with your permissions; turn it on only for a directory you trust)."""

@@ -1,6 +1,6 @@
 """Mapping between Kiln's model and Hugging Face causal LMs: config and state dict, both ways.
 
-Seven architectures map onto the native model (`kiln.model.llama.Transformer`):
+These architectures map onto the native model (`kiln.model.llama.Transformer`):
 
     model_type  class                 what Kiln's ModelConfig says for it
     llama       LlamaForCausalLM      the defaults; rope_scaling (Llama 3.1), attention/mlp biases
@@ -13,6 +13,8 @@ Seven architectures map onto the native model (`kiln.model.llama.Transformer`):
     qwen3       Qwen3ForCausalLM      qk_norm, head_size, attention_bias on all four projections or none
     phi3        Phi3ForCausalLM       fused_projections (qkv_proj, gate_up_proj, kept fused), sliding_window
     nemotron_h  NemotronHForCausalLM  layer_pattern (Mamba-2, attention, MLP layers), mamba: kiln.model.hf_nemotron_h
+    gemma2      Gemma2ForCausalLM     Gemma's options (sandwich norms, soft-caps, local/global layers): hf_gemma
+    gemma3_text Gemma3ForCausalLM     the same with q/k norms and a local rotary base: kiln.model.hf_gemma
 
 A model trained from scratch exports as the first of Llama, Mistral, Nemotron and Qwen2 that holds it (q/k/v
 biases as Llama's attention biases with a zero o_proj bias: transformers would load a Qwen2 directory's
@@ -31,13 +33,13 @@ import torch
 
 from kiln.config import ModelConfig, RopeScaling
 from kiln.errors import StateError
-from kiln.model import hf_experts, hf_nemotron_h
+from kiln.model import hf_experts, hf_gemma, hf_nemotron_h
 
 _TOP_LEVEL = ("lm_head.",)  # keys HF keeps outside its `model.` submodule
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "nemotron": "NemotronForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "nemotron_h": hf_nemotron_h.ARCHITECTURE}
+                 "phi3": "Phi3ForCausalLM", "nemotron_h": hf_nemotron_h.ARCHITECTURE, **hf_gemma.ARCHITECTURES}
 
 
 def hf_model_type(cfg: ModelConfig) -> str:
@@ -59,7 +61,7 @@ def hf_model_type(cfg: ModelConfig) -> str:
 # (a zero o_proj bias), since transformers loads a Qwen2 directory's tokenizer as Qwen2Tokenizer, built from
 # the vocabulary with Qwen2's own pre-tokenizer, instead of the tokenizer.json Kiln trained
 FROM_SCRATCH = ("llama", "mistral", "nemotron", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "qwen2_moe",
-                "nemotron_h")  # the last: hybrid models alone
+                "nemotron_h", "gemma2", "gemma3_text")  # nemotron_h: hybrid models alone
 
 
 def export_problem(cfg: ModelConfig) -> str | None:
@@ -73,10 +75,13 @@ def export_problem(cfg: ModelConfig) -> str | None:
     return (f"no Hugging Face class holds this model shape ({why}), so `kiln export` will not be able to write it "
             "(training, checkpoints, kiln eval and kiln generate work). To export it, use a shape one of them holds: "
             "rmsnorm with swiglu (Llama; Mistral for a sliding window, without rope_scaling or biases), layernorm1p "
-            "with relu2 (Nemotron), qk_norm (Qwen3), fused_projections (Phi-3)")
+            "with relu2 (Nemotron), qk_norm (Qwen3), fused_projections (Phi-3), rmsnorm1p with geglu, sandwich_norm "
+            "and embed_scale (Gemma 2; Gemma 3 with qk_norm)")
 
 
 def _unsupported(cfg: ModelConfig, kind: str) -> list[str]:
+    if kind in hf_gemma.WANTS:
+        return hf_gemma.problems(cfg, kind)
     if kind == "nemotron_h" or cfg.layer_pattern is not None:
         return hf_nemotron_h.unsupported(cfg, kind)
     wants = {  # option: value each architecture needs (None: any)
@@ -96,7 +101,7 @@ def _unsupported(cfg: ModelConfig, kind: str) -> list[str]:
         "phi3": dict(norm="rmsnorm", mlp="swiglu", attention_bias=("none",), mlp_bias=False, rope_scaling=None,
                      fused_projections=True),
     }[kind]
-    wants = {"fused_projections": False, **wants}  # Phi-3's own
+    wants = {"fused_projections": False, **hf_gemma.PLAIN, **wants}  # Phi-3's own; Gemma's
     out = hf_experts.moe_problems(cfg, kind)
     for key, allowed in wants.items():
         value = getattr(cfg, key)
@@ -125,6 +130,8 @@ def to_hf_config_dict(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
     if cfg.vocab_size is None:
         raise ValueError("ModelConfig.vocab_size must be set to describe the model to Hugging Face")
     kind = hf_model_type(cfg)
+    if kind in hf_gemma.WANTS:
+        return {**hf_gemma.to_gemma(cfg, kind), **extra}
     if kind == "nemotron_h":
         return {**hf_nemotron_h.config_dict(cfg), **extra}
     rope = _rope_parameters(cfg)
@@ -198,6 +205,8 @@ def from_hf_config_dict(hf: dict[str, Any]) -> ModelConfig:
                          f"{', '.join(ARCHITECTURES)})")
     if kind == "nemotron_h":
         return hf_nemotron_h.model_config(hf)
+    if kind in hf_gemma.WANTS:
+        return hf_gemma.from_gemma(hf)
     problems = _hf_problems(hf, kind)
     if problems:
         raise StateError(f"this {kind} config uses features Kiln's model does not have: {', '.join(problems)}")

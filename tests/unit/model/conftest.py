@@ -26,6 +26,14 @@ ARCHS = {
                   rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
     "phi3": dict(model_type="phi3", **SMALL, sliding_window=8, pad_token_id=0,
                  rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
+    # 3 layers: local, global, local, with windows shorter than the rows and caps the scores and logits reach
+    "gemma2": dict(model_type="gemma2", **{**SMALL, "num_hidden_layers": 3}, head_dim=16, sliding_window=8,
+                   query_pre_attn_scalar=12, attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+    "gemma3": dict(model_type="gemma3_text", **{**SMALL, "num_hidden_layers": 3}, head_dim=16, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"], query_pre_attn_scalar=12,
+                   final_logit_softcapping=3.0,
+                   rope_parameters={"full_attention": dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
+                                    "sliding_attention": dict(rope_type="default", rope_theta=100.0)}),
 }
 
 

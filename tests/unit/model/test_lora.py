@@ -157,7 +157,7 @@ def test_merged_model_equals_the_lora_model():
     assert merge_lora(Transformer(CFG)).__class__ is Transformer  # nothing to merge: the model itself
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "nemotron", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "nemotron", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_peft_loads_the_adapters_onto_the_base_with_equal_logits(arch, hf_model, tmp_path):
     peft = pytest.importorskip("peft")
     hf = hf_model(arch)
