@@ -21,12 +21,13 @@ class Fp8Config(Section):
     """Train the blocks' linear layers in float8 (needs train.precision bf16 or auto, a CUDA GPU with fp8, and
     torchao: pip install 'kiln[fp8]')."""
     recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
-    """Scaling of the float8 casts: 'tensorwise' (one scale per tensor: the fastest, and under FSDP the weights
-    are gathered in float8, half the bytes of bf16) or 'rowwise' (a scale per row of each operand: closer to
-    bf16 where a few outliers would crush a whole tensor's range; weights gathered in bf16)."""
+    """Scaling of the float8 casts: 'tensorwise' (one scale per tensor, the cheapest casts; under FSDP the
+    weights are gathered in float8, half the bytes of bf16) or 'rowwise' (a scale per row of each operand: closer
+    to bf16 where a few outliers would crush a whole tensor's range; weights gathered in bf16).
+    benchmarks/fp8.py measures both against bf16."""
     all_gather: bool = True
     """Under FSDP with the tensorwise recipe: gather the converted weights in float8 (their scales computed for
     all of them at once after each optimizer step); false gathers them in bf16."""
     skip: list[str] = []
     """Linear layers kept in bf16 besides those above: a layer whose name (as in the state dict, e.g.
-    'layers.0.attn.wq' or '.wk') contains one of these strings."""
+    'layers.0.self_attn.q_proj', or '.k_proj' for every block's) contains one of these strings."""
