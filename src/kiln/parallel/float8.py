@@ -113,6 +113,8 @@ def convert(model: nn.Module, fp8: Fp8Config, fsdp: bool = False, log: Callable[
         if kept:
             reasons = sorted({f"{name.split('.', 2)[-1]}: {why}" for name, why in kept.items()})
             line += f"; kept in bf16 besides lm_head and the embeddings: {'; '.join(reasons)}"
+        if not converted:
+            line = "warning: " + line + " -- no layer is float8: this run trains in bf16"
         log(line)
     return converted
 

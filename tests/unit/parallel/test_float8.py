@@ -139,6 +139,9 @@ def test_layers_kept_in_bf16_and_why():
     assert said[0].startswith("train.fp8: 6 linear layers in float8, tensorwise scaling; kept in bf16")
     assert "mlp.up_proj: 64 x 200 is not a multiple of 16" in said[0]
     assert "self_attn.v_proj: train.fp8.skip has '.v_proj'" in said[0]
+    said.clear()
+    assert float8.convert(_model(cfg), Fp8Config(enabled=True, skip=["layers"]), emulate=True, log=said.append) == []
+    assert said[0].startswith("warning: train.fp8: 0 linear layers") and said[0].endswith("trains in bf16")
     assert float8.keeps_bf16("layers.0.mlp.router", nn.Linear(64, 8)) == "a router"
     assert float8.keeps_bf16("layers.0.mlp.gate", nn.Linear(64, 16)) == "a router"
     assert float8.keeps_bf16("layers.0.mlp.gate_proj", nn.Linear(64, 128)) is None
