@@ -109,3 +109,29 @@ def test_expert_keys_both_ways():
         assert ("layers.0.block_sparse_moe.experts.1.w1.weight" in per_expert) == mixtral
         back = stack_experts(per_expert)
         assert back.keys() == stacked.keys() and all(torch.equal(back[k], stacked[k]) for k in stacked)
+
+
+PUBLISHED = {  # config.json fields of released models (shapes only), and their published total / active sizes
+    "Qwen3-30B-A3B": (dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                           num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                           decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False), 30.5e9, 3.3e9),
+    "Mixtral-8x7B": (dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                          num_experts_per_tok=2, tie_word_embeddings=False), 46.7e9, 12.9e9),
+    "Qwen1.5-MoE-A2.7B": (dict(model_type="qwen2_moe", vocab_size=151936, hidden_size=2048, intermediate_size=5632,
+                               num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16, num_experts=60,
+                               num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                               norm_topk_prob=False, tie_word_embeddings=False), 14.3e9, 2.7e9),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_released_shapes_count_their_published_total_and_active_parameters(name):
+    """What MFU counts (the active parameters) and what memory counts (all of them), for the released models."""
+    from kiln.model.registry import active_param_count, param_count
+
+    fields, total, active = PUBLISHED[name]
+    cfg = from_hf_config_dict(fields)
+    assert param_count(cfg) == pytest.approx(total, rel=0.01)
+    assert active_param_count(cfg) == pytest.approx(active, rel=0.02)
