@@ -143,7 +143,8 @@ def apply_lora(model: nn.Module, lcfg: LoraConfig) -> nn.Module:
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
     for block in model.layers:
-        experts = adapt_experts(block, paths, lcfg.rank, lcfg.alpha, lcfg.dropout)  # a mixture of experts' MLP
+        # a mixture of experts' MLP (a hybrid model's layers have a mixer instead)
+        experts = adapt_experts(block, paths, lcfg.rank, lcfg.alpha, lcfg.dropout) if hasattr(block, "mlp") else []
         for path in paths:
             parent_name, name = path.split(".")
             parent = getattr(block, parent_name)
