@@ -35,7 +35,23 @@ LAYOUTS = {
     "llama": {},
     "qwen3": {"qk_norm": True},
     "phi3": {"fused_projections": True},
+    # Gemma's options at their released values: caps, the query scale of the head width; local layers with a window
+    # of half the row (Gemma 2: every second layer global, Gemma 3: every sixth, and q/k norms)
+    "gemma2": {"norm": "rmsnorm1p", "mlp": "geglu", "sandwich_norm": True, "embed_scale": True, "attn_softcap": 50.0,
+               "logit_softcap": 30.0},
+    "gemma3_text": {"norm": "rmsnorm1p", "mlp": "geglu", "sandwich_norm": True, "embed_scale": True, "qk_norm": True,
+                    "rope_local_theta": 10000.0},
 }
+GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6}
+
+
+def layout(kind: str, size, seq: int) -> dict:
+    """The fields of `kind` on `size` (a ModelConfig) for rows of `seq` tokens."""
+    if kind not in GLOBAL_EVERY:
+        return LAYOUTS[kind]
+    every = GLOBAL_EVERY[kind]
+    return {**LAYOUTS[kind], "attn_scale_dim": size.head_dim, "sliding_window": max(1, seq // 2),
+            "full_attention_layers": [i for i in range(size.n_layers) if (i + 1) % every == 0] or None}
 
 
 def family_models(kind: str, cfg):
@@ -83,7 +99,7 @@ def main() -> None:
         cfg = RunConfig.model_validate({
             "model": {"size": args.size, "vocab_size": args.vocab or size.vocab_size or 512,
                       "max_seq_len": max(size.max_seq_len, args.seq), "tie_embeddings": False,
-                      "hf_model_type": kind, **LAYOUTS[kind]},
+                      "hf_model_type": kind, **layout(kind, size, args.seq)},
             "train": {"batch_size": args.batch, "seq_len": args.seq, "lr": 1e-4, "warmup_steps": 0,
                       "precision": "bf16" if device.type == "cuda" else "fp32"}})
         native, hf = family_models(kind, cfg)
