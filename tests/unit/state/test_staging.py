@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -40,3 +41,14 @@ def test_staged_tensors_and_cpu_dtensors_do_not_alias_the_live_state(monkeypatch
     finally:
         dist.destroy_process_group()
         os.environ.pop("MASTER_PORT", None)
+
+
+@pytest.mark.parametrize("start,nbytes", [(0, 1), (4096, 4096), (100, 50_000_000), (4095, 33 << 20), (12345, 16 << 20)])
+def test_pin_ranges_tile_the_tensor_with_no_page_in_two_pieces(start, nbytes):
+    from kiln.state.staging import PAGE, PIN_CHUNK, pin_ranges
+
+    pieces = pin_ranges(start, nbytes)
+    assert pieces[0][0] == start and sum(n for _, n in pieces) == nbytes
+    for (a, n), (b, _) in zip(pieces, pieces[1:]):
+        assert a + n == b and b % PAGE == 0  # contiguous, and each boundary on a page
+    assert all(0 < n <= PIN_CHUNK for _, n in pieces)
