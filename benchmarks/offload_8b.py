@@ -149,7 +149,7 @@ def side_kiln(args, base: Path, root: Path) -> dict:
 
 def deepspeed_config(s: dict) -> dict:
     """ZeRO-2, the optimizer (DeepSpeed's AdamW: its CPU Adam) offloaded to pinned host memory, bf16."""
-    return {"bf16": {"enabled": True},
+    return {"bf16": {"enabled": "auto"},
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
                                   "overlap_comm": True, "contiguous_gradients": True,
                                   "reduce_bucket_size": "auto", "allgather_bucket_size": 2e8},
@@ -206,7 +206,7 @@ def side_hf(args, base: Path, root: Path) -> dict:
 
 def child(args) -> None:
     """One side, in this process: cap the GPU, train, write the result to --result."""
-    cap_gpu(args.cap_gib, args.device)
+    cap_gpu(args.hf_cap_gib if args.side == "hf" and args.hf_cap_gib else args.cap_gib, args.device)
     base, root = Path(args.base), Path(args.root)
     try:
         res = side_kiln(args, base, root) if args.side == "kiln" else side_hf(args, base, root)
@@ -228,6 +228,8 @@ def run_side(args, side: str, base: Path, root: Path) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.offload_8b", "--side", side, "--base", str(base), "--root", str(root),
            "--result", str(result), "--shape", args.shape, "--device", args.device, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--cap-gib", str(args.cap_gib), "--data-bytes", str(args.data_bytes)]
+    if args.hf_cap_gib:
+        cmd += ["--hf-cap-gib", str(args.hf_cap_gib)]
     for s in args.set:
         cmd += ["--set", s]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -246,6 +248,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps timed, after --warmup")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--cap-gib", type=float, default=24.0, help="GPU memory each side may allocate")
+    ap.add_argument("--hf-cap-gib", type=float, default=None,
+                    help="the HF Trainer's own cap (default: --cap-gib), for a baseline that does not fit it")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--data-bytes", type=int, default=3_000_000, help="characters of the corpus Kiln prepares")
     ap.add_argument("--set", action="append", default=[], help="extra KEY=VALUE override of the Kiln run")
@@ -260,7 +264,7 @@ def main() -> None:
 
     dev = torch.device(args.device)
     info = run_info(dev, ["transformers", "deepspeed"], shape=args.shape, steps=args.steps, warmup=args.warmup,
-                    cap_gib=args.cap_gib, overrides=args.set)
+                    cap_gib=args.cap_gib, hf_cap_gib=args.hf_cap_gib or args.cap_gib, overrides=args.set)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         t0 = time.perf_counter()
@@ -275,7 +279,8 @@ def main() -> None:
                           ("peak GPU GiB", "peak_gib", ".1f"), ("host peak GB", "host_gb", ".1f"),
                           ("Kiln", lambda r: kiln / r["tokens_per_s"] if kiln and r.get("tokens_per_s") else None,
                            "{:.2f}x")]))
-    print(f"GPU capped at {args.cap_gib:g} GiB per process ({info['device']})")
+    hf_cap = f"; the HF Trainer's at {args.hf_cap_gib:g} GiB" if args.hf_cap_gib else ""
+    print(f"GPU capped at {args.cap_gib:g} GiB per process{hf_cap} ({info['device']})")
     for r in results:
         if r.get("error"):
             print(f"{r['name']}: {r['error']}")
