@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     a = p.parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
     if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
     modes = ["bf16"] + [f"fp8-{r}" for r in filter(None, a.recipes.split(","))]
     missing = fp8_problem(device)
