@@ -109,8 +109,8 @@ def from_gemma(hf: dict[str, Any]) -> ModelConfig:
     d = DEFAULTS[kind]
     get = lambda key: hf.get(key, d.get(key))  # noqa: E731 - a missing key is transformers' default
     problems = []
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+    act = hf.get("hidden_activation") or "gelu_pytorch_tanh"  # transformers' Gemma 2/3 never read hidden_act
+    if act not in ("gelu_pytorch_tanh", "gelu_new"):  # GELU's tanh approximation, two names
         problems.append(f"hidden_activation={act}")
     if hf.get("use_bidirectional_attention"):
         problems.append("use_bidirectional_attention (an encoder)")
@@ -121,6 +121,7 @@ def from_gemma(hf: dict[str, Any]) -> ModelConfig:
     head_dim = get("head_dim") or width // heads
     window = get("sliding_window")
     full = full_layers(hf, kind)
+    scalar = float(get("query_pre_attn_scalar"))
     return ModelConfig(
         vocab_size=hf["vocab_size"], d_model=width, n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_hidden=hf["intermediate_size"],
@@ -129,7 +130,7 @@ def from_gemma(hf: dict[str, Any]) -> ModelConfig:
         tie_embeddings=bool(get("tie_word_embeddings")), init_std=hf.get("initializer_range", 0.02),
         attention_bias="all" if hf.get("attention_bias") else "none", norm="rmsnorm1p", mlp="geglu",
         qk_norm=kind == "gemma3_text", sandwich_norm=True, embed_scale=True,
-        attn_scale_dim=float(get("query_pre_attn_scalar")),
+        attn_scale_dim=None if scalar == head_dim else scalar,  # the usual 1/sqrt(head_dim): no option
         attn_softcap=get("attn_logit_softcapping") if kind == "gemma2" else None,  # transformers' Gemma 3: none
         logit_softcap=get("final_logit_softcapping"),
         sliding_window=window if window is not None and len(full) < hf["num_hidden_layers"] else None,

@@ -79,7 +79,7 @@ def test_older_and_shorter_config_files_read_the_same(hf_model):
     bare = {k: new[k] for k in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                 "num_attention_heads")}
     cfg = from_hf_config_dict({**bare, "model_type": "gemma2"})
-    assert (cfg.head_dim, cfg.sliding_window, cfg.full_attention_layers, cfg.attn_scale_dim) == (256, 4096, [1], 256)
+    assert (cfg.head_dim, cfg.sliding_window, cfg.full_attention_layers, cfg.attn_scale_dim) == (256, 4096, [1], None)
     assert (cfg.attn_softcap, cfg.logit_softcap, cfg.tie_embeddings, cfg.norm_eps) == (50.0, 30.0, True, 1e-6)
     cfg3 = from_hf_config_dict({**bare, "model_type": "gemma3_text", "num_hidden_layers": 7})
     assert cfg3.full_attention_layers == [5] and (cfg3.rope_theta, cfg3.rope_local_theta) == (1e6, 1e4)
@@ -88,7 +88,7 @@ def test_older_and_shorter_config_files_read_the_same(hf_model):
 
 @pytest.mark.parametrize("change, why", [
     (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
-    (dict(hidden_activation="gelu"), "hidden_activation=gelu"),
+    (dict(hidden_activation="gelu"), "hidden_activation=gelu"),  # exact GELU: not the tanh approximation
     (dict(layer_types=["sliding_attention", "chunked_attention", "full_attention"]), "layer_types"),
     (dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=1e4),
                            "sliding_attention": dict(rope_type="linear", rope_theta=1e4, factor=4.0)}),
@@ -120,7 +120,8 @@ def test_a_gemma_shaped_model_from_scratch_exports_as_gemma(qk_norm, kind):
     hf.load_state_dict(to_hf_state_dict(kiln.state_dict(), cfg.tie_embeddings), strict=False)  # tied head left out
     x = tokens()
     torch.testing.assert_close(hf(input_ids=x).logits, kiln(x), rtol=0, atol=1e-5)
-    assert from_hf_config_dict(to_hf_config_dict(cfg)).model_copy(update={"hf_model_type": None}) == cfg
+    for shape in (cfg, cfg.model_copy(update={"attn_scale_dim": None})):  # None: scaled by 1/sqrt(head_dim)
+        assert from_hf_config_dict(to_hf_config_dict(shape)).model_copy(update={"hf_model_type": None}) == shape
 
 
 @pytest.mark.parametrize("shape, why", [
