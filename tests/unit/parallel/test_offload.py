@@ -115,6 +115,17 @@ def test_the_host_memory_it_needs_is_checked_before_the_run_starts(corpus, monke
 def test_combinations_it_does_not_take_are_config_errors(corpus):
     with pytest.raises(ConfigError, match="train.offload=optimizer is for full training"):
         load_config(None, args(corpus, "x", "train.offload=optimizer", "lora.rank=4", "model.init_from=somewhere"))
+    with pytest.raises(ConfigError, match="model.hf_class=auto is not supported with it"):
+        load_config(None, args(corpus, "x", "train.offload=optimizer", "model.hf_class=auto", "model.init_from=there"))
+    from types import SimpleNamespace
+
+    from kiln.model.llama import Transformer
+    from kiln.parallel.parallelize import parallelize
+
+    cfg = load_config(None, args(corpus, "x", "train.offload=optimizer"))
+    two = SimpleNamespace(world=2, distributed=True, device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match="runs in one process on one GPU; this run has 2 processes"):
+        parallelize(Transformer(cfg.model.model_copy(update={"vocab_size": 512})), cfg, two, strategy="ddp")
     with pytest.raises(ConfigError, match="needs a fixed train.batch_size"):
         load_config(None, [*args(corpus, "x", "train.offload=optimizer", "train.batch_size=auto",
                                  "train.global_batch_tokens=128"), "train.grad_accum=1"])
