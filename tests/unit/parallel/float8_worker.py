@@ -96,10 +96,71 @@ def main(out: str, ckpt: str) -> None:
     found["scales_after_load"] = local_scale(other) is not None
     found["loaded_equal"] = all(torch.equal(v.full_tensor(), saved[k])
                                 for k, v in get_model_state_dict(other).items())
+    found["kiln_path"] = kiln_path(rank, world, mesh)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(found, f)
     dist.destroy_process_group()
+
+
+def cpu_scaled_mm() -> bool:
+    """Whether this torch multiplies float8 matrices on the CPU (torch._scaled_mm)."""
+    one = torch.ones((), dtype=torch.float32)
+    try:
+        a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+class Rows:
+    """This rank's share of one global batch of 4 rows, again and again."""
+
+    def __init__(self, rank: int, world: int):
+        x = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(7))
+        self.rows = x[rank * 4 // world:(rank + 1) * 4 // world]
+
+    def __next__(self):
+        return self.rows[:, :-1], self.rows[:, 1:], None
+
+    def state_dict(self) -> dict:
+        return {}
+
+
+def kiln_path(rank: int, world: int, device_mesh) -> dict | str:
+    """Kiln's own FSDP build (meta device, float8 layers, sharding, each shard initialised in place) and Trainer,
+    with real float8 products under bf16 autocast, against the same build in one process."""
+    if not cpu_scaled_mm():
+        return "skipped: no float8 products on this CPU"
+    from kiln.config import RunConfig
+    from kiln.model.registry import param_count
+    from kiln.parallel.materialize import build_model
+    from kiln.parallel.mesh import Mesh
+    from kiln.parallel.parallelize import reduce_mean
+    from kiln.train.trainer import Trainer
+
+    cfg = RunConfig.model_validate({
+        "model": {"size": "tiny", "vocab_size": 256, "max_seq_len": 64},
+        "train": {"seq_len": 32, "batch_size": 4 // world, "max_steps": STEPS, "warmup_steps": 1, "lr": 3e-3,
+                  "device": "cuda", "precision": "bf16", "fp8": {"enabled": True}},
+        "dist": {"strategy": "fsdp"}})
+    cpu = torch.device("cpu")
+    mesh = Mesh(rank=rank, local_rank=rank, world=world, local_world=world, device=cpu, backend="gloo",
+                mesh=device_mesh)
+    said: list[str] = []
+    torch.manual_seed(0)
+    model = build_model(cfg, mesh, param_count(cfg.model), log=said.append)
+    trainer = Trainer(cfg, model, Rows(rank, world), None, cpu, mesh=mesh)
+    gathered = float8.scale_after_step(trainer.optimizer, model)
+    losses = [reduce_mean(trainer.train_step()[0].detach(), mesh).item() for _ in range(STEPS)]
+
+    one_cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"batch_size": 4})})
+    torch.manual_seed(0)
+    single = build_model(one_cfg, Mesh(device=cpu), param_count(cfg.model), log=lambda _: None)
+    ref = Trainer(one_cfg, single, Rows(0, 1), None, cpu, mesh=Mesh(device=cpu))
+    one = [ref.train_step()[0].item() for _ in range(STEPS)]
+    return {"said": said, "gathered": gathered, "losses": losses, "one_process_losses": one}
 
 
 if __name__ == "__main__":
