@@ -89,8 +89,12 @@ FAMILIES: list[Family] = [
            featured=True),
     Family("Nemotron-H", ("nemotron_h",), _matrix("nemotron_h", **{
         "LoRA": "tests/unit/model/test_nemotron_h.py::test_lora_on_every_projection_trains_the_adapters_and_merges",
+        "FSDP": ("tests/unit/parallel/test_hybrid_fsdp.py::test_fsdp_with_checkpointed_hybrid_layers_matches_one_"
+                 "process"),
         "document masks": "tests/unit/model/test_nemotron_h.py::test_packed_documents_give_what_they_give_alone"}),
-        note="hybrid Mamba-2 and attention layers", featured=True),
+        note="hybrid Mamba-2, attention and MLP layers (model.layer_pattern); Kiln's own chunked SSD scan, compiled "
+             "per layer (no mamba-ssm); the scan and convolution restart at each packed document; LoRA on in_proj, "
+             "out_proj too; MoE layers (Nemotron 3) are refused: hf_class=auto", featured=True),
     Family("Gemma", ("gemma",), _matrix("gemma")),
     Family("Gemma 2", ("gemma2",), {
         **_matrix("gemma2"), "LoRA": f"{PEFT}[gemma2]", "FSDP": GEMMA_FSDP,

@@ -5,7 +5,7 @@
     loss = model(tokens, targets, doc_ids)              # Kiln's model call: a mean loss, or logits
     model.save_pretrained(out, tokenizer)               # the Hugging Face layout, loaded by from_pretrained
 
-Architectures the native model does not have (Phi, Gemma, GPT-2, Nemotron-H's Mamba hybrid, ...)
+Architectures the native model does not have (Phi, Gemma, GPT-2, Jamba's Mamba hybrid, ...)
 train in the same loop, loader, checkpoints and metrics, and as far as each model allows, as the native model
 trains: kiln.parallel checkpoints, compiles and shards each decoder block (`layers`), and
 - attention is Kiln's (kiln.model.hf_attention): causal SDPA, and flex attention with a block mask per batch
