@@ -42,6 +42,16 @@ def test_fp8_plans_faster_and_gathers_a_byte_a_weight_under_fsdp():
     rowwise = make_plan(load_config(None, [*EIGHT_B, "train.fp8.enabled=true", "train.fp8.recipe=rowwise"]), 4,
                         GPUS["h100"])
     assert rowwise.memory.compute_weights == bf16.memory.compute_weights  # rowwise weights gather in bf16
+    import io
+
+    from rich.console import Console
+
+    from kiln.plan.report import render
+
+    out = io.StringIO()
+    render(fp8, Console(file=out, width=300))
+    assert "bf16 autocast with float8 linear layers (tensorwise)" in out.getvalue()
+    assert "for float8 (kiln.plan.fp8" in out.getvalue()
 
 
 def test_a_card_without_float8_plans_bf16_and_says_so():
