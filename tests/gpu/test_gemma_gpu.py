@@ -1,7 +1,7 @@
 """Gemma 2 and 3 on CUDA: soft-capped attention as flex attention's score modifier (with the block masks of
 packed documents and sliding windows) against the eager attention the CPU runs, a Gemma-shaped model on the
-GPU against itself on the CPU, transformers' Gemma 2 in bf16, and compiled blocks at Gemma's head width (256)
-training in bf16."""
+GPU against itself on the CPU, transformers' Gemma 2 in bf16, and compiled blocks (with selective activation
+checkpointing) at Gemma's head width (256) training in bf16."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from kiln.config import ModelConfig
 from kiln.model.llama import Transformer
 from kiln.model.masks import attend, block_mask, dense_mask
+from kiln.parallel.ac import apply_ac
 from kiln.parallel.compile import apply_compile, restore_loss_kernel
 
 pytestmark = pytest.mark.gpu
@@ -89,13 +90,14 @@ def test_bf16_logits_follow_transformers_gemma2_in_bf16():
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.9
 
 
-def test_compiled_blocks_at_head_width_256_train_in_bf16_as_eager():
+def test_compiled_checkpointed_blocks_at_head_width_256_train_in_bf16_as_eager():
     cfg = ModelConfig(**{**GEMMA, "d_model": 512, "n_heads": 2, "n_kv_heads": 1, "head_size": 256}, qk_norm=True,
                       rope_local_theta=100.0)
     torch.manual_seed(0)
     eager = Transformer(cfg).to(CUDA)
     compiled = Transformer(cfg).to(CUDA)
     compiled.load_state_dict(eager.state_dict())
+    apply_ac(compiled, "selective")
     apply_compile(compiled)
     x, t = (torch.randint(0, 512, (2, 256), generator=torch.Generator().manual_seed(s)).to(CUDA) for s in (1, 2))
     ids = _doc_ids(2, 256).to(CUDA)

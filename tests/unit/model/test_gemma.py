@@ -86,6 +86,18 @@ def test_the_loss_is_cross_entropy_of_the_capped_logits():
     torch.testing.assert_close(model(x, t), F.cross_entropy(logits.flatten(0, 1), t.flatten()), rtol=1e-6, atol=1e-6)
 
 
+def test_param_count_and_flops_count_the_extra_norms_and_the_windows():
+    from kiln.model.registry import flops_per_token, param_count
+
+    cfg = gemma()
+    assert param_count(cfg) == sum(p.numel() for p in Transformer(cfg).parameters())
+    q, T = cfg.n_heads * cfg.head_dim, 64
+    windowed = 2 * 8 - 8 * 8 / T  # keys per query of a window of 8, doubled as the causal T / 2 is to T
+    n = param_count(cfg)  # tied embeddings: the output projection counts once
+    assert flops_per_token(cfg, T) == pytest.approx(6 * n + 12 * q * (2 * windowed + T))
+    assert flops_per_token(cfg, 8) == pytest.approx(6 * n + 12 * q * 3 * 8)  # a window as long as the row: none
+
+
 @pytest.mark.slow
 def test_compiled_blocks_train_as_eager():
     """Each block compiles whole (fullgraph: the capped attention, q/k norms and both kinds of layer)."""
