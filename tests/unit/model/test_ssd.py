@@ -71,3 +71,13 @@ def test_segment_sums():
     s = segment_sums(a)
     inf = float("-inf")
     assert torch.equal(s, torch.tensor([[0.0, inf, inf], [2.0, 0.0, inf], [5.0, 3.0, 0.0]]))
+
+
+def test_bf16_inputs_keep_the_state_in_fp32():
+    """In bf16 (as under autocast on a GPU) the two large products round to bf16; the decays and states stay fp32,
+    so the result is within bf16's rounding of the fp32 one, however many chunks the state passes through."""
+    x, dt, A, B, C = inputs(b=1, T=64, H=4, P=8, G=2, N=8)
+    want = ssd_scan(x, dt, A, B, C, 8)
+    got = ssd_scan(x.bfloat16(), dt, A, B.bfloat16(), C.bfloat16(), 8)
+    assert got.dtype == torch.float32
+    assert (got - want).abs().max() < 3e-2 * want.abs().max()
