@@ -110,7 +110,7 @@ class LoraGroupedExperts(nn.Module):
 def adapt_experts(block: nn.Module, paths: list[str], rank: int, alpha: float, dropout: float) -> list[str]:
     """Per-expert adapters on the experts of `block`'s mixture of experts for the MLP targets among `paths`; the
     paths it took (the rest are the caller's, on ordinary linear layers). A dense block is left alone."""
-    experts = getattr(block.mlp, "experts", None)
+    experts = getattr(getattr(block, "mlp", None), "experts", None)  # a hybrid model's blocks may have no MLP
     if not isinstance(experts, GroupedExperts):
         return []
     taken = [p for p in paths if p in PARTS]
