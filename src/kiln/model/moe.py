@@ -126,19 +126,19 @@ class SparseMoE(nn.Module):
                       (self.shared_expert_gate.weight, normal)]
         return order
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (N, d) -> (logits (N, E) in x's dtype, top-k weights (N, k) fp32, top-k experts (N, k))."""
-        logits = self.gate(x)
-        probs = torch.softmax(logits.float(), dim=-1)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, d) -> (logits (N, E) fp32, probabilities (N, E) fp32, top-k weights (N, k) fp32, top-k experts)."""
+        logits = self.gate(x).float()
+        probs = torch.softmax(logits, dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return logits, weights, experts
+        return logits, probs, weights, experts
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, d = x.shape
         flat = x.reshape(-1, d)  # (N, d)
-        logits, weights, experts = self.route(flat)
+        logits, probs, weights, experts = self.route(flat)
         # sort the N * k (token, expert) pairs by expert: each expert's rows are one range of the sorted rows
         chosen = experts.reshape(-1)  # (N k,)
         order = torch.argsort(chosen, stable=True)
@@ -151,16 +151,14 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(flat, dtype=rows.dtype).index_add_(0, token, rows).to(x.dtype)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        return out.reshape(B, T, d), router_stats(logits, counts)
+        return out.reshape(B, T, d), router_stats(logits, probs, counts)
 
 
-def router_stats(logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def router_stats(logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """One layer's routing in a vector (2E + 1,) fp32: top-k counts per expert, summed router probabilities per
     expert (these carry the gradient), and the summed squared log-sum-exp of the logits (the z-loss)."""
-    logits = logits.float()
-    probs = torch.softmax(logits, dim=-1).sum(dim=0)  # (E,)
     z = torch.logsumexp(logits, dim=-1).square().sum().reshape(1)
-    return torch.cat([counts.float(), probs, z])
+    return torch.cat([counts.float(), probs.sum(dim=0), z])
 
 
 def router_losses(stats: list[torch.Tensor], n_experts: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
