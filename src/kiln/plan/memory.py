@@ -112,6 +112,9 @@ def act_per_layer_token(m: ModelConfig, ac: str, compiled: bool, e: int) -> int:
     gated = m.mlp != "relu2"  # swiglu, geglu
     if ac == "full":
         return e * d
+    if m.moe is not None:  # a token's experts' hidden widths, and its rows sorted to them and weighted back
+        h = m.moe.top_k * m.moe.expert_hidden + (m.moe.shared_expert_hidden or 0)
+        d += m.moe.top_k * d
     if ac == "selective":
         return e * ((2 if compiled else 3) * d + 2 * q + 2 * kv + (2 if gated else 1) * h) + 4 * H
     if compiled:
