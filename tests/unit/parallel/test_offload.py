@@ -180,3 +180,16 @@ def test_bf16_gradients_are_summed_in_fp32_exactly_a_slice_at_a_time(monkeypatch
         assert torch.equal(o.sums[i], grads[0][i] + grads[1][i] + grads[2][i])
     assert all(p.grad is None for p in model.parameters())  # each gradient left the device as it was made
     o.close()
+
+
+def test_bf16_device_weights_train_as_the_plain_paths_autocast(corpus):
+    """precision bf16: the device holds bf16 weights and the masters stay fp32 on the host; the plain path keeps fp32
+    weights that autocast casts to bf16 for its products. The products see the same bf16 values, so the losses
+    agree closely (not bit for bit: the norms' weights are bf16 on one path, fp32 on the other)."""
+    out = {}
+    for mode in ("none", "optimizer"):
+        run(load_config(None, args(corpus, f"bf16-{mode}", "train.precision=bf16", f"train.offload={mode}",
+                                   "train.max_steps=8")), console=quiet())
+        out[mode] = [r["loss"] for r in train_records(corpus / f"bf16-{mode}").values()]
+    assert len(out["none"]) == 8 and out["optimizer"] != out["none"]
+    assert out["optimizer"] == pytest.approx(out["none"], rel=1e-3)
