@@ -10,10 +10,12 @@ keyword `kiln_mask` (transformers hands a model's extra keywords down to its att
 transformers then builds no mask of its own: a per-step (B, 1, T, T) mask from the position ids, and the
 SDPA kernel that takes one, are what made packed rows slow on this path.
 
-A model whose attention is not plain causal dot-product attention (logit soft-capping, attention sinks,
-sliding windows, attention dropout, ...) or whose layers do not pass the keyword on keeps its own:
-`install` checks the structure, then runs a packed row of two documents through both (`probe`) and keeps
-Kiln's only where the second document's logits equal those it gives alone.
+A sliding window (Mistral, Gemma 3's local layers, ...) joins the mask: a model whose config names one gets
+{None: the full layers' mask, window: the windowed layers'} and each layer picks by the `sliding_window` its
+attention passes. A model whose attention is not plain causal dot-product attention (logit soft-capping,
+attention sinks, ALiBi, attention dropout, ...) or whose layers do not pass the keyword on keeps its own:
+`install` checks the structure, then runs a packed row of two documents through both (`probe`, with any
+sliding window shortened below the documents' length) and keeps Kiln's only where the logits agree.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from kiln.model import masks
 
 NAME = "kiln"  # the name in transformers' attention registry
 MASK_KEY = "kiln_mask"  # the keyword that carries the mask from HFCausalLM.forward to every layer
-_WINDOW_KEYS = ("sliding_window", "attention_window")
+PROBE_WINDOW = 3  # the sliding window a model's check runs with (shorter than the check's documents)
 _DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
 _CAP_KEYS = ("attn_logit_softcapping", "attention_logit_softcapping")
 
@@ -47,13 +49,17 @@ def kiln_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
         if kwargs.get(arg) is not None:
             raise NotPlain(f"{name} asks for {arg}")
     window = kwargs.get("sliding_window")
-    if window is not None and window < key.shape[2]:  # install() keeps windows shorter than max_seq_len out
-        raise NotPlain(f"{name} asks for a sliding window of {window}")
+    if window is not None and not isinstance(kwargs[MASK_KEY], dict) and window < key.shape[2]:
+        raise NotPlain(f"{name} asks for a sliding window of {window} its config does not name")
     if dropout:
         raise NotPlain(f"{name} asks for attention dropout")
     if query.shape[2] != key.shape[2]:
         raise NotPlain("Kiln's attention runs without a key-value cache (use_cache=False)")
     mask = kwargs[MASK_KEY]
+    if isinstance(mask, dict):  # a model with a sliding window: {None: full layers' mask, window: the window's}
+        if window not in mask:
+            raise NotPlain(f"{name} asks for a sliding window of {window}, not its config's")
+        mask = mask[window]
     dtype = value.dtype  # rotary embeddings in fp32 promote q and k: attend in the values' (autocast) dtype
     q, k = query.to(dtype), key.to(dtype)
     gqa = k.shape[1] != q.shape[1]
@@ -87,7 +93,24 @@ def text_config(model: nn.Module):
     return getattr(config, "text_config", None) or config
 
 
-def unsupported(model: nn.Module, max_seq_len: int) -> str | None:
+def sliding_window(model: nn.Module) -> int | None:
+    """The model's sliding window (its config's `sliding_window`, unless `use_sliding_window` turns it off)."""
+    config = text_config(model)
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        return None
+    return window if getattr(config, "use_sliding_window", True) is not False else None
+
+
+def layer_masks(doc_ids: torch.Tensor | None, device: torch.device, T: int, window: int | None):
+    """What HFCausalLM hands every layer as `kiln_mask`: the mask (kiln.model.masks.doc_mask) of rows of T
+    positions with documents `doc_ids` (None: one each), or with a sliding window {None: that of the full
+    attention layers, window: that of the windowed ones}."""
+    full = masks.doc_mask(doc_ids, device, T=T)
+    return full if window is None else {None: full, window: masks.doc_mask(doc_ids, device, window, T)}
+
+
+def unsupported(model: nn.Module) -> str | None:
     """Why `model`'s attention is not Kiln's plain causal attention, from its config and modules (None: it may be;
     `probe` decides)."""
     config = text_config(model)
@@ -95,10 +118,6 @@ def unsupported(model: nn.Module, max_seq_len: int) -> str | None:
         return "its config names no attention implementation"
     if getattr(config, "is_causal", True) is False:
         return "its attention is not causal"
-    for key in _WINDOW_KEYS:
-        window = getattr(config, key, None)
-        if isinstance(window, int) and 0 < window < max_seq_len and getattr(config, "use_sliding_window", True):
-            return f"a sliding window ({key}={window})"
     for key in _CAP_KEYS:
         if getattr(config, key, None):
             return f"attention logit soft-capping ({key})"
@@ -113,10 +132,10 @@ def unsupported(model: nn.Module, max_seq_len: int) -> str | None:
     return None
 
 
-def install(model: nn.Module, max_seq_len: int, split_documents: bool) -> str | None:
+def install(model: nn.Module, split_documents: bool) -> str | None:
     """Point `model` (a transformers causal LM, eval or train) at Kiln's attention where its logits stay the
     same. Returns None when installed, else why not (the model keeps its own attention)."""
-    why = unsupported(model, max_seq_len)
+    why = unsupported(model)
     if why:
         return why
     register()
@@ -140,28 +159,47 @@ def install(model: nn.Module, max_seq_len: int, split_documents: bool) -> str | 
 @torch.no_grad()
 def probe(model: nn.Module, own: str, split_documents: bool) -> str | None:
     """Two documents packed in one row through Kiln's attention (a block-diagonal mask, position ids restarting
-    at the second) against each alone through the model's own attention: None if their logits agree."""
-    from kiln.model.hf_packing import doc_positions
-
+    at the second) against each alone through the model's own attention: None if their logits agree. A sliding
+    window is shortened to PROBE_WINDOW meanwhile (in the config and in the layers that copied it), so that a
+    model whose layers do not hand their window to the attention function shows it."""
     training, device = model.training, next(model.parameters()).device
+    window, config = sliding_window(model), text_config(model)
+    copies = [m for m in model.modules() if window is not None and getattr(m, "sliding_window", None) == window]
     model.eval()
     try:
-        vocab = model.get_input_embeddings().weight.shape[0]
-        g = torch.Generator().manual_seed(0)
-        a, b = torch.randint(0, vocab, (1, 7), generator=g), torch.randint(0, vocab, (1, 5), generator=g)
-        a, b = a.to(device), b.to(device)
-        if split_documents:  # documents run as rows of their own: one document, no mask
-            rows, mask, pos, parts = a, None, None, [a]
-        else:
-            rows = torch.cat([a, b], 1)
-            docs = torch.tensor([[0] * 7 + [1] * 5], device=device)
-            mask, pos, parts = masks.dense_mask(docs, device), doc_positions(docs), [a, b]
-        got = model(input_ids=rows, position_ids=pos, use_cache=False, **{MASK_KEY: mask}).logits.float()
-        model.set_attn_implementation(own)
-        want = torch.cat([model(input_ids=p, use_cache=False).logits.float() for p in parts], 1)
-        model.set_attn_implementation(NAME)
+        if window is not None:
+            config.sliding_window = PROBE_WINDOW
+            for m in copies:
+                m.sliding_window = PROBE_WINDOW
+        return _compare(model, own, split_documents, None if window is None else PROBE_WINDOW, device)
     finally:
         model.train(training)
+        if window is not None:
+            config.sliding_window = window
+            for m in copies:
+                m.sliding_window = window
+
+
+def _compare(model: nn.Module, own: str, split_documents: bool, window: int | None, device) -> str | None:
+    from kiln.model.hf_packing import doc_positions
+
+    vocab = model.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(0, vocab, (1, 7), generator=g), torch.randint(0, vocab, (1, 5), generator=g)
+    a, b = a.to(device), b.to(device)
+    if split_documents:  # documents run as rows of their own: one document
+        rows, docs, pos, parts = a, None, None, [a]
+    else:
+        rows = torch.cat([a, b], 1)
+        docs = torch.tensor([[0] * 7 + [1] * 5], device=device)
+        pos, parts = doc_positions(docs), [a, b]
+    mask = layer_masks(docs, device, rows.shape[1], window)
+    got = model(input_ids=rows, position_ids=pos, use_cache=False, **{MASK_KEY: mask}).logits.float()
+    model.set_attn_implementation(own)
+    try:
+        want = torch.cat([model(input_ids=p, use_cache=False).logits.float() for p in parts], 1)
+    finally:
+        model.set_attn_implementation(NAME)
     tol = 1e-4 if got.dtype == torch.float32 and next(model.parameters()).dtype == torch.float32 else 3e-2
     err = (got - want).abs().max().item()
     if not err <= tol * (1 + want.abs().max().item()):

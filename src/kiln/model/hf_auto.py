@@ -41,8 +41,8 @@ from torch import nn
 from kiln.config import LoraConfig, ModelConfig
 from kiln.errors import ConfigError, StateError
 from kiln.files import default_mode
-from kiln.model import loss, masks
-from kiln.model.hf_attention import MASK_KEY
+from kiln.model import loss
+from kiln.model.hf_attention import MASK_KEY, layer_masks, sliding_window
 from kiln.model.hf_attention import install as install_attention
 from kiln.model.hf_blocks import decoder_layers, transformers_module
 from kiln.model.hf_head import decoder_of, plain_head
@@ -200,8 +200,9 @@ class HFCausalLM(nn.Module):
         self.router_aux_coef = router_aux_coef(getattr(self.base, "config", None), self.takes_router_flag)
         self.router_aux = RouterAux()
         # the native model's attention, loss and precision where the model allows: each is None, or why not
-        self.own_attention = install_attention(self.base, cfg.max_seq_len, self.split_documents)
-        self.own_head = plain_head(self.base, None if self.own_attention else MASK_KEY)
+        self.own_attention = install_attention(self.base, self.split_documents)
+        self.window = sliding_window(self.base) if self.own_attention is None else None  # its layers' masks
+        self.own_head = plain_head(self.base, None if self.own_attention else self._mask_argument)
         self._hooks = match_native(self.decoder) if self.decoder is not None else []
 
     @property
@@ -216,6 +217,10 @@ class HFCausalLM(nn.Module):
     @property
     def is_peft(self) -> bool:
         return hasattr(self.hf, "peft_config")
+
+    def _mask_argument(self, T: int, device: torch.device) -> dict[str, Any]:
+        """Kiln's attention's mask keyword for rows of T positions, one document each."""
+        return {MASK_KEY: layer_masks(None, device, T, self.window)}
 
     @property
     def decoder(self) -> nn.Module | None:
@@ -244,19 +249,17 @@ class HFCausalLM(nn.Module):
         aux = self.router_aux_coef is not None and targets is not None and self.training
         if self.takes_router_flag:
             kwargs["output_router_logits"] = aux  # off in evaluation: val_loss is the cross-entropy alone
-        if self.own_attention is None:
-            kwargs[MASK_KEY] = None  # plain causal attention
         split = doc_ids is not None and self.split_documents
         if split:  # each document its own sequence, then packed again
             rows, seg, pos = split_documents(tokens, doc_ids.to(tokens.device))  # (N, L), (B, T), (B, T)
-            kwargs["input_ids"] = rows
+            kwargs["input_ids"], doc_ids = rows, None
         else:
             kwargs["input_ids"] = tokens
             if doc_ids is not None:
                 doc_ids = doc_ids.to(tokens.device)
                 kwargs["position_ids"] = doc_positions(doc_ids)
-                if self.own_attention is None:  # built once, for every layer (kiln.model.masks)
-                    kwargs[MASK_KEY] = masks.doc_mask(doc_ids, tokens.device)
+        if self.own_attention is None:  # built once, for every layer (None: plain causal attention)
+            kwargs[MASK_KEY] = layer_masks(doc_ids, tokens.device, kwargs["input_ids"].shape[1], self.window)
         if targets is not None and self.own_head is None and not aux:  # never the whole batch's logits
             h = self.decoder(**kwargs).last_hidden_state  # (B, T, d) or (N, L, d)
             if split:

@@ -11,6 +11,8 @@ Any other model computes its loss on its own full logits, as before.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -31,10 +33,10 @@ def decoder_of(model: nn.Module) -> nn.Module | None:
     return decoder if isinstance(decoder, nn.Module) and decoder is not model else None
 
 
-def plain_head(model: nn.Module, mask_key: str | None = None) -> str | None:
+def plain_head(model: nn.Module, extra: Callable[[int, torch.device], dict] | None = None) -> str | None:
     """None if `model`'s logits are its output embedding (a bias-free nn.Linear) applied to its decoder's
-    last hidden state; else why not. `mask_key`: Kiln's attention keyword, where the model has it
-    (kiln.model.hf_attention)."""
+    last hidden state; else why not. `extra(T, device)`: the keywords of a forward of T positions beyond the
+    input ids (Kiln's attention mask, where the model has Kiln's attention: kiln.model.hf_attention)."""
     head, decoder = model.get_output_embeddings(), decoder_of(model)
     if decoder is None:
         return "it names no decoder (get_decoder)"
@@ -48,20 +50,20 @@ def plain_head(model: nn.Module, mask_key: str | None = None) -> str | None:
         for key, plain in _LOGIT_CHANGES.items():
             if getattr(config, key, None) not in plain:
                 return f"its config changes the logits ({key}={getattr(config, key)})"
-    return _probe(model, decoder, head, mask_key)
+    return _probe(model, decoder, head, extra)
 
 
 @torch.no_grad()
-def _probe(model: nn.Module, decoder: nn.Module, head: nn.Linear, mask_key: str | None) -> str | None:
+def _probe(model: nn.Module, decoder: nn.Module, head: nn.Linear, extra) -> str | None:
     training, device = model.training, head.weight.device
     model.eval()
     try:
         g = torch.Generator().manual_seed(0)
         x = torch.randint(0, head.weight.shape[0], (1, 6), generator=g).to(device)
-        extra = {mask_key: None} if mask_key else {}
+        more = extra(x.shape[1], device) if extra else {}
         try:
-            want = model(input_ids=x, use_cache=False, **extra).logits.float()
-            got = head(decoder(input_ids=x, use_cache=False, **extra).last_hidden_state).float()
+            want = model(input_ids=x, use_cache=False, **more).logits.float()
+            got = head(decoder(input_ids=x, use_cache=False, **more).last_hidden_state).float()
         except Exception as e:  # a decoder that takes other arguments
             return f"its decoder cannot be called alone ({type(e).__name__}: {str(e)[:200]})"
     finally:

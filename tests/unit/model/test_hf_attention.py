@@ -46,9 +46,26 @@ def test_second_document_of_a_packed_row_gives_its_logits_alone(tmp_path, kind):
     assert "kiln" not in json.loads((tmp_path / "out" / "config.json").read_text()).values()
 
 
-def test_soft_capping_and_a_sliding_window_keep_the_models_own_attention(tmp_path):
+def test_a_sliding_window_joins_the_document_mask(tmp_path):
+    model = auto_model(tmp_path, "mistral", sliding_window=4).eval()
+    assert model.own_attention is None and model.window == 4
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mistral").eval()
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randint(0, 64, (1, 9), generator=g), torch.randint(0, 64, (1, 11), generator=g)
+    row, docs = torch.cat([a, b], 1), torch.tensor([[0] * 9 + [1] * 11])
+    with torch.no_grad():
+        alone = model(b)
+        torch.testing.assert_close(alone, ref(input_ids=b).logits, atol=1e-5, rtol=1e-5)  # its window of 4
+        ref.config.sliding_window = None
+        assert (alone - ref(input_ids=b).logits).abs().max() > 1e-3  # control: the window matters here
+        packed = model(row, doc_ids=docs)
+        torch.testing.assert_close(packed[:, 9:], alone, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed[:, :9], model(a), atol=1e-5, rtol=1e-5)
+
+
+def test_soft_capping_keeps_the_models_own_attention(tmp_path):
     model = auto_model(tmp_path, "gemma2", sliding_window=4).eval()  # local layers of 4 tokens, logit soft-capping
-    assert "sliding window" in model.own_attention and "final_logit_softcapping" in model.own_head
+    assert "soft-capping" in model.own_attention and "final_logit_softcapping" in model.own_head
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gemma2").eval()
     a, b = torch.randint(0, 64, (1, 8)), torch.randint(0, 64, (1, 6))
     row, docs = torch.cat([a, b], 1), torch.tensor([[0] * 8 + [1] * 6])
