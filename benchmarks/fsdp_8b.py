@@ -104,7 +104,8 @@ class Clock(TrainerCallback):
 
 fsdp_config = {"version": 2, "activation_checkpointing": a["ac"] != "none", "reshard_after_forward": True,
                "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
-args = TrainingArguments(output_dir=a["out"], per_device_train_batch_size=1, max_steps=a["steps"], learning_rate=3e-4,
+args = TrainingArguments(output_dir=a["out"], per_device_train_batch_size=a["batch"],
+                         gradient_accumulation_steps=a["accum"], max_steps=a["steps"], learning_rate=3e-4,
                          warmup_steps=0, bf16=cuda, optim="adamw_torch_fused", fsdp=True, fsdp_config=fsdp_config,
                          logging_steps=1, save_strategy="no", report_to=[], dataloader_num_workers=0,
                          use_cpu=not cuda, ddp_backend=None if cuda else "gloo", seed=0)
@@ -132,7 +133,8 @@ if int(os.environ.get("RANK", "0")) == 0:
               "Trainer + accelerate FSDP2 wrap": clock.first_begin - t_model,
               "first step": clock.first_end - clock.first_begin, "other steps": clock.last_end - clock.first_end,
               "end": time.time() - clock.last_end}
-    print("HF_RESULT " + json.dumps({"step_s": step, "tokens_per_s_per_gpu": a["seq"] / step, "peak_gib": peak,
+    tokens = a["seq"] * a["batch"] * a["accum"]  # per GPU and step
+    print("HF_RESULT " + json.dumps({"step_s": step, "tokens_per_s_per_gpu": tokens / step, "peak_gib": peak,
                                      "first_loss": loss[0] if loss else None, "last_loss": loss[-1] if loss else None,
                                      "phases": phases, "reduce_dtype": reduce_dtype(trainer.model_wrapped)}),
           flush=True)
@@ -160,8 +162,8 @@ def kiln_command(args, run_dir: Path, checkpoint_every: int, variant: tuple[str,
     cuda = args.device == "cuda"
     vocab = 32000 if args.size != "tiny" else 512
     return [sys.executable, "-m", "kiln.cli", "train", f"model.size={args.size}",
-            f"model.max_seq_len={max(args.seq, 64)}", f"train.seq_len={args.seq}", "train.batch_size=1",
-            "train.grad_accum=1", f"train.max_steps={args.steps}",
+            f"model.max_seq_len={max(args.seq, 64)}", f"train.seq_len={args.seq}", f"train.batch_size={args.batch}",
+            f"train.grad_accum={args.accum}", f"train.max_steps={args.steps}",
             f"train.device={args.device}", f"train.precision={'bf16' if cuda else 'fp32'}",
             f"train.compile={str(cuda and not args.no_compile).lower()}", f"train.activation_checkpointing={args.ac}",
             # the evaluations at the start and the end (never skipped) take one batch: device time for the steps
@@ -253,7 +255,7 @@ def run_kiln(args, root: Path, variant: tuple[str, ...] = ()) -> dict:
         raise SystemExit(failed)
     if code != 0:  # every step was measured; what failed after them (the final save) is reported
         print(failed, flush=True)
-    tokens = args.seq  # per GPU per step: batch 1
+    tokens = args.seq * args.batch * args.accum  # per GPU per step (a variant that changes them: blocked_s is off)
     step_s = {s: tokens / r["tokens_per_s_per_device"] for s, r in recs.items()}
     late = [s for s in recs if s > args.warmup and s != at + 1]
     median_step = statistics.median(step_s[s] for s in late)
@@ -330,6 +332,7 @@ def run_hf(args, root: Path) -> dict:
     spec = {"vocab": m.vocab_size or 128256, "d": m.d_model, "ffn": m.mlp_hidden, "layers": m.n_layers,
             "heads": m.n_heads, "kv": m.kv_heads, "seq": args.seq, "theta": m.rope_theta, "tie": m.tie_embeddings,
             "steps": args.steps, "warmup": args.warmup, "ac": args.ac, "device": args.device, "out": str(root / "hf"),
+            "batch": args.batch, "accum": args.accum,
             "t0": time.time()}
     if args.size == "tiny":
         spec["vocab"] = 512
@@ -419,6 +422,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the medians (compile, allocator)")
     ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=1, help="micro-batch per GPU, both trainers (cpt-8b-4gpu: 4)")
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches accumulated per step, both (cpt-8b-4gpu: 4)")
     ap.add_argument("--ac", default="full", choices=["none", "selective", "full"])
     ap.add_argument("--no-compile", action="store_true", help="Kiln without torch.compile")
     ap.add_argument("--checkpoint-at", type=int, default=0, help="step of the async checkpoint (0: half way)")
@@ -448,7 +453,7 @@ def main() -> None:
 
     card = torch.cuda.get_device_name() if args.device == "cuda" and torch.cuda.is_available() else "cpu"
     info = run_info(torch.device(args.device), ["transformers", "accelerate"], card=card, nproc=args.nproc,
-                    size=args.size, seq=args.seq, ac=args.ac, steps=args.steps)
+                    size=args.size, seq=args.seq, batch=args.batch, accum=args.accum, ac=args.ac, steps=args.steps)
     if args.checkpoint_at and 2 * args.checkpoint_at < args.steps:  # checkpoint.every: its multiples are saved too
         ap.error(f"--checkpoint-at {args.checkpoint_at}: give at least half of --steps, for one mid-run checkpoint")
     args.final_save = plan_disk(args)
@@ -481,7 +486,8 @@ def main() -> None:
             Path(args.logs).mkdir(parents=True, exist_ok=True)
             for log in root.glob("*.log"):
                 shutil.copy(log, Path(args.logs) / log.name)
-    lines = [f"\n## {info['date']}: {args.size}, {args.nproc} x {card}, seq {args.seq}, batch 1/GPU, AC {args.ac}, "
+    lines = [f"\n## {info['date']}: {args.size}, {args.nproc} x {card}, seq {args.seq}, batch {args.batch}/GPU x "
+             f"accumulation {args.accum}, AC {args.ac}, "
              f"{args.steps} steps (median after {args.warmup})", "", *table(kiln, hf, variants)]
     if "blocked_s" in kiln:
         lines.append(f"\nAsync checkpoint at step {kiln['checkpoint_step']} ({kiln['checkpoint_gib']:.1f} GiB): "

@@ -42,6 +42,7 @@ SMOKE = {
                   "--vocab", "512"],
                  r"ratio masked / causal: \d"),
     "fsdp_8b": (["--size", "tiny", "--device", "cpu", "--nproc", "1", "--steps", "4", "--warmup", "1", "--seq", "32",
+                 "--batch", "2", "--accum", "2",
                  "--no-append", "--run-root", "{tmp}", "--cache-dir", "{tmp}/cache", "--set", "data.max_bytes=150000",
                  "--json", "{tmp}/out.json"], r"Kiln / HF Trainer: \*\*\d"),
     "families": (["--families", "qwen3,phi3,gemma2", "--batch", "2", "--seq", "32", "--steps", "1", "--warmup", "1",

@@ -27,6 +27,11 @@ CPU_SHARE = 0.8  # of the RAM, on the CPU: the rest for the OS, the loader and t
 CPU_PROCESS = int(0.4 * GIB)
 MAX_BATCH = 1 << 16
 CPU_MICRO_TOKENS = 1024  # kiln.train.autobatch.CPU_MICRO_TOKENS: a CPU micro-batch's tokens under batch_size auto
+# LoRA's tokens/s over full training's estimate: an 8B model on an H100 trained 10,390 tokens/s with LoRA
+# (benchmarks/results/cpt_8b.md) where full training is estimated at 9,315 (no weight gradients for the base, but
+# the same forward, recomputation and input gradients); QLoRA dequantizes each NF4 layer in the forward pass, the
+# recomputation and the backward pass: a guess until benchmarks/qlora.py has run
+LORA_SPEEDUP, QLORA_FACTOR = 1.12, 0.85
 DDP_FIT = 0.5  # kiln.parallel.parallelize.FIT_FRACTION: 'auto' picks ddp when 16 N fits this share of a device
 
 
@@ -177,13 +182,18 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
     bf16 = t.precision == "bf16" or (t.precision == "auto" and gpu.key != "cpu")
     compiled = t.compile
     cap = capacity_of(gpu, gpus)
-    lora = Lora(cfg.lora.rank, tuple(cfg.lora.targets), 2 if cfg.lora.base_dtype == "bf16" else 4) \
+    nf4 = cfg.lora.quantize_base == "nf4"
+    lora = Lora(cfg.lora.rank, tuple(cfg.lora.targets), 2 if cfg.lora.base_dtype == "bf16" else 4, nf4) \
         if cfg.lora.rank else None
     trained = lora_params(m, lora) if lora else n
     if lora:
-        notes.append(f"LoRA rank {lora.rank} on {', '.join(lora.targets)}: {trained / 1e6:.1f}M trainable parameters "
-                     f"({trained / n:.2%}); the frozen base in {cfg.lora.base_dtype}; speed assumes 2/3 of the FLOPs "
-                     "of full training (no weight gradients for the base): an estimate")
+        base = f"the blocks' linear layers in NF4, the rest in {cfg.lora.base_dtype}" if nf4 else cfg.lora.base_dtype
+        notes.append(f"{'QLoRA' if nf4 else 'LoRA'} rank {lora.rank} on {', '.join(lora.targets)}: "
+                     f"{trained / 1e6:.1f}M trainable parameters ({trained / n:.2%}); the frozen base in {base}; "
+                     f"speed: full training's x{LORA_SPEEDUP}, as measured (benchmarks/results/cpt_8b.md)"
+                     + (f", x{QLORA_FACTOR} for dequantizing the base (a guess until benchmarks/qlora.py is run)"
+                        if nf4 else ""))
+    lora_speed = (LORA_SPEEDUP * (QLORA_FACTOR if nf4 else 1.0)) if lora else 1.0
     layout = layout_for(cfg, gpus, trained if lora else n, gpu.memory)
 
     flex = cfg.data.document_mask and gpu.key != "cpu"  # document masks run flex attention on CUDA
@@ -212,7 +222,7 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
             est = MfuEstimate(share, f"this machine's fp32 matrix products, {cpu_rate[0] / 1e9:.0f} GFLOP/s measured "
                                      f"now with {cpu_rate[1]} thread(s), x{CPU_STEP_SHARE} (the share a step "
                                      "reached in Kiln's measurements; good to a factor of two)")
-            return est, share * cpu_rate[0] / fpt * (1.5 if lora else 1.0)
+            return est, share * cpu_rate[0] / fpt * lora_speed
         if gpu.peak_flops is None:
             return None, None
         est = estimate_mfu(gpu.key, n, ac, compiled and gpu.key != "cpu", gpus, lay.offload)
@@ -221,7 +231,7 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
             est = MfuEstimate(est.mfu * x, f"{est.basis}; x{x:.2f} for float8 (kiln.plan.fp8: "
                                            f"{converted_share(m, t.seq_len):.0%} of the FLOPs in float8 layers, "
                                            "MFU counted against the bf16 peak)")
-        return est, est.mfu * gpu.peak_flops * gpus / fpt * (1.5 if lora else 1.0)
+        return est, est.mfu * gpu.peak_flops * gpus / fpt * lora_speed
 
     max_batch = largest_batch(fit(t.activation_checkpointing, layout))
     rows = t.step_rows(max(1, gpus))  # per rank and step; ConfigError where the ranks cannot share the batch
@@ -258,12 +268,15 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
     for lay in dict.fromkeys(layouts):
         for ac in ("none", "selective", "full"):
             mm = mem(batch, ac, lay)
-            name = lay.strategy + ("+offload" if lay.offload else "") + \
-                (f" {lay.sharding}" if lay.strategy == "fsdp" and lay.sharding != "full" else "")
-            plan.options.append(Option(name, ac, mm, needs(mm, gpu) <= cap, largest_batch(fit(ac, lay)),
+            plan.options.append(Option(_option_name(lay), ac, mm, needs(mm, gpu) <= cap, largest_batch(fit(ac, lay)),
                                        speed(ac, lay)[1]))
     _advise(plan, fit)
     return plan
+
+
+def _option_name(lay: Layout) -> str:
+    return lay.strategy + ("+offload" if lay.offload else "") + \
+        (f" {lay.sharding}" if lay.strategy == "fsdp" and lay.sharding != "full" else "")
 
 
 def _advise(plan: Plan, fit) -> None:
@@ -293,6 +306,12 @@ def _advise(plan: Plan, fit) -> None:
             b -= 1
         accum = "" if t.global_batch_tokens else f" train.grad_accum={g // b}"  # else it follows from the batch
         plan.warnings.append(f"fits with train.batch_size={b}{accum} (the same global batch)")
+        same = [o for o in plan.options if o.fits and o.strategy == _option_name(plan.layout)]
+        if same:  # the micro-batch as configured, with the activation checkpointing that fits it
+            best = max(same, key=lambda o: (o.tokens_per_s or 0, o.max_batch))
+            plan.warnings.append(f"or keep train.batch_size={plan.batch} with train.activation_checkpointing="
+                                 f"{best.ac} ({best.memory.peak / GIB:.1f} GiB peak, micro-batch up to "
+                                 f"{best.max_batch})")
     elif fitting:
         best = max(fitting, key=lambda o: (o.tokens_per_s or 0, o.max_batch))
         plan.warnings.append(f"fits with {best.strategy}, activation_checkpointing={best.ac}, micro-batch up to "
@@ -310,6 +329,10 @@ def _advise(plan: Plan, fit) -> None:
         if needs(mem, gpu) <= plan.capacity:
             plan.warnings.append("LoRA fits: lora.rank=16 lora.targets=[all] train.activation_checkpointing=full "
                                  "train.batch_size=1 (continued pretraining of a frozen bf16 base)")
+        else:
+            _advise_qlora(plan)
+    elif not plan.max_batch and not plan.lora.nf4:
+        _advise_qlora(plan)
     if not plan.max_batch and not fitting and gpu.key == "cpu":  # more processes share the same RAM
         plan.warnings.append("more processes on this machine share its memory: what fits is a smaller model, "
                              "shorter sequences or fewer processes")
@@ -325,6 +348,18 @@ def _advise(plan: Plan, fit) -> None:
                                          f"checkpointing={ac} (kiln train --nproc {more} dist.strategy=fsdp)")
                     return
         plan.warnings.append(f"no layout of up to 1024 x {gpu.key} fits this model")
+
+
+def _advise_qlora(plan: Plan) -> None:
+    """The QLoRA hint, where a base in NF4 fits when a bf16 one does not (kiln.plan.memory.Lora.nf4)."""
+    t, lora = plan.cfg.train, plan.lora or Lora(16, ("all",), 2)
+    qlora = Lora(lora.rank, lora.targets, 2, nf4=True)
+    mem = peak_memory(plan.model, t.seq_len, 1, "full", t.compile, plan.bf16, plan.layout, qlora)
+    if needs(mem, plan.gpu) <= plan.capacity:
+        plan.warnings.append(f"QLoRA fits ({mem.peak / GIB:.1f} GiB peak): lora.quantize_base=nf4 with lora.rank="
+                             f"{lora.rank} train.activation_checkpointing=full train.batch_size=1 (the base's linear "
+                             f"layers in 4 bits; for an 8B model the preset cpt-8b-16gb: kiln plan cpt-8b-16gb --gpu "
+                             f"{plan.gpu.key})")
 
 
 def fit_more(plan: Plan, gpus: int, ac: str, lay: Layout) -> bool:

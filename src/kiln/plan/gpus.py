@@ -17,7 +17,7 @@ PEAK_FLOPS = {
     "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H200": 989e12, "H800": 989e12, "H20": 148e12,
     "B200": 2250e12, "B100": 1750e12, "GB200": 2500e12,
     "A100": 312e12, "A800": 312e12, "A10G": 70e12, "A10": 125e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12,
-    "RTX 4090": 165e12, "RTX 3090": 71e12, "MI300X": 1307e12, "MI250X": 383e12,
+    "RTX 4090": 165e12, "RTX 4080": 97.5e12, "RTX 3090": 71e12, "MI300X": 1307e12, "MI250X": 383e12,
 }
 
 GIB = 2**30
@@ -39,10 +39,11 @@ GPUS = {g.key: g for g in (
     Gpu("a100-40", "NVIDIA A100-SXM4-40GB", 40960 << 20, PEAK_FLOPS["A100"]),
     Gpu("l40s", "NVIDIA L40S", 46068 << 20, PEAK_FLOPS["L40S"]),
     Gpu("rtx4090", "NVIDIA GeForce RTX 4090", 24564 << 20, PEAK_FLOPS["RTX 4090"]),
+    Gpu("rtx4080", "NVIDIA GeForce RTX 4080", 16376 << 20, PEAK_FLOPS["RTX 4080"]),
     Gpu("rtx3090", "NVIDIA GeForce RTX 3090", 24576 << 20, PEAK_FLOPS["RTX 3090"]),
     Gpu("a10g", "NVIDIA A10G", 23028 << 20, PEAK_FLOPS["A10G"]),
 )}
-ALIASES = {"a100-80": "a100", "4090": "rtx4090", "3090": "rtx3090", "h100-80": "h100"}
+ALIASES = {"a100-80": "a100", "4090": "rtx4090", "4080": "rtx4080", "3090": "rtx3090", "h100-80": "h100"}
 
 
 def peak_for_name(name: str) -> float | None:

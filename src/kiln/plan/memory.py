@@ -68,6 +68,24 @@ class Lora:
     rank: int
     targets: tuple[str, ...]
     base_bytes: int = 2
+    nf4: bool = False  # QLoRA: the blocks' linear layers in NF4 (kiln.model.quant), the rest in base_bytes
+
+
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # kiln.model.quant.BYTES_PER_WEIGHT: 4-bit codes and their scales
+
+
+def block_linear_params(m: ModelConfig) -> int:
+    """Weights of the blocks' linear layers (q, k, v, o, gate, up, down): what NF4 quantizes."""
+    d, q, kv, h = m.d_model, m.n_heads * m.head_dim, m.kv_heads * m.head_dim, m.mlp_hidden
+    return m.n_layers * (2 * d * q + 2 * d * kv + (3 if m.mlp == "swiglu" else 2) * d * h)
+
+
+def base_bytes(m: ModelConfig, n: int, lora: Lora) -> int:
+    """Bytes of the frozen base: every weight in lora.base_bytes, or (QLoRA) the block linears in NF4."""
+    if not lora.nf4:
+        return lora.base_bytes * n
+    q = block_linear_params(m)
+    return int(NF4_BYTES * q) + lora.base_bytes * (n - q)
 
 
 def lora_params(m: ModelConfig, lora: Lora) -> int:
@@ -203,9 +221,11 @@ def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", comp
     if lora is not None:
         s, trained = max(1, layout.shard), lora_params(m, lora)
         _, grads, optim = state_bytes(trained, layout)
-        weights = 0 if layout.offload else -(-(lora.base_bytes * n + 4 * trained) // s)
+        weights = 0 if layout.offload else -(-(base_bytes(m, n, lora) + 4 * trained) // s)
         if lora.base_bytes == 2 and layout.strategy != "fsdp":
             compute = 0  # the base is already in the compute dtype
+        if lora.nf4:  # each NF4 layer dequantized to the compute dtype for its product: a block's at most
+            compute += 2 * block_linear_params(m) // m.n_layers
         if ac != "full":
             targets = 7 if "all" in lora.targets else len(lora.targets)
             acts += tokens * m.n_layers * e * lora.rank * targets
@@ -216,7 +236,7 @@ def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", comp
     if not compiled and layout.strategy != "fsdp":
         backward_end += compute  # eager: autocast's cache of bf16 copies lives until the autocast block ends
     peak, phase = max((forward_end, "forward"), (backward_end, "backward"))
-    state = 16 * n if lora is None else lora.base_bytes * n + 16 * lora_params(m, lora)
+    state = 16 * n if lora is None else base_bytes(m, n, lora) + 16 * lora_params(m, lora)
     host = -(-state // max(1, layout.shard)) if layout.offload else 0
     return Memory(weights, grads, optim, compute, acts, loss, back, peak, phase, host)
 

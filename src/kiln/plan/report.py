@@ -78,7 +78,8 @@ def render(plan: Plan, console: Console) -> None:
     table.add_column("GiB", justify="right")
     shard = f" (1/{plan.layout.shard})" if plan.layout.shard > 1 else ""
     where = " on the CPU" if plan.layout.offload else ""
-    kind = f"{plan.cfg.lora.base_dtype} base, fp32 adapters" if plan.lora else "fp32"
+    base = f"NF4 + {plan.cfg.lora.base_dtype}" if plan.lora and plan.lora.nf4 else plan.cfg.lora.base_dtype
+    kind = f"{base} base, fp32 adapters" if plan.lora else "fp32"
     trained = " of the adapters" if plan.lora else ""
     rows = [(f"weights, {kind}" + shard + where, mem.weights or mem.host * 4 // 16),
             (f"gradients{trained}, fp32" + shard + where, mem.grads or mem.host * 4 // 16),
