@@ -178,6 +178,45 @@ def test_lora_plans_an_8b_model_on_one_rtx4090():
     assert plan.checkpoint < 1e9  # the adapters only
 
 
+LLAMA3_8B = ["model.init_from=null", "model.size=8b", "model.vocab_size=128256"]
+
+
+def test_qlora_plans_an_8b_model_on_one_16gb_card_where_lora_does_not_fit():
+    from kiln.plan.estimate import LORA_SPEEDUP, QLORA_FACTOR
+    from kiln.plan.memory import NF4_BYTES, Lora, block_linear_params, lora_params
+
+    card = GPUS["rtx4080"]
+    lora = make_plan(load_config("cpt-8b-1gpu", LLAMA3_8B), 1, card)
+    assert not lora.fits
+    hint = next(w for w in lora.warnings if w.startswith("QLoRA fits"))
+    assert "lora.quantize_base=nf4" in hint and "kiln plan cpt-8b-16gb --gpu rtx4080" in hint
+    plan = make_plan(load_config("cpt-8b-16gb", LLAMA3_8B), 1, card)
+    n, q = plan.n_params, block_linear_params(plan.model)
+    trained = lora_params(plan.model, Lora(16, ("all",)))
+    assert 0.85 < q / n < 0.9  # the blocks' linear layers: 6.98B of Llama-3-8B's 8.03B
+    assert plan.fits and plan.memory.weights == int(NF4_BYTES * q) + 2 * (n - q) + 4 * trained
+    assert plan.memory.weights < 6 * 2**30 < 15 * 2**30 < lora.memory.weights  # 5.5 GiB against 15.1
+    assert plan.memory.peak < 12 * 2**30 and plan.max_batch >= 4
+    assert plan.tokens_per_s == pytest.approx(lora.tokens_per_s * QLORA_FACTOR)
+    assert LORA_SPEEDUP == pytest.approx(10390 / 9315, abs=0.01)  # benchmarks/results/cpt_8b.md, and the estimate
+    assert any("QLoRA rank 16" in note and "NF4" in note for note in plan.notes)
+
+
+def test_the_4gpu_preset_trains_batch_4_at_8192_with_the_checkpointing_that_fits_80gb():
+    cfg = load_config("cpt-8b-4gpu", LLAMA3_8B)
+    assert (cfg.train.batch_size, cfg.train.grad_accum, cfg.train.seq_len) == (4, 4, 8192)
+    plan = make_plan(cfg, 4, GPUS["h100"])
+    assert plan.fits and plan.tokens_per_step == 4 * 4 * 4 * 8192
+    by_ac = {o.ac: o for o in plan.options if o.strategy == "fsdp"}
+    assert by_ac["full"].fits and not by_ac["selective"].fits and not by_ac["none"].fits
+    # the preset's AC is the one that fits; with selective the plan says how to keep the batch
+    selective = make_plan(load_config("cpt-8b-4gpu", [*LLAMA3_8B, "train.activation_checkpointing=selective"]), 4,
+                          GPUS["h100"])
+    assert not selective.fits
+    assert any("keep train.batch_size=4 with train.activation_checkpointing=full" in w for w in selective.warnings)
+    assert any("train.batch_size=1 train.grad_accum=16" in w for w in selective.warnings)
+
+
 def test_auto_batch_is_planned_at_the_micro_batch_the_run_would_take():
     from kiln.plan.estimate import even_cut
     from kiln.plan.gpus import cpu_gpu
