@@ -114,6 +114,25 @@ def test_a_block_compiles_to_one_graph_with_the_same_numbers():
     torch.testing.assert_close(compiled(x, cos, sin, mask), block(x, cos, sin, mask), rtol=1e-5, atol=1e-6)
 
 
+@torch.no_grad()
+def test_qwen3_with_a_window_on_every_layer_keeps_it_both_ways():
+    """use_sliding_window with max_window_layers=0 (every layer windowed): imported with its window, the logits are
+    transformers', and the export writes the same window on every layer back."""
+    fields = dict(HF_ARCHS["qwen3"])
+    fields.pop("model_type")
+    config = transformers.AutoConfig.for_model("qwen3", **fields, use_sliding_window=True, sliding_window=8,
+                                               max_window_layers=0)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    kiln = kiln_of(hf)
+    assert kiln.cfg.sliding_window == 8
+    x = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(kiln(x), hf(input_ids=x).logits, rtol=0, atol=1e-5)
+    back = hf_config(kiln.cfg)
+    assert back.sliding_window == 8 and set(back.layer_types) == {"sliding_attention"}
+
+
 @pytest.mark.parametrize("family, change, said", [
     ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), "sliding window on some layers"),
     ("phi3", dict(rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8,
