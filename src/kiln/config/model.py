@@ -15,8 +15,9 @@ LAYER_KINDS = {"M": "Mamba-2", "*": "attention", "-": "MLP"}  # the characters o
 
 
 class RopeScaling(Section):
-    type: Literal["llama3", "linear"] = "llama3"
-    """'llama3' (Llama 3.1: low frequencies divided by factor, a smooth band between) or 'linear' (all of them)."""
+    type: Literal["llama3", "linear", "longrope"] = "llama3"
+    """'llama3' (Llama 3.1: low frequencies divided by factor, a smooth band between), 'linear' (all of them), or
+    'longrope' (Phi-3 128K, Phi-3.5, Phi-4-mini: each frequency divided by its own factor)."""
     factor: float = 8.0
     """How much longer the context is than the one the model was trained on."""
     low_freq_factor: float = 1.0
@@ -24,7 +25,18 @@ class RopeScaling(Section):
     high_freq_factor: float = 4.0
     """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are left as they are."""
     original_max_position_embeddings: int = 8192
-    """llama3: the context length the model was first trained with."""
+    """llama3, longrope: the context length the model was first trained with."""
+    short_factor: list[float] | None = None
+    """longrope: the divisor of each rotary frequency for sequences up to original_max_position_embeddings."""
+    long_factor: list[float] | None = None
+    """longrope: the divisor of each rotary frequency for longer sequences."""
+    attention_factor: float = 1.0
+    """longrope: the scale of the rotary tables (Phi-3: sqrt(1 + ln(factor) / ln(original_max_position_embeddings)))."""
+
+    def problems(self) -> list[Problem]:
+        if self.type == "longrope" and (self.short_factor is None or self.long_factor is None):
+            return [(("short_factor", "long_factor"), "rope_scaling.type=longrope needs short_factor and long_factor")]
+        return []
 
 
 class MambaConfig(Section):
@@ -180,6 +192,13 @@ class ModelConfig(Section):
         if self.moe is not None and any(i >= self.n_layers for i in self.moe.dense_layers):
             out.append((("moe", "n_layers"), f"model.moe.dense_layers={self.moe.dense_layers} names a layer beyond "
                                              f"the model's {self.n_layers}"))
+        s = self.rope_scaling
+        if s is not None and s.type == "longrope" and s.short_factor is not None and s.long_factor is not None:
+            half = int(self.head_dim * self.rotary_fraction) // 2
+            if len(s.short_factor) != half or len(s.long_factor) != half:
+                out.append((("rope_scaling",), f"rope_scaling.short_factor and long_factor need one factor per rotary "
+                                               f"frequency ({half}); they have {len(s.short_factor)} and "
+                                               f"{len(s.long_factor)}"))
         if self.fused_projections and self.mlp != "swiglu":
             out.append((("fused_projections", "mlp"), f"fused_projections fuses the gate and up projections of a "
                                                       f"swiglu MLP; mlp={self.mlp} has no gate"))

@@ -76,8 +76,8 @@ FAMILIES: list[Family] = [
         "FSDP": FSDP,
         "document masks": "tests/unit/model/test_qwen3_phi3.py::test_a_packed_document_gives_the_logits_it_gives_alone"
                           "[phi3]"},
-        note="qkv_proj and gate_up_proj kept fused (lora.targets qkv_proj, gate_up_proj); longrope (128K, Phi-3.5) "
-             "is refused: use hf_class=auto", featured=True),
+        note="qkv_proj and gate_up_proj kept fused (lora.targets qkv_proj, gate_up_proj); longrope (128K, Phi-3.5, "
+             "Phi-4-mini)", featured=True),
     Family("Nemotron", ("nemotron",), {**_matrix("nemotron"), "LoRA": f"{PEFT}[nemotron]"}, featured=True),
     Family("Mixtral", ("mixtral",), _matrix("mixtral", **{
         "LoRA": f"{MOE_LORA}[mixtral]", "FSDP": MOE_FSDP,

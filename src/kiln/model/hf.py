@@ -27,6 +27,7 @@ weights map one to one with no permutation. Only `hf_config` imports transformer
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -98,7 +99,7 @@ def _unsupported(cfg: ModelConfig, kind: str) -> list[str]:
                           rotary_fraction=1.0),
         "qwen3": dict(norm="rmsnorm", mlp="swiglu", attention_bias=("none", "qkv", "all"), mlp_bias=False,
                       rotary_fraction=1.0, qk_norm=True),
-        "phi3": dict(norm="rmsnorm", mlp="swiglu", attention_bias=("none",), mlp_bias=False, rope_scaling=None,
+        "phi3": dict(norm="rmsnorm", mlp="swiglu", attention_bias=("none",), mlp_bias=False,
                      fused_projections=True),
     }[kind]
     wants = {"fused_projections": False, **hf_gemma.PLAIN, **wants}  # Phi-3's own; Gemma's
@@ -108,6 +109,9 @@ def _unsupported(cfg: ModelConfig, kind: str) -> list[str]:
         ok = value in allowed if isinstance(allowed, tuple) else value == allowed
         if not ok:
             out.append(f"model.{key}={value}")
+    s = cfg.rope_scaling
+    if s is not None and (s.type == "longrope") != (kind == "phi3"):  # Phi-3's longrope alone, and only it
+        out.append(f"model.rope_scaling.type={s.type}")
     return out
 
 
@@ -116,6 +120,10 @@ def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
     s = cfg.rope_scaling
     if s is not None and s.type == "linear":
         rope.update(rope_type="linear", factor=s.factor)
+    elif s is not None and s.type == "longrope":
+        rope.update(rope_type="longrope", short_factor=s.short_factor, long_factor=s.long_factor, factor=s.factor,
+                    attention_factor=s.attention_factor,
+                    original_max_position_embeddings=s.original_max_position_embeddings)
     elif s is not None:
         rope.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
                     high_freq_factor=s.high_freq_factor,
@@ -156,6 +164,8 @@ def to_hf_config_dict(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
     if kind == "phi3":
         # Phi-3's default special ids (bos 1, eos and pad 32000) are its tokenizer's: none unless `extra` gives them
         out.update(sliding_window=cfg.sliding_window, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        if cfg.rope_scaling is not None:  # longrope: Phi-3 reads this key, not the one in rope_parameters
+            out["original_max_position_embeddings"] = cfg.rope_scaling.original_max_position_embeddings
     if kind in ("qwen3", "qwen3_moe"):
         out["attention_bias"] = cfg.attention_bias != "none"  # qwen3 with qkv: a zero o_proj bias
     out.update(hf_experts.moe_to_hf(cfg, kind))
@@ -183,7 +193,7 @@ def _hf_problems(hf: dict[str, Any], kind: str) -> list[str]:
         problems.append(f"hidden_act={act}")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3", "linear", None):
+    if rope_type not in ("default", "llama3", "linear", None) and not (kind == "phi3" and rope_type in LONGROPE):
         key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
         problems.append(f"{key}.rope_type={rope_type} (Kiln has default, linear and llama3)")
     problems += hf_experts.moe_hf_problems(hf, kind)
@@ -195,6 +205,21 @@ def _hf_problems(hf: dict[str, Any], kind: str) -> list[str]:
     if kind == "mistral" and hf.get("layer_types"):
         problems.append("layer_types (alternating attention)")
     return problems
+
+
+LONGROPE = ("longrope", "su", "yarn")  # Phi-3's names of it (transformers reads all three as longrope)
+
+
+def _longrope(hf: dict[str, Any], rope: dict[str, Any]) -> RopeScaling:
+    """Phi-3's longrope as transformers reads it: original_max_position_embeddings from config.json's top level
+    (Phi-3's default 4096), the attention factor from factor, else from the context's growth over it."""
+    old = hf.get("original_max_position_embeddings", 4096)
+    factor = rope.get("factor") or hf.get("max_position_embeddings", old) / old
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(old)) if factor > 1.0 else 1.0
+    return RopeScaling(type="longrope", factor=factor, original_max_position_embeddings=old,
+                       short_factor=rope["short_factor"], long_factor=rope["long_factor"], attention_factor=attention)
 
 
 def from_hf_config_dict(hf: dict[str, Any]) -> ModelConfig:
@@ -217,6 +242,8 @@ def from_hf_config_dict(hf: dict[str, Any]) -> ModelConfig:
     scaling = None
     if rope_type == "linear":
         scaling = RopeScaling(type="linear", factor=rope["factor"])
+    elif rope_type in LONGROPE and kind == "phi3":
+        scaling = _longrope(hf, rope)
     elif rope_type == "llama3":
         scaling = RopeScaling(type="llama3", factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
                               high_freq_factor=rope["high_freq_factor"],

@@ -86,12 +86,18 @@ def rotary_tables(head_dim: int, seq_len: int, theta: float, device=None,
                   scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables of shape (T, head_dim) in the half-rotation layout (head_dim: the rotated dims)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    if scaling is not None:
+    scale = 1.0
+    if scaling is not None and scaling.type == "longrope":  # Phi-3: the long factors for a longer sequence
+        long = seq_len > scaling.original_max_position_embeddings
+        factors = scaling.long_factor if long else scaling.short_factor
+        inv_freq = 1.0 / (torch.tensor(factors, device=device, dtype=torch.float32) * (1.0 / inv_freq))
+        scale = scaling.attention_factor
+    elif scaling is not None:
         inv_freq = scale_frequencies(inv_freq, scaling)
     t = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # (T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
-    return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -286,7 +292,7 @@ class Transformer(nn.Module):
         if cfg.moe is not None:  # the router losses of the training forwards, read by kiln.train.router_aux
             self.router_aux, self.router_z = moe.RouterAux(), moe.RouterAux()
         self.rot_dim = int(cfg.head_dim * cfg.rotary_fraction)  # dims of each head that rotary embeddings turn
-        for name, table in self.rope_tables(cfg.max_seq_len, self.embed_tokens.weight.device).items():
+        for name, table in self.rope_tables(self._table_len(), self.embed_tokens.weight.device).items():
             self.register_buffer(name, table, persistent=False)  # (max_seq_len, hd)
         if self.embed_tokens.weight.device.type != "meta":
             torch.random.set_rng_state(rng)
@@ -340,8 +346,16 @@ class Transformer(nn.Module):
         tables, which are not saved: after to_empty(), before weights are initialised or loaded."""
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        for name, table in self.rope_tables(self.cfg.max_seq_len, self.rope_cos.device).items():
+        for name, table in self.rope_tables(self._table_len(), self.rope_cos.device).items():
             getattr(self, name).copy_(table)
+
+    def _table_len(self) -> int:
+        """Rows of the kept rotary tables: max_seq_len; with longrope at most the short factors' reach (a longer
+        sequence takes the long factors, in tables made for it)."""
+        s = self.cfg.rope_scaling
+        if s is not None and s.type == "longrope":
+            return min(self.cfg.max_seq_len, s.original_max_position_embeddings)
+        return self.cfg.max_seq_len
 
     def _rotary(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary_tables(self.rot_dim, T, self.cfg.rope_theta, device, self.cfg.rope_scaling)
@@ -357,7 +371,7 @@ class Transformer(nn.Module):
         return out
 
     def _rope(self, T: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        if T > self.rope_cos.shape[0]:  # longer than max_seq_len: extend on the fly (generation only)
+        if T > self.rope_cos.shape[0]:  # longer than max_seq_len (generation), or longrope's long tables
             tables = self.rope_tables(T, self.rope_cos.device)
             return (tables["rope_local_cos"], tables["rope_local_sin"]) if local else (tables["rope_cos"],
                                                                                        tables["rope_sin"])

@@ -1,8 +1,11 @@
 """Qwen3 (q/k RMSNorm per head, a head_dim of its own) and Phi-3 (qkv_proj and gate_up_proj kept fused) on the
 native model: what makes each reaches the model, an export is transformers' own class with the same logits,
-packed documents stay apart, the blocks compile whole, and what Kiln lacks is refused with the key that asks it."""
+packed documents stay apart, the blocks compile whole, Qwen3's sliding window and Phi-3's longrope are
+transformers', and what Kiln lacks is refused with the key that asks it."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -133,11 +136,34 @@ def test_qwen3_with_a_window_on_every_layer_keeps_it_both_ways():
     assert back.sliding_window == 8 and set(back.layer_types) == {"sliding_attention"}
 
 
+@torch.no_grad()
+def test_phi3_longrope_takes_the_short_factors_up_to_its_original_context_and_the_long_ones_beyond(tmp_path):
+    """Phi-3 128K / Phi-3.5 / Phi-4-mini: transformers' logits on either side of original_max_position_embeddings
+    (16 here, of 64), the attention factor included; exported, the same longrope comes back."""
+    fields = dict(HF_ARCHS["phi3"])
+    fields.pop("model_type")
+    rope = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5, short_factor=[1.0, 1.1, 1.5, 2.0],
+                long_factor=[1.0, 2.0, 4.0, 8.0])
+    config = transformers.AutoConfig.for_model("phi3", **{**fields, "rope_parameters": rope,
+                                                          "original_max_position_embeddings": 16})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    kiln = kiln_of(hf)
+    s = kiln.cfg.rope_scaling
+    assert s.type == "longrope" and s.attention_factor == pytest.approx((1 + math.log(4) / math.log(16)) ** 0.5)
+    for T in (12, 40):  # short factors; long ones (T > 16)
+        x = torch.randint(0, 96, (2, T), generator=torch.Generator().manual_seed(T))
+        torch.testing.assert_close(kiln(x), hf(input_ids=x).logits, rtol=0, atol=1e-5)
+    assert from_hf_config_dict(hf_config(kiln.cfg).to_dict()).rope_scaling == s
+    with pytest.raises(StateError, match="LlamaForCausalLM cannot hold this model: .*model.rope_scaling.type=longrope"):
+        hf_model_type(kiln.cfg.model_copy(update={"fused_projections": False, "hf_model_type": "llama"}))
+
+
 @pytest.mark.parametrize("family, change, said", [
     ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), "sliding window on some layers"),
-    ("phi3", dict(rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8,
-                                       long_factor=[2.0] * 8, original_max_position_embeddings=32)),
-     "rope_parameters.rope_type=longrope"),
+    ("qwen3", dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                        original_max_position_embeddings=16)), "rope_parameters.rope_type=yarn"),
 ])
 def test_what_kiln_lacks_is_refused_with_the_key_that_asks_it(family, change, said, tmp_path):
     from kiln.model.hf_import import resolve_init_from
