@@ -284,6 +284,17 @@ class OptimizerOffload:
         if self.stream is not None:
             self.stream.synchronize()
 
+    def host_model(self, mcfg) -> nn.Module:
+        """The model with the fp32 master weights, on the CPU and sharing their memory (what model/ is written from,
+        as a plain run writes its fp32 weights); `mcfg` is the native model's config. Its rope tables are not
+        built: it is for its state dict."""
+        from kiln.model.llama import Transformer
+
+        with torch.device("meta"):
+            plain = Transformer(mcfg)
+        plain.load_state_dict(MasterWeights(self).state_dict(), assign=True)
+        return plain
+
     def parts(self) -> dict[str, Any]:
         """The checkpoint parts this offload replaces: "model" (fp32 masters) and "optim" (AdamW's moments)."""
         return {"model": MasterWeights(self), "optim": HostOptimizerState(self)}

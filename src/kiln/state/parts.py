@@ -121,6 +121,12 @@ class RNGState:
         set_rng_state(state)
 
 
+def model_part(trainer) -> Stateful:
+    """The "model" part of a `Trainer`: its weights, or an offloaded optimizer's fp32 masters."""
+    offload = getattr(trainer, "offload", None)
+    return offload.parts()["model"] if offload is not None else ModelState(trainer.model)
+
+
 def trainer_parts(trainer) -> dict[str, Stateful]:
     """The state of a `Trainer`, under the fixed keys (an offloaded optimizer's model and optim parts are its own:
     kiln.parallel.offload)."""

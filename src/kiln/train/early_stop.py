@@ -94,10 +94,10 @@ class EarlyStop(Callback):
 
     def _keep(self, trainer, step: int) -> None:
         from kiln.state import staging
-        from kiln.state.parts import ModelState
+        from kiln.state.parts import model_part
 
         self._stager = self._stager or staging.CpuStaging()
-        self._stager, _ = staging.stage(self._stager, ModelState(trainer.model).state_dict(),
+        self._stager, _ = staging.stage(self._stager, model_part(trainer).state_dict(),
                                         self.log or (lambda m: None))
         self.kept = step
 
@@ -108,11 +108,11 @@ class EarlyStop(Callback):
         if not (self.restore_best and (trainer.stop_reason or "").startswith("early stop")) \
                 or self.best_step is None or self.best_step == trainer.step:
             return None
-        from kiln.state.parts import ModelState
+        from kiln.state.parts import model_part
         from kiln.state.staging import clone_tree
 
         if self.kept == self.best_step and self._stager is not None:
-            ModelState(trainer.model).load_state_dict(clone_tree(self._stager.buffers))
+            model_part(trainer).load_state_dict(clone_tree(self._stager.buffers))
             return self.best_step
         saved = [p for p in checkpoints(checkpointer.run_dir) if step_of(p) == self.best_step]
         if not saved:

@@ -354,7 +354,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         console.print(f"this run has finished (step {trainer.step}) but its model was not saved: writing it now")
         model = full_model(model, cfg, mesh) if mesh.distributed else model
         if model is not None:
-            _save_final(model, cfg, tok, run_dir, console)
+            _save_final(_saved_model(trainer, model), cfg, tok, run_dir, console)
         return run_dir
     if auto is not None and mesh.rank == 0:  # after the resume: metrics.jsonl keeps the records up to its step
         trainer.notice("auto_batch", **auto)
@@ -400,7 +400,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     if keep_model:
         console.print(f"model/ is kept as it was saved: no step was trained since (step {trainer.step})",
                       highlight=False)
-    elif cfg.checkpoint.save_final and not _save_final(model, cfg, tok, run_dir, console):
+    elif cfg.checkpoint.save_final and not _save_final(_saved_model(trainer, model), cfg, tok, run_dir, console):
         return run_dir  # a signal came during the save: stop here, as it asked
     if tcfg.sample_tokens:
         stops.during, stops.then = "while sampling", "training and the model save are complete"
@@ -416,6 +416,12 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
                       f"{shlex.quote(str(run_dir))} --prompt {shlex.quote(tcfg.sample_prompt)}", markup=False,
                       highlight=False)
     return run_dir
+
+
+def _saved_model(trainer: Trainer, model):
+    """What model/ is written from: the model, or with train.offload its fp32 master weights (kiln.parallel.offload)
+    rather than the device's bf16 copies."""
+    return model if trainer.offload is None else trainer.offload.host_model(trainer.cfg.model)
 
 
 def _save_final(model, cfg: RunConfig, tok, run_dir: Path, console: Console) -> bool:

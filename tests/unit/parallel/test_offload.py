@@ -193,3 +193,34 @@ def test_bf16_device_weights_train_as_the_plain_paths_autocast(corpus):
         out[mode] = [r["loss"] for r in train_records(corpus / f"bf16-{mode}").values()]
     assert len(out["none"]) == 8 and out["optimizer"] != out["none"]
     assert out["optimizer"] == pytest.approx(out["none"], rel=1e-3)
+
+
+def test_model_dir_holds_the_fp32_masters_not_the_devices_bf16_copies(corpus):
+    """model/ is written from the fp32 master weights, as a plain run writes its fp32 weights: under bf16 the
+    device's copies would have lost 16 bits of every weight."""
+    from safetensors.torch import load_file
+
+    run(load_config(None, args(corpus, "saved", "train.precision=bf16", "train.offload=optimizer", "train.max_steps=3",
+                               "checkpoint.save_final=true")), console=quiet())
+    weights = load_file(str(corpus / "saved" / "model" / "model.safetensors"))
+    assert weights and all(t.dtype == torch.float32 for t in weights.values())
+    big = max(weights.values(), key=torch.Tensor.numel)
+    assert not torch.equal(big, big.bfloat16().float())  # not bf16 values
+
+
+def test_an_early_stop_restores_the_best_masters_into_model_dir_as_the_plain_path_does(corpus):
+    """train.early_stop.restore_best keeps the best evaluation's weights in host memory and writes them to model/:
+    with offload those are the fp32 masters (its copy on the device would be bf16 under bf16, and the masters would
+    stay those of the last step). The same model/ as the plain path, bit for bit."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for mode in ("none", "optimizer"):
+        name = f"early-{mode}"
+        run(load_config(None, args(corpus, name, f"train.offload={mode}", "train.eval_every=2",
+                                   "train.early_stop.patience=1", "train.early_stop.min_delta=10",
+                                   "checkpoint.save_final=true")), console=quiet())
+        out[mode] = load_file(str(corpus / name / "model" / "model.safetensors"))
+        assert max(train_records(corpus / name)) == 2  # stopped at step 2: the evaluation before step 1 is the best
+    assert out["none"].keys() == out["optimizer"].keys()
+    assert all(torch.equal(out["none"][k], out["optimizer"][k]) for k in out["none"])
