@@ -77,14 +77,16 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
             to_end = to_end * (d == d[:, :, -1:])[..., None, None]
         states = torch.einsum("bclgrp,bclgn->bcgrpn", xdt * to_end[..., None], Bc.float())  # (b, c, G, R, P, N)
 
-        # 3. the state at each chunk's end: every earlier chunk's contribution, decayed across the chunks between
+        # 3. the state each chunk starts with (the one the chunk before ends with): every earlier chunk's
+        # contribution, decayed across the chunks between
         totals = cum[:, :, -1].permute(0, 2, 3, 1)  # (b, G, R, c): each chunk's whole log decay
-        across = segment_sums(totals)  # (b, G, R, c, z)
+        across = segment_sums(totals)  # (b, G, R, c, z): from the end of chunk z to the end of chunk c
         if d is not None:
             ends = d[:, :, -1]  # (b, c)
             across = across.masked_fill(~(ends[:, :, None] == ends[:, None, :])[:, None, None], float("-inf"))
-        at_end = torch.einsum("bgrcz,bzgrpn->bcgrpn", torch.exp(across), states)
-        start = torch.cat([torch.zeros_like(at_end[:, :1]), at_end[:, :-1]], dim=1)  # each chunk's starting state
+        # row c - 1 for chunk c (shifted on this small matrix, not on the states); the first chunk starts from zero
+        across = F.pad(across[..., :-1, :], (0, 0, 1, 0), value=float("-inf"))
+        start = torch.einsum("bgrcz,bzgrpn->bcgrpn", torch.exp(across), states)  # (b, c, G, R, P, N)
 
         # 4. each position reads its chunk's starting state through C, decayed from the chunk's start
         from_start = torch.exp(cum)  # (b, c, L, G, R)
