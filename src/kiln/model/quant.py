@@ -35,7 +35,10 @@ BLOCK = 64  # weights per quantization block (QLoRA's, bitsandbytes' and torchao
 SCALER_BLOCK = 256  # quantized scales per block of the second quantization
 # the linear layers of a block that are quantized: every one (by their module path inside a block)
 LAYERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+          # a hybrid model's layer (Nemotron-H): its mixer's, Mamba-2's projections included
+          "mixer.q_proj", "mixer.k_proj", "mixer.v_proj", "mixer.o_proj", "mixer.gate_proj", "mixer.up_proj",
+          "mixer.down_proj", "mixer.in_proj", "mixer.out_proj")
 BYTES_PER_WEIGHT = 0.5 + 1 / BLOCK + 4 / (BLOCK * SCALER_BLOCK)  # codes, int8 scales, a fp32 factor per 256
 
 

@@ -67,6 +67,23 @@ def test_every_block_linear_is_quantized_and_frozen_adapters_train_on_it():
     assert training_bytes(model) == int(n_nf4 * BYTES_PER_WEIGHT + 16 * adapters + 2 * rest)
 
 
+def test_a_hybrid_models_mixers_are_quantized_and_adapters_on_mamba_train():
+    cfg = ModelConfig(vocab_size=96, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=128, mlp="relu2",
+                      layer_pattern="M*-", mamba=dict(head_dim=16, state=8, groups=2, chunk=8))
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    for i, block in enumerate(model.layers):
+        quantize_block(block, torch.bfloat16, f"layers.{i}")
+    apply_lora(model, LoraConfig(rank=4, targets=["in_proj", "out_proj", "q"], quantize_base="nf4"))
+    nf4 = {n for n, p in model.named_parameters() if is_nf4(p)}
+    assert nf4 == {f"layers.{i}.mixer.{p}.weight" for i, names in enumerate(
+        [("in_proj", "out_proj"), ("q_proj", "k_proj", "v_proj", "o_proj"), ("up_proj", "down_proj")]) for p in names}
+    x = torch.randint(0, 96, (2, 16))
+    model(x, x).backward()
+    assert {n for n, p in model.named_parameters() if p.grad is not None} == {
+        n for n, _ in model.named_parameters() if ".lora_" in n}
+
+
 def test_a_layer_of_no_whole_block_is_a_config_error_naming_it():
     block = nn.Module()
     block.self_attn = nn.Module()
