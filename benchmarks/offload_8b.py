@@ -119,6 +119,7 @@ def side_kiln(args, base: Path, root: Path) -> dict:
     from rich.console import Console
 
     from kiln.config import load_config
+    from kiln.events import Callback
     from kiln.train.run import run
 
     s = settings(args)
@@ -133,8 +134,23 @@ def side_kiln(args, base: Path, root: Path) -> dict:
     if args.device == "cpu":
         over += ["train.device=cpu", "train.precision=fp32", "train.compile=false"]
     cfg = load_config("cpt-8b-24gb", over + list(args.set))
+    host: dict = {}
+
+    class HostTimes(Callback):  # where the host's time per step goes (kiln.parallel.offload)
+        def on_step_end(self, trainer, metrics):
+            if trainer.offload is not None and trainer.step == args.warmup:
+                host["from"] = (dict(trainer.offload.seconds), trainer.offload.steps)
+
+        def on_train_end(self, trainer, final):
+            o = trainer.offload
+            if o is not None:
+                (before, n) = host.get("from", ({"sums": 0.0, "step": 0.0}, 0))
+                steps = max(1, o.steps - n)
+                host.update(sums_wait_s=(o.seconds["sums"] - before["sums"]) / steps,
+                            host_step_s=(o.seconds["step"] - before["step"]) / steps)
+
     t0 = time.perf_counter()
-    run(cfg, Console(quiet=True), resume="never")
+    run(cfg, Console(quiet=True), resume="never", callbacks=[HostTimes()])
     wall = time.perf_counter() - t0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r.get("event") == "train"]
@@ -144,7 +160,8 @@ def side_kiln(args, base: Path, root: Path) -> dict:
             "step_s": cfg.train.step_rows(1) * cfg.train.seq_len / tps,
             "peak_gib": max([peak_gib(), *(r.get("peak_mem_gib") or 0.0 for r in rows)]),
             "host_gb": host_peak_gb(), "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
-            "wall_s": round(wall, 1), **s}
+            "wall_s": round(wall, 1), "sums_wait_s": host.get("sums_wait_s"), "host_step_s": host.get("host_step_s"),
+            **s}
 
 
 def deepspeed_config(s: dict) -> dict:
@@ -275,6 +292,11 @@ def main() -> None:
             results.append(run_side(args, "hf", base, root))
     print(json.dumps(info))
     kiln = results[0].get("tokens_per_s")
+    k = results[0]
+    if k.get("host_step_s") is not None:
+        print(f"Kiln's host, per step after the warm-up: {k['sums_wait_s']:.2f} s waiting for the last gradients to "
+              f"be summed after the backward pass, {k['host_step_s']:.2f} s of step (norm, clipping, AdamW, copies "
+              f"back), of {k['step_s']:.2f} s a step")
     print(table(results, [("run", "name"), ("tokens/s", "tokens_per_s", ",.0f"), ("step s", "step_s", ".1f"),
                           ("peak GPU GiB", "peak_gib", ".1f"), ("host peak GB", "host_gb", ".1f"),
                           ("Kiln", lambda r: kiln / r["tokens_per_s"] if kiln and r.get("tokens_per_s") else None,

@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from typing import Any
 
 import torch
@@ -169,6 +170,9 @@ class OptimizerOffload:
         self._thread = threading.Thread(target=self._sum_gradients, name="kiln-offload-sum", daemon=True)
         self._thread.start()
         self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready) for p in self.params]
+        # where a step's host time goes, summed over `steps` steps: waiting after the backward pass for the last
+        # gradients to be summed, and the step itself (norm, clipping, AdamW, copies back issued)
+        self.seconds, self.steps = {"sums": 0.0, "step": 0.0}, 0
 
     # the backward pass: each gradient to the host as soon as it is complete
     def _gradient_ready(self, p: torch.Tensor) -> None:
@@ -239,7 +243,9 @@ class OptimizerOffload:
     @torch.no_grad()
     def step(self, max_norm: float) -> torch.Tensor:
         """Clip the step's summed gradients to `max_norm` (inf: only measure) and step. Returns the norm."""
+        t0 = time.perf_counter()
         self.wait()
+        t1 = time.perf_counter()
         have = [i for i, s in enumerate(self.summed) if s]  # a parameter the step did not use has no gradient
         for i in have:
             self.masters[i].grad = self.sums[i]
@@ -262,6 +268,9 @@ class OptimizerOffload:
         self.summed = [False] * len(self.params)
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)  # the next forward pass waits for them
+        self.seconds["sums"] += t1 - t0
+        self.seconds["step"] += time.perf_counter() - t1
+        self.steps += 1
         return norm
 
     def _send(self, indices: list[int]) -> None:
