@@ -146,9 +146,11 @@ class SparseMoE(nn.Module):
         counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, chosen, torch.ones_like(chosen))  # static shapes: no bincount, no host sync
         offs = counts.cumsum(0).to(torch.int32)
-        rows = self.experts(flat[token], offs)  # (N k, d)
-        rows = rows * weights.reshape(-1)[order, None].to(rows.dtype)
-        out = torch.zeros_like(flat, dtype=rows.dtype).index_add_(0, token, rows).to(x.dtype)
+        rows = self.experts(flat[token], offs)  # (N k, d), sorted by expert
+        # back in (token, choice) order, then each token's k rows weighted and summed in fp32: no atomic adds
+        # (deterministic), and a compiled block fuses the cast, product and sum
+        rows = torch.empty_like(rows).index_copy_(0, order, rows).view(-1, self.top_k, d)  # (N, k, d)
+        out = (rows.float() * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)  # (N, d)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.reshape(B, T, d), router_stats(logits, probs, counts)
