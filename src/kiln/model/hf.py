@@ -16,10 +16,10 @@ These architectures map onto the native model (`kiln.model.llama.Transformer`):
     gemma2      Gemma2ForCausalLM     Gemma's options (sandwich norms, soft-caps, local/global layers): hf_gemma
     gemma3_text Gemma3ForCausalLM     the same with q/k norms and a local rotary base: kiln.model.hf_gemma
 
-A model trained from scratch exports as the first of Llama, Mistral, Nemotron and Qwen2 that holds it (q/k/v
-biases as Llama's attention biases with a zero o_proj bias: transformers would load a Qwen2 directory's
-tokenizer as its own Qwen2Tokenizer, not the tokenizer.json Kiln trained); a shape none holds is said before
-training (`export_problem`).
+A model trained from scratch exports as the first of FROM_SCRATCH that holds it (Qwen3 for q/k norms, Phi-3 for
+fused projections; q/k/v biases as Llama's attention biases with a zero o_proj bias: transformers would load a
+Qwen2 directory's tokenizer as its own Qwen2Tokenizer, not the tokenizer.json Kiln trained); a shape none holds
+is said before training (`export_problem`).
 
 Kiln's modules carry HF's names without the `model.` prefix and use the same rotary layout, so the
 weights map one to one with no permutation. Only `hf_config` imports transformers (an optional extra).
