@@ -32,6 +32,10 @@ ARCHS = {
     "qwen2": dict(attention_bias="qkv", rope_theta=1e6, hf_model_type="qwen2"),
     "qkv": dict(attention_bias="qkv", mlp_bias=True),  # from scratch: Llama, with a zero o_proj bias
     "nemotron": dict(mlp="relu2", norm="layernorm1p", rotary_fraction=0.5, attention_bias="all", tie_embeddings=False),
+    "qwen3": dict(qk_norm=True, head_size=32),  # from scratch: q/k norms are Qwen3's
+    "phi3": dict(fused_projections=True, sliding_window=8, rope_scaling=RopeScaling(
+        type="longrope", original_max_position_embeddings=32, factor=2.0, attention_factor=1.1,
+        short_factor=[1.0] * 8, long_factor=[1.5] * 8)),  # Phi-3's layout and longrope
 }
 
 
