@@ -43,7 +43,9 @@ def test_compiled_layers_give_the_eager_loss_and_gradients_in_fp32():
         loss.backward()
         out[compiled] = loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
         if compiled:
-            assert compiled_graph_count() - before <= 6  # the three layer kinds, the final norm, the loss kernel
+            # one graph per layer kind (3), the final norm, the loss kernel, the block-mask builder: a graph per
+            # layer (a recompile for each of the 6) would make 9 or more
+            assert compiled_graph_count() - before <= 8
     assert abs(out[True][0] - out[False][0]) < 1e-4
     for name, g in out[False][1].items():
         torch.testing.assert_close(out[True][1][name], g, rtol=1e-3, atol=1e-5, msg=name)
