@@ -23,8 +23,9 @@ of 21504, Mamba-2 128 heads of 64 channels, state 128, 8 groups, conv 4, chunk 1
     causal-conv1d, whose kernels it would use, are not installed, as on the GPU machine Kiln is measured on.
 (c) Kiln `model.hf_class=auto`: the same loop on transformers' NemotronHForCausalLM (model.init_from: the native
     model's random weights written in the Hugging Face layout, bf16, by Kiln's export), compiled per block,
-    FSDP2 per block; with document masks it runs each packed document as its own sequence (its Mamba layers
-    would otherwise carry their state across documents).
+    FSDP2 per block, without document masks (the HF Trainer's work: one causal sequence a row); --auto-doc-mask
+    turns them on, and it then runs each packed document as its own sequence (its Mamba layers would otherwise
+    carry their state across documents).
 
 tokens/s per GPU and MFU are medians over the steps after --warmup; every MFU uses Kiln's FLOPs per token
 (kiln.model.registry.flops_per_token: 6 N, attention's 12 q T per attention layer, the scan's chunked products)
@@ -171,7 +172,7 @@ def native_command(args, s: dict, run_dir: Path) -> list[str]:
 
 def auto_command(args, model_dir: Path, run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "kiln.cli", "train", f"model.init_from={model_dir}", "model.hf_class=auto",
-            *common_flags(args, run_dir)]
+            f"data.document_mask={str(args.auto_doc_mask).lower()}", *common_flags(args, run_dir)]
 
 
 def kiln_result(job: Job, run_dir: Path, args) -> dict:
@@ -285,6 +286,8 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="Kiln without torch.compile")
     ap.add_argument("--sides", default="native,hf,auto", help="which to run, of native, hf, auto (the auto side takes "
                     "the tokenizer the native side trained into --cache-dir, else trains one)")
+    ap.add_argument("--auto-doc-mask", action="store_true", help="the auto side with document masks (each document "
+                    "its own sequence), as the native side has them")
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "kiln-bench-cache"))
     ap.add_argument("--set", action="append", default=[], help="extra Kiln KEY=VALUE override, both Kiln sides")
     ap.add_argument("--json", default=None)
@@ -334,7 +337,10 @@ def main() -> None:
              f"layers {s['pattern']}), {args.nproc} x {card}, seq {args.seq}, batch 1/GPU, AC {args.ac}, {args.steps} "
              f"steps (median after {args.warmup})", "", *table(results),
              "\nThe HF Trainer and the auto path run transformers' PyTorch Mamba-2 path (mamba-ssm and causal-conv1d "
-             "are not installed); Kiln native its own chunked scan, compiled per block."]
+             "are not installed); Kiln native its own chunked scan, compiled per block. Kiln native keeps the packed "
+             "documents apart (attention masks; the convolution and scan restarted at each document); the HF "
+             "Trainer trains on random ids without masks, and the auto side "
+             + ("with them (each document its own sequence)." if args.auto_doc_mask else "without them.")]
     for name, r in results.items():
         if "error" in r:
             lines.append(f"\n{name} failed: `{r['error'][-400:]!r}`")
