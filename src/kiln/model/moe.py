@@ -12,7 +12,7 @@ The tokens are sorted by expert and each projection is one grouped matrix produc
 (`grouped_mm`: `torch._grouped_mm` on a Hopper GPU in bf16; elsewhere a loop over the experts' row ranges,
 the same products), so there is no Python loop over experts on the GPU and no host sync: it compiles whole.
 
-The layer returns its output and its routing statistics (`RouterStats`): each expert's count of top-k
+The layer returns its output and its routing statistics (`router_stats`): each expert's count of top-k
 assignments, the sum of its router probabilities, and the sum of the squared log-sum-exp of the logits. The
 model sums them over its layers into the load-balancing loss of transformers' `load_balancing_loss_func`
 (counts and probabilities over every layer's tokens together) and the router z-loss (`router_losses`).
