@@ -12,16 +12,17 @@ SDPA kernel that takes one, are what made packed rows slow on this path.
 
 A sliding window (Mistral, Gemma 3's local layers, ...) joins the mask: a model whose config names one gets
 {None: the full layers' mask, window: the windowed layers'} and each layer picks by the `sliding_window` its
-attention passes. A model whose attention is not plain causal dot-product attention (logit soft-capping,
-attention sinks, ALiBi, attention dropout, ...) or whose layers do not pass the keyword on keeps its own:
-`install` checks the structure, then runs a packed row of two documents through both (`probe`, with any
-sliding window shortened below the documents' length) and keeps Kiln's only where the logits agree.
+attention passes. Soft-capped scores (Gemma 2) run as the native model runs them (flex attention with a score
+modifier on CUDA, eager attention elsewhere: kiln.model.masks). A model whose attention is not causal
+dot-product attention (attention sinks, ALiBi, attention dropout, ...) or whose layers do not pass the keyword
+on keeps its own: `install` checks the structure, then runs a packed row of two documents through both
+(`probe`, with any sliding window shortened below the documents' length) and keeps Kiln's only where the
+logits agree.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kiln.model import masks
@@ -30,7 +31,6 @@ NAME = "kiln"  # the name in transformers' attention registry
 MASK_KEY = "kiln_mask"  # the keyword that carries the mask from HFCausalLM.forward to every layer
 PROBE_WINDOW = 3  # the sliding window a model's check runs with (shorter than the check's documents)
 _DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
-_CAP_KEYS = ("attn_logit_softcapping", "attention_logit_softcapping")
 
 
 class NotPlain(RuntimeError):
@@ -45,9 +45,8 @@ def kiln_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
     name = type(module).__name__
     if MASK_KEY not in kwargs:  # HFCausalLM always passes it: a layer that does not hand its keywords on
         raise NotPlain(f"{name} does not hand the model's keywords on to its attention function")
-    for arg in ("softcap", "s_aux"):
-        if kwargs.get(arg) is not None:
-            raise NotPlain(f"{name} asks for {arg}")
+    if kwargs.get("s_aux") is not None:
+        raise NotPlain(f"{name} asks for attention sinks")
     window = kwargs.get("sliding_window")
     if window is not None and not isinstance(kwargs[MASK_KEY], dict) and window < key.shape[2]:
         raise NotPlain(f"{name} asks for a sliding window of {window} its config does not name")
@@ -61,24 +60,8 @@ def kiln_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
             raise NotPlain(f"{name} asks for a sliding window of {window}, not its config's")
         mask = mask[window]
     dtype = value.dtype  # rotary embeddings in fp32 promote q and k: attend in the values' (autocast) dtype
-    q, k = query.to(dtype), key.to(dtype)
-    gqa = k.shape[1] != q.shape[1]
-    if mask is None:
-        y = F.scaled_dot_product_attention(q, k, value, is_causal=True, scale=scaling, enable_gqa=gqa)
-    elif isinstance(mask, torch.Tensor):
-        y = F.scaled_dot_product_attention(q, k, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-    else:  # a flex-attention block mask (CUDA)
-        y = _flex(q, k, value, mask, scaling, gqa)
+    y = masks.attend(query.to(dtype), key.to(dtype), value, mask, scale=scaling, cap=kwargs.get("softcap"))
     return y.transpose(1, 2), None  # (B, T, H, hd)
-
-
-def _flex(q, k, v, mask, scale, gqa):
-    tiles = masks._tiles(q)
-    if torch.compiler.is_compiling():  # inside a compiled block: traced into its graph
-        from torch.nn.attention.flex_attention import flex_attention
-
-        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, kernel_options=tiles)
-    return masks._flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, kernel_options=tiles)
 
 
 def register() -> None:
@@ -102,12 +85,20 @@ def sliding_window(model: nn.Module) -> int | None:
     return window if getattr(config, "use_sliding_window", True) is not False else None
 
 
-def layer_masks(doc_ids: torch.Tensor | None, device: torch.device, T: int, window: int | None):
+def capped(model: nn.Module) -> bool:
+    """Whether the model soft-caps its attention scores (Gemma 2): then every layer needs a mask."""
+    return bool(getattr(text_config(model), "attn_logit_softcapping", None))
+
+
+def layer_masks(doc_ids: torch.Tensor | None, device: torch.device, T: int, window: int | None,
+                always: bool = False):
     """What HFCausalLM hands every layer as `kiln_mask`: the mask (kiln.model.masks.doc_mask) of rows of T
     positions with documents `doc_ids` (None: one each), or with a sliding window {None: that of the full
-    attention layers, window: that of the windowed ones}."""
-    full = masks.doc_mask(doc_ids, device, T=T)
-    return full if window is None else {None: full, window: masks.doc_mask(doc_ids, device, window, T)}
+    attention layers, window: that of the windowed ones}; `always`: a mask even for plain causal attention."""
+    full = masks.doc_mask(doc_ids, device, T=T, always=always)
+    if window is None:
+        return full
+    return {None: full, window: masks.doc_mask(doc_ids, device, window, T, always=always)}
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -118,9 +109,6 @@ def unsupported(model: nn.Module) -> str | None:
         return "its config names no attention implementation"
     if getattr(config, "is_causal", True) is False:
         return "its attention is not causal"
-    for key in _CAP_KEYS:
-        if getattr(config, key, None):
-            return f"attention logit soft-capping ({key})"
     for key in _DROPOUT_KEYS:
         if (getattr(config, key, 0) or 0) > 0:
             return f"attention dropout ({key})"
@@ -193,7 +181,7 @@ def _compare(model: nn.Module, own: str, split_documents: bool, window: int | No
         rows = torch.cat([a, b], 1)
         docs = torch.tensor([[0] * 7 + [1] * 5], device=device)
         pos, parts = doc_positions(docs), [a, b]
-    mask = layer_masks(docs, device, rows.shape[1], window)
+    mask = layer_masks(docs, device, rows.shape[1], window, capped(model))
     got = model(input_ids=rows, position_ids=pos, use_cache=False, **{MASK_KEY: mask}).logits.float()
     model.set_attn_implementation(own)
     try:

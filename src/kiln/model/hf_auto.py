@@ -42,10 +42,10 @@ from kiln.config import LoraConfig, ModelConfig
 from kiln.errors import ConfigError, StateError
 from kiln.files import default_mode
 from kiln.model import loss
-from kiln.model.hf_attention import MASK_KEY, layer_masks, sliding_window
+from kiln.model.hf_attention import MASK_KEY, capped, layer_masks, sliding_window
 from kiln.model.hf_attention import install as install_attention
 from kiln.model.hf_blocks import decoder_layers, transformers_module
-from kiln.model.hf_head import decoder_of, plain_head
+from kiln.model.hf_head import decoder_of, logit_cap, plain_head
 from kiln.model.hf_moe import RouterAux, router_aux_coef
 from kiln.model.hf_packing import doc_positions, merge_documents, recurrent_layers, split_documents
 from kiln.model.hf_precision import match_native
@@ -202,7 +202,9 @@ class HFCausalLM(nn.Module):
         # the native model's attention, loss and precision where the model allows: each is None, or why not
         self.own_attention = install_attention(self.base, self.split_documents)
         self.window = sliding_window(self.base) if self.own_attention is None else None  # its layers' masks
+        self.capped = self.own_attention is None and capped(self.base)  # soft-capped scores: a mask on every layer
         self.own_head = plain_head(self.base, None if self.own_attention else self._mask_argument)
+        self.logit_cap = logit_cap(self.base)  # Gemma 2 and 3: the chunked loss soft-caps its logits
         self._hooks = match_native(self.decoder) if self.decoder is not None else []
 
     @property
@@ -220,7 +222,7 @@ class HFCausalLM(nn.Module):
 
     def _mask_argument(self, T: int, device: torch.device) -> dict[str, Any]:
         """Kiln's attention's mask keyword for rows of T positions, one document each."""
-        return {MASK_KEY: layer_masks(None, device, T, self.window)}
+        return {MASK_KEY: layer_masks(None, device, T, self.window, self.capped)}
 
     @property
     def decoder(self) -> nn.Module | None:
@@ -237,7 +239,8 @@ class HFCausalLM(nn.Module):
         """Where this model runs as the native one does and where not (the run's model line)."""
         parts = ["attention: " + ("Kiln's (SDPA; flex document masks on CUDA)" if self.own_attention is None
                                   else f"the model's own ({self.own_attention})"),
-                 "loss: " + ("chunked on the hidden states" if self.own_head is None
+                 "loss: " + ("chunked on the hidden states" + (", soft-capped" if self.logit_cap else "")
+                             if self.own_head is None
                              else f"on the full logits ({self.own_head})")]
         return "; ".join(parts)
 
@@ -259,12 +262,14 @@ class HFCausalLM(nn.Module):
                 doc_ids = doc_ids.to(tokens.device)
                 kwargs["position_ids"] = doc_positions(doc_ids)
         if self.own_attention is None:  # built once, for every layer (None: plain causal attention)
-            kwargs[MASK_KEY] = layer_masks(doc_ids, tokens.device, kwargs["input_ids"].shape[1], self.window)
+            kwargs[MASK_KEY] = layer_masks(doc_ids, tokens.device, kwargs["input_ids"].shape[1], self.window,
+                                           self.capped)
         if targets is not None and self.own_head is None and not aux:  # never the whole batch's logits
             h = self.decoder(**kwargs).last_hidden_state  # (B, T, d) or (N, L, d)
             if split:
                 h = merge_documents(h, seg, pos)
-            return loss.linear_cross_entropy(h, self.base.get_output_embeddings().weight, targets)
+            return loss.linear_cross_entropy(h, self.base.get_output_embeddings().weight, targets,
+                                             softcap=self.logit_cap)
         out = self.hf(**kwargs)
         logits = merge_documents(out.logits, seg, pos) if split else out.logits  # (B, T, V)
         if targets is None:

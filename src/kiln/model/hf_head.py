@@ -5,8 +5,9 @@ calls the decoder for the hidden states and gives them, with the head's weight, 
 cross-entropy (kiln.model.loss.linear_cross_entropy), which never holds the whole batch's logits (a 1b model's
 (B*T, V) fp32 logits and their gradient are several GiB at 16K tokens a step). `plain_head` says whether a
 model is such a model: its head a bias-free `nn.Linear`, its config free of the logit changes some models
-make (soft-capping, scaling), and a short input's logits equal to the head applied to the decoder's output.
-Any other model computes its loss on its own full logits, as before.
+make (scaling), and a short input's logits equal to the head applied to the decoder's output. Logits
+soft-capped by `final_logit_softcapping` (Gemma 2 and 3) are capped inside the chunked loss, as the native
+model caps them (`logit_cap`). Any other model computes its loss on its own full logits.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from kiln.model.softcap import softcap
+
 # config fields of models whose logits are not the head's output alone (set to a value that changes them)
-_LOGIT_CHANGES = {"final_logit_softcapping": (None, 0, 0.0), "logit_scale": (None, 1, 1.0),
+_LOGIT_CHANGES = {"logit_scale": (None, 1, 1.0),
                   "logits_scaling": (None, 1, 1.0), "output_multiplier_scale": (None, 1, 1.0),
                   "lm_head_multiplier": (None, 1, 1.0), "logit_softcapping": (None, 0, 0.0),
                   "mup_width_multiplier": (None, 1, 1.0)}
@@ -33,10 +36,18 @@ def decoder_of(model: nn.Module) -> nn.Module | None:
     return decoder if isinstance(decoder, nn.Module) and decoder is not model else None
 
 
+def logit_cap(model: nn.Module) -> float | None:
+    """The soft-cap of the model's final logits (its config's final_logit_softcapping), or None."""
+    config = getattr(model, "config", None)
+    cap = getattr(getattr(config, "text_config", None) or config, "final_logit_softcapping", None)
+    return float(cap) if isinstance(cap, int | float) and not isinstance(cap, bool) and cap > 0 else None
+
+
 def plain_head(model: nn.Module, extra: Callable[[int, torch.device], dict] | None = None) -> str | None:
     """None if `model`'s logits are its output embedding (a bias-free nn.Linear) applied to its decoder's
-    last hidden state; else why not. `extra(T, device)`: the keywords of a forward of T positions beyond the
-    input ids (Kiln's attention mask, where the model has Kiln's attention: kiln.model.hf_attention)."""
+    last hidden state (soft-capped by `logit_cap`); else why not. `extra(T, device)`: the keywords of a forward
+    of T positions beyond the input ids (Kiln's attention mask, where the model has Kiln's attention:
+    kiln.model.hf_attention)."""
     head, decoder = model.get_output_embeddings(), decoder_of(model)
     if decoder is None:
         return "it names no decoder (get_decoder)"
@@ -64,6 +75,9 @@ def _probe(model: nn.Module, decoder: nn.Module, head: nn.Linear, extra) -> str 
         try:
             want = model(input_ids=x, use_cache=False, **more).logits.float()
             got = head(decoder(input_ids=x, use_cache=False, **more).last_hidden_state).float()
+            cap = logit_cap(model)
+            if cap is not None:
+                got = softcap(got, cap)
         except Exception as e:  # a decoder that takes other arguments
             return f"its decoder cannot be called alone ({type(e).__name__}: {str(e)[:200]})"
     finally:

@@ -63,15 +63,21 @@ def test_a_sliding_window_joins_the_document_mask(tmp_path):
         torch.testing.assert_close(packed[:, :9], model(a), atol=1e-5, rtol=1e-5)
 
 
-def test_soft_capping_keeps_the_models_own_attention(tmp_path):
-    model = auto_model(tmp_path, "gemma2", sliding_window=4).eval()  # local layers of 4 tokens, logit soft-capping
-    assert "soft-capping" in model.own_attention and "final_logit_softcapping" in model.own_head
-    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gemma2").eval()
-    a, b = torch.randint(0, 64, (1, 8)), torch.randint(0, 64, (1, 6))
+def test_soft_capped_scores_and_logits_with_local_layers_run_as_the_model_runs_them(tmp_path):
+    model = auto_model(tmp_path, "gemma2", sliding_window=4, attn_logit_softcapping=0.5,
+                       final_logit_softcapping=0.5)  # local layers of 4 tokens; caps low enough to change every score
+    assert model.own_attention is None and model.own_head is None and (model.window, model.logit_cap) == (4, 0.5)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gemma2")
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randint(0, 64, (1, 8), generator=g), torch.randint(0, 64, (1, 6), generator=g)
     row, docs = torch.cat([a, b], 1), torch.tensor([[0] * 8 + [1] * 6])
+    targets = torch.randint(0, 64, (1, 14), generator=g)
     with torch.no_grad():
-        torch.testing.assert_close(model(b), ref(input_ids=b).logits, atol=1e-5, rtol=1e-5)
+        logits = ref(input_ids=row).logits
+        torch.testing.assert_close(model(row), logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(model(row, doc_ids=docs)[:, 8:], model(b), atol=1e-5, rtol=1e-5)
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(model(row, targets), want, atol=1e-5, rtol=1e-5)  # the chunked loss, capped
 
 
 def test_a_layer_that_keeps_the_keywords_is_refused_not_run_without_its_mask(tmp_path):

@@ -59,10 +59,10 @@ def test_the_loss_never_computes_the_whole_batchs_logits():
 
 def test_a_head_that_is_not_a_plain_linear_layer_keeps_the_full_logits():
     _, auto = native_and_auto()
-    auto.base.config.final_logit_softcapping = 30.0  # as Gemma 2 sets it: logits are not the head's output
+    auto.base.config.logit_scale = 0.25  # as Cohere sets it: logits are not the head's output
     from kiln.model.hf_head import plain_head
 
-    assert "final_logit_softcapping=30.0" in plain_head(auto.base)
+    assert "logit_scale=0.25" in plain_head(auto.base)
     auto.base.lm_head.bias = torch.nn.Parameter(torch.zeros(64))
-    auto.base.config.final_logit_softcapping = None
+    auto.base.config.logit_scale = None
     assert plain_head(auto.base) == "its output layer has a bias"
