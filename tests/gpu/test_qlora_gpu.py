@@ -23,7 +23,7 @@ pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torchao")
 
-SHAPE = dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+SHAPE = dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
              num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False)
 LORA = {"rank": 16, "alpha": 32.0, "targets": ["all"], "quantize_base": "nf4"}
 
@@ -61,8 +61,10 @@ def test_the_base_never_sits_on_the_gpu_in_bf16(base):
     peak = torch.cuda.max_memory_allocated() - before
     n = sum(p.numel() for p in model.parameters())
     held = torch.cuda.memory_allocated() - before
-    assert held < 0.6 * 2 * n, (held, n)  # NF4 blocks + bf16 embeddings, well under the bf16 model
-    assert peak < held + 2 * 4 * n / SHAPE["num_hidden_layers"] + 2 * 4 * SHAPE["vocab_size"] * SHAPE["hidden_size"]
+    bf16 = 2 * n  # the model in bf16: 392 MB here
+    assert held < 0.45 * bf16, (held, bf16)  # NF4 blocks, bf16 embeddings and fp32 adapters: about 150 MB
+    # and on the way: one block in fp32 (45 MB) and torchao's quantization temporaries of 1M weights (about 75 MB)
+    assert peak < 0.8 * bf16, (peak, held, bf16)
 
 
 def test_checkpointed_compiled_qlora_blocks_match_eager(base):
