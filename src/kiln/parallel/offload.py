@@ -355,8 +355,7 @@ class HostAdamW(torch.optim.AdamW):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        if any(self._offload.summed):
-            self._offload.discard()
+        self._offload.discard()  # after the host thread has summed what is queued (it may be behind)
 
 
 class MasterWeights:

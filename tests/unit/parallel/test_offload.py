@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -132,8 +133,9 @@ def test_combinations_it_does_not_take_are_config_errors(corpus):
 
 
 def test_a_step_run_again_after_an_out_of_memory_error_forgets_the_sums_of_the_failed_attempt():
-    """zero_grad (what kiln.train.oom calls before it runs the step again) drops the gradients summed so far: the
-    step's update is that of the second attempt's gradients alone."""
+    """zero_grad (what kiln.train.oom calls before it runs the step again) drops the gradients summed so far, those
+    the host thread has not summed yet included: the step's update is that of the second attempt's gradients
+    alone."""
     torch.manual_seed(0)
 
     def placed():
@@ -147,6 +149,11 @@ def test_a_step_run_again_after_an_out_of_memory_error_forgets_the_sums_of_the_f
         m.copy_(src)
     offs = [offload.OptimizerOffload(m, [{"params": list(m.parameters()), "weight_decay": 0.0}], 0.1, (0.9, 0.95),
                                      1e-8) for m in models]
+    class Slow:  # the host thread is behind: the failed attempt's gradients are still queued at zero_grad
+        def synchronize(self):
+            time.sleep(0.3)
+
+    offs[0]._work.put((0, Slow()))
     models[0](x).sum().backward()  # the failed attempt
     offs[0].optimizer.zero_grad(set_to_none=True)
     for m in models:
