@@ -212,7 +212,11 @@ def trainable_summary(model: nn.Module, lcfg: LoraConfig) -> str:
     trainable = sum(p.numel() for p in params if p.requires_grad)
     base = (f"the blocks' linear layers in NF4 (QLoRA), the rest in {lcfg.base_dtype}"
             if lcfg.quantize_base == "nf4" else lcfg.base_dtype)
-    return (f"LoRA r={lcfg.rank} (alpha {lcfg.alpha:g}) on {', '.join(lcfg.targets)}: {trainable:,} "
+    where = ", ".join(lcfg.targets)
+    cfg = getattr(model, "cfg", None)
+    if getattr(cfg, "fused_projections", False):  # Phi-3: say which layers, and that a fused one is adapted whole
+        where += f" (layers {', '.join(hf_target_modules(cfg, lcfg.targets))}: a fused one adapted whole)"
+    return (f"LoRA r={lcfg.rank} (alpha {lcfg.alpha:g}) on {where}: {trainable:,} "
             f"trainable of {total:,} parameters ({100 * trainable / max(1, total):.2f}%), base frozen in {base}")
 
 

@@ -209,6 +209,8 @@ def test_phi3_targets_as_users_write_them_adapt_its_fused_layers_and_load_in_pef
     out = write_peft_adapters(adapter_state_dict(model), cfg, lcfg, str(tmp_path / "base"), tmp_path / "adapter")
     loaded = peft.PeftModel.from_pretrained(hf, out).eval()
     assert loaded.peft_config["default"].target_modules == {"qkv_proj", "gate_up_proj", "o_proj", "down_proj"}
+    assert "(layers down_proj, gate_up_proj, o_proj, qkv_proj: a fused one adapted whole)" in trainable_summary(
+        model, lcfg)
     x = tokens(shape=(2, 24))
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=x).logits, model.eval()(x), rtol=0, atol=1e-5)
