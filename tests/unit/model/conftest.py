@@ -24,6 +24,7 @@ ARCHS = {
     # head_dim unlike hidden_size / heads (64 / 4), as Qwen3's is
     "qwen3": dict(model_type="qwen3", **SMALL, head_dim=32, tie_word_embeddings=True,
                   rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+    "qwen3-bias": dict(model_type="qwen3", **SMALL, head_dim=32, attention_bias=True),  # on all four projections
     "phi3": dict(model_type="phi3", **SMALL, sliding_window=8, pad_token_id=0,
                  rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
     # 3 layers: local, global, local, with windows shorter than the rows and caps the scores and logits reach
