@@ -19,7 +19,8 @@ from kiln.model.hf import (
 from kiln.model.llama import Transformer
 
 transformers = pytest.importorskip("transformers")
-ARCHS = ["llama", "llama3.1", "llama-bias", "mistral", "qwen2", "nemotron", "qwen3", "qwen3-bias", "phi3"]  # conftest.ARCHS
+# conftest.ARCHS
+ARCHS = ["llama", "llama3.1", "llama-bias", "mistral", "qwen2", "nemotron", "qwen3", "qwen3-bias", "phi3"]
 
 
 def kiln_of(hf) -> Transformer:
