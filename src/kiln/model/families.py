@@ -29,7 +29,6 @@ MOE_LORA = "tests/unit/model/test_lora_experts.py::test_merged_weights_give_the_
 MOE_FSDP = "tests/unit/train/test_router_aux.py::test_fsdp_over_two_processes_trains_the_moe_to_the_one_process_losses"
 MOE_NOTE = ("experts stacked, grouped GEMMs; load-balancing loss (router_aux_loss_coef) trained and logged as "
             "aux_loss; expert LoRA exports merged (no PEFT form)")
-GEMMA_FSDP = "tests/unit/model/test_gemma.py::test_fsdp_over_two_processes_trains_to_the_one_process_losses"
 GEMMA_DOCS = "tests/unit/model/test_hf_gemma.py::test_a_packed_document_gets_the_logits_it_has_alone"
 AUTO_DOCS = "tests/unit/model/test_hf_auto.py::test_documents_in_a_packed_row_do_not_see_each_other"
 
@@ -97,12 +96,12 @@ FAMILIES: list[Family] = [
              "out_proj too; MoE layers (Nemotron 3) are refused: hf_class=auto", featured=True),
     Family("Gemma", ("gemma",), _matrix("gemma")),
     Family("Gemma 2", ("gemma2",), {
-        **_matrix("gemma2"), "LoRA": f"{PEFT}[gemma2]", "FSDP": GEMMA_FSDP,
+        **_matrix("gemma2"), "LoRA": f"{PEFT}[gemma2]", "FSDP": FSDP,
         "document masks": f"{GEMMA_DOCS}[gemma2]"},
         note="soft-capped attention (flex attention's score modifier on GPUs) and logits; local and global layers",
         featured=True),
     Family("Gemma 3", ("gemma3_text",), {
-        **_matrix("gemma3_text"), "LoRA": f"{PEFT}[gemma3]", "FSDP": GEMMA_FSDP,
+        **_matrix("gemma3_text"), "LoRA": f"{PEFT}[gemma3]", "FSDP": FSDP,
         "document masks": f"{GEMMA_DOCS}[gemma3]"},
         note="text model (Gemma3ForCausalLM); q/k norms, local layers' own rotary base", featured=True),
     Family("GPT-2", ("gpt2",), _matrix("gpt2", **{"document masks": f"{AUTO_DOCS}[gpt2]"})),

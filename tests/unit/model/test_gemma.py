@@ -1,6 +1,6 @@
 """Gemma's layers in the native model: the norm's order of operations, the embedding scale's rounding,
-initialisation (eager, meta then materialised), rotary tables past the context, and training through
-compiled, checkpointed blocks."""
+initialisation (eager, meta then materialised), rotary tables past the context, the parameter and FLOP counts,
+and training through compiled blocks. FSDP over two processes: tests/unit/parallel/test_parallelize.py."""
 
 from __future__ import annotations
 
@@ -118,25 +118,3 @@ def test_compiled_blocks_train_as_eager():
         restore_loss_kernel()
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
-
-
-@pytest.mark.slow  # two processes start
-def test_fsdp_over_two_processes_trains_to_the_one_process_losses(tmp_path):
-    """FSDP2 per block (each rank initialising its shards from init_order, then capped attention, both kinds of
-    layer and both rotary tables): the losses of one process with the same global batch."""
-    import json
-
-    from kiln.parallel.mesh import Mesh
-
-    from ..parallel.test_parallelize import HERE, torchrun
-    from ..parallel.workers import STEPS, config, train_losses
-
-    model = {k: v for k, v in GEMMA.items() if k not in ("vocab_size", "max_seq_len", "ffn_hidden", "n_layers")}
-    ref, _, _ = train_losses(config(4, 1, model=model), Mesh())
-    assert len(ref) == STEPS and ref[0] != ref[-1]
-    cases = {"fsdp": {"batch_size": 2, "grad_accum": 1, "model": model, "dist": {"strategy": "fsdp"}}}
-    out = tmp_path / "out.json"
-    done = torchrun([str(HERE / "workers.py"), str(out), json.dumps(cases)])
-    assert done.returncode == 0, done.stderr[-3000:]
-    losses, _, wrapper = json.loads(out.read_text())["fsdp"]
-    assert wrapper.startswith("FSDP") and losses == pytest.approx(ref, rel=1e-5, abs=1e-5)

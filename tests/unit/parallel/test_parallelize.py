@@ -42,6 +42,11 @@ CASES = {  # global batch 4 sequences everywhere: batch_size x grad_accum x 2 ra
     "fsdp_qwen3_phi3_layouts": {"batch_size": 2, "grad_accum": 1, "dist": {"strategy": "fsdp", "sharding": "full"},
                                 "model": {"qk_norm": True, "head_size": 32, "fused_projections": True,
                                           "sliding_window": 8}},
+    # Gemma 2 and 3's: capped attention, local and global layers with their own rotary tables, four norms a block
+    "fsdp_gemma_layout": {"batch_size": 2, "grad_accum": 1, "dist": {"strategy": "fsdp", "sharding": "full"},
+                          "model": {"norm": "rmsnorm1p", "mlp": "geglu", "sandwich_norm": True, "embed_scale": True,
+                                    "qk_norm": True, "attn_scale_dim": 8, "attn_softcap": 2.0, "logit_softcap": 3.0,
+                                    "sliding_window": 8, "full_attention_layers": [1], "rope_local_theta": 100.0}},
 }
 WRAPPER = {"ddp": "DistributedDataParallel", "fsdp": "FSDPTransformer"}
 
