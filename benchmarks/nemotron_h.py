@@ -172,7 +172,7 @@ def native_command(args, s: dict, run_dir: Path) -> list[str]:
 
 def auto_command(args, model_dir: Path, run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "kiln.cli", "train", f"model.init_from={model_dir}", "model.hf_class=auto",
-            f"data.document_mask={str(args.auto_doc_mask).lower()}", *common_flags(args, run_dir)]
+            f"data.document_mask={'split' if args.auto_doc_mask else 'false'}", *common_flags(args, run_dir)]
 
 
 def kiln_result(job: Job, run_dir: Path, args) -> dict:
