@@ -197,14 +197,23 @@ def _hf_problems(hf: dict[str, Any], kind: str) -> list[str]:
         key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
         problems.append(f"{key}.rope_type={rope_type} (Kiln has default, linear and llama3)")
     problems += hf_experts.moe_hf_problems(hf, kind)
-    if kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window"):
-        layer_types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28)
-                                                else "full_attention" for i in range(hf["num_hidden_layers"])]
-        if set(layer_types) != {"sliding_attention"}:
-            problems.append("a sliding window on some layers only (use_sliding_window with max_window_layers > 0)")
+    if kind in QWEN and len(_qwen_attention(hf)) > 1:
+        problems.append("a sliding window on some layers only (use_sliding_window with max_window_layers > 0)")
     if kind == "mistral" and hf.get("layer_types"):
         problems.append("layer_types (alternating attention)")
     return problems
+
+
+QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+
+
+def _qwen_attention(hf: dict[str, Any]) -> set[str]:
+    """The attention kinds of a Qwen config's layers, as transformers reads them: a window only with
+    use_sliding_window and a sliding_window, on the layers layer_types names (else from max_window_layers on)."""
+    if not hf.get("use_sliding_window") or hf.get("sliding_window", 4096) is None:
+        return {"full_attention"}
+    n, first = hf["num_hidden_layers"], hf.get("max_window_layers", 28)
+    return set(hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)])
 
 
 LONGROPE = ("longrope", "su", "yarn")  # Phi-3's names of it (transformers reads all three as longrope)
@@ -254,7 +263,7 @@ def from_hf_config_dict(hf: dict[str, Any]) -> ModelConfig:
         window = hf.get("sliding_window", 4096)  # Mistral's default when the key is absent
     elif kind == "mixtral":
         window = hf.get("sliding_window")
-    elif kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window"):
+    elif kind in QWEN and _qwen_attention(hf) == {"sliding_attention"}:
         window = hf.get("sliding_window", 4096)
     elif kind == "phi3":
         window = hf.get("sliding_window")

@@ -134,6 +134,8 @@ def test_qwen3_with_a_window_on_every_layer_keeps_it_both_ways():
     torch.testing.assert_close(kiln(x), hf(input_ids=x).logits, rtol=0, atol=1e-5)
     back = hf_config(kiln.cfg)
     assert back.sliding_window == 8 and set(back.layer_types) == {"sliding_attention"}
+    full = {**hf.config.to_dict(), "max_window_layers": 2, "layer_types": None}  # the window on no layer: none
+    assert from_hf_config_dict(full).sliding_window is None
 
 
 @torch.no_grad()
