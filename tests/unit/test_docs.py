@@ -55,8 +55,9 @@ def test_the_paths_and_scripts_the_pages_name_exist():
     for page in PAGES:
         text = page.read_text(encoding="utf-8")
         for path in REPO_PATH.findall(text):
-            if not (REPO / path).exists():
-                missing.append(f"{page.relative_to(REPO)}: {path}")
+            path, _, test = path.partition("::")  # a test id: its file, and the test in it
+            if not (REPO / path).exists() or (test and f"def {test.split('[')[0]}(" not in (REPO / path).read_text()):
+                missing.append(f"{page.relative_to(REPO)}: {path}{'::' + test if test else ''}")
         for module, script in SCRIPT.findall(text):
             path = script or module.replace(".", "/") + ".py"
             if not (REPO / path).exists() and not (REPO / module.replace(".", "/")).is_dir():
