@@ -27,9 +27,8 @@ def _batch(T=1000):  # not a multiple of the chunk: the scan pads its last one
     return x, docs
 
 
-def test_compiled_layers_give_the_eager_loss_and_gradients_in_fp32():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+def test_compiled_layers_give_the_eager_loss_and_gradients_in_fp32(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 products on both sides
     x, docs = _batch()
     out = {}
     for compiled in (False, True):
