@@ -114,6 +114,8 @@ def config_dict(cfg: ModelConfig) -> dict[str, Any]:
         "mamba_num_heads": cfg.mamba_heads, "mamba_head_dim": m.head_dim, "ssm_state_size": m.state,
         "n_groups": m.groups, "conv_kernel": m.conv_kernel, "chunk_size": m.chunk, "mamba_hidden_act": "silu",
         "time_step_min": m.dt_min, "time_step_max": m.dt_max, "time_step_floor": m.dt_floor,
-        "time_step_limit": list(m.dt_limit), "use_conv_bias": m.conv_bias, "use_bias": m.proj_bias,
-        "residual_in_fp32": False, "attention_dropout": 0.0, "hidden_dropout": 0.0,
+        "use_conv_bias": m.conv_bias, "use_bias": m.proj_bias, "residual_in_fp32": False, "attention_dropout": 0.0,
+        "hidden_dropout": 0.0,
+        # written only when it clamps: JSON has no infinity (Python writes Infinity, which strict parsers refuse)
+        **({"time_step_limit": list(m.dt_limit)} if m.dt_limit != (0.0, math.inf) else {}),
     }

@@ -66,7 +66,7 @@ def test_export_loads_in_transformers_with_the_same_logits():
                       tie_embeddings=False, max_seq_len=64)
     torch.manual_seed(0)
     kiln = Transformer(cfg).eval()
-    fields = json.loads(json.dumps(to_hf_config_dict(cfg)))  # what config.json holds
+    fields = json.loads(json.dumps(to_hf_config_dict(cfg), allow_nan=False))  # config.json: strict JSON
     assert fields["model_type"] == "nemotron_h" and fields["hybrid_override_pattern"] == "M-*M"
     hf = transformers.NemotronHForCausalLM(hf_config(cfg)).eval()
     hf.load_state_dict(to_hf_state_dict(kiln.state_dict(), False), strict=True)
@@ -75,6 +75,9 @@ def test_export_loads_in_transformers_with_the_same_logits():
         assert (hf(x).logits - kiln(x)).abs().max() < 1e-5
     again = from_hf_config_dict(fields)
     assert again.model_dump() == cfg.model_dump() | {"hf_model_type": "nemotron_h"}
+    clamped = cfg.model_copy(update={"mamba": cfg.mamba.model_copy(update={"dt_limit": (0.001, 10.0)})})
+    written = json.loads(json.dumps(to_hf_config_dict(clamped), allow_nan=False))
+    assert from_hf_config_dict(written).mamba.dt_limit == (0.001, 10.0)
 
 
 def test_packed_documents_give_what_they_give_alone(pair):
