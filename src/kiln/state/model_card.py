@@ -86,7 +86,8 @@ def model_card(source: str | Path, repo: str | None = None, adapters: bool = Fal
     lora = (config or {}).get("lora") or {}
     init_from = model.get("init_from")
     base = _hub_id(init_from)
-    tags = ["kiln", "text-generation"] + (["lora"] if lora.get("rank") else [])
+    qlora = bool(lora.get("rank")) and lora.get("quantize_base") == "nf4"  # adapters trained on an NF4 base
+    tags = ["kiln", "text-generation"] + (["lora"] if lora.get("rank") else []) + (["qlora"] if qlora else [])
     front = {"library_name": "peft" if adapters else "transformers", "pipeline_tag": "text-generation", "tags": tags}
     if base:
         front["base_model"] = base
@@ -95,12 +96,18 @@ def model_card(source: str | Path, repo: str | None = None, adapters: bool = Fal
     if config is None:
         lines += [f"Converted to the Hugging Face layout by Kiln {kiln.__version__} from `{source.name}`.", ""]
         return "\n".join(lines)
-    how = "LoRA adapters merged into " if lora.get("rank") else "continued pretraining of " if init_from else ""
+    how = ("QLoRA adapters merged into the NF4-dequantized " if qlora else "LoRA adapters merged into "
+           if lora.get("rank") else "continued pretraining of " if init_from else "")
     what = f"`{init_from}`" if init_from else "a model trained from scratch"
     lines += [f"Trained with Kiln {kiln.__version__}: {how}{what}.", ""]
     if adapters:
         lines[-2] = (f"LoRA adapters (PEFT's format) trained with Kiln {kiln.__version__} on `{init_from}`: load them "
                      "onto that base with `peft.PeftModel.from_pretrained(base, this_directory)`.")
+        if qlora:
+            lines[-2] = (f"QLoRA adapters (PEFT's format) trained with Kiln {kiln.__version__} on `{init_from}` with "
+                         "its linear layers in 4-bit NF4: load them onto that base quantized by bitsandbytes "
+                         "(`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=\"nf4\")`), or as stored, "
+                         "with `peft.PeftModel.from_pretrained(base, this_directory)`.")
     done = _training(run, step) if run is not None else {}
     sources = data.get("mixture") or data.get("sources") or []
     rows = [("base model", f"`{init_from}`" if init_from else "none (trained from scratch)"),

@@ -11,11 +11,11 @@ from kiln.state.model_card import model_card
 from kiln.state.verify import FORMAT
 
 
-def _run(tmp_path, init_from: str | None, lora_rank: int = 0):
+def _run(tmp_path, init_from: str | None, lora_rank: int = 0, **lora):
     run = tmp_path / "run"
     run.mkdir()
     cfg = RunConfig.model_validate({"model": {"init_from": init_from} if init_from else {},
-                                    "data": {"sources": ["corpus/"]}, "lora": {"rank": lora_rank},
+                                    "data": {"sources": ["corpus/"]}, "lora": {"rank": lora_rank, **lora},
                                     "train": {"max_steps": 20}})
     (run / "config.yaml").write_text(cfg.to_yaml())
     recs = [{"event": "start", "step": 0}, {"event": "train", "step": 10, "loss": 3.25, "tokens": 1280},
@@ -52,3 +52,11 @@ def test_card_of_a_checkpoint_counts_up_to_its_step_and_of_adapters_says_peft(tm
     assert "| steps | 10 of 20 |" in card and "| tokens | 1,280 |" in card
     assert "| final training loss | 3.2500 |" in card
     assert "peft.PeftModel.from_pretrained" in card
+
+
+def test_card_of_a_qlora_run_says_the_base_was_quantized(tmp_path):
+    run = _run(tmp_path, "meta-llama/Llama-3.1-8B", lora_rank=16, quantize_base="nf4")
+    merged, adapters = model_card(run), model_card(run, adapters=True)
+    assert {"lora", "qlora"} <= set(yaml.safe_load(merged.split("---")[1])["tags"])
+    assert "QLoRA adapters merged into the NF4-dequantized `meta-llama/Llama-3.1-8B`" in merged
+    assert "bnb_4bit_quant_type" in adapters and "peft.PeftModel.from_pretrained" in adapters
