@@ -113,20 +113,23 @@ def place_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> n
     return model
 
 
-def _pinned_views(params: list[torch.Tensor], cuda: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _pinned_views(params: list[torch.Tensor], cuda: bool) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
     """One host buffer for every parameter, in their dtype (one dtype: the compute dtype), and a view of it for
     each. On CUDA it is page-locked where it lies (cudaHostRegister): the caching host allocator would round a
-    pinned allocation up to a power of two (a 16 GB buffer to 32 GB)."""
+    pinned allocation up to a power of two (a 16 GB buffer to 32 GB). The flag: whether it was registered (and is
+    to be unregistered before it is freed)."""
     flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
+    registered = False
     if cuda and flat.numel():
         code = int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel() * flat.element_size(), 0))
-        if code != 0:  # registering failed (a kernel limit on locked memory, say): the allocator's pinned memory
+        registered = code == 0
+        if not registered:  # registering failed (a kernel limit on locked memory, say): the allocator's pinned memory
             flat = flat.pin_memory()
     views, at = [], 0
     for p in params:
         views.append(flat[at:at + p.numel()].view(p.shape))
         at += p.numel()
-    return flat, views
+    return flat, views, registered
 
 
 class OptimizerOffload:
@@ -152,7 +155,7 @@ class OptimizerOffload:
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         # per parameter: the pinned buffer its gradient comes through (and its new weights go back through), and
         # the fp32 sum of its gradients over the step's micro-batches
-        self._flat, self.buffers = _pinned_views(self.params, cuda)
+        self._flat, self.buffers, self._registered = _pinned_views(self.params, cuda)
         self.sums = [torch.empty(p.shape, dtype=torch.float32) for p in self.params]
         self._scratch = torch.empty(min(SUM_SLICE, max(p.numel() for p in self.params)), dtype=torch.float32)
         self.summed = [False] * len(self.params)  # whether the step has a gradient of each parameter yet
@@ -309,11 +312,20 @@ class OptimizerOffload:
         return {"model": MasterWeights(self), "optim": HostOptimizerState(self)}
 
     def close(self) -> None:
-        """Stop the host thread and remove the hooks."""
+        """After training: stop the host thread (which holds this object), remove the hooks and unlock the transfer
+        buffers. The masters stay (model/ is written from them); a later `send_all` copies synchronously."""
+        if not self._thread.is_alive():
+            return
+        self._work.join()  # (an error of the host thread is not raised here: the run is over)
         for h in self._hooks:
             h.remove()
         self._work.put((None, None))
         self._thread.join()
+        if self._registered:
+            if self.stream is not None:
+                self.stream.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self._flat.data_ptr())
+            self._registered = False
 
 
 def _chunks(masters: list[torch.Tensor]) -> list[list[int]]:

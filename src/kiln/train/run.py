@@ -369,6 +369,8 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     finally:
         watchers.close()
         rest()  # kiln.parallel watchdog: training is over
+        if trainer.offload is not None:  # kiln.parallel.offload: its host thread, hooks and locked buffers
+            trainer.offload.close()
     if final is None:  # preempted: the checkpoint is written, nothing else to do
         return run_dir
     if final:

@@ -73,10 +73,13 @@ def test_offloaded_optimizer_trains_as_the_plain_path_with_accumulation_and_clip
             o = trainer.offload
             seen["hooks"] = len(o._hooks) == len(o.params) == len(list(trainer.model.parameters())) > 0
             seen["apart"] = all(p.data_ptr() != m.data_ptr() for p, m in zip(o.params, o.masters))
+            seen["offload"] = o
 
     run(load_config(None, args(corpus, "off", "train.offload=optimizer")), console=quiet(), callbacks=[Look()])
     off = train_records(corpus / "off")
+    o = seen.pop("offload")
     assert seen == {"hooks": True, "apart": True}  # a hook on every parameter; masters apart from the model's
+    assert not o._thread.is_alive() and not any(p._post_accumulate_grad_hooks for p in o.params)  # closed at the end
     norms = [r["grad_norm"] for r in plain.values()]  # before clipping
     assert len(plain) == 20 and min(norms) < 1.2 < max(norms)  # steps with and without clipping
     assert [r["loss"] for r in off.values()] == [r["loss"] for r in plain.values()]  # exact, all 20 steps
