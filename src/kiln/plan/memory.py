@@ -10,9 +10,10 @@ Where the bytes go, per process, for AdamW with fp32 master weights:
     loss buffers                                      one chunk of logits and its gradient, the output
                                                       projection's gradient (kiln.model.loss)
 
-The peak is the larger of two moments: the end of the forward pass (every activation alive, no
-gradient yet: optimizer.zero_grad sets them to None) and the end of the backward pass (every
-gradient alive, the activations gone).
+The peak is the largest of three moments: the end of the forward pass (every activation alive, no
+gradient yet: optimizer.zero_grad sets them to None), with activation checkpointing the start of the
+backward pass (every checkpointed activation still alive beside the first block recomputed: the peak at
+large micro-batches), and the end of the backward pass (every gradient alive, the activations gone).
 
 Activation bytes per layer and token, e = bytes of an activation element (2 under bf16, 4 in fp32),
 d = d_model, q = n_heads x head_dim, kv = n_kv_heads x head_dim, h = the MLP's hidden width, H = heads:
@@ -235,7 +236,13 @@ def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", comp
     backward_end = weights + optim + grads + back
     if not compiled and layout.strategy != "fsdp":
         backward_end += compute  # eager: autocast's cache of bf16 copies lives until the autocast block ends
-    peak, phase = max((forward_end, "forward"), (backward_end, "backward"))
+    # with checkpointing, the start of the backward pass: every block's checkpointed activations still alive and
+    # the last block recomputed beside them, with the output projection's gradient the loss made (not its chunk
+    # of logits); at a large micro-batch this is the peak (an 8B block at 32K tokens recomputes 4.3 GiB)
+    recompute = tokens * (act_per_layer_token(m, "none", compiled, e) - act_per_layer_token(m, ac, compiled, e))
+    head = min(loss, (m.vocab_size or 0) * m.d_model * (4 + e))
+    backward_start = weights + optim + compute + acts + head + recompute if ac != "none" else 0
+    peak, phase = max((forward_end, "forward"), (backward_start, "recompute"), (backward_end, "backward"))
     state = 16 * n if lora is None else base_bytes(m, n, lora) + 16 * lora_params(m, lora)
     host = -(-state // max(1, layout.shard)) if layout.offload else 0
     return Memory(weights, grads, optim, compute, acts, loss, back, peak, phase, host)

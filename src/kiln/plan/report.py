@@ -91,7 +91,9 @@ def render(plan: Plan, console: Console) -> None:
         rows = offload_rows(mem, t.activation_checkpointing, "bf16" if plan.bf16 else "fp32")
     for what, n in rows:
         table.add_row(what, gib(n))
-    table.add_row(f"peak (end of the {mem.phase} pass)", gib(mem.peak), style="bold")
+    when = "start of the backward pass, a block recomputed" if mem.phase == "recompute" else \
+        f"end of the {mem.phase} pass"
+    table.add_row(f"peak ({when})", gib(mem.peak), style="bold")
     extra = f"+{FRAGMENTATION:.0%} allocator, +{CONTEXT / GIB:.0f} GiB context" if plan.gpu.key != "cpu" \
         else f"+{CPU_PROCESS / GIB:.1f} GiB the process (Python, torch, the loader)"
     table.add_row(extra, gib(needs(mem, plan.gpu)))
