@@ -200,6 +200,13 @@ def test_qlora_plans_an_8b_model_on_one_16gb_card_where_lora_does_not_fit():
     assert plan.tokens_per_s == pytest.approx(lora.tokens_per_s * QLORA_FACTOR)
     assert LORA_SPEEDUP == pytest.approx(10390 / 9315, abs=0.01)  # benchmarks/results/cpt_8b.md, and the estimate
     assert any("QLoRA rank 16" in note and "NF4" in note for note in plan.notes)
+    from rich.console import Console
+
+    from kiln.plan.report import render
+
+    out = io.StringIO()
+    render(plan, Console(file=out, width=200))
+    assert "weights, NF4 + bf16 base, fp32 adapters" in out.getvalue()
 
 
 def test_the_4gpu_preset_trains_batch_4_at_8192_with_the_checkpointing_that_fits_80gb():
