@@ -115,6 +115,18 @@ def quantize_block(block: nn.Module, dtype: torch.dtype, where: str = "block") -
     return block
 
 
+def unshardable(model: nn.Module, parts: int) -> list[str]:
+    """The NF4 weights of `model` that FSDP2 cannot split into `parts` equal shards: their rows, 4-bit codes,
+    int8 scales and scale factors must each divide evenly (every real 7-8B layer does on 2, 4 or 8 GPUs)."""
+    out = []
+    for name, p in model.named_parameters():
+        if is_nf4(p):
+            sizes = (p.shape[0], p.quantized_data.numel(), p.quantized_scalers.numel(), p.quantization_factor.numel())
+            if any(size % parts for size in sizes):
+                out.append(name)
+    return out
+
+
 def param_bytes(p: torch.Tensor) -> float:
     """Bytes `p` takes: an NF4 weight's codes and scales, else its elements."""
     return p.numel() * BYTES_PER_WEIGHT if is_nf4(p) else p.numel() * p.element_size()

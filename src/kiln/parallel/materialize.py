@@ -65,7 +65,11 @@ def build_model(cfg: RunConfig, m: Mesh, n_params: int, log: Callable[[str], Non
         from kiln.parallel.nf4_base import nf4_model
 
         model = nf4_model(cfg, m.device, weights_from, init)
-        return parallelize(model, cfg, m, adapt(model), log)
+        n = adapt(model)
+        strategy = choose_strategy(cfg, m, n, log)
+        if strategy == "fsdp":
+            _check_nf4_shards(model, m.world)
+        return parallelize(model, cfg, m, n, log, strategy=strategy)
     if adapt is not None:
         model = _plain(cfg, weights_from, init)
         return parallelize(model, cfg, m, adapt(model), log)
@@ -81,6 +85,20 @@ def build_model(cfg: RunConfig, m: Mesh, n_params: int, log: Callable[[str], Non
     elif init:
         init_shards(model, m.device, cfg.train.seed)
     return model
+
+
+def _check_nf4_shards(model: nn.Module, world: int) -> None:
+    """ConfigError, before any sharding, for a QLoRA base FSDP2 cannot split over `world` processes."""
+    from kiln.errors import ConfigError
+    from kiln.model.quant import unshardable
+
+    bad = unshardable(model, world)
+    if bad:
+        raise ConfigError(f"lora.quantize_base=nf4 under FSDP over {world} processes: {', '.join(bad[:3])}"
+                          f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''} cannot be split into {world} equal "
+                          "shards (their rows, 4-bit codes and scales must each divide by it). Set dist.strategy=ddp "
+                          "(the adapters are small; each process then holds the whole 4-bit base), or use fewer "
+                          "processes")
 
 
 def _plain(cfg: RunConfig, weights_from: str | None, init: bool) -> nn.Module:

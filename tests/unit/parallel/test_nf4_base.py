@@ -9,7 +9,7 @@ import torch
 from kiln.config import RunConfig
 from kiln.errors import StateError
 from kiln.model.hf_import import import_hf
-from kiln.model.quant import LAYERS, is_nf4, round_trip
+from kiln.model.quant import is_nf4, round_trip
 from kiln.parallel.nf4_base import nf4_model
 
 transformers = pytest.importorskip("transformers")
@@ -34,7 +34,7 @@ def test_the_base_is_read_and_quantized_block_by_block(tmp_path, tie):
     model_cfg, stored = import_hf(hf_dir(tmp_path / "base", tie))
     model = nf4_model(run_cfg(model_cfg), "cpu", weights_from=str(tmp_path / "base"))
     params = dict(model.named_parameters())
-    assert sum(is_nf4(p) for p in params.values()) == 2 * len(LAYERS)
+    assert sum(is_nf4(p) for p in params.values()) == 2 * 7  # q, k, v, o, gate, up, down of both blocks
     for name, p in params.items():
         assert not p.requires_grad
         if is_nf4(p):
@@ -70,3 +70,26 @@ def test_a_base_that_does_not_fit_its_config_is_a_state_error(tmp_path):
     wider = model_cfg.model_copy(update={"ffn_hidden": 192})
     with pytest.raises(StateError, match="gate_proj.weight has shape"):
         nf4_model(run_cfg(wider), "cpu", weights_from=str(tmp_path / "base"))
+
+
+def test_a_base_fsdp_cannot_split_evenly_is_a_config_error_before_sharding():
+    from kiln.config import ModelConfig
+    from kiln.errors import ConfigError
+    from kiln.model.lora import apply_lora, trainable_count
+    from kiln.model.quant import unshardable
+    from kiln.parallel.materialize import build_model
+    from kiln.parallel.mesh import Mesh
+
+    narrow = ModelConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=64)
+    wide = narrow.model_copy(update={"d_model": 256, "ffn_hidden": 512})
+    assert not unshardable(nf4_model(run_cfg(wide), "cpu"), 2)  # 256 rows, 4 scale blocks: halves evenly
+    assert len(unshardable(nf4_model(run_cfg(narrow), "cpu"), 2)) == 14  # 64 weights' blocks: one scale factor
+    cfg = run_cfg(narrow).model_copy(update={"dist": run_cfg(narrow).dist.model_copy(update={"strategy": "fsdp"})})
+
+    def adapt(model):
+        apply_lora(model, cfg.lora)
+        return trainable_count(model)
+
+    with pytest.raises(ConfigError, match=r"under FSDP over 2 processes: layers\.0\.self_attn\.q_proj\.weight.*"
+                                          r"dist\.strategy=ddp"):
+        build_model(cfg, Mesh(world=2), 0, lambda _: None, adapt=adapt)
