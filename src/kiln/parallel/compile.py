@@ -25,6 +25,7 @@ def apply_compile(model: nn.Module, loss: bool = True, scope: str = "blocks", mo
         model.compile(mode=mode)
     else:
         full = getattr(model, "fullgraph", True)  # False for transformers' blocks (kiln.model.hf_auto)
+        room_for_kinds(model.layers)
         for block in model.layers:
             block.compile(fullgraph=full, mode=mode)
         if getattr(model, "norm", None) is not None:
@@ -32,6 +33,21 @@ def apply_compile(model: nn.Module, loss: bool = True, scope: str = "blocks", mo
     if loss:
         compile_loss_kernel()
     return model
+
+
+MODES_PER_KIND = 4  # training, evaluation, a no-grad forward in training mode (the spike check), one spare
+
+
+def room_for_kinds(blocks) -> int:
+    """Let each compiled block code hold a graph per kind of block and mode. Blocks of one class share their
+    forward's code, and torch keeps at most `recompile_limit` (8) graphs per code: a hybrid model's Mamba,
+    attention and MLP blocks in training and evaluation passed it, and the blocks past it failed (fullgraph)
+    or ran eagerly. Returns the number of kinds (blocks that differ in their submodules' types)."""
+    import torch._dynamo.config as dynamo
+
+    kinds = len({tuple(type(m).__name__ for m in b.modules()) for b in blocks})
+    dynamo.recompile_limit = max(dynamo.recompile_limit, MODES_PER_KIND * kinds)
+    return kinds
 
 
 def eager_parts() -> None:

@@ -107,3 +107,22 @@ def test_the_swap_does_not_leak_into_the_next_test(pytester):
     """)
     pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=2)
     assert loss_module.ChunkKernel.fn is loss_module.chunk_loss_and_grad
+
+
+def test_each_kind_of_block_of_a_hybrid_model_has_room_for_its_graphs(monkeypatch):
+    """Mamba, attention and MLP blocks share one forward: three kinds in training and evaluation passed torch's
+    8 graphs per code, and the blocks past it failed under fullgraph."""
+    import torch._dynamo.config as dynamo
+
+    from kiln.config import ModelConfig
+    from kiln.model.llama import Transformer
+    from kiln.parallel.compile import MODES_PER_KIND, apply_compile
+
+    monkeypatch.setattr(dynamo, "recompile_limit", 8)
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=6, n_heads=2, ffn_hidden=64, mlp="relu2",
+                      layer_pattern="M-*M-M", mamba=dict(heads=2, head_dim=16, state=8, groups=1, chunk=8))
+    apply_compile(Transformer(cfg), loss=False)
+    assert dynamo.recompile_limit == MODES_PER_KIND * 3
+    monkeypatch.setattr(dynamo, "recompile_limit", 8)
+    apply_compile(Transformer(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2)), loss=False)
+    assert dynamo.recompile_limit == 8  # one kind: torch's default stands
