@@ -58,7 +58,7 @@ SHAPES = {
     "llama3-8b": {"size": "8b"},
     "nemotron-8b": {"size": "8b", "vocab_size": 256000, "mlp": "relu2", "ffn_hidden": 16384, "norm": "layernorm1p",
                     "rotary_fraction": 0.5, "n_kv_heads": 32, "max_seq_len": 4096, "rope_theta": 10000.0},
-    "1b": {"size": "1b", "vocab_size": 32000},
+    "1b": {"size": "1b", "vocab_size": 32000, "max_seq_len": 4096},  # 4096 positions: both sides train at 4096
     "tiny": {"size": "tiny", "vocab_size": 2048},
 }
 TOKENS = 2048  # the tokenizer's vocabulary: data ids stay below it whatever the model's vocabulary
