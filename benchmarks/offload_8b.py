@@ -18,11 +18,12 @@ host memory), same model, sequence, batch, accumulation and gradient checkpointi
    bf16, gradient checkpointing, the same batch, accumulation, learning rate, clipping and steps, on rows of
    random token ids.
 
-Each process caps its GPU memory with torch.cuda.set_per_process_memory_fraction at --cap-gib (24: an RTX 4090
-has 23.99 GiB) before anything is allocated. Tokens/s is the median of Kiln's logged rate over the steps after
---warmup, and the HF Trainer's rate over the same steps (timed between device synchronisations). Peak GPU memory
-is torch.cuda.max_memory_allocated over the whole run; host memory is each process's peak resident set (pinned
-buffers included). Prints one table with Kiln's speed-up last and writes --json.
+Each process caps its GPU memory with torch.cuda.set_per_process_memory_fraction at --cap-gib (24: an RTX 4090 has
+23.99 GiB) before anything is allocated, and DeepSpeed is shown a card of that size (it sizes its buffers by the
+driver's free memory, which the cap does not change). Tokens/s is the median of Kiln's logged rate over the steps
+after --warmup, and the HF Trainer's rate over the same steps (timed between device synchronisations). Peak GPU
+memory is torch.cuda.max_memory_allocated over the whole run; host memory is each process's peak resident set
+(pinned buffers included). Prints one table with Kiln's speed-up last and writes --json.
 """
 
 from __future__ import annotations
@@ -176,6 +177,17 @@ def deepspeed_config(s: dict) -> dict:
             "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto"}
 
 
+def see_capped_card(gib: float) -> None:
+    """Make DeepSpeed's accelerator report a card of `gib` GiB. ZeRO-2 flattens the bf16 weights into one buffer on
+    the GPU when the driver's free memory allows it, else on the host first: on a large card capped by
+    set_per_process_memory_fraction it would take the GPU path and exceed the cap, which a real 24 GB card avoids."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc, cap = get_accelerator(), int(gib * GIB)
+    acc.total_memory = lambda device_index=None: cap
+    acc.available_memory = lambda device_index=None: max(0, cap - torch.cuda.memory_reserved())
+
+
 def side_hf(args, base: Path, root: Path) -> dict:
     s = settings(args)
     try:
@@ -185,6 +197,8 @@ def side_hf(args, base: Path, root: Path) -> dict:
                 "pip install deepspeed (scripts/device_wheels.sh builds its wheel)"}
     import transformers
 
+    if args.device == "cuda":  # DeepSpeed sizes its buffers by the card's free memory: show it the capped card
+        see_capped_card(args.hf_cap_gib or args.cap_gib)
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     with socket.socket() as sock:
