@@ -42,13 +42,22 @@ MAX_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained
 
 def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig, tokenizer: Tokenizer | None,
               out: str | Path, dtype: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
-              source: Path | None = None) -> Path:
+              source: Path | None = None, tokenizer_source: Path | None = None) -> Path:
     """Write `model` (a Transformer or its state dict) and `tokenizer` to `out` in the Hugging Face layout;
     `dtype` (fp32, bf16 or fp16) casts the floating-point weights, None keeps them as they are. `source`: the
     Hugging Face directory the model came from (default: cfg.init_from), whose other files the export keeps
-    (kiln.state.hf_source)."""
+    (kiln.state.hf_source). `tokenizer_source`: the Hugging Face directory `tokenizer` came from (data.tokenizer),
+    whose special tokens, chat template and stop tokens the export keeps where the model's source does not ship
+    this tokenizer (a model trained from scratch on it)."""
     from kiln.model.hf import hf_model_type, to_hf_config_dict, to_hf_state_dict, zero_o_bias
-    from kiln.state.hf_source import carry_files, same_tokenizer, source_config, written_tokenizer_config
+    from kiln.state.hf_source import (
+        carry_files,
+        carry_tokenizer_files,
+        same_tokenizer,
+        source_config,
+        stop_ids,
+        written_tokenizer_config,
+    )
 
     if dtype is not None and dtype not in DTYPES:
         raise StateError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
@@ -58,10 +67,14 @@ def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig
     tensors = {k: v.detach().to("cpu", DTYPES[dtype] if dtype and v.is_floating_point() else v.dtype).contiguous()
                for k, v in to_hf_state_dict(state, cfg.tie_embeddings, zero_o_bias(cfg), hf_model_type(cfg)).items()}
     specials = _special_ids(tokenizer)
-    name = str(state["embed_tokens.weight"].dtype if dtype is None else DTYPES[dtype]).removeprefix("torch.")
-    config = to_hf_config_dict(cfg, **specials, dtype=name, torch_dtype=name)
     src = source if source is not None else _source_of(cfg)
     keep_tokenizer = src is not None and same_tokenizer(src, tokenizer)
+    tok_dir = tokenizer_source if tokenizer is not None and not keep_tokenizer and tokenizer_source is not None \
+        and same_tokenizer(tokenizer_source, tokenizer) else None
+    if tok_dir is not None:
+        specials = stop_ids(tok_dir, tokenizer, specials)
+    name = str(state["embed_tokens.weight"].dtype if dtype is None else DTYPES[dtype]).removeprefix("torch.")
+    config = to_hf_config_dict(cfg, **specials, dtype=name, torch_dtype=name)
     if src is not None:
         before = read_hf_json(src / "config.json").get("max_position_embeddings")
         config = source_config(src, cfg, name, config, keep_tokenizer)
@@ -75,6 +88,8 @@ def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig
     _write_json(out / "generation_config.json", {"_from_model_config": True, **specials})
     if tokenizer is not None:
         write_tokenizer(tokenizer, out, cfg.max_seq_len)
+    if tok_dir is not None:
+        carry_tokenizer_files(tok_dir, out, cfg.max_seq_len)
     return out
 
 
@@ -206,6 +221,7 @@ def _export(src: str | Path, to: str | Path, dtype: str | None, tokenizer: str |
     if adapters:
         return _export_adapters(p, to, dtype)
     tok = Tokenizer.load(tokenizer) if tokenizer is not None else None
+    tok_dir = _tokenizer_dir(p, tokenizer)
     if (p / "model_config.json").is_file() or model_saved(p / "model"):  # else a run's checkpoint (below)
         model, saved_tok = load_model(p)
         if tok is not None:
@@ -213,7 +229,7 @@ def _export(src: str | Path, to: str | Path, dtype: str | None, tokenizer: str |
         dtype = dtype or stored_dtype(model.cfg.init_from)  # the weights come back in the dtype they came in
         if model.cfg.hf_class == "auto":  # a transformers model: its own save_pretrained
             return _export_auto(model, tok or saved_tok, to, dtype)
-        return export_hf(model, model.cfg, tok or saved_tok, to, dtype, max_shard_bytes)
+        return export_hf(model, model.cfg, tok or saved_tok, to, dtype, max_shard_bytes, tokenizer_source=tok_dir)
     if (p / "config.json").is_file():  # a Hugging Face directory: converted (e.g. to bf16, or re-sharded)
         from kiln.model.hf_import import import_hf, native_architecture, weight_files
 
@@ -241,7 +257,20 @@ def _export(src: str | Path, to: str | Path, dtype: str | None, tokenizer: str |
     cfg, state, found_tok = read_checkpoint_model(ckpt, need_tokenizer=tok is None)
     if tok is not None:
         check_tokenizer(tok, tokenizer, found_tok, state["embed_tokens.weight"].shape[0])
-    return export_hf(state, cfg, tok or found_tok, to, dtype, max_shard_bytes)
+    return export_hf(state, cfg, tok or found_tok, to, dtype, max_shard_bytes, tokenizer_source=tok_dir)
+
+
+def _tokenizer_dir(src: Path, given: str | Path | None) -> Path | None:
+    """The Hugging Face directory of the tokenizer an export of `src` ships: `--tokenizer`, else the run's
+    data.tokenizer (kiln.state.hf_source.tokenizer_dir); None where neither is one."""
+    from kiln.state.hf_source import tokenizer_dir
+    from kiln.state.model_card import _run_of
+
+    if given is not None:
+        return tokenizer_dir(given)
+    config = _run_of(src)[2] or {}
+    data = config.get("data") if isinstance(config.get("data"), dict) else {}
+    return tokenizer_dir(data.get("tokenizer"))
 
 
 def _export_auto(model, tok: Tokenizer | None, to: str | Path, dtype: str | None) -> Path:

@@ -11,7 +11,9 @@ config.json. Training changes none of that, so an export copies those files unch
 config.json as the source's, changed only where Kiln changed the model on purpose: the weights' dtype,
 and a context the run extended (model.max_seq_len with model.rope_scaling). When the run's tokenizer is
 not the source's (data.tokenizer or --tokenizer named another), the tokenizer files, the generation
-config and the special token ids are Kiln's instead.
+config and the special token ids are Kiln's instead: of the run's own tokenizer, and where that came from a
+Hugging Face tokenizer directory (data.tokenizer), its tokenizer files (special tokens, chat template) and stop
+tokens too, as for a model trained from scratch on it (`tokenizer_dir`, `stop_ids`, `carry_tokenizer_files`).
 """
 
 from __future__ import annotations
@@ -131,3 +133,46 @@ def written_tokenizer_config(out: Path, max_len: int, before: int | None) -> Non
     if before is not None and data.get("model_max_length") == before and max_len > before:
         data["model_max_length"] = max_len
         file.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+# ----------------------------------------------------------------- the tokenizer directory of a model trained on it
+
+
+def tokenizer_dir(given: str | Path | None) -> Path | None:
+    """The Hugging Face directory a tokenizer came from (data.tokenizer or `--tokenizer`: the directory, or the
+    folder of a tokenizer.json beside its tokenizer_config.json); None for a tokenizer.json alone, or a path not
+    there."""
+    if not given:
+        return None
+    p = Path(given).expanduser()
+    folder = p if p.is_dir() else p.parent if p.name == "tokenizer.json" else None
+    return folder if folder is not None and (folder / "tokenizer_config.json").is_file() else None
+
+
+def stop_ids(folder: Path, tokenizer, specials: dict[str, Any]) -> dict[str, Any]:
+    """`specials` (Kiln's bos/eos ids) with the stop tokens of the tokenizer directory `folder` after Kiln's EOS:
+    its tokenizer_config.json's eos_token (a chat model's end of turn) and its generation_config.json's
+    eos_token_id (one id or a list); one id stays an int, several become a list, as transformers writes them."""
+    found = [specials.get("eos_token_id")]
+    eos = read_json(folder / "tokenizer_config.json").get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if isinstance(eos, str):
+        found.append(tokenizer.tk.token_to_id(eos))
+    listed = read_json(folder / "generation_config.json").get("eos_token_id")
+    found += listed if isinstance(listed, list) else [listed]
+    ids = list(dict.fromkeys(i for i in found if isinstance(i, int) and 0 <= i < tokenizer.vocab_size))
+    return {**specials, "eos_token_id": ids[0] if len(ids) == 1 else ids or None}
+
+
+def carry_tokenizer_files(folder: Path, out: Path, max_len: int) -> list[str]:
+    """The tokenizer files of `folder` (special tokens, chat template) into `out`, the model's context `max_len` as
+    tokenizer_config.json's model_max_length (the directory's is another model's); their names."""
+    copied = []
+    for name in sorted(TOKENIZER_FILES):
+        if (folder / name).is_file():
+            shutil.copyfile(folder / name, out / name)
+            copied.append(name)
+    data = read_json(out / "tokenizer_config.json")
+    data["model_max_length"] = max_len
+    (out / "tokenizer_config.json").write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    return copied

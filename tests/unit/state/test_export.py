@@ -200,3 +200,36 @@ def test_a_qkv_bias_model_from_scratch_ships_the_tokenizer_kiln_trained(tokenize
     text = Path(sysconfig.get_paths()["stdlib"], "csv.py").read_text()
     assert len(tok(text, add_special_tokens=False)["input_ids"]) == len(tokenizer.encode(text))
     assert tok(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text)
+
+
+def test_a_model_from_scratch_on_a_hugging_face_tokenizer_keeps_its_chat_template_and_stop_tokens(tokenizer,
+                                                                                                  tmp_path):
+    """data.tokenizer names a chat model's tokenizer directory (an end-of-turn token, a chat template, two stop
+    tokens, 8,192 positions): the export of a model trained from scratch on it keeps the template and every stop
+    token beside the EOS its documents ended with, and advertises the new model's context, not 8,192."""
+    import yaml
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tk = HFTokenizer.from_str(tokenizer.to_str())  # a copy, with a chat model's end of turn
+    tk.add_special_tokens(["<|eot|>"])
+    folder = tmp_path / "chat-tokenizer"
+    folder.mkdir()
+    tk.save(str(folder / "tokenizer.json"))
+    eot = tk.token_to_id("<|eot|>")
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|eot|>{% endfor %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|eot|>", "model_max_length": 8192,
+        "chat_template": template}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eot, 0], "temperature": 0.6}))
+    run_tok = Tokenizer.load(folder)  # as `kiln train data.tokenizer=DIR` loads it: <|endoftext|> ends documents
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**BASE, "vocab_size": 336, "tie_embeddings": False})).eval()
+    save_model(model, model.cfg, run_tok, tmp_path / "run" / "model")
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump({"data": {"tokenizer": str(folder)}}))
+    out = export_from(tmp_path / "run", tmp_path / "out")
+    hf, tok, _ = load_quietly(out)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "user: hi<|eot|>"
+    assert (tok.eos_token, tok.model_max_length, hf.config.max_position_embeddings) == ("<|eot|>", 64, 64)
+    gen = transformers.GenerationConfig.from_pretrained(out)
+    assert gen.eos_token_id == hf.config.eos_token_id == [0, eot]  # the documents' EOS first
+    assert "temperature" not in json.loads((out / "generation_config.json").read_text())  # another model's setting
