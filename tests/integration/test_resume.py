@@ -134,6 +134,13 @@ def test_sigterm_writes_a_checkpoint_and_exits_zero(base, reference, tmp_path):
     again = resume(run_dir)
     assert again.returncode == 0, again.stderr
     assert losses(run_dir)[0] == reference
+    # with no console, train.log holds each process's progress, the stop and the resume
+    said = [line[21:].split("  ")[0] for line in (run_dir / "train.log").read_text().splitlines()]
+    assert [s.split(":")[0] for s in said if not s.startswith("step ")] == [
+        f"start at step 0 of {2 * N}", "eval step 0", f"end at step {N + K}", f"start at step {N + K} of {2 * N}",
+        f"eval step {2 * N}", f"end at step {2 * N}"]
+    assert said[-1] == f"end at step {2 * N}: finished" and f"end at step {N + K}: stopped" in said
+    assert [s.split()[1] for s in said if s.startswith("step ")] == [f"{i}/{2 * N}" for i in range(1, 2 * N + 1)]
 
 
 def test_second_signal_aborts_at_once(base, tmp_path):

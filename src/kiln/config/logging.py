@@ -16,6 +16,9 @@ class LoggingConfig(Section):
     """Show a progress bar and log lines on the console."""
     jsonl: bool = True
     """Write metrics to metrics.jsonl in the run directory."""
+    log_file: bool = True
+    """Append the run's progress to train.log in the run directory, whatever the console shows: a time-stamped line
+    per logging step (step, loss, lr, tokens/s, ETA, memory), each evaluation and notice, and each start and end."""
     plots: bool = True
     """At the end of a run, draw plots.png from metrics.jsonl (needs matplotlib: pip install 'kiln[plot]')."""
     tensorboard: bool = False

@@ -29,6 +29,7 @@ from kiln.model.registry import active_param_count, flops_per_token, param_count
 from kiln.monitor.plots import PlotAtEnd
 from kiln.monitor.profile import ProfileWindow
 from kiln.monitor.sinks import ConsoleSink, JsonlSink, enabled_sinks
+from kiln.monitor.sinks.logfile import LogFileSink
 from kiln.monitor.watchers import RunWatchers
 from kiln.parallel.materialize import build_model
 from kiln.parallel.mesh import Mesh, check_same_config, init_mesh
@@ -319,6 +320,8 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         callbacks.append(ConsoleSink(console))
     if cfg.logging.jsonl and mesh.rank == 0:
         callbacks.append(JsonlSink(run_dir / "metrics.jsonl"))
+    if cfg.logging.log_file and mesh.rank == 0:
+        callbacks.append(LogFileSink(run_dir / LogFileSink.name))
     early = None
     if tcfg.early_stop.patience:  # after the sinks: its note follows the evaluation that decided it
         early = EarlyStop(tcfg.early_stop.patience, tcfg.early_stop.min_delta, console.print,
