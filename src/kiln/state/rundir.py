@@ -4,6 +4,7 @@
                                          the run has started or its checkpoint has loaded)
     <run_dir>/.lock, .lock-holder.json   while a `kiln train` runs in it: its lock, and who holds it
     <run_dir>/metrics.jsonl              metrics, appended across resumes
+    <run_dir>/train.log                  the progress as time-stamped lines, appended across resumes
     <run_dir>/checkpoints/step_00001200/ one complete checkpoint (meta.json lists its files)
     <run_dir>/checkpoints/.tmp-...       a save in progress, or one killed midway (never loaded)
     <run_dir>/checkpoints/.damaged-...   a damaged checkpoint a resume set aside (kept for inspection)
