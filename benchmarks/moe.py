@@ -253,6 +253,7 @@ def main() -> None:
                     "tokenizes (about a million tokens: more than the steps read)")
     ap.add_argument("--set", action="append", default=[], help="extra Kiln KEY=VALUE override (repeatable)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--keep", default=None, help="keep the runs (logs, metrics, profiler traces) in this folder")
     ap.add_argument("--no-append", action="store_true", help=f"do not append to {RESULTS}")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, stop_jobs)
@@ -271,7 +272,8 @@ def main() -> None:
     print(f"{args.shape}, {s['layers']} layers: {count(total)} parameters, {count(active)} active per token",
           flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
+        root = Path(args.keep or tmp)
+        root.mkdir(parents=True, exist_ok=True)
         kiln = run_kiln(args, s, root)
         print("kiln", json.dumps(kiln), flush=True)
         if "phases" in kiln:
