@@ -87,7 +87,8 @@ class DataConfig(Section):
     the sources are the built-in '@stdlib' (keeps the quickstart quick) and null for any other data."""
     on_bad_record: Literal["error", "skip"] = "error"
     """A record with a missing field, wrong type, invalid UTF-8, empty or over-long text: 'error' stops
-    with its file and line, 'skip' drops it and counts it in the prepare report."""
+    with its file and line, 'skip' drops it and counts it in the prepare report. An empty text file found in a
+    directory or by a glob (a package's empty __init__.py) is dropped and counted whatever this says."""
     max_record_bytes: int = Field(16 << 20, ge=1)
     """A record longer than this many bytes (16 MiB) is bad (too_long). It bounds the memory one record
     may take: reading it, and encoding it, where the tokenizer library needs about 120 bytes per byte of

@@ -32,6 +32,7 @@ class Source(Protocol):
 
     url: str  # as the user wrote it (or a file it expanded to): named in messages
     lenient: bool  # bad records are skipped whatever the policy
+    named: bool  # named in data.sources itself (not found in a directory or by a glob)
 
 
 REASONS = {
@@ -69,8 +70,9 @@ class RecordChecker:
     def from_config(cls, cfg) -> RecordChecker:
         return cls(cfg.on_bad_record, cfg.max_record_bytes, cfg.min_chars, cfg.max_chars)
 
-    def check(self, value: Any, sf: Source, index: int, line: int | None) -> str | None:
-        """The record's text, or None if it is dropped (raises under the 'error' policy)."""
+    def check(self, value: Any, sf: Source, index: int, line: int | None, whole_file: bool = False) -> str | None:
+        """The record's text, or None if it is dropped (raises under the 'error' policy). `whole_file`: the
+        record is a whole text file (data.text_unit=file)."""
         if isinstance(value, bytes):
             if len(value) > self.limit:  # CSV fields and binary columns: the readers do not bound them
                 return self._bad("too_long", f"{len(value)} bytes", sf, index, line)
@@ -104,7 +106,7 @@ class RecordChecker:
         else:
             return self._bad("wrong_type", f"got {readers.json_type(value)}: {str(value)[:40]!r}", sf, index, line)
         if not text or text.isspace():
-            return self._bad("empty", "", sf, index, line)
+            return self._empty_file(sf) if whole_file else self._bad("empty", "", sf, index, line)
         if len(text) < self.min_chars:
             return self.drop("short", sf, index, line)
         if self.max_chars is not None and len(text) > self.max_chars:
@@ -129,6 +131,17 @@ class RecordChecker:
                             "it, or set data.on_bad_record=skip to keep the records read before the damage and go "
                             "on (the file is counted in the report)")
         self.drop("damaged_file", sf, None, None)
+
+    def _empty_file(self, sf: Source) -> None:
+        """A whole text file that is empty or only whitespace. One found in a directory or by a glob (a package's
+        empty __init__.py) is no bad record: it is counted (`empty`) whatever the policy. One named in data.sources
+        is a DataError under the 'error' policy."""
+        if sf.named and self.policy == "error" and not sf.lenient:
+            raise DataError(f"{sf.url}: the file is empty or only whitespace (data.text_unit=file reads it as one "
+                            "document), so it holds nothing to train on. Give a file with text, remove it from "
+                            "data.sources, or set data.on_bad_record=skip to pass over it (it is counted in the "
+                            "report).")
+        return self.drop("empty", sf.url, None, None)
 
     def _bad(self, reason: str, detail: str, sf: Source, index: int, line: int | None,
              what: str | None = None) -> None:

@@ -66,6 +66,8 @@ class SourceFile:
     compression: str | None = None
     lenient: bool = False  # bad records are skipped whatever the policy ('@stdlib')
     fs: Any = None  # an fsspec filesystem; None for local files
+    named: bool = True  # named in data.sources itself, not found in a directory or by a glob: read as a
+    # whole document (data.text_unit=file), an empty file of a directory or glob is dropped whatever the policy
 
     def open_raw(self) -> BinaryIO:
         try:
@@ -214,8 +216,9 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
     out.passed_over = []
     seen: set[tuple[str, str]] = set()
 
-    def add(fs, path: str, url: str, explicit: bool, lenient: bool = False, force: str | None = None) -> bool:
-        """Whether `path` is a source file (added now or before)."""
+    def add(fs, path: str, url: str, explicit: bool, lenient: bool = False, force: str | None = None,
+            named: bool = False) -> bool:
+        """Whether `path` is a source file (added now or before); `named` if the spec is the file itself."""
         form, comp = _detect(path, force or fmt, explicit)
         if form is None:
             out.passed_over.append(url)
@@ -230,7 +233,7 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
         if key not in seen:
             seen.add(key)
             size = st.st_size if local else int(fs.size(path) or 0)
-            out.append(SourceFile(url, path, size, form, comp, lenient, None if local else fs))
+            out.append(SourceFile(url, path, size, form, comp, lenient, None if local else fs, named))
         return True
 
     for spec in sources:
@@ -275,7 +278,7 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
                         else:
                             found |= add(fs, p, url(p), False)
             elif fs.isfile(path):
-                found = add(fs, path, spec, True)
+                found = add(fs, path, spec, True, named=True)
             elif not glob.has_magic(path) and prefix == "hf://" and hub_offline():
                 raise DataError(f"data source '{spec}': HF_HUB_OFFLINE is set, so the Hugging Face Hub cannot be "
                                 "read. Unset HF_HUB_OFFLINE to read the dataset, or give a local copy of its files")
@@ -374,6 +377,7 @@ def iter_documents(cfg, files: list[SourceFile] | None = None, start: tuple[int,
         sf = files[fi]
         skip = start[1] if fi == start[0] else 0
         columnar = sf.format in ("parquet", "arrow")
+        whole = sf.format == "text" and cfg.text_unit == "file"  # the file is one document
         digest = file_sha256(sf) if hashes is not None and columnar else None
         raw = sf.open_raw()
         if not columnar and (progress is not None or hashes is not None):
@@ -382,7 +386,7 @@ def iter_documents(cfg, files: list[SourceFile] | None = None, start: tuple[int,
             with raw, (raw if columnar else sf.open(raw)) as f:
                 for index, line, value in read_records(sf, f, cfg.field, cfg.text_unit, cfg.max_record_bytes, skip,
                                                           cfg.csv_quoting):
-                    text = checker.check(value, sf, index, line)
+                    text = checker.check(value, sf, index, line, whole)
                     if text is not None:
                         yield Document(text, sf.url, fi, index, line)
                 if hashes is not None:

@@ -309,3 +309,25 @@ def test_a_cut_compressed_file_keeps_every_complete_record_before_the_damage(tmp
         expected = [json.loads(t)["text"] for t in expected]
     got = texts(tmp_path, [path], on_bad_record="skip", **({"text_unit": unit} if unit else {}))
     assert len(expected) > 10_000 and got == expected
+
+
+def test_an_empty_file_of_a_directory_is_dropped_and_counted_whatever_the_policy(tmp_path):
+    from kiln.data.read.records import RecordChecker
+
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")  # a package's empty __init__.py files, one blank
+    (pkg / "sub" / "__init__.py").write_text("\n")
+    (pkg / "a.py").write_text("x = 1\n")
+    for spec in (pkg, pkg / "**" / "*.py"):  # a directory walked, a glob matched
+        cfg = DataConfig(sources=[str(spec)])  # data.on_bad_record=error
+        checker = RecordChecker.from_config(cfg)
+        assert [d.text for d in iter_documents(cfg, checker=checker)] == ["x = 1\n"]
+        assert dict(checker.dropped) == {"empty": 2}  # the prepare report's "dropped: empty 2"
+        assert checker.examples["empty"] == [str(pkg / "__init__.py"), str(pkg / "sub" / "__init__.py")]
+    empty_jsonl = pkg / "b.jsonl"  # an empty record inside a file stays a bad record
+    empty_jsonl.write_text('{"text": ""}\n')
+    with pytest.raises(DataError, match=r"b\.jsonl:1: the record is empty"):
+        list(iter_documents(DataConfig(sources=[str(pkg)], format="auto")))
+    with pytest.raises(DataError, match=r"__init__\.py: the file is empty"):  # a file named on its own
+        list(iter_documents(DataConfig(sources=[str(pkg / "__init__.py")])))
