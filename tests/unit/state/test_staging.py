@@ -52,3 +52,37 @@ def test_pin_ranges_tile_the_tensor_with_no_page_in_two_pieces(start, nbytes):
     for (a, n), (b, _) in zip(pieces, pieces[1:]):
         assert a + n == b and b % PAGE == 0  # contiguous, and each boundary on a page
     assert all(0 < n <= PIN_CHUNK for _, n in pieces)
+
+
+def test_allocating_the_buffers_reads_nothing_of_the_state(monkeypatch):
+    """`allocate` runs beside training: making a buffer must not copy the state (on a GPU that copy is a blocking
+    device-to-host transfer of the whole state in training's stream)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+                       "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    dist.init_process_group("gloo")
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        live = {"w": distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]), "b": torch.randn(4)}
+        staging = CpuStaging(pin=False)
+        with Ops() as ops:
+            staging.allocate(live)
+        assert not [n for n in ops.names if "copy" in n or "clone" in n], ops.names
+        assert staging.buffers["w"].placements == live["w"].placements
+        assert staging.buffers["w"].to_local().data_ptr() != live["w"].to_local().data_ptr()
+        staged = staging.stage(live)  # and the buffers it made take the copy
+        assert torch.equal(staged["w"].to_local(), live["w"].to_local()) and staged["w"] is staging.buffers["w"]
+    finally:
+        dist.destroy_process_group()
+        os.environ.pop("MASTER_PORT", None)
