@@ -49,9 +49,8 @@ def _pin(t: torch.Tensor) -> None:
     """Page-lock the memory of a CPU tensor (what `pin_memory=True` allocation does, for one we have).
 
     Its pages are touched first (plain CPU work), then locked a piece of PIN_CHUNK bytes at a time, yielding
-    between pieces: one call for a whole tensor of the state held the driver for up to a second
-    while training went on in the other thread, and pinning an 8B model's state on 4 GPUs that way made its
-    second step 40 s long instead of 0.9 s."""
+    between pieces: one call for a whole tensor of the state held the driver for up to a second while training
+    went on in the other thread."""
     cudart = torch.cuda.cudart()
     t.zero_()  # the pages exist before the driver locks them
     for ptr, size in pin_ranges(t.data_ptr(), t.numel() * t.element_size()):
