@@ -253,7 +253,7 @@ def main() -> None:
                     "tokenizes (about a million tokens: more than the steps read)")
     ap.add_argument("--set", action="append", default=[], help="extra Kiln KEY=VALUE override (repeatable)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--keep", default=None, help="keep the runs (logs, metrics, profiler traces) in this folder")
+    ap.add_argument("--keep", default=None, help="keep the runs (logs, metrics, profiler traces) in this new folder")
     ap.add_argument("--no-append", action="store_true", help=f"do not append to {RESULTS}")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, stop_jobs)
@@ -273,6 +273,8 @@ def main() -> None:
           flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep or tmp)
+        if args.keep and root.exists() and any(root.iterdir()):  # a run left there would be resumed, not measured
+            sys.exit(f"--keep {root}: the folder is not empty; name a new one")
         root.mkdir(parents=True, exist_ok=True)
         kiln = run_kiln(args, s, root)
         print("kiln", json.dumps(kiln), flush=True)

@@ -291,7 +291,7 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "kiln-bench-cache"))
     ap.add_argument("--set", action="append", default=[], help="extra Kiln KEY=VALUE override, both Kiln sides")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--keep", default=None, help="keep the runs (logs, metrics, profiler traces) in this folder")
+    ap.add_argument("--keep", default=None, help="keep the runs (logs, metrics, profiler traces) in this new folder")
     ap.add_argument("--no-append", action="store_true", help=f"do not append to {RESULTS}")
     ap.add_argument("--write-model", default=None, help=argparse.SUPPRESS)  # the auto side's model directory
     args = ap.parse_args()
@@ -318,6 +318,8 @@ def main() -> None:
     results = {"Kiln native": skipped, "HF Trainer": skipped, "Kiln hf_class=auto": skipped}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep or tmp)
+        if args.keep and root.exists() and any(root.iterdir()):  # a run left there would be resumed, not measured
+            sys.exit(f"--keep {root}: the folder is not empty; name a new one")
         root.mkdir(parents=True, exist_ok=True)
         if "native" in sides:
             results["Kiln native"] = kiln_result(Job(native_command(args, s, root / "kiln"), root / "kiln.log"),
