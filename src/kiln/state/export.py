@@ -50,14 +50,7 @@ def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig
     whose special tokens, chat template and stop tokens the export keeps where the model's source does not ship
     this tokenizer (a model trained from scratch on it)."""
     from kiln.model.hf import hf_model_type, to_hf_config_dict, to_hf_state_dict, zero_o_bias
-    from kiln.state.hf_source import (
-        carry_files,
-        carry_tokenizer_files,
-        same_tokenizer,
-        source_config,
-        stop_ids,
-        written_tokenizer_config,
-    )
+    from kiln.state.hf_source import carry_files, same_tokenizer, source_config, written_tokenizer_config
 
     if dtype is not None and dtype not in DTYPES:
         raise StateError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
@@ -66,13 +59,9 @@ def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", DTYPES[dtype] if dtype and v.is_floating_point() else v.dtype).contiguous()
                for k, v in to_hf_state_dict(state, cfg.tie_embeddings, zero_o_bias(cfg), hf_model_type(cfg)).items()}
-    specials = _special_ids(tokenizer)
     src = source if source is not None else _source_of(cfg)
     keep_tokenizer = src is not None and same_tokenizer(src, tokenizer)
-    tok_dir = tokenizer_source if tokenizer is not None and not keep_tokenizer and tokenizer_source is not None \
-        and same_tokenizer(tokenizer_source, tokenizer) else None
-    if tok_dir is not None:
-        specials = stop_ids(tok_dir, tokenizer, specials)
+    specials, tok_dir = _run_tokenizer(tokenizer, tokenizer_source, keep_tokenizer)
     name = str(state["embed_tokens.weight"].dtype if dtype is None else DTYPES[dtype]).removeprefix("torch.")
     config = to_hf_config_dict(cfg, **specials, dtype=name, torch_dtype=name)
     if src is not None:
@@ -85,12 +74,35 @@ def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig
     if keep_tokenizer:
         written_tokenizer_config(out, cfg.max_seq_len, before)
         return out
+    _write_run_tokenizer(out, tokenizer, specials, tok_dir, cfg.max_seq_len)
+    return out
+
+
+def _run_tokenizer(tokenizer: Tokenizer | None, tokenizer_source: Path | None, keep_tokenizer: bool
+                   ) -> tuple[dict[str, Any], Path | None]:
+    """(special token ids, Hugging Face directory) of the run's tokenizer as an export ships it where the model's
+    source does not (`keep_tokenizer` False): the directory is `tokenizer_source` when it holds this very
+    tokenizer (data.tokenizer=DIR), whose stop tokens then join the ids (kiln.state.hf_source.stop_ids)."""
+    from kiln.state.hf_source import same_tokenizer, stop_ids
+
+    specials = _special_ids(tokenizer)
+    if tokenizer is None or keep_tokenizer or tokenizer_source is None or not same_tokenizer(tokenizer_source,
+                                                                                             tokenizer):
+        return specials, None
+    return stop_ids(tokenizer_source, tokenizer, specials), tokenizer_source
+
+
+def _write_run_tokenizer(out: Path, tokenizer: Tokenizer | None, specials: dict[str, Any], tok_dir: Path | None,
+                         max_len: int) -> None:
+    """The run's tokenizer (`_run_tokenizer`) into `out`: generation_config.json of its special ids, tokenizer.json
+    and Kiln's tokenizer_config.json, or its directory's tokenizer files (chat template, special tokens)."""
+    from kiln.state.hf_source import carry_tokenizer_files
+
     _write_json(out / "generation_config.json", {"_from_model_config": True, **specials})
     if tokenizer is not None:
-        write_tokenizer(tokenizer, out, cfg.max_seq_len)
+        write_tokenizer(tokenizer, out, max_len)
     if tok_dir is not None:
-        carry_tokenizer_files(tok_dir, out, cfg.max_seq_len)
-    return out
+        carry_tokenizer_files(tok_dir, out, max_len)
 
 
 def _source_of(cfg: ModelConfig) -> Path | None:
@@ -111,19 +123,27 @@ def read_hf_json(path: Path) -> dict[str, Any]:
     return read_json(path)
 
 
-def finish_auto_export(out: Path, cfg: ModelConfig, tokenizer: Tokenizer | None) -> Path:
+def finish_auto_export(out: Path, cfg: ModelConfig, tokenizer: Tokenizer | None,
+                       tokenizer_source: Path | None = None) -> Path:
     """After an auto-path model's save_pretrained into `out`: config.json as its source's (the weights' dtype
-    changed), and the source's tokenizer files and generation config (kiln.state.hf_source)."""
-    from kiln.state.hf_source import carry_files, same_tokenizer, source_config
+    changed), and the source's tokenizer files and generation config (kiln.state.hf_source); where the run's
+    tokenizer is another, that tokenizer (with `tokenizer_source`, its directory's files and stop tokens, as
+    `export_hf` ships them) and its special ids in config.json and generation_config.json."""
+    from kiln.state.hf_source import SPECIAL_IDS, carry_files, same_tokenizer, source_config
 
     src = _source_of(cfg)
-    if src is None:
-        return out
-    keep_tokenizer = same_tokenizer(src, tokenizer)
+    keep_tokenizer = tokenizer is None or (src is not None and same_tokenizer(src, tokenizer))
+    specials, tok_dir = _run_tokenizer(tokenizer, tokenizer_source, keep_tokenizer)
     written = read_hf_json(out / "config.json")
-    dtype = next((written[k] for k in ("dtype", "torch_dtype") if isinstance(written.get(k), str)), None)
-    _write_json(out / "config.json", source_config(src, None, dtype, written, keep_tokenizer))
-    carry_files(src, out, keep_tokenizer)
+    if not keep_tokenizer:  # save_pretrained wrote the source's ids
+        written = {**{k: v for k, v in written.items() if k not in SPECIAL_IDS}, **specials}
+    if src is not None:
+        dtype = next((written[k] for k in ("dtype", "torch_dtype") if isinstance(written.get(k), str)), None)
+        written = source_config(src, None, dtype, written, keep_tokenizer)
+        carry_files(src, out, keep_tokenizer)
+    _write_json(out / "config.json", written)
+    if not keep_tokenizer:
+        _write_run_tokenizer(out, tokenizer, specials, tok_dir, cfg.max_seq_len)
     return out
 
 
@@ -169,11 +189,6 @@ def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_byt
     if len(shards) > 1:
         _write_json(out / "model.safetensors.index.json", index)
     return [out / n for n in names]
-
-
-def tokenizer_writer(tokenizer: Tokenizer | None, max_len: int):
-    """A function of a directory that writes `tokenizer`'s files there (None without a tokenizer)."""
-    return None if tokenizer is None else (lambda out: write_tokenizer(tokenizer, Path(out), max_len))
 
 
 def write_tokenizer(tokenizer: Tokenizer, out: Path, max_len: int) -> None:
@@ -228,7 +243,7 @@ def _export(src: str | Path, to: str | Path, dtype: str | None, tokenizer: str |
             check_tokenizer(tok, tokenizer, saved_tok, int(model.cfg.vocab_size))
         dtype = dtype or stored_dtype(model.cfg.init_from)  # the weights come back in the dtype they came in
         if model.cfg.hf_class == "auto":  # a transformers model: its own save_pretrained
-            return _export_auto(model, tok or saved_tok, to, dtype)
+            return _export_auto(model, tok or saved_tok, to, dtype, tok_dir)
         return export_hf(model, model.cfg, tok or saved_tok, to, dtype, max_shard_bytes, tokenizer_source=tok_dir)
     if (p / "config.json").is_file():  # a Hugging Face directory: converted (e.g. to bf16, or re-sharded)
         from kiln.model.hf_import import import_hf, native_architecture, weight_files
@@ -253,7 +268,7 @@ def _export(src: str | Path, to: str | Path, dtype: str | None, tokenizer: str |
         model, found_tok = read_checkpoint_auto(ckpt, need_tokenizer=tok is None)
         if tok is not None:
             check_tokenizer(tok, tokenizer, found_tok, int(model.cfg.vocab_size))
-        return _export_auto(model, tok or found_tok, to, dtype)
+        return _export_auto(model, tok or found_tok, to, dtype, tok_dir)
     cfg, state, found_tok = read_checkpoint_model(ckpt, need_tokenizer=tok is None)
     if tok is not None:
         check_tokenizer(tok, tokenizer, found_tok, state["embed_tokens.weight"].shape[0])
@@ -273,14 +288,12 @@ def _tokenizer_dir(src: Path, given: str | Path | None) -> Path | None:
     return tokenizer_dir(data.get("tokenizer"))
 
 
-def _export_auto(model, tok: Tokenizer | None, to: str | Path, dtype: str | None) -> Path:
-    """An auto-path model through its own save_pretrained, then its source's files (finish_auto_export)."""
-    from kiln.state.hf_source import same_tokenizer, source_dir
-
-    src = source_dir(model.cfg)
-    writer = None if src is not None and same_tokenizer(src, tok) else tokenizer_writer(tok, model.cfg.max_seq_len)
-    out = model.save_pretrained(to, writer, dtype=DTYPES[_dtype(dtype)] if dtype else None)
-    return finish_auto_export(Path(out), model.cfg, tok)
+def _export_auto(model, tok: Tokenizer | None, to: str | Path, dtype: str | None,
+                 tokenizer_source: Path | None = None) -> Path:
+    """An auto-path model through its own save_pretrained, then its source's files or the run's tokenizer
+    (finish_auto_export)."""
+    out = model.save_pretrained(to, None, dtype=DTYPES[_dtype(dtype)] if dtype else None)
+    return finish_auto_export(Path(out), model.cfg, tok, tokenizer_source)
 
 
 def _check_destination(src: Path, to: Path) -> None:

@@ -19,7 +19,7 @@ from kiln.errors import StateError
 from kiln.model.hf import ARCHITECTURES
 from kiln.model.hf_import import import_hf, read_hf_state_dict, weight_files
 from kiln.model.llama import Transformer
-from kiln.state.export import export_from, export_hf
+from kiln.state.export import export_from, export_hf, write_tokenizer
 from kiln.state.weights import save_model
 
 transformers = pytest.importorskip("transformers")
@@ -202,17 +202,14 @@ def test_a_qkv_bias_model_from_scratch_ships_the_tokenizer_kiln_trained(tokenize
     assert tok(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text)
 
 
-def test_a_model_from_scratch_on_a_hugging_face_tokenizer_keeps_its_chat_template_and_stop_tokens(tokenizer,
-                                                                                                  tmp_path):
-    """data.tokenizer names a chat model's tokenizer directory (an end-of-turn token, a chat template, two stop
-    tokens, 8,192 positions): the export of a model trained from scratch on it keeps the template and every stop
-    token beside the EOS its documents ended with, and advertises the new model's context, not 8,192."""
-    import yaml
+def chat_tokenizer(tokenizer: Tokenizer, root: Path) -> tuple[Path, int]:
+    """A chat model's tokenizer directory made from `tokenizer` (an end-of-turn token, a chat template, two stop
+    tokens, 8,192 positions); its path and the end of turn's id."""
     from tokenizers import Tokenizer as HFTokenizer
 
     tk = HFTokenizer.from_str(tokenizer.to_str())  # a copy, with a chat model's end of turn
     tk.add_special_tokens(["<|eot|>"])
-    folder = tmp_path / "chat-tokenizer"
+    folder = root / "chat-tokenizer"
     folder.mkdir()
     tk.save(str(folder / "tokenizer.json"))
     eot = tk.token_to_id("<|eot|>")
@@ -221,15 +218,54 @@ def test_a_model_from_scratch_on_a_hugging_face_tokenizer_keeps_its_chat_templat
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|eot|>", "model_max_length": 8192,
         "chat_template": template}))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eot, 0], "temperature": 0.6}))
-    run_tok = Tokenizer.load(folder)  # as `kiln train data.tokenizer=DIR` loads it: <|endoftext|> ends documents
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(**{**BASE, "vocab_size": 336, "tie_embeddings": False})).eval()
-    save_model(model, model.cfg, run_tok, tmp_path / "run" / "model")
-    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump({"data": {"tokenizer": str(folder)}}))
-    out = export_from(tmp_path / "run", tmp_path / "out")
+    return folder, eot
+
+
+def assert_chat_tokenizer_kept(out: Path, eot: int, context: int) -> None:
     hf, tok, _ = load_quietly(out)
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "user: hi<|eot|>"
-    assert (tok.eos_token, tok.model_max_length, hf.config.max_position_embeddings) == ("<|eot|>", 64, 64)
+    assert (tok.eos_token, tok.model_max_length, hf.config.max_position_embeddings) == ("<|eot|>", context, context)
     gen = transformers.GenerationConfig.from_pretrained(out)
     assert gen.eos_token_id == hf.config.eos_token_id == [0, eot]  # the documents' EOS first
     assert "temperature" not in json.loads((out / "generation_config.json").read_text())  # another model's setting
+
+
+def run_on(folder: Path, run: Path, model, run_tok: Tokenizer) -> Path:
+    """`run`, a finished run of `model` with data.tokenizer=`folder`."""
+    import yaml
+
+    save_model(model, model.cfg, run_tok, run / "model")
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"tokenizer": str(folder)}}))
+    return run
+
+
+def test_a_model_from_scratch_on_a_hugging_face_tokenizer_keeps_its_chat_template_and_stop_tokens(tokenizer,
+                                                                                                  tmp_path):
+    """data.tokenizer names a chat model's tokenizer directory: the export of a model trained from scratch on it
+    keeps the template and every stop token beside the EOS its documents ended with, and advertises the new
+    model's context, not 8,192."""
+    folder, eot = chat_tokenizer(tokenizer, tmp_path)
+    run_tok = Tokenizer.load(folder)  # as `kiln train data.tokenizer=DIR` loads it: <|endoftext|> ends documents
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**BASE, "vocab_size": 336, "tie_embeddings": False})).eval()
+    out = export_from(run_on(folder, tmp_path / "run", model, run_tok), tmp_path / "out")
+    assert_chat_tokenizer_kept(out, eot, 64)
+
+
+def test_an_auto_model_trained_on_another_hugging_face_tokenizer_keeps_that_tokenizer(tokenizer, tmp_path):
+    """model.hf_class=auto from model.init_from=DIR (a Llama with Kiln's tokenizer files) with data.tokenizer naming
+    another tokenizer directory: the export ships the tokenizer the run used, its chat template and stop tokens,
+    not Kiln's minimal files nor the source's."""
+    from kiln.model.hf_auto import auto_config, build_auto
+
+    src = tmp_path / "base"
+    config = transformers.LlamaConfig(vocab_size=336, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=48,
+                                      eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(src)
+    write_tokenizer(tokenizer, src, 48)  # the source's own tokenizer, without the chat template
+    folder, eot = chat_tokenizer(tokenizer, tmp_path)
+    model = build_auto(auto_config(ModelConfig(init_from=str(src), hf_class="auto")))
+    out = export_from(run_on(folder, tmp_path / "run", model, Tokenizer.load(folder)), tmp_path / "out")
+    assert_chat_tokenizer_kept(out, eot, 48)
