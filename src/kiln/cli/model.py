@@ -75,7 +75,7 @@ def export(
     """
     import warnings
 
-    from kiln.state.export import ExportWarning, export_from
+    from kiln.state.export import ExportNote, ExportWarning, export_from
 
     if private and not push_to_hub:
         raise ConfigError("--private applies to --push-to-hub: give the repository to create as OWNER/NAME")
@@ -88,7 +88,8 @@ def export(
         out = export_from(source, to, dtype, tokenizer, adapters=adapters, repo=push_to_hub)
     for w in caught:  # Kiln's own as a plain warning line; the libraries' as Python shows them
         if issubclass(w.category, ExportWarning):
-            err_console.print(f"warning: {w.message}", markup=False, highlight=False)
+            kind = "note" if issubclass(w.category, ExportNote) else "warning"
+            err_console.print(f"{kind}: {w.message}", markup=False, highlight=False)
         else:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     print(out)

@@ -110,7 +110,8 @@ class DataConfig(Section):
     bos_token: str | None = None
     """Token put before every document (null: none; 'auto': the tokenizer's <|begin_of_text|>, <s> or <bos>;
     'tokenizer': the one the tokenizer's own post-processor puts first, if any: the default with model.init_from,
-    so the data starts as the model's inputs do at inference)."""
+    so the data starts as the model's inputs do at inference). Without a BOS, the tokenizer of `kiln export` puts
+    none first either."""
     parse_special_tokens: bool = False
     """Read special-token text inside documents (a literal '<|endoftext|>') as that special token; false
     encodes it as plain text, so no document can inject an EOS or BOS."""

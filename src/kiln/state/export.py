@@ -37,18 +37,24 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 class ExportWarning(UserWarning):
     """What an export could not do as asked, said without stopping it (`kiln export` prints it as a warning line)."""
 
+
+class ExportNote(ExportWarning):
+    """What an export changed on purpose that a user should know (`kiln export` prints it as a note line)."""
+
+
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained
 
 
 def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig, tokenizer: Tokenizer | None,
               out: str | Path, dtype: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
-              source: Path | None = None, tokenizer_source: Path | None = None) -> Path:
+              source: Path | None = None, tokenizer_source: Path | None = None, bos_free: bool = False) -> Path:
     """Write `model` (a Transformer or its state dict) and `tokenizer` to `out` in the Hugging Face layout;
     `dtype` (fp32, bf16 or fp16) casts the floating-point weights, None keeps them as they are. `source`: the
     Hugging Face directory the model came from (default: cfg.init_from), whose other files the export keeps
     (kiln.state.hf_source). `tokenizer_source`: the Hugging Face directory `tokenizer` came from (data.tokenizer),
     whose special tokens, chat template and stop tokens the export keeps where the model's source does not ship
-    this tokenizer (a model trained from scratch on it)."""
+    this tokenizer (a model trained from scratch on it). `bos_free`: the run put no BOS before its documents, so
+    the tokenizer the export writes puts none either (kiln.state.tokenizer_bos)."""
     from kiln.model.hf import hf_model_type, to_hf_config_dict, to_hf_state_dict, zero_o_bias
     from kiln.state.hf_source import carry_files, same_tokenizer, source_config, written_tokenizer_config
 
@@ -74,7 +80,7 @@ def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig
     if keep_tokenizer:
         written_tokenizer_config(out, cfg.max_seq_len, before)
         return out
-    _write_run_tokenizer(out, tokenizer, specials, tok_dir, cfg.max_seq_len)
+    _write_run_tokenizer(out, tokenizer, specials, tok_dir, cfg.max_seq_len, bos_free)
     return out
 
 
@@ -93,9 +99,10 @@ def _run_tokenizer(tokenizer: Tokenizer | None, tokenizer_source: Path | None, k
 
 
 def _write_run_tokenizer(out: Path, tokenizer: Tokenizer | None, specials: dict[str, Any], tok_dir: Path | None,
-                         max_len: int) -> None:
+                         max_len: int, bos_free: bool) -> None:
     """The run's tokenizer (`_run_tokenizer`) into `out`: generation_config.json of its special ids, tokenizer.json
-    and Kiln's tokenizer_config.json, or its directory's tokenizer files (chat template, special tokens)."""
+    and Kiln's tokenizer_config.json, or its directory's tokenizer files (chat template, special tokens); with
+    `bos_free` (the run put no BOS first), without the BOS its post-processor puts first."""
     from kiln.state.hf_source import carry_tokenizer_files
 
     _write_json(out / "generation_config.json", {"_from_model_config": True, **specials})
@@ -103,6 +110,23 @@ def _write_run_tokenizer(out: Path, tokenizer: Tokenizer | None, specials: dict[
         write_tokenizer(tokenizer, out, max_len)
     if tok_dir is not None:
         carry_tokenizer_files(tok_dir, out, max_len)
+    if bos_free and tokenizer is not None:
+        _drop_bos(out)
+
+
+def _drop_bos(out: Path) -> None:
+    """The BOS out of the exported tokenizer of a model trained without one, said in a note (kiln export's line)."""
+    from kiln.state.tokenizer_bos import drop_bos
+
+    bos, gone = drop_bos(out)
+    if bos is not None and gone:
+        warnings.warn(ExportNote(f"the exported tokenizer puts no {bos} before a text, as the model trained without "
+                                 "a BOS (data.bos_token=null): its post-processor and add_bos_token say so. To train "
+                                 f"a model with {bos} first, set data.bos_token=tokenizer"), stacklevel=4)
+    elif bos is not None:
+        warnings.warn(ExportWarning(f"the exported tokenizer puts {bos} before a text, which the model never saw in "
+                                    "training (data.bos_token=null), and its post-processor is of a kind Kiln cannot "
+                                    "change: encode with add_special_tokens=False"), stacklevel=4)
 
 
 def _source_of(cfg: ModelConfig) -> Path | None:
@@ -124,11 +148,12 @@ def read_hf_json(path: Path) -> dict[str, Any]:
 
 
 def finish_auto_export(out: Path, cfg: ModelConfig, tokenizer: Tokenizer | None,
-                       tokenizer_source: Path | None = None) -> Path:
+                       tokenizer_source: Path | None = None, bos_free: bool = False) -> Path:
     """After an auto-path model's save_pretrained into `out`: config.json as its source's (the weights' dtype
     changed), and the source's tokenizer files and generation config (kiln.state.hf_source); where the run's
     tokenizer is another, that tokenizer (with `tokenizer_source`, its directory's files and stop tokens, as
-    `export_hf` ships them) and its special ids in config.json and generation_config.json."""
+    `export_hf` ships them, and without a BOS where `bos_free`) and its special ids in config.json and
+    generation_config.json."""
     from kiln.state.hf_source import SPECIAL_IDS, carry_files, same_tokenizer, source_config
 
     src = _source_of(cfg)
@@ -143,7 +168,7 @@ def finish_auto_export(out: Path, cfg: ModelConfig, tokenizer: Tokenizer | None,
         carry_files(src, out, keep_tokenizer)
     _write_json(out / "config.json", written)
     if not keep_tokenizer:
-        _write_run_tokenizer(out, tokenizer, specials, tok_dir, cfg.max_seq_len)
+        _write_run_tokenizer(out, tokenizer, specials, tok_dir, cfg.max_seq_len, bos_free)
     return out
 
 
@@ -223,6 +248,7 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
 def _export(src: str | Path, to: str | Path, dtype: str | None, tokenizer: str | Path | None, max_shard_bytes: int,
             adapters: bool) -> Path:
     from kiln.model.hf_import import stored_dtype
+    from kiln.state.hf_source import tokenizer_dir
     from kiln.state.rundir import model_saved
     from kiln.state.weights import load_model
 
@@ -236,15 +262,18 @@ def _export(src: str | Path, to: str | Path, dtype: str | None, tokenizer: str |
     if adapters:
         return _export_adapters(p, to, dtype)
     tok = Tokenizer.load(tokenizer) if tokenizer is not None else None
-    tok_dir = _tokenizer_dir(p, tokenizer)
+    data = _run_data(p)
+    tok_dir = tokenizer_dir(tokenizer if tokenizer is not None else data.get("tokenizer"))
     if (p / "model_config.json").is_file() or model_saved(p / "model"):  # else a run's checkpoint (below)
         model, saved_tok = load_model(p)
         if tok is not None:
             check_tokenizer(tok, tokenizer, saved_tok, int(model.cfg.vocab_size))
         dtype = dtype or stored_dtype(model.cfg.init_from)  # the weights come back in the dtype they came in
+        run_tok, bos_free = _as_trained(tok or saved_tok, data)
         if model.cfg.hf_class == "auto":  # a transformers model: its own save_pretrained
-            return _export_auto(model, tok or saved_tok, to, dtype, tok_dir)
-        return export_hf(model, model.cfg, tok or saved_tok, to, dtype, max_shard_bytes, tokenizer_source=tok_dir)
+            return _export_auto(model, run_tok, to, dtype, tok_dir, bos_free)
+        return export_hf(model, model.cfg, run_tok, to, dtype, max_shard_bytes, tokenizer_source=tok_dir,
+                         bos_free=bos_free)
     if (p / "config.json").is_file():  # a Hugging Face directory: converted (e.g. to bf16, or re-sharded)
         from kiln.model.hf_import import import_hf, native_architecture, weight_files
 
@@ -268,32 +297,43 @@ def _export(src: str | Path, to: str | Path, dtype: str | None, tokenizer: str |
         model, found_tok = read_checkpoint_auto(ckpt, need_tokenizer=tok is None)
         if tok is not None:
             check_tokenizer(tok, tokenizer, found_tok, int(model.cfg.vocab_size))
-        return _export_auto(model, tok or found_tok, to, dtype, tok_dir)
+        run_tok, bos_free = _as_trained(tok or found_tok, data)
+        return _export_auto(model, run_tok, to, dtype, tok_dir, bos_free)
     cfg, state, found_tok = read_checkpoint_model(ckpt, need_tokenizer=tok is None)
     if tok is not None:
         check_tokenizer(tok, tokenizer, found_tok, state["embed_tokens.weight"].shape[0])
-    return export_hf(state, cfg, tok or found_tok, to, dtype, max_shard_bytes, tokenizer_source=tok_dir)
+    run_tok, bos_free = _as_trained(tok or found_tok, data)
+    return export_hf(state, cfg, run_tok, to, dtype, max_shard_bytes, tokenizer_source=tok_dir, bos_free=bos_free)
 
 
-def _tokenizer_dir(src: Path, given: str | Path | None) -> Path | None:
-    """The Hugging Face directory of the tokenizer an export of `src` ships: `--tokenizer`, else the run's
-    data.tokenizer (kiln.state.hf_source.tokenizer_dir); None where neither is one."""
-    from kiln.state.hf_source import tokenizer_dir
+def _run_data(src: Path) -> dict[str, Any]:
+    """The data section of the config of the run an export's `src` belongs to; {} where it is no run's."""
     from kiln.state.model_card import _run_of
 
-    if given is not None:
-        return tokenizer_dir(given)
     config = _run_of(src)[2] or {}
-    data = config.get("data") if isinstance(config.get("data"), dict) else {}
-    return tokenizer_dir(data.get("tokenizer"))
+    return config.get("data") if isinstance(config.get("data"), dict) else {}
+
+
+def _as_trained(tok: Tokenizer | None, data: dict[str, Any]) -> tuple[Tokenizer | None, bool]:
+    """`tok` with the BOS and EOS ids the run's data.bos_token and data.eos_token put around its documents, and
+    whether it put no BOS first; `tok` as it is and False where the run's data section is unknown (`data` {})."""
+    from kiln.errors import DataError
+
+    if tok is None or not data:
+        return tok, False
+    try:
+        trained = Tokenizer(tok.tk, data.get("eos_token", "auto"), data.get("bos_token"))
+    except DataError:  # a --tokenizer without the run's special tokens (check_tokenizer said what it may)
+        return tok, False
+    return trained, trained.bos_id is None
 
 
 def _export_auto(model, tok: Tokenizer | None, to: str | Path, dtype: str | None,
-                 tokenizer_source: Path | None = None) -> Path:
+                 tokenizer_source: Path | None = None, bos_free: bool = False) -> Path:
     """An auto-path model through its own save_pretrained, then its source's files or the run's tokenizer
     (finish_auto_export)."""
     out = model.save_pretrained(to, None, dtype=DTYPES[_dtype(dtype)] if dtype else None)
-    return finish_auto_export(Path(out), model.cfg, tok, tokenizer_source)
+    return finish_auto_export(Path(out), model.cfg, tok, tokenizer_source, bos_free)
 
 
 def _check_destination(src: Path, to: Path) -> None:

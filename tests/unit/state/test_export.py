@@ -269,3 +269,42 @@ def test_an_auto_model_trained_on_another_hugging_face_tokenizer_keeps_that_toke
     model = build_auto(auto_config(ModelConfig(init_from=str(src), hf_class="auto")))
     out = export_from(run_on(folder, tmp_path / "run", model, Tokenizer.load(folder)), tmp_path / "out")
     assert_chat_tokenizer_kept(out, eot, 48)
+
+
+@pytest.mark.parametrize("bos_token", [None, "tokenizer"])
+def test_the_exported_tokenizer_puts_a_bos_first_only_if_the_model_trained_with_one(tokenizer, tmp_path, bos_token):
+    """data.tokenizer names a directory whose tokenizer puts <s> before a text (Llama's post-processor). From
+    scratch with data.bos_token=null the model never sees <s>, and AutoTokenizer of its export gives none;
+    with data.bos_token=tokenizer it trained with <s> first, and the export keeps it."""
+    import yaml
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.processors import TemplateProcessing
+    from typer.testing import CliRunner
+
+    from kiln.cli import app
+
+    tk = HFTokenizer.from_str(tokenizer.to_str())
+    tk.add_special_tokens(["<s>"])
+    bos = tk.token_to_id("<s>")
+    tk.post_processor = TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    folder = tmp_path / "llama-like"
+    folder.mkdir()
+    tk.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "add_bos_token": True}))
+    run_tok = Tokenizer.load(folder, bos_token=bos_token)  # as the run loaded it
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**BASE, "vocab_size": 336})).eval()
+    run = run_on(folder, tmp_path / "run", model, run_tok)
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"tokenizer": str(folder), "bos_token": bos_token}}))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["export", str(run), "--to", str(out)])
+    assert result.exit_code == 0, result.output
+    _, tok, _ = load_quietly(out)
+    text = "def f(x):\n    return x"
+    first = [bos] if bos_token else []
+    assert tok(text)["input_ids"] == first + run_tok.encode(text)  # the model's inputs as in training
+    assert json.loads((out / "tokenizer_config.json").read_text())["add_bos_token"] is bool(bos_token)
+    assert json.loads((out / "config.json").read_text())["bos_token_id"] == (bos if bos_token else None)
+    said = "note: the exported tokenizer puts no <s> before a text, as the model trained without a BOS"
+    assert (said in " ".join(result.output.split())) is not bool(bos_token)  # the line of `kiln export`
