@@ -9,8 +9,9 @@ The experts' weights are stacked, one parameter per projection over every expert
 them: `experts.gate_up_proj` (E, 2 * hidden, d: each expert's gate rows, then its up rows) and
 `experts.down_proj` (E, d, hidden). FSDP shards them like any parameter of the block (dim 0: the experts).
 The tokens are sorted by expert and each projection is one grouped matrix product over the sorted rows
-(`grouped_mm`: `torch._grouped_mm` on a Hopper GPU in bf16; elsewhere a loop over the experts' row ranges,
-the same products), so there is no Python loop over experts on the GPU and no host sync: it compiles whole.
+(`kiln.model.grouped_mm`): torch's grouped GEMM on a Hopper GPU in bf16, with no Python loop over experts and
+no host sync, so the block compiles whole; elsewhere a loop over the experts' row ranges in one custom operator,
+which a compiled block keeps whole too, with each row multiplied by its own expert only (it warns on a GPU).
 
 The layer returns its output and its routing statistics (`router_stats`): each expert's count of top-k
 assignments, the sum of its router probabilities, and the sum of the squared log-sum-exp of the logits. The
@@ -25,44 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import ModelConfig
+from kiln.model.grouped_mm import grouped_mm, grouped_mm_loop, hopper_or_newer, kernel_refusal
 from kiln.model.hf_moe import RouterAux
 
-__all__ = ["GroupedExperts", "Router", "RouterAux", "SparseMoE", "grouped_mm", "router_losses"]
-
-
-def hopper_or_newer(index: int) -> bool:
-    """Whether CUDA device `index` is a Hopper (sm90) or newer GPU, where torch's grouped GEMM kernel runs. Both
-    calls are ones torch's compiler folds into constants when it traces a graph: no graph break."""
-    return torch.cuda.is_available() and torch.cuda.get_device_properties(index).major >= 9
-
-
-def _grouped_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM serves these operands: CUDA, bf16, a Hopper (or newer) GPU, 16-byte rows."""
-    if not (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16):
-        return False
-    return hopper_or_newer(x.device.index or 0) and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0
-
-
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x (N, K), its rows sorted by group; w (G, M, K), each group's weight laid out as nn.Linear's; offs (G,)
-    int32, the end row of each group. Returns (N, M): each row times its group's weight, transposed."""
-    if _grouped_kernel(x, w):
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-    return grouped_mm_loop(x, w, offs)
-
-
-def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """`grouped_mm` as a loop over the groups (the CPU, fp32, older GPUs): the same products. Eager: each group's
-    row range (one host read of the sizes). Compiled: every group's product of every row, each row keeping its
-    own group's (G times the work, but static shapes and no host read, so the graph stays whole)."""
-    if torch.compiler.is_compiling():
-        group = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=offs.dtype), right=True)
-        out = x.new_zeros(x.shape[0], w.shape[1])
-        for g in range(w.shape[0]):
-            out = torch.where((group == g)[:, None], F.linear(x, w[g]), out)
-        return out
-    sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
-    return torch.cat([F.linear(rows, w[g]) for g, rows in enumerate(x.split(sizes))])
+__all__ = ["GroupedExperts", "Router", "RouterAux", "SparseMoE", "grouped_mm", "grouped_mm_loop", "hopper_or_newer",
+           "kernel_refusal", "router_losses"]
 
 
 def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from kiln.model import grouped_mm
 from kiln.streams import drop_log_lines
 
 MODES = ("none", "selective", "full")
@@ -26,6 +27,7 @@ _SAVED_OPS = {
     _aten.mm.default, _aten.addmm.default, _aten.bmm.default,
     _aten._scaled_mm.default,  # float8 linear layers (train.fp8)
     *([_aten._grouped_mm.default] if hasattr(_aten, "_grouped_mm") else []),  # a mixture of experts' (kiln.model.moe)
+    grouped_mm.ROWS_OP,  # the same products as a loop over the experts' rows, off Hopper or bf16
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
