@@ -186,7 +186,15 @@ def _kiln_job(args, s: dict, root: Path, name: str) -> dict:
             "peak_gib": max((r.get("peak_mem_gib") or 0.0 for r in recs.values()), default=0.0) or None,
             "first_loss": recs[min(recs)]["loss"], "last_loss": recs[max(recs)]["loss"],
             "aux_loss": [recs[st].get("aux_loss") for st in sorted(recs)],
-            "wall_s": job.t_end - job.t0, "exit_code": code, "phases": kiln_phases(job, recs)}
+            "wall_s": job.t_end - job.t0, "exit_code": code, "phases": kiln_phases(job, recs),
+            "experts_loop": experts_loop(job)}
+
+
+def experts_loop(job: Job) -> list[str]:
+    """Why Kiln's experts ran as a loop over their rows on a GPU, not torch's grouped GEMM, as its warnings say
+    (kiln.model.grouped_mm.ExpertsKernelWarning; each rank says it once): empty where the kernel ran."""
+    mark = "ExpertsKernelWarning: "
+    return sorted({line.split(mark, 1)[1] for _, line in job.lines if mark in line})
 
 
 def run_hf(args, s: dict, root: Path) -> dict:
@@ -231,6 +239,8 @@ def table(kiln: dict, hf: dict) -> list[str]:
     if "tokens_per_s_per_gpu" in hf and "tokens_per_s_per_gpu" in kiln:
         lines.append(f"\nKiln / HF Trainer: **{kiln['tokens_per_s_per_gpu'] / hf['tokens_per_s_per_gpu']:.2f}x** "
                      "tokens/s per GPU")
+    for why in kiln.get("experts_loop") or []:
+        lines.append(f"\nKiln's experts did not run torch's grouped GEMM: `{why}`")
     if hf.get("experts_implementation"):
         lines.append(f"\nThe HF Trainer's experts ran transformers' `{hf['experts_implementation']}` implementation")
     return lines

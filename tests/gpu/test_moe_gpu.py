@@ -1,14 +1,17 @@
-"""The mixture of experts on a GPU: torch's grouped GEMM gives the loop's products in bf16, and a compiled MoE block
-(inductor, grouped GEMMs inside, no host sync), with selective activation checkpointing too, trains as the eager
-one does."""
+"""The mixture of experts on a GPU: torch's grouped GEMM gives the loop's products in bf16; a compiled MoE block
+holds the grouped GEMM in its graph (under autocast, with fp32 weights or FSDP2's bf16 ones, with full activation
+checkpointing) and fp32 experts fall back to the loop saying why, once; and a compiled MoE block (inductor,
+grouped GEMMs inside, no host sync), with selective activation checkpointing too, trains as the eager one does."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
 
 from kiln.config import ModelConfig, MoEConfig
-from kiln.model import moe
+from kiln.model import grouped_mm, moe
 from kiln.model.llama import Transformer
 from kiln.parallel.ac import apply_ac
 
@@ -23,7 +26,7 @@ def test_grouped_gemm_is_used_and_matches_the_loop_in_bf16_forward_and_backward(
     offs = sizes.cumsum(0).to(torch.int32)
     x = torch.randn(int(sizes.sum()), 256, device="cuda", generator=g).bfloat16().requires_grad_()
     w = (torch.randn(8, 384, 256, device="cuda", generator=g) / 16).bfloat16().requires_grad_()
-    assert moe._grouped_kernel(x, w)
+    assert moe.kernel_refusal(x, w) is None
     out = moe.grouped_mm(x, w, offs)
     out.float().square().sum().backward()
     gx, gw = x.grad.clone(), w.grad.clone()
@@ -34,6 +37,60 @@ def test_grouped_gemm_is_used_and_matches_the_loop_in_bf16_forward_and_backward(
     torch.testing.assert_close(gx, x.grad, rtol=2e-2, atol=5e-2)
     torch.testing.assert_close(gw, w.grad, rtol=2e-2, atol=5e-1)
     assert gw[0].abs().sum() == 0 and gw[5].abs().sum() == 0  # experts without tokens get no gradient
+
+
+def _traced_expert_ops(block: torch.nn.Module, x: torch.Tensor, rope: tuple) -> set[str]:
+    """The expert products in the graph torch's compiler traces of `block` (whole, as Kiln compiles it): the
+    grouped GEMM's `_grouped_mm`, the loop's `grouped_rows`."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    block.compile(fullgraph=True, backend=record)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        block(x, *rope)[0].float().sum().backward()
+    names = {str(node.target) for gm in graphs for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+             for node in m.graph.nodes}
+    return {op for op in ("_grouped_mm", "grouped_rows") if any(op in n for n in names)}
+
+
+@pytest.mark.parametrize("weights", ["fp32 (one GPU)", "bf16 (FSDP2's gathered weights)"])
+def test_a_compiled_moe_block_runs_the_grouped_gemm_under_autocast(weights):
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch's grouped GEMM serves Hopper and newer")
+    cfg = ModelConfig(vocab_size=4096, d_model=256, n_layers=1, n_heads=4, n_kv_heads=2, qk_norm=True,
+                      max_seq_len=256, moe=MoEConfig(n_experts=16, top_k=4, expert_hidden=128))
+    torch.manual_seed(0)
+    model = Transformer(cfg).cuda()
+    if weights.startswith("bf16"):
+        model.bfloat16()
+    apply_ac(model, "full")  # as benchmarks/moe.py runs it
+    block = model.layers[0]
+    x = torch.randn(1, 256, 256, device="cuda", dtype=torch.bfloat16)
+    rope = model._layer_inputs(None, 256, x.device)[block.attention_kind]  # (cos, sin, mask)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", grouped_mm.ExpertsKernelWarning)
+        assert _traced_expert_ops(block, x, rope) == {"_grouped_mm"}
+
+
+def test_fp32_experts_on_a_gpu_keep_to_their_rows_and_say_why_once(monkeypatch):
+    monkeypatch.setattr(grouped_mm, "_warned", set())
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(64, 32, device="cuda", generator=g)
+    w = torch.randn(4, 48, 32, device="cuda", generator=g)
+    offs = torch.tensor([10, 10, 40, 64], device="cuda", dtype=torch.int32)
+    assert "float32" in moe.kernel_refusal(x, w)
+    compiled = torch.compile(moe.grouped_mm, fullgraph=True)
+    with pytest.warns(grouped_mm.ExpertsKernelWarning, match="float32"):
+        out = compiled(x, w, offs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", grouped_mm.ExpertsKernelWarning)
+        again = compiled(x, w, offs)
+    want = torch.cat([x[:10] @ w[0].T, x[10:40] @ w[2].T, x[40:] @ w[3].T])
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(again, out)
 
 
 def test_compiled_moe_blocks_train_as_eager_ones_in_bf16():
