@@ -196,21 +196,27 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
     lora_speed = (LORA_SPEEDUP * (QLORA_FACTOR if nf4 else 1.0)) if lora else 1.0
     layout = layout_for(cfg, gpus, trained if lora else n, gpu.memory)
 
-    flex = cfg.data.document_mask and gpu.key != "cpu"  # document masks run flex attention on CUDA
     fp8 = converted_params(m) if t.fp8.enabled else 0  # kiln.plan.fp8: per block, in float8 layers
     if t.fp8.enabled and gpu.key not in FP8_GPUS:
         notes.append(f"train.fp8: {gpu.name} has no float8 tensor cores (compute capability 8.9+: H100, H200, "
                      "L40S, RTX 4090); kiln train refuses train.fp8.enabled there, and this plan is of bf16")
         fp8 = 0
 
-    def mem(batch: int, ac: str, lay: Layout) -> Memory:
-        if lay.strategy == "single" and lay.offload and not lora:
-            return offload_memory(m, t.seq_len, batch, ac, compiled, bf16, flex)
-        gather8 = lay.strategy == "fsdp" and t.fp8.recipe == "tensorwise" and t.fp8.all_gather
-        return peak_memory(m, t.seq_len, batch, ac, compiled, bf16, lay, lora, flex, fp8, gather8)
+    rows = t.step_rows(max(1, gpus))  # per rank and step; ConfigError where the ranks cannot share the batch
 
-    def fit(ac: str, lay: Layout):
-        return lambda b: needs(mem(b, ac, lay), gpu) <= cap
+    def mem(batch: int, ac: str, lay: Layout, accumulate: bool | None = None) -> Memory:
+        if lay.strategy == "single" and lay.offload and not lora:  # the gradient sums are on the host
+            return offload_memory(m, t.seq_len, batch, ac, compiled, bf16)
+        gather8 = lay.strategy == "fsdp" and t.fp8.recipe == "tensorwise" and t.fp8.all_gather
+        return peak_memory(m, t.seq_len, batch, ac, compiled, bf16, lay, lora, fp8, gather8,
+                           accumulate=batch < rows if accumulate is None else accumulate,
+                           reduce_fp32=cfg.dist.reduce_fp32)
+
+    def most(ac: str, lay: Layout) -> int:
+        """The largest micro-batch that fits: below the step's rows its gradients are kept between micro-batches,
+        from them on there is one micro-batch a step (so the search is made each way, each monotone)."""
+        alone = largest_batch(lambda b: needs(mem(b, ac, lay, False), gpu) <= cap)
+        return alone if alone >= rows else largest_batch(lambda b: needs(mem(b, ac, lay, True), gpu) <= cap)
 
     cpu_rate = cpu_rate_for(cfg, n) if gpu.key == "cpu" else None
 
@@ -233,8 +239,7 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
                                            "MFU counted against the bf16 peak)")
         return est, est.mfu * gpu.peak_flops * gpus / fpt * lora_speed
 
-    max_batch = largest_batch(fit(t.activation_checkpointing, layout))
-    rows = t.step_rows(max(1, gpus))  # per rank and step; ConfigError where the ranks cannot share the batch
+    max_batch = most(t.activation_checkpointing, layout)
     if t.batch_size == "auto":  # the largest micro-batch that fits, cut as the run cuts the step's rows; on the
         # CPU the fewest rows of CPU_MICRO_TOKENS tokens within that (kiln.train.autobatch.cpu_fit)
         fit_rows = min(max_batch, -(-CPU_MICRO_TOKENS // t.seq_len)) if gpu.key == "cpu" else max_batch
@@ -268,9 +273,9 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
     for lay in dict.fromkeys(layouts):
         for ac in ("none", "selective", "full"):
             mm = mem(batch, ac, lay)
-            plan.options.append(Option(_option_name(lay), ac, mm, needs(mm, gpu) <= cap, largest_batch(fit(ac, lay)),
+            plan.options.append(Option(_option_name(lay), ac, mm, needs(mm, gpu) <= cap, most(ac, lay),
                                        speed(ac, lay)[1]))
-    _advise(plan, fit)
+    _advise(plan)
     return plan
 
 
@@ -279,7 +284,7 @@ def _option_name(lay: Layout) -> str:
         (f" {lay.sharding}" if lay.strategy == "fsdp" and lay.sharding != "full" else "")
 
 
-def _advise(plan: Plan, fit) -> None:
+def _advise(plan: Plan) -> None:
     """Warnings and suggestions: what does not fit, and what would."""
     cfg, t, gpu = plan.cfg, plan.cfg.train, plan.gpu
     where = f"{plan.gpus} x {gpu.key}" if plan.gpus > 1 else gpu.key
@@ -325,7 +330,8 @@ def _advise(plan: Plan, fit) -> None:
                              f"(kiln plan cpt-8b-24gb --gpu {gpu.key})")
     if not plan.max_batch and plan.lora is None:
         lora = Lora(16, ("all",), 2)
-        mem = peak_memory(plan.model, t.seq_len, 1, "full", t.compile, plan.bf16, plan.layout, lora)
+        mem = peak_memory(plan.model, t.seq_len, 1, "full", t.compile, plan.bf16, plan.layout, lora,
+                          accumulate=accumulates(plan, plan.gpus), reduce_fp32=cfg.dist.reduce_fp32)
         if needs(mem, gpu) <= plan.capacity:
             plan.warnings.append("LoRA fits: lora.rank=16 lora.targets=[all] train.activation_checkpointing=full "
                                  "train.batch_size=1 (continued pretraining of a frozen bf16 base)")
@@ -354,7 +360,8 @@ def _advise_qlora(plan: Plan) -> None:
     """The QLoRA hint, where a base in NF4 fits when a bf16 one does not (kiln.plan.memory.Lora.nf4)."""
     t, lora = plan.cfg.train, plan.lora or Lora(16, ("all",), 2)
     qlora = Lora(lora.rank, lora.targets, 2, nf4=True)
-    mem = peak_memory(plan.model, t.seq_len, 1, "full", t.compile, plan.bf16, plan.layout, qlora)
+    mem = peak_memory(plan.model, t.seq_len, 1, "full", t.compile, plan.bf16, plan.layout, qlora,
+                      accumulate=accumulates(plan, plan.gpus), reduce_fp32=plan.cfg.dist.reduce_fp32)
     if needs(mem, plan.gpu) <= plan.capacity:
         plan.warnings.append(f"QLoRA fits ({mem.peak / GIB:.1f} GiB peak): lora.quantize_base=nf4 with lora.rank="
                              f"{lora.rank} train.activation_checkpointing=full train.batch_size=1 (the base's linear "
@@ -362,7 +369,13 @@ def _advise_qlora(plan: Plan) -> None:
                              f"{plan.gpu.key})")
 
 
+def accumulates(plan: Plan, gpus: int) -> bool:
+    """Whether micro-batches of one row, on `gpus` processes, accumulate: the step has more rows than processes."""
+    return plan.batch * plan.accumulation * plan.gpus > gpus
+
+
 def fit_more(plan: Plan, gpus: int, ac: str, lay: Layout) -> bool:
     t = plan.cfg.train
-    mem = peak_memory(plan.model, t.seq_len, 1, ac, t.compile, plan.bf16, lay, plan.lora)
+    mem = peak_memory(plan.model, t.seq_len, 1, ac, t.compile, plan.bf16, lay, plan.lora,
+                      accumulate=accumulates(plan, gpus), reduce_fp32=plan.cfg.dist.reduce_fp32)
     return needs(mem, plan.gpu) <= plan.capacity

@@ -15,6 +15,15 @@ gradient yet: optimizer.zero_grad sets them to None), with activation checkpoint
 backward pass (every checkpointed activation still alive beside the first block recomputed: the peak at
 large micro-batches), and the end of the backward pass (every gradient alive, the activations gone).
 
+With gradient accumulation (several micro-batches a step) the gradients of the first micro-batch stay
+through the forward and backward passes of the others, so both earlier moments hold them too. One process
+and DDP accumulate into the gradients counted above (4 N, or 4 N / shards). FSDP2 does not: Kiln turns its
+gradient sync off for every micro-batch but the last (kiln.parallel.parallelize.grad_sync), and FSDP2 then
+keeps each parameter's *unsharded* gradient, in the reduce dtype (fp32 with dist.reduce_fp32, the default),
+until the last micro-batch reduce-scatters it: 4 N bytes on every process whatever the shard count, 30 GiB
+at 8B (`accumulation_bytes`). Syncing every micro-batch would keep only the sharded 4 N / shards instead, for
+one reduce-scatter of the gradients per micro-batch rather than per step.
+
 Activation bytes per layer and token, e = bytes of an activation element (2 under bf16, 4 in fp32),
 d = d_model, q = n_heads x head_dim, kv = n_kv_heads x head_dim, h = the MLP's hidden width, H = heads:
 
@@ -31,8 +40,12 @@ d = d_model, q = n_heads x head_dim, kv = n_kv_heads x head_dim, h = the MLP's h
       full       e d
 
 The compiled coefficients were fitted to peak memory measured on an H100 (benchmarks/results/
-throughput.md: 124m, 350m at two batch sizes, 1b; 3b with selective and full AC) and reproduce
-those six numbers within 3%. A gateless MLP (relu2) keeps one h less in each mode.
+throughput.md: 124m, 350m at two batch sizes, 1b; 3b with selective and full AC, all without accumulation)
+and reproduce those six numbers within 3%. Real `kiln train` runs of the 1b and 3b presets (accumulation 4,
+benchmarks/results/plan.md) peaked higher by the gradients kept between micro-batches, 4 N (4.1 GiB at 1b, at
+micro-batch 8 and 12 alike; 3b within 4% with it); the 8B FSDP runs (fsdp_8b.md: 2 and 4 GPUs, sequence 8192, batch 1
+with selective, full or no AC; batch 4 x accumulation 4 with full AC, 71.2 GiB) are predicted within 3%.
+A gateless MLP (relu2) keeps one h less in each mode.
 """
 
 from __future__ import annotations
@@ -43,12 +56,6 @@ from kiln.config import ModelConfig
 from kiln.model.registry import param_count
 
 LOGIT_CHUNK = 2**28  # kiln.model.loss.CHUNK_ELEMENTS: logits of one chunk of rows
-# document-masked attention (flex, on CUDA) with grouped-query heads keeps this many more q-wide activations
-# per layer and token than plain causal attention: measured on an H100 in real `kiln train` runs of the 1b
-# (32 query / 4 key-value heads, no AC) and 3b (24 / 8, selective AC) presets, and at the 1b shape with a
-# larger batch (benchmarks/results/plan.md); with as many key-value heads as query heads (the 124m preset,
-# per-block or whole-model graph) it keeps none more
-FLEX_GQA_EXTRA = 3
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,7 @@ class Memory:
     peak: int
     phase: str  # "forward" or "backward": when the peak comes
     host: int  # bytes of CPU memory per process for offloaded state (0 without offload)
+    accumulated: int = 0  # FSDP: unsharded gradients kept between micro-batches (`accumulation_bytes`)
 
 
 def layer_params(m: ModelConfig) -> int:
@@ -158,10 +166,8 @@ def loss_chunk_bytes(m: ModelConfig, tokens: int, compiled: bool, e: int, bf16: 
     return rows * v * per_logit + v * m.d_model * (4 + e)
 
 
-def activation_bytes(m: ModelConfig, tokens: int, ac: str, compiled: bool, e: int, flex: bool = False) -> int:
-    gqa = flex and m.kv_heads < m.n_heads
-    per_layer = act_per_layer_token(m, ac, compiled, e) + (FLEX_GQA_EXTRA * e * m.n_heads * m.head_dim if gqa else 0)
-    return tokens * (m.n_layers * per_layer + loss_rest_per_token(m, e))
+def activation_bytes(m: ModelConfig, tokens: int, ac: str, compiled: bool, e: int) -> int:
+    return tokens * (m.n_layers * act_per_layer_token(m, ac, compiled, e) + loss_rest_per_token(m, e))
 
 
 def state_bytes(n: int, layout: Layout) -> tuple[int, int, int]:
@@ -170,6 +176,16 @@ def state_bytes(n: int, layout: Layout) -> tuple[int, int, int]:
         return 0, 0, 0
     s = max(1, layout.shard)
     return -(-4 * n // s), -(-4 * n // s), -(-8 * n // s)
+
+
+def accumulation_bytes(trained: int, layout: Layout, bf16: bool, reduce_fp32: bool = True) -> int:
+    """Gradients FSDP2 keeps between the micro-batches of a step, on each process (0 for one process and DDP,
+    which accumulate into the gradients they always have): with its gradient sync off, each parameter's
+    unsharded gradient, whole, cast to the reduce dtype (fp32 with dist.reduce_fp32; bf16 compute without it
+    keeps its bf16 gradients; fp32 training, fp32 ones), on the device even under CPU offload."""
+    if layout.strategy != "fsdp":
+        return 0
+    return trained * (4 if reduce_fp32 or not bf16 else 2)
 
 
 def compute_weight_bytes(m: ModelConfig, n: int, ac: str, bf16: bool, layout: Layout, compiled: bool = True,
@@ -205,10 +221,11 @@ def backward_bytes(m: ModelConfig, tokens: int, ac: str, compiled: bool, e: int,
 
 def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", compiled: bool = True,
                 bf16: bool = True, layout: Layout = Layout(), lora: Lora | None = None,
-                flex: bool = False, fp8: int = 0, fp8_gather: bool = False) -> Memory:
+                fp8: int = 0, fp8_gather: bool = False, accumulate: bool = False, reduce_fp32: bool = True) -> Memory:
     """Peak bytes on one device of a training step with micro-batch `batch` (see the module doc).
-    `flex`: document-masked attention on CUDA (FLEX_GQA_EXTRA). `fp8`, `fp8_gather`: float8 training
-    (see `compute_weight_bytes`).
+    `fp8`, `fp8_gather`: float8 training (see `compute_weight_bytes`). `accumulate`: the step has more than
+    one micro-batch, whose gradients are kept between them; `reduce_fp32`: dist.reduce_fp32 (FSDP keeps them
+    in the reduce dtype: `accumulation_bytes`).
 
     With `lora`, only the adapters have gradients and AdamW state; the frozen base takes lora.base_bytes
     a weight (no compute copies when that is bf16), and each block keeps the adapters' rank-wide
@@ -218,7 +235,7 @@ def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", comp
     e = 2 if bf16 else 4
     weights, grads, optim = state_bytes(n, layout)
     compute = compute_weight_bytes(m, n, ac, bf16, layout, compiled, fp8, fp8_gather)
-    acts = activation_bytes(m, tokens, ac, compiled, e, flex and compiled and ac != "full")
+    acts = activation_bytes(m, tokens, ac, compiled, e)
     if lora is not None:
         s, trained = max(1, layout.shard), lora_params(m, lora)
         _, grads, optim = state_bytes(trained, layout)
@@ -232,8 +249,13 @@ def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", comp
             acts += tokens * m.n_layers * e * lora.rank * targets
     loss = loss_chunk_bytes(m, tokens, compiled, e, bf16)
     back = backward_bytes(m, tokens, ac, compiled, e, bf16, layout)
-    forward_end = weights + optim + compute + acts + loss
-    backward_end = weights + optim + grads + back
+    # gradients held while a later micro-batch runs forward and backward: the state's own (one process, DDP),
+    # or FSDP's unsharded ones, which the last micro-batch's backward reduce-scatters into the sharded gradients
+    accumulated = accumulation_bytes(lora_params(m, lora) if lora else n, layout, bf16, reduce_fp32) \
+        if accumulate else 0
+    held = accumulated if layout.strategy == "fsdp" else grads if accumulate else 0
+    forward_end = weights + optim + compute + acts + loss + held
+    backward_end = weights + optim + max(grads, accumulated) + back
     if not compiled and layout.strategy != "fsdp":
         backward_end += compute  # eager: autocast's cache of bf16 copies lives until the autocast block ends
     # with checkpointing, the start of the backward pass: every block's checkpointed activations still alive and
@@ -241,11 +263,11 @@ def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", comp
     # of logits); at a large micro-batch this is the peak (an 8B block at 32K tokens recomputes 4.3 GiB)
     recompute = tokens * (act_per_layer_token(m, "none", compiled, e) - act_per_layer_token(m, ac, compiled, e))
     head = min(loss, (m.vocab_size or 0) * m.d_model * (4 + e))
-    backward_start = weights + optim + compute + acts + head + recompute if ac != "none" else 0
+    backward_start = weights + optim + compute + acts + head + recompute + held if ac != "none" else 0
     peak, phase = max((forward_end, "forward"), (backward_start, "recompute"), (backward_end, "backward"))
     state = 16 * n if lora is None else base_bytes(m, n, lora) + 16 * lora_params(m, lora)
     host = -(-state // max(1, layout.shard)) if layout.offload else 0
-    return Memory(weights, grads, optim, compute, acts, loss, back, peak, phase, host)
+    return Memory(weights, grads, optim, compute, acts, loss, back, peak, phase, host, accumulated)
 
 
 def checkpoint_bytes(n: int) -> int:

@@ -21,11 +21,10 @@ def largest_param(m: ModelConfig) -> int:
     return max((m.vocab_size or 0) * m.d_model, m.d_model * m.mlp_hidden, layer_params(m) // 3)
 
 
-def offload_memory(m: ModelConfig, seq_len: int, batch: int, ac: str, compiled: bool, bf16: bool,
-                   flex: bool = False) -> Memory:
+def offload_memory(m: ModelConfig, seq_len: int, batch: int, ac: str, compiled: bool, bf16: bool) -> Memory:
     """Peak bytes on the device, and host bytes, of a step with the optimizer offloaded (see the module doc)."""
     n, e = param_count(m), (2 if bf16 else 4)
-    plain = peak_memory(m, seq_len, batch, ac, compiled, bf16, Layout("single"), None, flex)
+    plain = peak_memory(m, seq_len, batch, ac, compiled, bf16, Layout("single"), None)
     weights = e * n
     grads = e * (largest_param(m) + m.d_model * m.mlp_hidden)  # one being copied out while the next is made
     # the weights are already in the compute dtype: the plain path's casts of them (compute copies, the output

@@ -87,6 +87,9 @@ def render(plan: Plan, console: Console) -> None:
             ("compute copies of the weights", mem.compute_weights),
             (f"activations (AC {t.activation_checkpointing})", mem.activations),
             ("loss buffers", mem.loss)]
+    if mem.accumulated:  # kiln.plan.memory.accumulation_bytes
+        dtype = "fp32" if plan.cfg.dist.reduce_fp32 or not plan.bf16 else "bf16"
+        rows.insert(2, (f"gradients kept between micro-batches, unsharded, {dtype} (FSDP)", mem.accumulated))
     if plan.layout.offload and plan.layout.strategy == "single":  # train.offload (kiln.plan.offload)
         rows = offload_rows(mem, t.activation_checkpointing, "bf16" if plan.bf16 else "fp32")
     for what, n in rows:
