@@ -54,91 +54,9 @@ import time
 
 import psutil
 
+from benchmarks import hf_worker
+
 RESULTS = Path(__file__).parent / "results" / "fsdp_8b.md"
-
-HF_WORKER = r'''
-import json, os, statistics, sys, time
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
-
-a = json.loads(sys.argv[1])
-cuda = a["device"] == "cuda"
-t_start = time.time()
-cfg = LlamaConfig(vocab_size=a["vocab"], hidden_size=a["d"], intermediate_size=a["ffn"], num_hidden_layers=a["layers"],
-                  num_attention_heads=a["heads"], num_key_value_heads=a["kv"], max_position_embeddings=a["seq"],
-                  rope_theta=a["theta"], tie_word_embeddings=a["tie"], attention_bias=False, mlp_bias=False)
-cfg._attn_implementation = "sdpa"
-torch.manual_seed(0)
-# random init, fp32 master weights (bf16 compute through FSDP's mixed precision). Built and initialised on this
-# rank's GPU (seconds; on the CPU an 8B model takes minutes): every rank draws the same weights (same seed, same
-# kind of GPU), and accelerate's fully_shard keeps this rank's shard of each and frees the rest.
-device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-if cuda:
-    torch.cuda.set_device(device)
-with device:
-    model = LlamaForCausalLM(cfg)
-if cuda: torch.cuda.synchronize()
-t_model = time.time()
-
-class Tokens(torch.utils.data.Dataset):
-    def __len__(self):
-        return 1 << 20
-    def __getitem__(self, i):
-        ids = torch.randint(0, a["vocab"], (a["seq"],), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids.clone()}
-
-class Clock(TrainerCallback):
-    def __init__(self):
-        self.times, self.t0, self.first_begin, self.first_end, self.last_end = [], None, None, None, None
-    def on_step_begin(self, args, state, control, **kw):
-        if cuda: torch.cuda.synchronize()
-        if self.first_begin is None:  # the model is sharded (accelerate.prepare) by now: training memory from here
-            self.first_begin = time.time()
-            if cuda: torch.cuda.reset_peak_memory_stats()
-        self.t0 = time.perf_counter()
-    def on_step_end(self, args, state, control, **kw):
-        if cuda: torch.cuda.synchronize()
-        self.times.append(time.perf_counter() - self.t0)
-        self.last_end = time.time()
-        self.first_end = self.first_end or self.last_end
-
-fsdp_config = {"version": 2, "activation_checkpointing": a["ac"] != "none", "reshard_after_forward": True,
-               "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
-args = TrainingArguments(output_dir=a["out"], per_device_train_batch_size=a["batch"],
-                         gradient_accumulation_steps=a["accum"], max_steps=a["steps"], learning_rate=3e-4,
-                         warmup_steps=0, bf16=cuda, optim="adamw_torch_fused", fsdp=True, fsdp_config=fsdp_config,
-                         logging_steps=1, save_strategy="no", report_to=[], dataloader_num_workers=0,
-                         use_cpu=not cuda, ddp_backend=None if cuda else "gloo", seed=0)
-def reduce_dtype(model):
-    """The dtype FSDP2 reduces gradients in, as accelerate set it (None where it can't be read)."""
-    from torch.distributed.fsdp import FSDPModule
-    for m in model.modules():
-        state = m._get_fsdp_state() if isinstance(m, FSDPModule) else None
-        groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
-        for g in groups:  # the root may hold no parameters of its own (no group)
-            if g is not None:
-                policy = g.mp_policy
-                return str(policy.reduce_dtype or policy.param_dtype or "float32").replace("torch.", "")
-    return None
-
-clock = Clock()
-trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[clock])
-trainer.train()
-if int(os.environ.get("RANK", "0")) == 0:
-    late = clock.times[a["warmup"]:] or clock.times
-    step = statistics.median(late)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    loss = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    phases = {"start-up (imports)": t_start - a["t0"], "model build + init": t_model - t_start,
-              "Trainer + accelerate FSDP2 wrap": clock.first_begin - t_model,
-              "first step": clock.first_end - clock.first_begin, "other steps": clock.last_end - clock.first_end,
-              "end": time.time() - clock.last_end}
-    tokens = a["seq"] * a["batch"] * a["accum"]  # per GPU and step
-    print("HF_RESULT " + json.dumps({"step_s": step, "tokens_per_s_per_gpu": tokens / step, "peak_gib": peak,
-                                     "first_loss": loss[0] if loss else None, "last_loss": loss[-1] if loss else None,
-                                     "phases": phases, "reduce_dtype": reduce_dtype(trainer.model_wrapped)}),
-          flush=True)
-'''
 
 
 def model_config(size: str, seq: int):
@@ -329,28 +247,24 @@ def kill_resume(args, root: Path, reference: dict) -> dict:
 
 def run_hf(args, root: Path) -> dict:
     m = model_config(args.size, args.seq)
-    spec = {"vocab": m.vocab_size or 128256, "d": m.d_model, "ffn": m.mlp_hidden, "layers": m.n_layers,
-            "heads": m.n_heads, "kv": m.kv_heads, "seq": args.seq, "theta": m.rope_theta, "tie": m.tie_embeddings,
-            "steps": args.steps, "warmup": args.warmup, "ac": args.ac, "device": args.device, "out": str(root / "hf"),
-            "batch": args.batch, "accum": args.accum,
-            "t0": time.time()}
-    if args.size == "tiny":
-        spec["vocab"] = 512
-    script = root / "hf_worker.py"
-    script.write_text(HF_WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", str(script),
-           json.dumps(spec)]
+    vocab = 512 if args.size == "tiny" else m.vocab_size or 128256
+    config = dict(vocab_size=vocab, hidden_size=m.d_model, intermediate_size=m.mlp_hidden, num_hidden_layers=m.n_layers,
+                  num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads, max_position_embeddings=args.seq,
+                  rope_theta=m.rope_theta, tie_word_embeddings=m.tie_embeddings, attention_bias=False, mlp_bias=False)
+    spec = {"model": "LlamaForCausalLM", "config_class": "LlamaConfig", "config": config, "layer": "LlamaDecoderLayer",
+            "tokens": vocab, "seq": args.seq, "batch": args.batch, "accum": args.accum, "steps": args.steps,
+            "warmup": args.warmup, "ac": args.ac, "device": args.device, "out": str(root / "hf"),
+            "report": ["reduce_dtype"], "t0": time.time()}
     t0 = time.perf_counter()
-    job = Job(cmd, root / "hf.log", env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    job = Job(hf_worker.command(spec, args.nproc), root / "hf.log", env=hf_worker.env())
     code = job.wait()
-    line = next((x for _, x in job.lines if x.startswith("HF_RESULT ")), None)
-    if code != 0 or line is None:
+    out = hf_worker.parse(x for _, x in job.lines)
+    if code != 0 or out is None:
         return {"error": job.text(1500)}
-    out = json.loads(line.removeprefix("HF_RESULT "))
     from kiln.model.registry import flops_per_token
 
     peak = peak_flops(args.device)
-    out["mfu"] = out["tokens_per_s_per_gpu"] * flops_per_token(m, args.seq, spec["vocab"]) / peak if peak else None
+    out["mfu"] = out["tokens_per_s_per_gpu"] * flops_per_token(m, args.seq, vocab) / peak if peak else None
     out["wall_s"] = time.perf_counter() - t0
     return out
 

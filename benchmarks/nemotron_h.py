@@ -45,12 +45,12 @@ if not __package__:  # python benchmarks/nemotron_h.py: import the folder as the
 
 import argparse
 import json
-import os
 import signal
 import statistics
 import tempfile
 import time
 
+from benchmarks import hf_worker
 from benchmarks.fsdp_8b import Job, fmt, kiln_phases, peak_flops, print_phases, stop_jobs, train_records
 
 RESULTS = Path(__file__).parent / "results" / "nemotron_h.md"
@@ -65,76 +65,6 @@ SHAPES = {
     "tiny": dict(pattern="M*-M", d=64, heads=4, kv=2, head=16, ffn=128, m_heads=8, m_head=16, state=16, groups=2,
                  chunk=16, vocab=512),
 }
-
-HF_WORKER = r'''
-import json, os, statistics, sys, time
-import torch
-from transformers import NemotronHConfig, NemotronHForCausalLM, Trainer, TrainerCallback, TrainingArguments
-
-a = json.loads(sys.argv[1])
-s = a["shape"]
-cuda = a["device"] == "cuda"
-t_start = time.time()
-cfg = NemotronHConfig(vocab_size=s["vocab"], hidden_size=s["d"], hybrid_override_pattern=s["pattern"],
-                      num_hidden_layers=len(s["pattern"]), num_attention_heads=s["heads"],
-                      num_key_value_heads=s["kv"], head_dim=s["head"], intermediate_size=s["ffn"],
-                      mamba_num_heads=s["m_heads"], mamba_head_dim=s["m_head"], ssm_state_size=s["state"],
-                      n_groups=s["groups"], conv_kernel=4, chunk_size=s["chunk"], max_position_embeddings=a["seq"],
-                      layer_norm_epsilon=1e-5, tie_word_embeddings=False, use_cache=False)
-cfg._attn_implementation = "sdpa"
-torch.manual_seed(0)
-device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-if cuda:
-    torch.cuda.set_device(device)
-with device:  # fp32 master weights on this rank's GPU; accelerate's fully_shard keeps this rank's shard
-    model = NemotronHForCausalLM(cfg)
-if cuda: torch.cuda.synchronize()
-t_model = time.time()
-
-class Tokens(torch.utils.data.Dataset):
-    def __len__(self):
-        return 1 << 20
-    def __getitem__(self, i):
-        ids = torch.randint(0, a["tokens"], (a["seq"],), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids.clone()}
-
-class Clock(TrainerCallback):
-    def __init__(self):
-        self.times, self.t0, self.first_begin, self.first_end, self.last_end = [], None, None, None, None
-    def on_step_begin(self, args, state, control, **kw):
-        if cuda: torch.cuda.synchronize()
-        if self.first_begin is None:
-            self.first_begin = time.time()
-            if cuda: torch.cuda.reset_peak_memory_stats()
-        self.t0 = time.perf_counter()
-    def on_step_end(self, args, state, control, **kw):
-        if cuda: torch.cuda.synchronize()
-        self.times.append(time.perf_counter() - self.t0)
-        self.last_end = time.time()
-        self.first_end = self.first_end or self.last_end
-
-fsdp_config = {"version": 2, "activation_checkpointing": a["ac"] != "none", "reshard_after_forward": True,
-               "transformer_layer_cls_to_wrap": ["NemotronHBlock"]}
-args = TrainingArguments(output_dir=a["out"], per_device_train_batch_size=1, max_steps=a["steps"], learning_rate=3e-4,
-                         warmup_steps=0, bf16=cuda, optim="adamw_torch_fused", fsdp=True, fsdp_config=fsdp_config,
-                         logging_steps=1, save_strategy="no", report_to=[], dataloader_num_workers=0,
-                         use_cpu=not cuda, ddp_backend=None if cuda else "gloo", seed=0)
-clock = Clock()
-trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[clock])
-trainer.train()
-if int(os.environ.get("RANK", "0")) == 0:
-    late = clock.times[a["warmup"]:] or clock.times
-    step = statistics.median(late)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    loss = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    phases = {"start-up (imports)": t_start - a["t0"], "model build + init": t_model - t_start,
-              "Trainer + accelerate FSDP2 wrap": clock.first_begin - t_model,
-              "first step": clock.first_end - clock.first_begin, "other steps": clock.last_end - clock.first_end,
-              "end": time.time() - clock.last_end}
-    print("HF_RESULT " + json.dumps({"step_s": step, "tokens_per_s_per_gpu": a["seq"] / step, "peak_gib": peak,
-                                     "first_loss": loss[0] if loss else None, "last_loss": loss[-1] if loss else None,
-                                     "phases": phases}), flush=True)
-'''
 
 
 def model_config(s: dict, seq: int):
@@ -233,18 +163,20 @@ def run_auto(args, s: dict, root: Path) -> dict:
 
 
 def run_hf(args, s: dict, root: Path) -> dict:
-    spec = {"shape": s, "seq": args.seq, "steps": args.steps, "warmup": args.warmup, "ac": args.ac,
-            "device": args.device, "out": str(root / "hf"), "t0": time.time(), "tokens": min(s["vocab"], 32000)}
-    script = root / "hf_worker.py"
-    script.write_text(HF_WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", str(script),
-           json.dumps(spec)]
-    job = Job(cmd, root / "hf.log", env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    config = dict(vocab_size=s["vocab"], hidden_size=s["d"], hybrid_override_pattern=s["pattern"],
+                  num_hidden_layers=len(s["pattern"]), num_attention_heads=s["heads"], num_key_value_heads=s["kv"],
+                  head_dim=s["head"], intermediate_size=s["ffn"], mamba_num_heads=s["m_heads"],
+                  mamba_head_dim=s["m_head"], ssm_state_size=s["state"], n_groups=s["groups"], conv_kernel=4,
+                  chunk_size=s["chunk"], max_position_embeddings=args.seq, layer_norm_epsilon=1e-5,
+                  tie_word_embeddings=False, use_cache=False)
+    spec = {"model": "NemotronHForCausalLM", "config_class": "NemotronHConfig", "config": config,
+            "layer": "NemotronHBlock", "tokens": min(s["vocab"], 32000), "seq": args.seq, "steps": args.steps,
+            "warmup": args.warmup, "ac": args.ac, "device": args.device, "out": str(root / "hf"), "t0": time.time()}
+    job = Job(hf_worker.command(spec, args.nproc), root / "hf.log", env=hf_worker.env())
     code = job.wait()
-    line = next((x for _, x in job.lines if x.startswith("HF_RESULT ")), None)
-    if code != 0 or line is None:
+    out = hf_worker.parse(x for _, x in job.lines)
+    if code != 0 or out is None:
         return {"error": job.text(1500)}
-    out = json.loads(line.removeprefix("HF_RESULT "))
     from kiln.model.registry import flops_per_token
 
     peak = peak_flops(args.device)

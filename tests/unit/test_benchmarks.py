@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-HELPERS = {"__init__", "common", "synthetic"}  # modules of the package that are not benchmarks
+HELPERS = {"__init__", "common", "hf_worker", "synthetic"}  # modules of the package that are not benchmarks
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in HELPERS)
 
 # a `kiln train` of a few steps on the CPU ({tmp}: the run's own folder)
@@ -64,7 +64,7 @@ SMOKE = {
                 "--out", "{tmp}/out.json"], r"ratio kiln \(doc ids\) / nanoGPT: \d"),
     "moe": (["--shape", "tiny", "--device", "cpu", "--nproc", "1", "--steps", "3", "--warmup", "1", "--seq", "32",
              "--no-append", "--cache-dir", "{tmp}/cache", "--data-bytes", "150000", "--json", "{tmp}/out.json"],
-            r"\| Kiln \(native MoE\) \| [1-9]"),
+            r"\| Kiln \(native MoE\) \| [1-9][\s\S]*Kiln / HF Trainer: \*\*\d"),
     "nemotron_h": (["--shape", "tiny", "--device", "cpu", "--nproc", "1", "--steps", "2", "--warmup", "1", "--seq",
                     "32", "--no-append", "--cache-dir", "{tmp}/cache", "--set", "data.max_bytes=150000", "--json",
                     "{tmp}/out.json"],
