@@ -147,3 +147,26 @@ def test_auto_batch_searches_with_real_steps_leaves_the_weights_and_caches(tmp_p
     assert torch.equal(torch.cuda.get_rng_state(), rng)
     again, info2 = choose_micro_batch(cfg, model, mesh, 0, logs.append)
     assert (again, info2["how"]) == (micro, "cached")
+
+
+@pytest.mark.gpu
+def test_auto_batch_tries_an_accumulated_micro_batch_with_the_gradients_kept_between_them():
+    """A micro-batch smaller than the step's rows runs as the trainer runs it: two a step, the first's gradients
+    alive through the second's forward pass. Where the activations outweigh everything else (a small model, long
+    rows), the peak of such a trial is the plain one plus the model's fp32 gradients, 4 bytes a parameter."""
+    from kiln.model.registry import param_count
+    from kiln.train.autobatch import _Try
+
+    cfg = RunConfig.model_validate({"model": {"size": "tiny", "vocab_size": 64000, "d_model": 1024, "n_layers": 2,
+                                              "n_heads": 16, "n_kv_heads": 16, "ffn_hidden": 3072, "max_seq_len": 2048},
+                                    "train": {"seq_len": 2048, "device": "cuda", "compile": False}})
+    torch.manual_seed(0)
+    model = Transformer(cfg.model).cuda()
+    trial = _Try(cfg, model, torch.device("cuda"))
+    try:
+        alone, kept = trial(4), trial(4, accumulate=True)  # 6.7 GiB planned (kiln.plan), 0.35 of it gradients
+    finally:
+        trial.close()
+    grads = 4 * param_count(cfg.model)
+    assert alone is not None and kept is not None
+    assert 0.75 * grads <= kept - alone <= 1.5 * grads, (alone, kept, grads)

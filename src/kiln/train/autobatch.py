@@ -3,7 +3,9 @@
 On CUDA, `search_cuda` runs real training steps of the run's model (already compiled, checkpointed
 and sharded as configured) on random tokens at train.seq_len: forward, backward and an AdamW step of a
 throwaway optimizer with a learning rate of zero (its moments take their memory, the weights do not
-change). It doubles the micro-batch until a step runs out of memory, or its peak reserved memory
+change); a micro-batch smaller than the step's rows is tried as two of them a step, accumulated as the
+trainer accumulates them (the gradients kept between micro-batches: 30 GiB a GPU at 8B under FSDP).
+It doubles the micro-batch until a step runs out of memory, or its peak reserved memory
 leaves less than recovery.auto_batch_margin of the device free, or it reaches the rows a rank trains
 on per step, then bisects between the last size that fitted and the first that did not. The random
 generators are put back afterwards, so the run is the one it would have been with that batch size.
@@ -19,9 +21,9 @@ margin, the weights, gradients and AdamW moments) over an estimate of one sequen
 
 The micro-batch then becomes ceil(rows / ceil(rows / fit)), the even cut of the step's rows into the
 fewest micro-batches of at most `fit`. The result is kept in `auto_batch.json` under data.cache_dir,
-keyed by what decides it (model shape, sequence length, precision, compile, activation checkpointing,
-the device and its memory (the GPU's, or the machine's RAM), world size, strategy), so a restart does not search
-again, and a machine with other memory does.
+keyed by what decides it (model shape, sequence length, rows a rank trains per step, precision, compile,
+activation checkpointing, the device and its memory (the GPU's, or the machine's RAM), world size, strategy), so a
+restart does not search again, and a machine with other memory does.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from torch import nn
 from kiln.config import RunConfig
 from kiln.files import atomic_write_json
 from kiln.parallel.mesh import Mesh
+from kiln.parallel.parallelize import grad_sync
 from kiln.state.rng import rng_state, set_rng_state
 from kiln.train.optim import build_optimizer
 
@@ -55,7 +58,8 @@ def setting(cfg: RunConfig, device: torch.device, world: int) -> dict:
     else:
         dev = f"{device.type} {total_memory() >> 20} MiB"
     return {"model": cfg.model.model_dump(mode="json", exclude={"init_from", "allow_pickle", "trust_remote_code"}),
-            "seq_len": t.seq_len, "precision": t.precision, "compile": [t.compile, t.compile_scope],
+            "seq_len": t.seq_len, "rows": t.step_rows(world), "precision": t.precision,
+            "compile": [t.compile, t.compile_scope],
             "activation_checkpointing": t.activation_checkpointing, "document_mask": cfg.data.document_mask,
             "device": dev, "world": world, "dist": [d.strategy, d.sharding, d.cpu_offload],
             "lora": [cfg.lora.rank, sorted(cfg.lora.targets)], "margin": cfg.recovery.auto_batch_margin,
@@ -149,19 +153,24 @@ class _Try:
         self.dtype = torch.bfloat16 if use_bf16 else None
         self.vocab = cfg.model.vocab_size or 256
 
-    def __call__(self, b: int) -> int | None:
+    def __call__(self, b: int, accumulate: bool = False) -> int | None:
+        """`accumulate`: the run will take more than one micro-batch a step, so each trial step takes two, the
+        first with its gradient sync off as the trainer's: the gradients kept between them (under FSDP each
+        parameter's whole unsharded gradient, 4 bytes a parameter) are there when the second one runs."""
         T, dev = self.cfg.train.seq_len, self.device
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
         ok = False
         try:
             for _ in range(2):  # the second step runs with the optimizer's moments allocated
-                x = torch.randint(0, self.vocab, (b, T + 1), device=dev)
-                docs = torch.zeros((b, T), dtype=torch.int32, device=dev) if self.cfg.data.document_mask else None
-                with torch.autocast(dev.type, dtype=self.dtype, enabled=self.dtype is not None):
-                    loss = self.model(x[:, :-1], x[:, 1:], docs)
-                loss.backward()
-                del loss
+                for sync in (False, True) if accumulate else (True,):
+                    x = torch.randint(0, self.vocab, (b, T + 1), device=dev)
+                    docs = torch.zeros((b, T), dtype=torch.int32, device=dev) if self.cfg.data.document_mask else None
+                    with grad_sync(self.model, sync=sync):
+                        with torch.autocast(dev.type, dtype=self.dtype, enabled=self.dtype is not None):
+                            loss = self.model(x[:, :-1], x[:, 1:], docs)
+                        loss.backward()
+                    del loss
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             torch.cuda.synchronize(dev)
@@ -197,7 +206,7 @@ def search_cuda(cfg: RunConfig, model: nn.Module, mesh: Mesh, rows: int, log: Ca
     good, bad, b = 0, rows + 1, 1
     try:
         while b < bad:  # doubling, then bisection between the last fit and the first miss
-            peak = trial(b)
+            peak = trial(b, accumulate=b < rows)
             fits = _agree(peak is not None and peak <= limit, mesh)
             log(f"auto batch: micro-batch {b}: " + (f"fits ({peak / 2**30:.1f} GiB reserved)" if fits else
                                                     "does not fit" if peak is None else
