@@ -178,6 +178,24 @@ def grad_sync(model: nn.Module, sync: bool) -> Iterator[None]:
     yield
 
 
+def drop_unreduced_grads(model: nn.Module) -> None:
+    """After a forward or backward pass that failed (out of memory), or micro-batches never followed by a step's
+    last: drop the gradients FSDP2 holds outside the parameters' own, each parameter's unsharded gradient kept
+    with the sync off (or left by a block whose backward was cut short). Left there, the next backward pass
+    would add them to its own, and they would keep their memory (4 bytes a parameter). A no-op for DDP and one
+    process, whose gradients `optimizer.zero_grad` drops."""
+    if strategy_of(model) != "fsdp":
+        return
+    for module in model.modules():
+        state = module._get_fsdp_state() if isinstance(module, FSDPModule) else None
+        group = getattr(state, "_fsdp_param_group", None)
+        for param in getattr(group, "fsdp_params", ()):
+            param.unsharded_accumulated_grad = None
+            unsharded = getattr(param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+
+
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the global gradient norm (over every shard); returns the norm before clipping, a plain tensor."""
     params = [p for p in model.parameters() if p.grad is not None]

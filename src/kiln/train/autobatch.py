@@ -41,7 +41,7 @@ from torch import nn
 from kiln.config import RunConfig
 from kiln.files import atomic_write_json
 from kiln.parallel.mesh import Mesh
-from kiln.parallel.parallelize import grad_sync
+from kiln.parallel.parallelize import drop_unreduced_grads, grad_sync
 from kiln.state.rng import rng_state, set_rng_state
 from kiln.train.optim import build_optimizer
 
@@ -177,6 +177,7 @@ class _Try:
             ok = True
         except torch.OutOfMemoryError:
             pass
+        drop_unreduced_grads(self.model)  # a trial cut short: FSDP's unreduced gradients would reach the run
         self.optimizer.zero_grad(set_to_none=True)
         peak = torch.cuda.max_memory_reserved(dev)
         torch.cuda.empty_cache()

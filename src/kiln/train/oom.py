@@ -29,7 +29,11 @@ GIB = 2**30
 
 
 def free_step_memory(trainer) -> None:
-    """Drop the failed attempt's gradients and return the allocator's cached blocks to the device."""
+    """Drop the failed attempt's gradients (FSDP's unreduced ones too: the retry would add them to its own) and
+    return the allocator's cached blocks to the device."""
+    from kiln.parallel.parallelize import drop_unreduced_grads
+
+    drop_unreduced_grads(trainer.model)
     trainer.optimizer.zero_grad(set_to_none=True)
     gc.collect()
     if trainer.device.type == "cuda":

@@ -152,3 +152,57 @@ def test_dist_config_checks():
         load_config(None, ["dist.replicas=0"])
     with pytest.raises(ConfigError, match="cpu_offload needs dist.strategy=fsdp"):
         load_config(None, ["dist.strategy=ddp", "dist.cpu_offload=true"])
+
+
+def test_dropped_unreduced_gradients_do_not_reach_the_next_step():
+    """A micro-batch run with the sync off and never followed by a step's last (an out-of-memory error cut the step
+    short; an auto-batch trial) leaves FSDP2 holding each parameter's unsharded gradient: the next backward pass
+    adds it to its own. `drop_unreduced_grads` drops it: the next step's gradients are those of its own rows alone
+    (FSDP2 over one gloo process, bf16 compute with fp32 reduction)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from kiln.model.llama import Transformer
+    from kiln.model.registry import param_count
+    from kiln.parallel.materialize import materialize
+    from kiln.parallel.parallelize import drop_unreduced_grads
+
+    rc = RunConfig.model_validate({
+        "model": {"size": "tiny", "vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                  "ffn_hidden": 192, "max_seq_len": 32},
+        "train": {"device": "cpu", "precision": "bf16", "seq_len": 16}, "dist": {"strategy": "fsdp"}})
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        grid = init_device_mesh("cpu", (1,), mesh_dim_names=("unreduced",))
+        mesh = Mesh(0, 0, 1, 1, torch.device("cpu"), "gloo", grid)
+        with torch.device("meta"):
+            model = Transformer(rc.model)
+        model = parallelize(model, rc, mesh, param_count(rc.model), lambda s: None, strategy="fsdp")
+        materialize(model, mesh)
+        torch.manual_seed(0)
+        for p in model.parameters():
+            torch.nn.init.normal_(p.to_local(), std=0.02)
+        cut, rows = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))
+
+        def micro_batch(tokens: torch.Tensor, sync: bool) -> None:
+            with grad_sync(model, sync=sync):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(tokens, tokens)
+                loss.backward()
+
+        def step_grads(drop: bool | None) -> list[torch.Tensor]:
+            if drop is not None:  # a step cut short after one micro-batch with the sync off
+                micro_batch(cut, sync=False)
+                if drop:
+                    drop_unreduced_grads(model)
+                model.zero_grad(set_to_none=True)
+            micro_batch(rows, sync=True)
+            out = [p.grad.to_local().clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            return out
+
+        alone, kept, dropped = step_grads(None), step_grads(False), step_grads(True)
+    finally:
+        dist.destroy_process_group()
+    same = [all(torch.allclose(a, b) for a, b in zip(alone, other, strict=True)) for other in (kept, dropped)]
+    assert same == [False, True]
