@@ -5,6 +5,9 @@ grouped GEMMs inside, no host sync), with selective activation checkpointing too
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -73,6 +76,29 @@ def test_a_compiled_moe_block_runs_the_grouped_gemm_under_autocast(weights):
     with warnings.catch_warnings():
         warnings.simplefilter("error", grouped_mm.ExpertsKernelWarning)
         assert _traced_expert_ops(block, x, rope) == {"_grouped_mm"}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_moe_blocks_compiled_under_fsdp_on_two_gpus_trace_the_grouped_gemm_on_every_rank(tmp_path):
+    """benchmarks/moe.py's configuration in small (`kiln train` with FSDP2 over NCCL, bf16, compiled blocks, full
+    checkpointing): each rank's traced block holds torch's grouped GEMM, not the loop, and no rank warns."""
+    cmd = [sys.executable, "-m", "kiln.cli", "train", "model.vocab_size=1024", "model.d_model=256", "model.n_layers=2",
+           "model.n_heads=4", "model.n_kv_heads=2", "model.head_size=64", "model.qk_norm=true", "model.max_seq_len=256",
+           "model.moe.n_experts=16", "model.moe.top_k=4", "model.moe.expert_hidden=128", "train.seq_len=256",
+           "train.batch_size=1", "train.max_steps=3", "train.device=cuda", "train.precision=bf16", "train.compile=true",
+           "train.activation_checkpointing=full", "train.eval_every=0", "train.sample_tokens=0",
+           "logging.console=false", "logging.plots=false", "checkpoint.save_final=false", "checkpoint.at_end=false",
+           "checkpoint.every=0", "dist.strategy=fsdp", "data.vocab_size=1024", f"data.cache_dir={tmp_path / 'cache'}",
+           "data.max_bytes=300000", f"train.run_dir={tmp_path / 'run'}", "--nproc", "2"]
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_LOGS": "graph_code"}  # each rank prints the graphs it traces
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    for rank in (0, 1):
+        traced = [line for line in out.splitlines() if line.startswith(f"[rank{rank}]") and "__graph_code" in line]
+        assert any("torch._grouped_mm(" in line for line in traced), f"rank {rank} traced no grouped GEMM"
+        assert not any("grouped_rows" in line for line in traced), f"rank {rank} traced the loop"
+    assert "ExpertsKernelWarning" not in out
 
 
 def test_fp32_experts_on_a_gpu_keep_to_their_rows_and_say_why_once(monkeypatch):
