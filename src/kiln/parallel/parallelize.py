@@ -165,35 +165,48 @@ def strategy_of(model: nn.Module) -> str:
 
 
 @contextlib.contextmanager
-def grad_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+def grad_sync(model: nn.Module, sync: bool, every_microbatch: bool = False) -> Iterator[None]:
     """Around one micro-batch's forward and backward: `sync=False` (every micro-batch but the last of an
-    accumulation) keeps the gradients local, with no collective; the last one reduces them all."""
+    accumulation) keeps the gradients local, with no collective; the last one reduces them all.
+
+    `every_microbatch` (dist.reduce_every_microbatch): under FSDP every micro-batch reduce-scatters its gradients
+    into the sharded ones instead, so FSDP2 keeps no unsharded gradient between micro-batches; hybrid sharding
+    holds each micro-batch's reduce-scattered shard until the last one all-reduces the sum over the replicas.
+    DDP and one process are unaffected: their gradients are full-size either way."""
     kind = strategy_of(model)
     if kind == "ddp" and not sync:
         with model.no_sync():
             yield
         return
     if kind == "fsdp":
-        model.set_requires_gradient_sync(sync)
+        model.set_requires_gradient_sync(sync or every_microbatch)
+        if every_microbatch:
+            model.set_requires_all_reduce(sync)  # HSDP only: its replicas' all-reduce once a step
     yield
 
 
 def drop_unreduced_grads(model: nn.Module) -> None:
     """After a forward or backward pass that failed (out of memory), or micro-batches never followed by a step's
     last: drop the gradients FSDP2 holds outside the parameters' own, each parameter's unsharded gradient kept
-    with the sync off (or left by a block whose backward was cut short). Left there, the next backward pass
-    would add them to its own, and they would keep their memory (4 bytes a parameter). A no-op for DDP and one
-    process, whose gradients `optimizer.zero_grad` drops."""
+    with the sync off (or left by a block whose backward was cut short) and, under hybrid sharding with
+    `grad_sync(every_microbatch=True)`, the reduce-scattered sums waiting for their all-reduce. Left there, the
+    next backward pass would add them to its own, and they would keep their memory. The sharded gradients already
+    reduced are the parameters' own, which `optimizer.zero_grad` drops; a no-op for DDP and one process."""
     if strategy_of(model) != "fsdp":
         return
     for module in model.modules():
         state = module._get_fsdp_state() if isinstance(module, FSDPModule) else None
-        group = getattr(state, "_fsdp_param_group", None)
-        for param in getattr(group, "fsdp_params", ()):
-            param.unsharded_accumulated_grad = None
-            unsharded = getattr(param, "_unsharded_param", None)
-            if unsharded is not None:
-                unsharded.grad = None
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch before per-module lists of groups
+            groups = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
+        for group in groups:
+            if getattr(group, "_partial_reduce_output", None) is not None:
+                group._partial_reduce_output = None
+            for param in group.fsdp_params:
+                param.unsharded_accumulated_grad = None
+                unsharded = getattr(param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:

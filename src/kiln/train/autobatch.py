@@ -156,7 +156,8 @@ class _Try:
     def __call__(self, b: int, accumulate: bool = False) -> int | None:
         """`accumulate`: the run will take more than one micro-batch a step, so each trial step takes two, the
         first with its gradient sync off as the trainer's: the gradients kept between them (under FSDP each
-        parameter's whole unsharded gradient, 4 bytes a parameter) are there when the second one runs."""
+        parameter's whole unsharded gradient, 4 bytes a parameter, with dist.reduce_every_microbatch off; its
+        sharded gradients with it on) are there when the second one runs."""
         T, dev = self.cfg.train.seq_len, self.device
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
@@ -166,7 +167,7 @@ class _Try:
                 for sync in (False, True) if accumulate else (True,):
                     x = torch.randint(0, self.vocab, (b, T + 1), device=dev)
                     docs = torch.zeros((b, T), dtype=torch.int32, device=dev) if self.cfg.data.document_mask else None
-                    with grad_sync(self.model, sync=sync):
+                    with grad_sync(self.model, sync=sync, every_microbatch=self.cfg.dist.reduce_every_microbatch):
                         with torch.autocast(dev.type, dtype=self.dtype, enabled=self.dtype is not None):
                             loss = self.model(x[:, :-1], x[:, 1:], docs)
                         loss.backward()

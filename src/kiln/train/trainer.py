@@ -143,7 +143,9 @@ class Trainer:
         for lo in range(0, n, self.micro):
             hi = min(lo + self.micro, n)
             beat()  # kiln.parallel watchdog: this rank is making progress
-            with grad_sync(self.model, sync=hi == n):  # kiln.parallel: no collective before the last
+            # kiln.parallel: under FSDP each micro-batch is reduce-scattered (dist.reduce_every_microbatch), else
+            # no collective before the last
+            with grad_sync(self.model, sync=hi == n, every_microbatch=self.cfg.dist.reduce_every_microbatch):
                 with self.autocast():
                     loss = self.model(x[lo:hi], y[lo:hi], None if docs is None else docs[lo:hi]) / (n / (hi - lo))
                 loss.backward()

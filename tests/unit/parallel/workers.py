@@ -62,9 +62,10 @@ def config(batch_size: int, grad_accum: int, train: dict | None = None, model: d
     })
 
 
-def train_losses(cfg: RunConfig, mesh: Mesh) -> tuple[list[float], dict, str]:
+def train_losses(cfg: RunConfig, mesh: Mesh, save: str | None = None) -> tuple[list[float], dict, str]:
     """The logged loss of every step of a run of `cfg` on `mesh`; the last metrics (with `compiled_graphs`: the
-    graphs torch's compiler made for the run); the strategy used."""
+    graphs torch's compiler made for the run); the strategy used. `save`: a file rank 0 writes the final weights
+    to (a plain state dict, gathered from every rank under FSDP)."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
@@ -76,6 +77,12 @@ def train_losses(cfg: RunConfig, mesh: Mesh) -> tuple[list[float], dict, str]:
                       [record], mesh=mesh)
     before = counters["aot_autograd"]["total"]
     trainer.train()
+    if save is not None:
+        from kiln.parallel.parallelize import full_model
+
+        plain = full_model(trainer.model, cfg, mesh)
+        if plain is not None:
+            torch.save({k: v.detach().cpu() for k, v in plain.state_dict().items()}, save)
     metrics = {**record.metrics, "compiled_graphs": counters["aot_autograd"]["total"] - before}
     return record.losses, metrics, type(trainer.model).__name__
 
@@ -97,7 +104,7 @@ def run_cases(run) -> None:
 def main() -> None:
     run_cases(lambda case, mesh: train_losses(
         config(case["batch_size"], case["grad_accum"], case.get("train"), case.get("model"), **case.get("dist", {})),
-        mesh))
+        mesh, case.get("save")))
 
 if __name__ == "__main__":
     main()
