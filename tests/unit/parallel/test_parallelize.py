@@ -154,11 +154,16 @@ def test_dist_config_checks():
         load_config(None, ["dist.strategy=ddp", "dist.cpu_offload=true"])
 
 
-def test_dropped_unreduced_gradients_do_not_reach_the_next_step():
-    """A micro-batch run with the sync off and never followed by a step's last (an out-of-memory error cut the step
-    short; an auto-batch trial) leaves FSDP2 holding each parameter's unsharded gradient: the next backward pass
-    adds it to its own. `drop_unreduced_grads` drops it: the next step's gradients are those of its own rows alone
-    (FSDP2 over one gloo process, bf16 compute with fp32 reduction)."""
+@pytest.mark.parametrize("sharding,every,kept_differs", [("full", False, True), ("full", True, False),
+                                                          ("hybrid", True, True)])
+def test_dropped_unreduced_gradients_do_not_reach_the_next_step(sharding, every, kept_differs):
+    """A micro-batch never followed by a step's last (an out-of-memory error cut the step short; an auto-batch
+    trial). With the sync off (dist.reduce_every_microbatch=false) it leaves FSDP2 holding each parameter's
+    unsharded gradient; reducing every micro-batch under hybrid sharding, the reduce-scattered shard waiting for the
+    step's all-reduce between replicas: the next backward pass adds either to its own. `drop_unreduced_grads` drops
+    them: the next step's gradients are those of its own rows alone. Reducing every micro-batch under full sharding
+    leaves only the parameters' sharded gradients, which zero_grad drops. (FSDP2 over one gloo process, bf16
+    compute with fp32 reduction.)"""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -170,10 +175,11 @@ def test_dropped_unreduced_gradients_do_not_reach_the_next_step():
     rc = RunConfig.model_validate({
         "model": {"size": "tiny", "vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
                   "ffn_hidden": 192, "max_seq_len": 32},
-        "train": {"device": "cpu", "precision": "bf16", "seq_len": 16}, "dist": {"strategy": "fsdp"}})
+        "train": {"device": "cpu", "precision": "bf16", "seq_len": 16},
+        "dist": {"strategy": "fsdp", "sharding": sharding, "reduce_every_microbatch": every}})
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        grid = init_device_mesh("cpu", (1,), mesh_dim_names=("unreduced",))
+        grid = init_device_mesh("cpu", (1,), mesh_dim_names=(f"unreduced_{sharding}_{every}",))
         mesh = Mesh(0, 0, 1, 1, torch.device("cpu"), "gloo", grid)
         with torch.device("meta"):
             model = Transformer(rc.model)
@@ -185,7 +191,7 @@ def test_dropped_unreduced_gradients_do_not_reach_the_next_step():
         cut, rows = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))
 
         def micro_batch(tokens: torch.Tensor, sync: bool) -> None:
-            with grad_sync(model, sync=sync):
+            with grad_sync(model, sync=sync, every_microbatch=every):
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     loss = model(tokens, tokens)
                 loss.backward()
@@ -205,7 +211,7 @@ def test_dropped_unreduced_gradients_do_not_reach_the_next_step():
     finally:
         dist.destroy_process_group()
     same = [all(torch.allclose(a, b) for a, b in zip(alone, other, strict=True)) for other in (kept, dropped)]
-    assert same == [False, True]
+    assert same == [not kept_differs, True]
 
 
 @pytest.mark.slow
