@@ -210,7 +210,8 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
         gather8 = lay.strategy == "fsdp" and t.fp8.recipe == "tensorwise" and t.fp8.all_gather
         return peak_memory(m, t.seq_len, batch, ac, compiled, bf16, lay, lora, fp8, gather8,
                            accumulate=batch < rows if accumulate is None else accumulate,
-                           reduce_fp32=cfg.dist.reduce_fp32)
+                           reduce_fp32=cfg.dist.reduce_fp32,
+                           every_microbatch=cfg.dist.reduce_every_microbatch)
 
     def most(ac: str, lay: Layout) -> int:
         """The largest micro-batch that fits: below the step's rows its gradients are kept between micro-batches,
@@ -331,7 +332,8 @@ def _advise(plan: Plan) -> None:
     if not plan.max_batch and plan.lora is None:
         lora = Lora(16, ("all",), 2)
         mem = peak_memory(plan.model, t.seq_len, 1, "full", t.compile, plan.bf16, plan.layout, lora,
-                          accumulate=accumulates(plan, plan.gpus), reduce_fp32=cfg.dist.reduce_fp32)
+                          accumulate=accumulates(plan, plan.gpus), reduce_fp32=cfg.dist.reduce_fp32,
+                          every_microbatch=cfg.dist.reduce_every_microbatch)
         if needs(mem, gpu) <= plan.capacity:
             plan.warnings.append("LoRA fits: lora.rank=16 lora.targets=[all] train.activation_checkpointing=full "
                                  "train.batch_size=1 (continued pretraining of a frozen bf16 base)")
@@ -361,7 +363,8 @@ def _advise_qlora(plan: Plan) -> None:
     t, lora = plan.cfg.train, plan.lora or Lora(16, ("all",), 2)
     qlora = Lora(lora.rank, lora.targets, 2, nf4=True)
     mem = peak_memory(plan.model, t.seq_len, 1, "full", t.compile, plan.bf16, plan.layout, qlora,
-                      accumulate=accumulates(plan, plan.gpus), reduce_fp32=plan.cfg.dist.reduce_fp32)
+                      accumulate=accumulates(plan, plan.gpus), reduce_fp32=plan.cfg.dist.reduce_fp32,
+                      every_microbatch=plan.cfg.dist.reduce_every_microbatch)
     if needs(mem, plan.gpu) <= plan.capacity:
         plan.warnings.append(f"QLoRA fits ({mem.peak / GIB:.1f} GiB peak): lora.quantize_base=nf4 with lora.rank="
                              f"{lora.rank} train.activation_checkpointing=full train.batch_size=1 (the base's linear "
@@ -377,5 +380,6 @@ def accumulates(plan: Plan, gpus: int) -> bool:
 def fit_more(plan: Plan, gpus: int, ac: str, lay: Layout) -> bool:
     t = plan.cfg.train
     mem = peak_memory(plan.model, t.seq_len, 1, ac, t.compile, plan.bf16, lay, plan.lora,
-                      accumulate=accumulates(plan, gpus), reduce_fp32=plan.cfg.dist.reduce_fp32)
+                      accumulate=accumulates(plan, gpus), reduce_fp32=plan.cfg.dist.reduce_fp32,
+                      every_microbatch=plan.cfg.dist.reduce_every_microbatch)
     return needs(mem, plan.gpu) <= plan.capacity

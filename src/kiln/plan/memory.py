@@ -17,12 +17,13 @@ large micro-batches), and the end of the backward pass (every gradient alive, th
 
 With gradient accumulation (several micro-batches a step) the gradients of the first micro-batch stay
 through the forward and backward passes of the others, so both earlier moments hold them too. One process
-and DDP accumulate into the gradients counted above (4 N, or 4 N / shards). FSDP2 does not: Kiln turns its
-gradient sync off for every micro-batch but the last (kiln.parallel.parallelize.grad_sync), and FSDP2 then
-keeps each parameter's *unsharded* gradient, in the reduce dtype (fp32 with dist.reduce_fp32, the default),
-until the last micro-batch reduce-scatters it: 4 N bytes on every process whatever the shard count, 30 GiB
-at 8B (`accumulation_bytes`). Syncing every micro-batch would keep only the sharded 4 N / shards instead, for
-one reduce-scatter of the gradients per micro-batch rather than per step.
+and DDP accumulate into the gradients counted above (4 N, or 4 N / shards). So does FSDP2 with
+dist.reduce_every_microbatch (the default): each micro-batch's gradients are reduce-scattered into the sharded
+fp32 ones, 4 N / shards, for one reduce-scatter per micro-batch rather than per step. With it off, Kiln turns
+FSDP2's gradient sync off for every micro-batch but the last (kiln.parallel.parallelize.grad_sync), and FSDP2
+then keeps each parameter's *unsharded* gradient, in the reduce dtype (fp32 with dist.reduce_fp32, the
+default), until the last micro-batch reduce-scatters it: 4 N bytes on every process whatever the shard count,
+30 GiB at 8B (`accumulation_bytes`).
 
 Activation bytes per layer and token, e = bytes of an activation element (2 under bf16, 4 in fp32),
 d = d_model, q = n_heads x head_dim, kv = n_kv_heads x head_dim, h = the MLP's hidden width, H = heads:
@@ -124,7 +125,7 @@ class Memory:
     peak: int
     phase: str  # "forward" or "backward": when the peak comes
     host: int  # bytes of CPU memory per process for offloaded state (0 without offload)
-    accumulated: int = 0  # FSDP: unsharded gradients kept between micro-batches (`accumulation_bytes`)
+    accumulated: int = 0  # FSDP, reducing once a step: unsharded gradients kept between micro-batches
 
 
 def layer_params(m: ModelConfig) -> int:
@@ -178,12 +179,14 @@ def state_bytes(n: int, layout: Layout) -> tuple[int, int, int]:
     return -(-4 * n // s), -(-4 * n // s), -(-8 * n // s)
 
 
-def accumulation_bytes(trained: int, layout: Layout, bf16: bool, reduce_fp32: bool = True) -> int:
-    """Gradients FSDP2 keeps between the micro-batches of a step, on each process (0 for one process and DDP,
-    which accumulate into the gradients they always have): with its gradient sync off, each parameter's
-    unsharded gradient, whole, cast to the reduce dtype (fp32 with dist.reduce_fp32; bf16 compute without it
-    keeps its bf16 gradients; fp32 training, fp32 ones), on the device even under CPU offload."""
-    if layout.strategy != "fsdp":
+def accumulation_bytes(trained: int, layout: Layout, bf16: bool, reduce_fp32: bool = True,
+                       every_microbatch: bool = True) -> int:
+    """Unsharded gradients FSDP2 keeps between the micro-batches of a step, on each process (0 for one process
+    and DDP, and for FSDP with dist.reduce_every_microbatch, `every_microbatch`: all accumulate into the
+    gradients they always have): with its gradient sync off, each parameter's unsharded gradient, whole, cast to
+    the reduce dtype (fp32 with dist.reduce_fp32; bf16 compute without it keeps its bf16 gradients; fp32
+    training, fp32 ones), on the device even under CPU offload."""
+    if layout.strategy != "fsdp" or every_microbatch:
         return 0
     return trained * (4 if reduce_fp32 or not bf16 else 2)
 
@@ -221,11 +224,13 @@ def backward_bytes(m: ModelConfig, tokens: int, ac: str, compiled: bool, e: int,
 
 def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", compiled: bool = True,
                 bf16: bool = True, layout: Layout = Layout(), lora: Lora | None = None,
-                fp8: int = 0, fp8_gather: bool = False, accumulate: bool = False, reduce_fp32: bool = True) -> Memory:
+                fp8: int = 0, fp8_gather: bool = False, accumulate: bool = False, reduce_fp32: bool = True,
+                every_microbatch: bool = True) -> Memory:
     """Peak bytes on one device of a training step with micro-batch `batch` (see the module doc).
     `fp8`, `fp8_gather`: float8 training (see `compute_weight_bytes`). `accumulate`: the step has more than
-    one micro-batch, whose gradients are kept between them; `reduce_fp32`: dist.reduce_fp32 (FSDP keeps them
-    in the reduce dtype: `accumulation_bytes`).
+    one micro-batch, whose gradients are kept between them; `reduce_fp32`, `every_microbatch`: dist.reduce_fp32
+    and dist.reduce_every_microbatch (without the latter FSDP keeps them unsharded, in the reduce dtype:
+    `accumulation_bytes`).
 
     With `lora`, only the adapters have gradients and AdamW state; the frozen base takes lora.base_bytes
     a weight (no compute copies when that is bf16), and each block keeps the adapters' rank-wide
@@ -249,11 +254,12 @@ def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", comp
             acts += tokens * m.n_layers * e * lora.rank * targets
     loss = loss_chunk_bytes(m, tokens, compiled, e, bf16)
     back = backward_bytes(m, tokens, ac, compiled, e, bf16, layout)
-    # gradients held while a later micro-batch runs forward and backward: the state's own (one process, DDP),
-    # or FSDP's unsharded ones, which the last micro-batch's backward reduce-scatters into the sharded gradients
-    accumulated = accumulation_bytes(lora_params(m, lora) if lora else n, layout, bf16, reduce_fp32) \
-        if accumulate else 0
-    held = accumulated if layout.strategy == "fsdp" else grads if accumulate else 0
+    # gradients held while a later micro-batch runs forward and backward: the state's own (one process, DDP, FSDP
+    # reducing every micro-batch), or FSDP's unsharded ones, which the last micro-batch's backward reduce-scatters
+    # into the sharded gradients
+    accumulated = accumulation_bytes(lora_params(m, lora) if lora else n, layout, bf16, reduce_fp32,
+                                     every_microbatch) if accumulate else 0
+    held = accumulated or (grads if accumulate else 0)
     forward_end = weights + optim + compute + acts + loss + held
     backward_end = weights + optim + max(grads, accumulated) + back
     if not compiled and layout.strategy != "fsdp":

@@ -181,19 +181,27 @@ FSDP_8B = [(2, 1, 1, "full", 64.8), (2, 1, 1, "selective", 73.5), (4, 1, 1, "sel
 
 @pytest.mark.parametrize("gpus,batch,accum,ac,measured", FSDP_8B)
 def test_fsdp_8b_peaks_measured_on_h200s_are_predicted(gpus, batch, accum, ac, measured):
-    """The last row is the cpt-8b-4gpu preset: 41.1 GiB was planned before the unsharded gradients FSDP2 keeps
-    between micro-batches were counted."""
+    """The last row is the cpt-8b-4gpu preset, measured when Kiln reduced FSDP's gradients once a step
+    (dist.reduce_every_microbatch=false now): 41.1 GiB was planned before the unsharded gradients FSDP2 keeps
+    between micro-batches were counted. Reducing every micro-batch (the default now) keeps the sharded ones
+    instead, 4 N / 4: 22.4 GiB less at 8B over 4 GPUs, to be measured."""
     cfg = ModelConfig(size="8b", vocab_size=128256, max_seq_len=8192)
-    mem = peak_memory(cfg, 8192, batch, ac, layout=Layout("fsdp", gpus), accumulate=accum > 1)
+    mem = peak_memory(cfg, 8192, batch, ac, layout=Layout("fsdp", gpus), accumulate=accum > 1,
+                      every_microbatch=False)
     assert mem.peak / 2**30 == pytest.approx(measured, rel=0.05)
+    every = peak_memory(cfg, 8192, batch, ac, layout=Layout("fsdp", gpus), accumulate=accum > 1)
+    assert every.accumulated == 0
+    assert mem.peak - every.peak == (mem.accumulated - mem.grads if accum > 1 else 0)
 
 
-@pytest.mark.parametrize("reduce_fp32", [True, False])
-def test_fsdp_keeps_the_unsharded_gradients_between_micro_batches_as_planned(reduce_fp32):
+@pytest.mark.parametrize("reduce_fp32,every", [(True, False), (False, False), (True, True)])
+def test_fsdp_keeps_the_unsharded_gradients_between_micro_batches_as_planned(reduce_fp32, every):
     """Kiln's FSDP2 model (bf16 compute, rank 0 of 2 with a fake process group standing in for the other), its
-    gradient sync off as the trainer turns it off for every micro-batch but a step's last: the CPU heap grows by
-    `accumulation_bytes` (each parameter's gradient whole, in the reduce dtype) and stays there over a second
-    such micro-batch; the last micro-batch reduce-scatters it into the sharded gradients, 4 N / 2."""
+    gradient sync off as the trainer turns it off for every micro-batch but a step's last (dist.reduce_every_
+    microbatch=false): the CPU heap grows by `accumulation_bytes` (each parameter's gradient whole, in the reduce
+    dtype) and stays there over a second such micro-batch; the last micro-batch reduce-scatters it into the sharded
+    gradients, 4 N / 2. Reducing every micro-batch (`every`), each adds to those sharded fp32 gradients: 4 N / 2
+    from the first, no more with the next, and `accumulation_bytes` is 0."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -209,11 +217,11 @@ def test_fsdp_keeps_the_unsharded_gradients_between_micro_batches_as_planned(red
         "model": {"size": "tiny", "vocab_size": 512, "d_model": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
                   "ffn_hidden": 384, "max_seq_len": 32},
         "train": {"device": "cpu", "precision": "bf16", "seq_len": 16},
-        "dist": {"strategy": "fsdp", "reduce_fp32": reduce_fp32}})
+        "dist": {"strategy": "fsdp", "reduce_fp32": reduce_fp32, "reduce_every_microbatch": every}})
     n = param_count(rc.model)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        grid = init_device_mesh("cpu", (2,), mesh_dim_names=(f"accumulation_{reduce_fp32}",))
+        grid = init_device_mesh("cpu", (2,), mesh_dim_names=(f"accumulation_{reduce_fp32}_{every}",))
         with torch.device("meta"):
             model = Transformer(rc.model)
         mesh = Mesh(0, 0, 2, 2, torch.device("cpu"), "fake", grid)
@@ -224,7 +232,7 @@ def test_fsdp_keeps_the_unsharded_gradients_between_micro_batches_as_planned(red
         tokens = torch.randint(0, 512, (2, 16))
 
         def micro_batch(sync: bool) -> int:
-            with grad_sync(model, sync=sync):
+            with grad_sync(model, sync=sync, every_microbatch=every):
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     loss = model(tokens, tokens)
                 loss.backward()
@@ -240,7 +248,11 @@ def test_fsdp_keeps_the_unsharded_gradients_between_micro_batches_as_planned(red
         reduced = micro_batch(True) - start
     finally:
         dist.destroy_process_group()
-    planned = accumulation_bytes(n, Layout("fsdp", 2), bf16=True, reduce_fp32=reduce_fp32)
+    planned = accumulation_bytes(n, Layout("fsdp", 2), bf16=True, reduce_fp32=reduce_fp32, every_microbatch=every)
+    assert reduced == pytest.approx(4 * n / 2, rel=0.05)
+    if every:
+        assert planned == 0
+        assert kept[0] == pytest.approx(4 * n / 2, rel=0.05) and kept[1] == pytest.approx(4 * n / 2, rel=0.05)
+        return
     assert planned == (4 if reduce_fp32 else 2) * n
     assert kept[0] == pytest.approx(planned, rel=0.03) and kept[1] == pytest.approx(planned, rel=0.03)
-    assert reduced == pytest.approx(4 * n / 2, rel=0.05)
