@@ -153,3 +153,20 @@ def test_a_run_whose_final_model_save_was_cut_short_is_read_from_its_final_check
     with pytest.raises(StateError, match=f"{stopped} has no final model \\(model/\\) yet: its newest checkpoint is "
                                          f"step_{EVERY:08d}"):
         load_model(stopped)
+
+
+@pytest.mark.slow
+def test_an_accumulating_fsdp_run_resumes_with_the_losses_it_logged(base, tmp_path):
+    """FSDP over 2 processes, 2 micro-batches a step, each reduce-scattered into the sharded gradients
+    (dist.reduce_every_microbatch, the default): cut back to its step-2 checkpoint and resumed on its 2 processes,
+    it logs the very losses of the run it was cut from (exact resume)."""
+    run_dir, resumed = tmp_path / "accum", tmp_path / "resumed"
+    out = kiln_train(*base, "train.batch_size=1", "train.grad_accum=2", "dist.strategy=fsdp", "train.max_steps=4",
+                     "checkpoint.every=2", f"train.run_dir={run_dir}", nproc=2)
+    assert "= 1 per micro-batch x 2 accumulated x 2" in out.stdout
+    shutil.copytree(run_dir, resumed)
+    cut_back(resumed, 2)
+    out = kiln_train(str(resumed), nproc=2)
+    assert f"resumed from {resumed / 'checkpoints' / f'step_{2:08d}'}" in out.stdout
+    want, got = losses(run_dir), losses(resumed)
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4] and got[3] == want[3] and got[4] == want[4]
