@@ -304,6 +304,10 @@ def _advise(plan: Plan) -> None:
         f"train.batch_size={plan.batch}"
     plan.warnings.append(f"does not fit: a step at {at} needs about {need / GIB:.1f} GiB "
                          f"per device, {where} has {plan.capacity / GIB:.1f} GiB")
+    if plan.memory.accumulated:  # FSDP reducing once a step (kiln.plan.memory.accumulation_bytes)
+        plan.warnings.append(f"dist.reduce_every_microbatch=false keeps {plan.memory.accumulated / GIB:.1f} GiB of "
+                             "unsharded gradients on every GPU between micro-batches; true (the default) keeps the "
+                             f"sharded ones ({plan.memory.grads / GIB:.1f} GiB), for a reduce-scatter per micro-batch")
     fitting = [o for o in plan.options if o.max_batch > 0 and o.strategy != "single+offload"]  # said below
     if plan.max_batch:
         g = plan.batch * plan.accumulation

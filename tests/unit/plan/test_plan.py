@@ -253,7 +253,11 @@ def test_the_4gpu_preset_trains_batch_4_at_8192_with_the_checkpointing_that_fits
     every = make_plan(load_config("cpt-8b-4gpu", [*LLAMA3_8B, *one]), 4, GPUS["h100"])
     assert every.fits and every.memory.peak / 2**30 == pytest.approx(59.9, abs=0.05)
     once = load_config("cpt-8b-4gpu", [*LLAMA3_8B, *one, "dist.reduce_every_microbatch=false"])
-    assert not make_plan(once, 4, GPUS["h100"]).fits and make_plan(once, 4, GPUS["h200"]).fits
+    h100 = make_plan(once, 4, GPUS["h100"])
+    assert not h100.fits and make_plan(once, 4, GPUS["h200"]).fits
+    assert any(w.startswith("dist.reduce_every_microbatch=false keeps 29.9 GiB of unsharded gradients") and
+               "sharded ones (7.5 GiB)" in w for w in h100.warnings)
+    assert not any("reduce_every_microbatch" in w for w in selective.warnings)  # on: no unsharded gradients
 
 
 def test_auto_batch_is_planned_at_the_micro_batch_the_run_would_take():
