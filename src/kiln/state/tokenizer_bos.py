@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kiln.state.hf_source import read_json
+
 
 def drop_bos(out: Path) -> tuple[str | None, bool]:
     """Take the BOS out of the tokenizer files in `out` (tokenizer.json's post-processor, tokenizer_config.json's
@@ -37,7 +39,7 @@ def drop_bos(out: Path) -> tuple[str | None, bool]:
             if gone:
                 edited.save(str(file))
     config_file = out / "tokenizer_config.json"
-    config = _read(config_file)
+    config = read_json(config_file)
     if config.get("add_bos_token"):
         config["add_bos_token"] = False
         config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
@@ -61,10 +63,3 @@ def _without(proc: dict[str, Any] | None, bos: int) -> dict[str, Any] | None:
     used = {p["SpecialToken"]["id"] for t in templates.values() for p in t if "SpecialToken" in p}
     return {**proc, **templates, "special_tokens": {k: v for k, v in specials.items() if k in used}}
 
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}

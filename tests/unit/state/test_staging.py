@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 
 import pytest
@@ -20,27 +19,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_staged_tensors_and_cpu_dtensors_do_not_alias_the_live_state(monkeypatch):
+@pytest.fixture
+def one_process(monkeypatch):
+    """A one-process gloo group on the CPU: the mesh of a CPU DTensor."""
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
                        "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(key, value)
     dist.init_process_group("gloo")
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        live = {"w": distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]), "b": torch.randn(4)}
-        staging = CpuStaging(pin=False)
-        for _ in range(2):  # the first save makes the buffers, the second reuses them
-            staged = staging.stage(live)
-            before = {k: (v.to_local() if k == "w" else v).clone() for k, v in staged.items()}
-            with torch.no_grad():  # training goes on while the copy is written
-                live["w"].to_local().add_(1.0)
-                live["b"].add_(1.0)
-            assert torch.equal(staged["w"].to_local(), before["w"])  # a CPU DTensor's buffer came back itself
-            assert torch.equal(staged["b"], before["b"])
-            assert staged["w"].placements == live["w"].placements
-    finally:
-        dist.destroy_process_group()
-        os.environ.pop("MASTER_PORT", None)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def test_staged_tensors_and_cpu_dtensors_do_not_alias_the_live_state(one_process):
+    live = {"w": distribute_tensor(torch.randn(8, 4), one_process, [Shard(0)]), "b": torch.randn(4)}
+    staging = CpuStaging(pin=False)
+    for _ in range(2):  # the first save makes the buffers, the second reuses them
+        staged = staging.stage(live)
+        before = {k: (v.to_local() if k == "w" else v).clone() for k, v in staged.items()}
+        with torch.no_grad():  # training goes on while the copy is written
+            live["w"].to_local().add_(1.0)
+            live["b"].add_(1.0)
+        assert torch.equal(staged["w"].to_local(), before["w"])  # a CPU DTensor's buffer came back itself
+        assert torch.equal(staged["b"], before["b"])
+        assert staged["w"].placements == live["w"].placements
 
 
 @pytest.mark.parametrize("start,nbytes", [(0, 1), (4096, 4096), (100, 50_000_000), (4095, 33 << 20), (12345, 16 << 20)])
@@ -54,7 +55,7 @@ def test_pin_ranges_tile_the_tensor_with_no_page_in_two_pieces(start, nbytes):
     assert all(0 < n <= PIN_CHUNK for _, n in pieces)
 
 
-def test_allocating_the_buffers_reads_nothing_of_the_state(monkeypatch):
+def test_allocating_the_buffers_reads_nothing_of_the_state(one_process):
     """`allocate` runs beside training: making a buffer must not copy the state (on a GPU that copy is a blocking
     device-to-host transfer of the whole state in training's stream)."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -68,21 +69,12 @@ def test_allocating_the_buffers_reads_nothing_of_the_state(monkeypatch):
             self.names.append(func.__name__)
             return func(*args, **(kwargs or {}))
 
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
-                       "WORLD_SIZE": "1"}.items():
-        monkeypatch.setenv(key, value)
-    dist.init_process_group("gloo")
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        live = {"w": distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]), "b": torch.randn(4)}
-        staging = CpuStaging(pin=False)
-        with Ops() as ops:
-            staging.allocate(live)
-        assert not [n for n in ops.names if "copy" in n or "clone" in n], ops.names
-        assert staging.buffers["w"].placements == live["w"].placements
-        assert staging.buffers["w"].to_local().data_ptr() != live["w"].to_local().data_ptr()
-        staged = staging.stage(live)  # and the buffers it made take the copy
-        assert torch.equal(staged["w"].to_local(), live["w"].to_local()) and staged["w"] is staging.buffers["w"]
-    finally:
-        dist.destroy_process_group()
-        os.environ.pop("MASTER_PORT", None)
+    live = {"w": distribute_tensor(torch.randn(8, 4), one_process, [Shard(0)]), "b": torch.randn(4)}
+    staging = CpuStaging(pin=False)
+    with Ops() as ops:
+        staging.allocate(live)
+    assert not [n for n in ops.names if "copy" in n or "clone" in n], ops.names
+    assert staging.buffers["w"].placements == live["w"].placements
+    assert staging.buffers["w"].to_local().data_ptr() != live["w"].to_local().data_ptr()
+    staged = staging.stage(live)  # and the buffers it made take the copy
+    assert torch.equal(staged["w"].to_local(), live["w"].to_local()) and staged["w"] is staging.buffers["w"]
