@@ -61,6 +61,15 @@ def test_every_json_of_the_source_survives_export(runs, kind, what, tmp_path):
     assert (hf.config.bos_token_id, hf.config.eos_token_id, hf.config.pad_token_id) == (1, 2, 0)
 
 
+def test_the_final_model_of_an_auto_run_keeps_its_sources_files(runs):
+    """An auto run's model/ is transformers' own layout, which from_pretrained loads as it is: it carries the source's
+    tokenizer files, generation config and config.json as an export does (it used to hold save_pretrained's config
+    and tokenizer.json alone: no chat template, no special tokens, no stop tokens)."""
+    assert json_changes(runs / "gemma", runs / "run-gemma" / "model") == {}
+    tok = transformers.AutoTokenizer.from_pretrained(runs / "run-gemma" / "model")
+    assert (tok.bos_token, tok.eos_token, tok.chat_template) == ("<s>", "</s>", CHAT_TEMPLATE)
+
+
 def test_another_tokenizer_is_written_as_kilns_own(runs, tmp_path):
     other = llama_tokenizer()  # the same ids, without the post-processor's <s>: not the source's tokenizer
     other.tk.post_processor = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,10 +17,16 @@ from kiln.files import atomic_write_json, replace_file
 from kiln.state.rundir import checkpoints, model_saved
 
 
-def save_model(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer | None, out: Path) -> Path:
+def save_model(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer | None, out: Path,
+               source_files: Callable[[Path], object] | None = None) -> Path:
+    """The final model in `out`: Kiln's layout, or an auto-path model's in transformers' own (save_pretrained), which
+    from_pretrained loads, then `source_files(out)` (kiln.state.export.finish_auto_export: what its source says
+    besides the weights, as `kiln export` writes it) before the model config that completes `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    if cfg.hf_class == "auto":  # transformers' own layout (save_pretrained), which from_pretrained loads
+    if cfg.hf_class == "auto":
         model.save_pretrained(out, None if tokenizer is None else lambda d: tokenizer.save(Path(d) / "tokenizer.json"))
+        if source_files is not None:
+            source_files(out)
         atomic_write_json(out / "model_config.json", cfg.model_dump(mode="json"), indent=2)
         return out
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}

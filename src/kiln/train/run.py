@@ -438,7 +438,12 @@ def _save_final(model, cfg: RunConfig, tok, run_dir: Path, console: Console) -> 
                      f"and `kiln train {run_dir}` writes model/ from it", defer=True,
                      deferred="finishing the model save first") as saving:
         if cfg.model.hf_class == "auto":  # save_pretrained: PEFT's adapters in model/adapters, then merged
-            out = save_model(model, cfg.model, tok, run_dir / "model")
+            from kiln.state.export import finish_auto_export
+            from kiln.state.hf_source import tokenizer_dir
+
+            # with its source's chat template, special and stop tokens, as `kiln export` writes them
+            out = save_model(model, cfg.model, tok, run_dir / "model",
+                             lambda d: finish_auto_export(d, cfg.model, tok, tokenizer_dir(cfg.data.tokenizer)))
         else:
             if cfg.lora.rank:  # the adapters alone, in PEFT's format (first: a complete model/ has them)
                 from kiln.model.lora_peft import peft_refusal, write_peft_adapters
