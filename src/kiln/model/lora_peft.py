@@ -57,14 +57,21 @@ def peft_config(model_cfg: ModelConfig, lcfg: LoraConfig, base: str | None) -> d
     }
 
 
-def peft_refusal(adapters: dict[str, torch.Tensor]) -> str | None:
+def peft_refusal(adapters: dict[str, torch.Tensor], model_cfg: ModelConfig | None = None) -> str | None:
     """Why these adapters have no PEFT form Kiln writes (None: they have one): a mixture of experts' per-expert
-    adapters (kiln.model.lora_experts), which the merged model holds instead."""
+    adapters (kiln.model.lora_experts), or a run of `model_cfg` that extended its base's context
+    (kiln.model.base_context), which the merged model holds instead."""
+    from kiln.model.base_context import extended_context
     from kiln.model.lora_experts import stacked_adapter
 
     if any(stacked_adapter(k) is not None for k in adapters):
         return ("the adapters on the mixture of experts' stacked expert projections (lora.targets gate, up, down) "
                 "have no PEFT form Kiln writes; the merged model (kiln export without --adapters) holds them")
+    extended = extended_context(model_cfg) if model_cfg is not None else None
+    if extended is not None:
+        return (f"{extended}, and PEFT adapters load onto the base as it is stored, with its own context and rotary "
+                "scaling, so they would not give the model that was trained; the merged model (kiln export without "
+                "--adapters) holds the new context in its config.json")
     return None
 
 
@@ -73,7 +80,7 @@ def write_peft_adapters(adapters: dict[str, torch.Tensor], model_cfg: ModelConfi
     """Write `adapters` (Kiln keys) as a PEFT adapter directory `out`; `dtype` casts them (None: as they are)."""
     if not adapters:
         raise StateError("no LoRA adapters to write: this model was not trained with lora.rank > 0")
-    why = peft_refusal(adapters)
+    why = peft_refusal(adapters, model_cfg)
     if why is not None:
         raise StateError(why)
     return save_peft(adapters, peft_config(model_cfg, lcfg, base), out, dtype)

@@ -448,7 +448,7 @@ def _save_final(model, cfg: RunConfig, tok, run_dir: Path, console: Console) -> 
             if cfg.lora.rank:  # the adapters alone, in PEFT's format (first: a complete model/ has them)
                 from kiln.model.lora_peft import peft_refusal, write_peft_adapters
 
-                why = peft_refusal(adapter_state_dict(model))
+                why = peft_refusal(adapter_state_dict(model), cfg.model)
                 if why is None:
                     write_peft_adapters(adapter_state_dict(model), cfg.model, cfg.lora, cfg.model.init_from,
                                         run_dir / "model" / "adapters")

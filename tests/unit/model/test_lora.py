@@ -182,6 +182,36 @@ def test_peft_loads_the_adapters_onto_the_base_with_equal_logits(arch, hf_model,
     assert (ours - Transformer(cfg).eval()(x)).abs().max() > 1e-3  # the adapters do change the output
 
 
+def test_the_adapters_of_a_run_that_extended_its_bases_context_are_refused(hf_model, tmp_path):
+    """PEFT puts the adapters on the base as stored, with its 64 positions and plain rotary tables: for a run that
+    extended the context (model.max_seq_len 128 with linear scaling) that is another model than the one trained, so
+    no adapters are written for it (they used to be, silently); the run keeping its base's context writes them."""
+    from kiln.config import RopeScaling
+    from kiln.errors import StateError
+    from kiln.model.hf_import import load_init_weights, resolve_init_from
+    from kiln.model.lora_peft import peft_config, save_peft
+
+    peft = pytest.importorskip("peft")
+    hf = hf_model("llama")
+    hf.save_pretrained(tmp_path / "base")
+    base = str(tmp_path / "base")
+    cfg = resolve_init_from(ModelConfig(init_from=base, max_seq_len=128, rope_scaling=RopeScaling(type="linear",
+                                                                                                  factor=2.0)))
+    model = Transformer(cfg)
+    load_init_weights(model, cfg)
+    lcfg = LoraConfig(rank=4, alpha=16.0, targets=["q", "v"], base_dtype="fp32")
+    apply_lora(model, lcfg)
+    randomize_adapters(model)
+    with pytest.raises(StateError, match="extended the context.*from its 64 positions to model.max_seq_len=128"):
+        write_peft_adapters(adapter_state_dict(model), cfg, lcfg, base, tmp_path / "adapter")
+    out = save_peft(adapter_state_dict(model), peft_config(cfg, lcfg, base), tmp_path / "anyway")
+    x = tokens(shape=(1, 48))
+    with torch.no_grad():  # written anyway, they give other logits (equal within 1e-5 where the context is kept)
+        assert (peft.PeftModel.from_pretrained(hf, out).eval()(input_ids=x).logits - model.eval()(x)).abs().max() > 1e-4
+    kept = resolve_init_from(ModelConfig(init_from=base, max_seq_len=32))  # bounded below: the base's context
+    assert write_peft_adapters(adapter_state_dict(model), kept, lcfg, base, tmp_path / "kept").is_dir()
+
+
 def test_phi3_targets_as_users_write_them_adapt_its_fused_layers_and_load_in_peft(hf_model, tmp_path):
     """Phi-3 keeps qkv_proj and gate_up_proj fused: lora.targets in Hugging Face's names (or Kiln's) adapt them
     whole, PEFT loads the adapters onto Phi3ForCausalLM with the same logits, and the plan counts them."""
