@@ -76,23 +76,24 @@ def auto_config(model: ModelConfig) -> ModelConfig:
     vocab = text.get("vocab_size") or hf.get("vocab_size")
     # a field set to what auto gives it is no clash: a run's config.yaml records every field (resumes read it)
     unset = ModelConfig().model_copy(update={"vocab_size": vocab})
+    context = next((text[k] for k in _CONTEXT_KEYS if isinstance(text.get(k), int) and text[k] > 0), None)
+    # a longer context is said first: a model.rope_scaling beside it, meant to extend it, is no mere clash
+    if "max_seq_len" in model.model_fields_set and context is not None and model.max_seq_len > context:
+        raise ConfigError(f"model.max_seq_len={model.max_seq_len} beside model.init_from={model.init_from} with "
+                          f"model.hf_class=auto is longer than the model's {context} positions, which this path keeps. "
+                          "Remove model.max_seq_len (train.seq_len sets how long the training rows are); to extend "
+                          "the context, edit a copy of the model's config.json (its rope scaling and context length)")
     clash = sorted(k for k in model.model_fields_set - _FREE if getattr(model, k) != getattr(unset, k))
     if clash:
         raise ConfigError(f"model.init_from={model.init_from} with model.hf_class=auto takes the architecture from "
                           f"its config.json, but the config also sets {', '.join('model.' + k for k in clash)}: "
                           "remove those fields")
     update: dict[str, Any] = {"vocab_size": vocab}
-    context = next((text[k] for k in _CONTEXT_KEYS if isinstance(text.get(k), int) and text[k] > 0), None)
     if "max_seq_len" not in model.model_fields_set:
         if context is None:
             raise ConfigError(f"model.init_from: {model.init_from}/config.json names no context length "
                               f"({', '.join(_CONTEXT_KEYS)}); set model.max_seq_len")
         update["max_seq_len"] = context
-    elif context is not None and model.max_seq_len > context:  # the model's context is its own
-        raise ConfigError(f"model.max_seq_len={model.max_seq_len} beside model.init_from={model.init_from} with "
-                          f"model.hf_class=auto is longer than the model's {context} positions, which this path keeps. "
-                          "Remove model.max_seq_len (train.seq_len sets how long the training rows are); to extend "
-                          "the context, edit a copy of the model's config.json (its rope scaling and context length)")
     return model.model_copy(update=update)
 
 

@@ -54,6 +54,8 @@ def test_auto_config_takes_vocab_and_context_and_refuses_native_fields(tmp_path)
     assert model_cfg(path, max_seq_len=32).max_seq_len == 32
     with pytest.raises(ConfigError, match="max_seq_len=64 beside .* longer than the model's 48 positions"):
         model_cfg(path, max_seq_len=64)
+    with pytest.raises(ConfigError, match="longer than the model's 48 positions.*to extend the context, edit a copy"):
+        model_cfg(path, max_seq_len=96, rope_scaling={"type": "linear", "factor": 2.0})  # was 'remove those fields'
     with pytest.raises(ConfigError, match="model.d_model"):
         model_cfg(path, d_model=64)
 
