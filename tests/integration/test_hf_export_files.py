@@ -105,14 +105,17 @@ def test_a_source_that_is_gone_is_said(runs, tmp_path):
 
 def test_a_context_extended_on_purpose_is_written_out(runs, tmp_path):
     """model.max_seq_len over the model's 64 positions, with linear rope scaling: the export advertises 128 positions
-    and the scaling, and transformers' logits over 100 tokens are Kiln's."""
+    and the scaling, generation_config.json's max_length of 64 (the model's context) follows (it stayed 64), and
+    transformers' logits over 100 tokens are Kiln's."""
     from kiln.state.weights import load_model
 
     extend = ("model.max_seq_len=128", "model.rope_scaling.type=linear", "model.rope_scaling.factor=2")
     run_dir = run(load_config(None, overrides(runs, runs / "llama", tmp_path / "run", *extend)))
     out = export_from(run_dir, tmp_path / "out")
     changes = json_changes(runs / "llama", out)
-    assert set(changes) == {"config.json"}
+    assert set(changes) == {"config.json", "generation_config.json"}
+    assert changes["generation_config.json"] == {"max_length": (64, 128)}
+    assert transformers.GenerationConfig.from_pretrained(out).max_length == 128
     assert changes["config.json"]["max_position_embeddings"] == (64, 128)
     assert changes["config.json"]["rope_parameters"][1] == {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
     assert set(changes["config.json"]) <= {"max_position_embeddings", "rope_parameters", "rope_scaling"}

@@ -56,7 +56,7 @@ def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig
     this tokenizer (a model trained from scratch on it). `bos_free`: the run put no BOS before its documents, so
     the tokenizer the export writes puts none either (kiln.state.tokenizer_bos)."""
     from kiln.model.hf import hf_model_type, to_hf_config_dict, to_hf_state_dict, zero_o_bias
-    from kiln.state.hf_source import carry_files, same_tokenizer, source_config, written_tokenizer_config
+    from kiln.state.hf_source import carry_files, same_tokenizer, source_config, written_lengths
 
     if dtype is not None and dtype not in DTYPES:
         raise StateError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
@@ -78,7 +78,7 @@ def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig
     if src is not None:
         carry_files(src, out, keep_tokenizer)
     if keep_tokenizer:
-        written_tokenizer_config(out, cfg.max_seq_len, before)
+        written_lengths(out, cfg.max_seq_len, before)
         return out
     _write_run_tokenizer(out, tokenizer, specials, tok_dir, cfg.max_seq_len, bos_free)
     return out

@@ -125,14 +125,15 @@ def _architecture(cfg: ModelConfig, context: Any = None) -> dict[str, Any]:
     return {**out, "ffn_hidden": cfg.mlp_hidden, "n_kv_heads": cfg.kv_heads, "head_size": cfg.head_dim}
 
 
-def written_tokenizer_config(out: Path, max_len: int, before: int | None) -> None:
-    """With a context extended on purpose, the carried tokenizer_config.json's model_max_length follows it where
-    it was the model's context (`before`)."""
-    file = out / "tokenizer_config.json"
-    data = read_json(file)
-    if before is not None and data.get("model_max_length") == before and max_len > before:
-        data["model_max_length"] = max_len
-        file.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+def written_lengths(out: Path, max_len: int, before: int | None) -> None:
+    """With a context extended on purpose, the carried tokenizer_config.json's model_max_length and
+    generation_config.json's max_length follow it where they were the model's context (`before`)."""
+    for name, key in (("tokenizer_config.json", "model_max_length"), ("generation_config.json", "max_length")):
+        file = out / name
+        data = read_json(file)
+        if before is not None and data.get(key) == before and max_len > before:
+            data[key] = max_len
+            file.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
 # ----------------------------------------------------------------- the tokenizer directory of a model trained on it
