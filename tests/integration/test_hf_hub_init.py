@@ -47,6 +47,15 @@ def test_a_local_directory_stays_one(cache, tmp_path):
     assert local_model_dir(str(cache), log=pytest.fail) == str(cache)
 
 
+def test_a_relative_directory_is_recorded_whole(cache, monkeypatch):
+    """model.init_from=NAME relative to the working directory is recorded as its absolute path, for the model and its
+    tokenizer: an export from another directory found no source (its chat template and stop tokens were lost), a
+    LoRA checkpoint's export no base."""
+    monkeypatch.chdir(cache.parent)
+    cfg = with_init_from(load_config(None, [f"model.init_from={cache.name}", "train.seq_len=32"]), log=pytest.fail)
+    assert cfg.model.init_from == cfg.data.tokenizer == str(cache)
+
+
 def test_a_model_not_in_the_cache_is_refused_offline(cache, tmp_path):
     with pytest.raises(ConfigError, match=r"HF_HUB_OFFLINE is set and kiln-org/other@v2 is not in the local cache "
                                           rf"\({tmp_path / 'hf-home' / 'hub'}\) \(read as a Hub id"):

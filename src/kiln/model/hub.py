@@ -51,15 +51,16 @@ def hub_id(spec: str) -> tuple[str, str | None] | None:
 
 def local_model_dir(spec: str, allow_pickle: bool = False, log: Callable[[str], None] = print,
                     files: list[str] | None = None) -> str:
-    """`spec` itself when it is not a Hub id; else the local directory of its snapshot (fetched, or from the cache
-    when offline); `files`: the patterns to fetch (default: what a model needs; ["config.json"] for its shape
-    alone). ConfigError when it cannot be had, saying why and what to do."""
+    """`spec` as an absolute path when it is not a Hub id (a run records it, and a resume or an export from another
+    working directory finds it); else the local directory of its snapshot (fetched, or from the cache when offline);
+    `files`: the patterns to fetch (default: what a model needs; ["config.json"] for its shape alone). ConfigError
+    when it cannot be had, saying why and what to do."""
     found = hub_id(spec)
     if found is None:
         if spec.startswith("hf://"):
             raise ConfigError(f"model.init_from={spec}: not a Hub model id; give hf://ORG/NAME[@REVISION], ORG/NAME "
                               "or a local Hugging Face model directory")
-        return spec
+        return str(Path(spec).expanduser().absolute())
     repo, revision = found
     try:
         from huggingface_hub import snapshot_download

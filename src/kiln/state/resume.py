@@ -35,11 +35,12 @@ from kiln.state.verify import verify
 MODES = ("auto", "never", "force")
 # settings that may change between a save and a resume without --resume force: where things are, how fast
 # they run, what is logged. Where the data lives (sources, tokenizer path) is free too: the data's identity
-# is checked by its content fingerprints (dataset id, tokenizer hash) instead.
-FREE = ("train.run_dir", "train.device", "train.compile", "train.activation_checkpointing", "train.peak_tflops",
-        "train.eval_every", "train.eval_batches", "train.sample_prompt", "train.sample_tokens", "data.sources",
-        "data.tokenizer", "data.cache_dir", "data.workers", "data.prefetch", "data.pin_memory", "optim.fused",
-        "logging.", "checkpoint.", "dist.", "profile.", "monitor.", "eval.")
+# is checked by its content fingerprints (dataset id, tokenizer hash) instead; so is where the base model lives
+# (its architecture is the model's fields; under LoRA its weights' hash is checked).
+FREE = ("train.run_dir", "model.init_from", "train.device", "train.compile", "train.activation_checkpointing",
+        "train.peak_tflops", "train.eval_every", "train.eval_batches", "train.sample_prompt", "train.sample_tokens",
+        "data.sources", "data.tokenizer", "data.cache_dir", "data.workers", "data.prefetch", "data.pin_memory",
+        "optim.fused", "logging.", "checkpoint.", "dist.", "profile.", "monitor.", "eval.")
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any], all_keys: bool = False) -> list[str]:

@@ -70,6 +70,9 @@ def test_config_differences_ignore_what_does_not_change_the_numbers():
                                   "logging": {"every": 1}, "checkpoint": {"every": 5}}).model_dump(mode="json")
     assert config_differences(a, b) == ["train.lr: 0.002 -> 0.001"]
     assert len(config_differences(a, b, all_keys=True)) == 5
+    # where the base lives: a run that recorded it relative resumes with it recorded whole
+    rel, whole = ({**a, "model": {**a["model"], "init_from": p}} for p in ("models/base", "/work/models/base"))
+    assert config_differences(rel, whole) == []
 
 
 def test_mismatch_names_what_differs_unless_forced(trainer_factory):
