@@ -72,6 +72,26 @@ def test_bad_yaml_reports_line(tmp_path):
         load_config(p)
 
 
+def test_a_key_given_twice_in_yaml_is_named_with_both_lines(tmp_path):
+    with pytest.raises(ConfigError, match=r"run\.yaml:3:3: .*key 'seq_len' given twice \(first at line 2\)"):
+        load_config(write(tmp_path, "train:\n  seq_len: 32\n  seq_len: 64\n"))
+    with pytest.raises(ConfigError, match="key 'train' given twice"):
+        load_config(write(tmp_path, "train:\n  lr: 0.1\nmodel:\n  d_model: 64\ntrain:\n  seq_len: 64\n"))
+    # a merge key's values may be overridden beside it: no key is given twice there
+    cfg = load_config(write(tmp_path, "data:\n  mixture:\n    - &e {sources: [a.jsonl], weight: 1}\n"
+                                      "    - {<<: *e, weight: 2}\n"))
+    assert [e.weight for e in cfg.data.mixture] == [1, 2]
+
+
+def test_a_config_that_is_not_yaml_text_is_a_config_error(tmp_path):
+    p = tmp_path / "run.yaml"
+    p.write_bytes(b"train:\n  lr: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="run.yaml: not a text file in UTF-8"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="is a directory, not a YAML file"):
+        load_config(tmp_path)
+
+
 def test_non_mapping_yaml(tmp_path):
     with pytest.raises(ConfigError, match="expected a mapping"):
         load_config(write(tmp_path, "- a\n- b\n"))
@@ -137,6 +157,13 @@ BAD_OVERRIDES = {  # name: (overrides, what the error must say)
     "no_sources": (["data.sources=[]"], "data.sources is empty"),
     "sources_and_mixture_both_given": (["data.sources=[a.txt]", "data.mixture=[{sources: [b.txt]}]"],
                                        "either data.sources or data.mixture"),
+    # an unset shell variable ($CACHE) gives '': read as a path it is the current directory
+    "empty_cache_dir": (["data.cache_dir="], "data.cache_dir: empty; give a value, or leave the key out"),
+    "empty_eos_token": (["data.eos_token="], "data.eos_token: empty"),
+    "blank_field": (["data.field= "], "data.field: empty"),
+    "empty_tokenizer": (["data.tokenizer=''"], r"data.tokenizer: empty; .* default \(null\)"),
+    "empty_source": (["data.sources=[a.txt, '']"], "data.sources.1: an empty source"),
+    "empty_mixture_source": (["data.mixture=[{sources: ['']}]"], "data.mixture.0.sources.0: an empty source"),
 }
 
 

@@ -4,7 +4,9 @@ reports every problem of a config at once."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, model_validator
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, model_validator
 
 # a problem found by a cross-field check: (the fields it involves, relative to the section; the message)
 Problem = tuple[tuple[str, ...], str]
@@ -28,3 +30,23 @@ class Section(BaseModel):
             if found:
                 raise ValueError("; ".join(msg for _, msg in found))
         return self
+
+
+def not_blank(cls: type[Section], value: Any, info: ValidationInfo) -> Any:
+    """A text field that names something (a field, a directory, a token) given as '' or spaces (an unset shell
+    variable, `data.cache_dir=$CACHE`) is refused: read as it is, it would silently mean the current directory, or
+    a token made of nothing. Use as `field_validator(...)(not_blank)`."""
+    if isinstance(value, str) and not value.strip():
+        default = cls.model_fields[info.field_name].default
+        default = "null" if default is None else repr(default)
+        raise ValueError(f"empty; give a value, or leave the key out for its default ({default})")
+    return value
+
+
+def _not_empty_source(value: str) -> str:
+    if not value.strip():
+        raise ValueError("an empty source (it would read the current directory); name a file, directory, glob or URL")
+    return value
+
+
+Source = Annotated[str, AfterValidator(_not_empty_source)]  # an entry of data.sources

@@ -6,13 +6,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from kiln.config.base import Problem, Section
+from kiln.config.base import Problem, Section, Source, not_blank
 
 
 class MixtureEntry(Section):
     dataset: str | None = None
     """A prepared dataset directory (made by `kiln prepare`); its tokenizer must be the run's."""
-    sources: list[str] | None = None
+    sources: list[Source] | None = None
     """Or raw input files, directories or globs, prepared here with the run's tokenizer and data settings."""
     weight: float = Field(1.0, gt=0)
     """Share of the samples drawn from this entry; weights are normalised to sum to one."""
@@ -59,7 +59,7 @@ class ScheduleConfig(Section):
 
 
 class DataConfig(Section):
-    sources: list[str] = ["@stdlib"]
+    sources: list[Source] = ["@stdlib"]
     """Input files, directories, globs, fsspec URLs (s3://, gs://, memory://...), save_to_disk dataset
     directories, or '@stdlib' (this Python's standard library source). .gz/.zst are decompressed."""
 
@@ -67,6 +67,9 @@ class DataConfig(Section):
     @classmethod
     def _one_source(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v  # data.sources=corpus.jsonl means a list of one
+
+    _named = field_validator("field", "dataset_split", "tokenizer", "eos_token", "bos_token", "cache_dir")(
+        classmethod(not_blank))
     format: Literal["auto", "text", "jsonl", "json", "parquet", "csv", "tsv", "arrow"] = "auto"
     """Format of the source files; 'auto' goes by the file suffix (unknown suffixes read as text)."""
     text_unit: Literal["file", "line", "paragraph"] = "file"

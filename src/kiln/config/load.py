@@ -149,6 +149,8 @@ def resolve_config_path(path: str | Path) -> Path:
     p = Path(path).expanduser()
     if p.is_file():
         return p
+    if p.is_dir():
+        raise ConfigError(f"config file '{path}' is a directory, not a YAML file; give a YAML file or a preset")
     preset = PRESETS_DIR / f"{path}.yaml"
     if preset.is_file():
         return preset
@@ -156,9 +158,31 @@ def resolve_config_path(path: str | Path) -> Path:
     raise ConfigError(f"config file '{path}' does not exist and is not a preset. Presets: {', '.join(names)}.")
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key given twice in one mapping (plain YAML keeps the last silently:
+    `seq_len: 32` then `seq_len: 64` would train at 64 whatever the reader of the file believes)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: keys given beside it override its own
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' given twice (first at line {seen[key].line + 1}); keep one",
+                    key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(file: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(file.read_text())
+        data = yaml.load(file.read_text(encoding="utf-8"), Loader=_StrictLoader)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{file}: not a text file in UTF-8 (byte {e.start}: {e.reason}); give a YAML "
+                          "config file") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark else str(file)

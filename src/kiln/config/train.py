@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from kiln.config.base import Problem, Section
+from kiln.config.base import Problem, Section, not_blank
 from kiln.config.fp8 import Fp8Config
 from kiln.errors import ConfigError
 
@@ -22,6 +22,7 @@ class EarlyStopConfig(Section):
     metric: str = "val_loss"
     """The evaluation metric watched: val_loss, val_bpb, or a benchmark score of eval.tasks (hellaswag/acc_norm;
     with mode: max). Evaluations without it are not counted."""
+    _named = field_validator("metric")(classmethod(not_blank))
     mode: Literal["min", "max"] = "min"
     """min: lower is better (losses); max: higher is better (accuracies)."""
     restore_best: bool = True
