@@ -87,8 +87,8 @@ FAMILIES: list[Family] = [
     Family("Qwen2-MoE", ("qwen2_moe",), _matrix("qwen2_moe", LoRA=f"{MOE_LORA}[qwen2_moe]"),
            note=MOE_NOTE + "; the gated shared expert", featured=True),
     Family("Qwen3-MoE", ("qwen3_moe",), _matrix("qwen3_moe", LoRA=f"{MOE_LORA}[qwen3_moe]"), note=MOE_NOTE,
-           speed=("small shape on one H200: 3.01x the HF Trainer; 13B (Qwen3-30B-A3B, 20 layers) on 4 H200s: 0.03x, "
-                  "a defect changed since and not re-measured (benchmarks/results/moe.md)"),
+           speed=("small shape on one H200: 3.01x the HF Trainer; 13B (Qwen3-30B-A3B, 20 layers) on 4 H100s: 0.75x, "
+                  "measured with a profiler inside the median (benchmarks/results/moe.md)"),
            featured=True),
     Family("Nemotron-H", ("nemotron_h",), _matrix("nemotron_h", **{
         "LoRA": "tests/unit/model/test_nemotron_h.py::test_lora_on_every_projection_trains_the_adapters_and_merges",
