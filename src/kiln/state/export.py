@@ -54,7 +54,7 @@ def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig
     (kiln.state.hf_source). `tokenizer_source`: the Hugging Face directory `tokenizer` came from (data.tokenizer),
     whose special tokens, chat template and stop tokens the export keeps where the model's source does not ship
     this tokenizer (a model trained from scratch on it). `bos_free`: the run put no BOS before its documents, so
-    the tokenizer the export writes puts none either (kiln.state.tokenizer_bos)."""
+    the tokenizer the export writes (the source's too) puts none either (kiln.state.tokenizer_bos)."""
     from kiln.model.hf import hf_model_type, to_hf_config_dict, to_hf_state_dict, zero_o_bias
     from kiln.state.hf_source import carry_files, same_tokenizer, source_config, written_lengths
 
@@ -79,6 +79,8 @@ def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig
         carry_files(src, out, keep_tokenizer)
     if keep_tokenizer:
         written_lengths(out, cfg.max_seq_len, before)
+        if bos_free:  # the source's tokenizer, for a run that put no BOS before its documents (data.bos_token=null)
+            _drop_bos(out)
         return out
     _write_run_tokenizer(out, tokenizer, specials, tok_dir, cfg.max_seq_len, bos_free)
     return out
@@ -169,6 +171,8 @@ def finish_auto_export(out: Path, cfg: ModelConfig, tokenizer: Tokenizer | None,
     _write_json(out / "config.json", written)
     if not keep_tokenizer:
         _write_run_tokenizer(out, tokenizer, specials, tok_dir, cfg.max_seq_len, bos_free)
+    elif bos_free and src is not None:
+        _drop_bos(out)
     return out
 
 

@@ -308,3 +308,38 @@ def test_the_exported_tokenizer_puts_a_bos_first_only_if_the_model_trained_with_
     assert json.loads((out / "config.json").read_text())["bos_token_id"] == (bos if bos_token else None)
     said = "note: the exported tokenizer puts no <s> before a text, as the model trained without a BOS"
     assert (said in " ".join(result.output.split())) is not bool(bos_token)  # the line of `kiln export`
+
+
+def test_a_run_without_its_models_bos_exports_the_models_tokenizer_without_it(tokenizer, tmp_path):
+    """model.init_from=DIR whose tokenizer puts <s> before a text, trained with data.bos_token=null: the export
+    carries DIR's tokenizer files (its chat template) with <s> taken out, as the documents had none, and says so
+    (it put <s> first, which the run never did)."""
+    import yaml
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    from kiln.state.export import ExportNote
+
+    tk = HFTokenizer.from_str(tokenizer.to_str())
+    tk.add_special_tokens(["<s>"])
+    bos = tk.token_to_id("<s>")
+    tk.post_processor = TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    src = tmp_path / "src"
+    torch.manual_seed(0)
+    base = Transformer(ModelConfig(**{**BASE, "vocab_size": 336})).eval()
+    export_hf(base, base.cfg, Tokenizer(tk), src)
+    template = "{% for m in messages %}{{ bos_token }}{{ m['content'] }}{% endfor %}"
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<s>", "add_bos_token": True,
+                                                           "chat_template": template}))
+    model = Transformer(base.cfg.model_copy(update={"init_from": str(src)}))
+    model.load_state_dict(base.state_dict())
+    run_tok = Tokenizer.load(src, bos_token=None)  # as the run loaded it
+    run = run_on(src, tmp_path / "run", model, run_tok)
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"tokenizer": str(src), "bos_token": None}}))
+    with pytest.warns(ExportNote, match="puts no <s> before a text"):
+        out = export_from(run, tmp_path / "out")
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok("def f(x)")["input_ids"] == run_tok.encode("def f(x)")
+    assert tok.chat_template == template and tok.bos_token == "<s>"
+    assert json.loads((out / "tokenizer_config.json").read_text())["add_bos_token"] is False
