@@ -144,6 +144,8 @@ def test_exports_merged_and_peft_adapters_give_kilns_logits(hf_llama, trained, t
         hf = transformers.AutoModelForCausalLM.from_pretrained(hf_llama / "model")
         with_peft = peft.PeftModel.from_pretrained(hf, adapters).eval()
         assert sorted(with_peft.peft_config["default"].target_modules) == ["q_proj", "up_proj", "v_proj"]
+        # the base's tokenizer beside the adapters, as the Hugging Face Trainer leaves it: AutoTokenizer reads it here
+        assert (adapters / "tokenizer.json").read_bytes() == (hf_llama / "model" / "tokenizer.json").read_bytes()
         with torch.no_grad():
             torch.testing.assert_close(merged(input_ids=x).logits, ours, rtol=0, atol=1e-5, msg=name)
             torch.testing.assert_close(with_peft(input_ids=x).logits, ours, rtol=0, atol=1e-5, msg=name)

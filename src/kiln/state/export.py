@@ -245,8 +245,30 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
     from kiln.state.model_card import write_model_card
 
     out = _export(src, to, dtype, tokenizer, max_shard_bytes, adapters)
+    if adapters:
+        _base_tokenizer(Path(src).expanduser(), out)
     write_model_card(Path(src).expanduser(), out, repo, adapters)
     return out
+
+
+def _base_tokenizer(src: Path, out: Path) -> None:
+    """Beside PEFT adapters, the tokenizer files of their base (adapter_config.json's base_model_name_or_path, where
+    it is a local directory: the run's tokenizer is its base's), as the Hugging Face Trainer's output has them, so
+    AutoTokenizer reads the adapter directory with its chat template, special and stop tokens; without its BOS
+    where the run put none first (data.bos_token=null)."""
+    import shutil
+
+    from kiln.state.hf_source import TOKENIZER_FILES
+
+    base = read_hf_json(out / "adapter_config.json").get("base_model_name_or_path")
+    if not isinstance(base, str) or not (Path(base).expanduser() / "config.json").is_file():
+        return
+    for name in sorted(TOKENIZER_FILES):
+        if (Path(base).expanduser() / name).is_file():
+            shutil.copyfile(Path(base).expanduser() / name, out / name)
+    data = _run_data(src)
+    if data and data.get("bos_token") is None:
+        _drop_bos(out)
 
 
 def _export(src: str | Path, to: str | Path, dtype: str | None, tokenizer: str | Path | None, max_shard_bytes: int,
