@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import typer
 
 from kiln.cli.app import app, console, err_console
@@ -47,15 +49,18 @@ def prepare(
         overrides.insert(0, config)
         config = None
     data = load_config(config, overrides).data
-    if data.mixture:  # each entry with sources is prepared, with the first entry's tokenizer
-        from kiln.data.build import prepare_all
+    try:
+        if data.mixture:  # each entry with sources is prepared, with the first entry's tokenizer
+            from kiln.data.build import prepare_all
 
-        for ds in prepare_all(data, console):
-            print(ds.path)
-        return
-    from kiln.data.prepare.pipeline import prepare as run_prepare
+            for ds in prepare_all(data, console):
+                print(ds.path)
+            return
+        from kiln.data.prepare.pipeline import prepare as run_prepare
 
-    print(run_prepare(data, console).path)
+        print(run_prepare(data, console).path)
+    except KeyboardInterrupt as e:  # it said what it kept; the exit status says which signal (SIGTERM: 143)
+        raise typer.Exit(128 + int(getattr(e, "signum", None) or signal.SIGINT)) from None
 
 
 @app.command()

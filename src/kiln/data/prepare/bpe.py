@@ -29,7 +29,9 @@ SEND_CHARS = 1 << 20  # characters of text per message to the child
 
 
 class Interrupted(KeyboardInterrupt):
-    """A KeyboardInterrupt raised by SIGTERM (`sigterm_interrupts`)."""
+    """A KeyboardInterrupt raised by SIGTERM (`sigterm_interrupts`); `kiln` exits 143 (128 + SIGTERM) for it."""
+
+    signum = signal.SIGTERM
 
 
 @contextmanager
