@@ -138,6 +138,7 @@ class Checkpointer:
         self.snapshots = MemorySnapshots(log)
         self.last_saved_step: int | None = None
         self.room_hooks: list[Callable[[int, int, int], None]] = []  # (step, free, needed) after each room check
+        self.completed: list[dict[str, Any]] = []  # saves complete since the last `take_completed` (rank 0)
         self._warned_slow = self._closed = False
         if self.rank != 0:
             policies = []
@@ -245,6 +246,12 @@ class Checkpointer:
         if blocking:
             self.wait()
         return target
+
+    def take_completed(self) -> list[dict[str, Any]]:
+        """The saves completed since the last call, oldest first ({step, path, reason, bytes, seconds}; rank 0's
+        list, the others' stay empty): kiln.state.callback tells the run's log of each."""
+        done, self.completed = self.completed, []
+        return done
 
     def poll(self) -> None:
         """Raise the failure of a finished background save (call once per step)."""
@@ -373,6 +380,8 @@ class Checkpointer:
         else:
             os.rename(tmp, final)
         fsync_dir(self.dir)
+        self.completed.append({"step": step, "path": str(final), "reason": meta["reason"], "bytes": meta["bytes"],
+                               "seconds": round(seconds + hashing, 3)})
         for policy in self.policies:
             try:
                 policy.after_save(final, meta)
