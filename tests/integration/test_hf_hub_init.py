@@ -84,3 +84,37 @@ def test_kiln_plan_reads_a_hub_ids_config(cache):
     model = resolve_model(load_config(None, ["model.init_from=kiln-org/tiny-llama"]), notes)
     assert (model.d_model, model.n_layers, model.vocab_size) == (32, 2, 320)
     assert notes[0].startswith("model.init_from=kiln-org/tiny-llama: HF_HUB_OFFLINE is set")
+
+
+def test_peft_adapters_name_a_hub_base_by_its_id_and_revision(cache, tmp_path, monkeypatch):
+    """Adapters on a Hub id's base (recorded as its snapshot in this machine's cache) name it as PEFT's own do, by
+    its Hub id and revision, which AutoPeftModel loads on any machine; they named the cache's path."""
+    import json
+
+    import torch
+
+    from kiln.config import LoraConfig
+    from kiln.model.hf_import import import_hf
+    from kiln.model.llama import Transformer
+    from kiln.model.lora import adapter_state_dict, apply_lora
+    from kiln.model.lora_peft import write_peft_adapters
+
+    peft = pytest.importorskip("peft")
+    cfg, state = import_hf(cache)
+    model = Transformer(cfg)
+    model.load_state_dict(state)
+    lcfg = LoraConfig(rank=4, targets=["q", "v"], base_dtype="fp32")
+    apply_lora(model, lcfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.1)
+    out = write_peft_adapters(adapter_state_dict(model), cfg, lcfg, str(cache), tmp_path / "adapters")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["base_model_name_or_path"], config["revision"]) == ("kiln-org/tiny-llama", COMMIT)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # read at import, before the fixture's
+    loaded = peft.AutoPeftModelForCausalLM.from_pretrained(out, cache_dir=cache.parents[2]).eval()  # from the cache
+    x = torch.randint(0, 320, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x).logits, model.eval()(x), rtol=0, atol=1e-5)

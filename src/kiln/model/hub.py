@@ -49,6 +49,19 @@ def hub_id(spec: str) -> tuple[str, str | None] | None:
     return (m["repo"], m["revision"]) if m else None
 
 
+def snapshot_of(path: str | None) -> tuple[str, str] | None:
+    """(repository id, revision) of a snapshot directory of huggingface_hub's cache
+    (.../models--OWNER--NAME/snapshots/REVISION), as a run records a Hub id; None for another path. What a published
+    file names the base by (PEFT's base_model_name_or_path and revision): the cache's path is this machine's alone."""
+    if not path:
+        return None
+    parts = Path(path).expanduser().parts
+    for i, part in enumerate(parts[:-2]):
+        if part.startswith("models--") and part.count("--") >= 2 and parts[i + 1] == "snapshots":
+            return part.removeprefix("models--").replace("--", "/", 1), parts[i + 2]
+    return None
+
+
 def local_model_dir(spec: str, allow_pickle: bool = False, log: Callable[[str], None] = print,
                     files: list[str] | None = None) -> str:
     """`spec` as an absolute path when it is not a Hub id (a run records it, and a resume or an export from another

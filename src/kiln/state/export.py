@@ -252,15 +252,17 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
 
 
 def _base_tokenizer(src: Path, out: Path) -> None:
-    """Beside PEFT adapters, the tokenizer files of their base (adapter_config.json's base_model_name_or_path, where
-    it is a local directory: the run's tokenizer is its base's), as the Hugging Face Trainer's output has them, so
-    AutoTokenizer reads the adapter directory with its chat template, special and stop tokens; without its BOS
-    where the run put none first (data.bos_token=null)."""
+    """Beside PEFT adapters, the tokenizer files of their base (the run's model.init_from, where it is a local
+    directory: the run's tokenizer is its base's), as the Hugging Face Trainer's output has them, so AutoTokenizer
+    reads the adapter directory with its chat template, special and stop tokens; without its BOS where the run put
+    none first (data.bos_token=null)."""
     import shutil
 
     from kiln.state.hf_source import TOKENIZER_FILES
+    from kiln.state.model_card import _run_of
 
-    base = read_hf_json(out / "adapter_config.json").get("base_model_name_or_path")
+    model = (_run_of(src)[2] or {}).get("model")
+    base = model.get("init_from") if isinstance(model, dict) else None
     if not isinstance(base, str) or not (Path(base).expanduser() / "config.json").is_file():
         return
     for name in sorted(TOKENIZER_FILES):
@@ -494,6 +496,7 @@ def _checkpoint_tensors(ckpt: Path) -> tuple[Any, dict, dict[str, torch.Tensor]]
 
 def _export_adapters(p: Path, to: str | Path, dtype: str | None) -> Path:
     """The LoRA adapters of a run (its model/adapters/, else its newest checkpoint) in PEFT's format."""
+    from kiln.model.hub import snapshot_of
     from kiln.model.lora_peft import CONFIG, read_peft_adapters, save_peft, write_peft_adapters
     from kiln.state.rundir import checkpoints
 
@@ -513,8 +516,10 @@ def _export_adapters(p: Path, to: str | Path, dtype: str | None) -> Path:
                          "model without --adapters")
     if run_cfg.model.hf_class == "auto":  # PEFT's own adapters on the transformers model
         model = load_checkpoint_auto(ckpt, run_cfg, base_weights=False)
+        hub = snapshot_of(run_cfg.model.init_from)  # a Hub id's snapshot: named by its id and revision
         for adapter in model.hf.peft_config.values():
-            adapter.base_model_name_or_path = run_cfg.model.init_from
+            adapter.base_model_name_or_path = hub[0] if hub else run_cfg.model.init_from
+            adapter.revision = hub[1] if hub else None
         out = Path(to).expanduser()
         (model.hf.to(cast) if cast else model.hf).save_pretrained(str(out), safe_serialization=True)
         for f in out.glob("*.safetensors"):
@@ -537,6 +542,7 @@ def _copy_peft(saved: Path, out: Path, cast: torch.dtype | None) -> Path:
     from safetensors.torch import load_file, save_file
 
     from kiln.files import atomic_write_json, replace_file
+    from kiln.model.hub import snapshot_of
     from kiln.model.lora_peft import CONFIG, WEIGHTS
 
     try:
@@ -544,6 +550,9 @@ def _copy_peft(saved: Path, out: Path, cast: torch.dtype | None) -> Path:
         config = json.loads((saved / CONFIG).read_text())
     except Exception as e:  # safetensors raises its own error type on a damaged file
         raise StateError(f"the LoRA adapters in {saved} cannot be read ({e})") from None
+    hub = snapshot_of(config.get("base_model_name_or_path"))  # a Hub id's snapshot: named by its id and revision
+    if hub:
+        config = {**config, "base_model_name_or_path": hub[0], "revision": hub[1]}
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / (WEIGHTS + ".tmp")
     save_file({k: v.to(cast or v.dtype).contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
