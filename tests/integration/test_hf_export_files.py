@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from kiln.config import load_config
 from kiln.data.prepare.tokenizer import Tokenizer
@@ -145,10 +146,12 @@ def test_a_longer_context_without_saying_so_is_a_config_error(runs, tmp_path):
 def test_the_model_card_names_the_base_and_a_conversion_keeps_the_sources(runs, tmp_path):
     card = (export_from(runs / "run-llama", tmp_path / "a") / "README.md").read_text()
     assert f"continued pretraining of `{runs / 'llama'}`" in card and f"| base model | `{runs / 'llama'}` |" in card
-    assert "| steps | 4 of 4 |" in card
+    assert "| steps | 4 of 4 |" in card and "license" not in card.split("---")[1]
     (runs / "llama" / "README.md").write_text("---\nlicense: llama3\n---\n# Llama\n")
     try:
         out = export_from(runs / "llama", tmp_path / "b")  # a Hugging Face directory converted: its own card
+        trained = (export_from(runs / "run-llama", tmp_path / "c") / "README.md").read_text()
     finally:
         (runs / "llama" / "README.md").unlink()
     assert (out / "README.md").read_text() == "---\nlicense: llama3\n---\n# Llama\n"
+    assert yaml.safe_load(trained.split("---")[1])["license"] == "llama3"  # a model trained from it: its license

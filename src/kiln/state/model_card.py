@@ -2,9 +2,10 @@
 
     write_model_card(source, out)      # kiln export SOURCE --to OUT writes OUT/README.md
 
-Read from the run the export came from: the base model (model.init_from), the data (its sources), the
-steps and tokens trained (up to the exported checkpoint's step), the last training and validation losses,
-and the run's whole Kiln config. An export of a Hugging Face directory (no run) says what it was made from.
+Read from the run the export came from: the base model (model.init_from, and the license its card names), the
+data (its sources), the steps and tokens trained (up to the exported checkpoint's step), the last training and
+validation losses, and the run's whole Kiln config. An export of a Hugging Face directory (no run) says what it
+was made from.
 """
 
 from __future__ import annotations
@@ -76,6 +77,22 @@ def _hub_id(init_from: str | None) -> str | None:
     return name if name.count("/") == 1 else None
 
 
+LICENSE_KEYS = ("license", "license_name", "license_link")
+
+
+def _license(init_from: str | None) -> dict[str, Any]:
+    """The license metadata of the base's own card (model.init_from's README.md front matter: license, and for
+    license: other its name and link), which a model trained from it is under too; {} where there is none."""
+    if not init_from:
+        return {}
+    try:
+        text = (Path(init_from).expanduser() / "README.md").read_text()
+        front = yaml.safe_load(text.split("---")[1]) if text.startswith("---") else None
+    except (OSError, IndexError, yaml.YAMLError, UnicodeDecodeError):
+        return {}
+    return {k: front[k] for k in LICENSE_KEYS if isinstance(front, dict) and front.get(k)}
+
+
 def model_card(source: str | Path, repo: str | None = None, adapters: bool = False) -> str:
     """The README.md text of an export of `source` (as `kiln export` takes it), to be published as `repo`;
     `adapters`: the export is a LoRA run's adapters alone (PEFT's format)."""
@@ -91,6 +108,7 @@ def model_card(source: str | Path, repo: str | None = None, adapters: bool = Fal
     front = {"library_name": "peft" if adapters else "transformers", "pipeline_tag": "text-generation", "tags": tags}
     if base:
         front["base_model"] = base
+    front.update(_license(init_from))
     title = repo or (run.name if run is not None else source.name)
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "", f"# {title}", ""]
     if config is None:
