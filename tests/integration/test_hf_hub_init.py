@@ -56,6 +56,20 @@ def test_a_relative_directory_is_recorded_whole(cache, monkeypatch):
     assert cfg.model.init_from == cfg.data.tokenizer == str(cache)
 
 
+def test_a_hub_id_fetches_what_an_export_carries(cache, monkeypatch):
+    """The files fetched for a Hub id are those an export of a model trained from it keeps: its chat template
+    (chat_template.jinja), its LICENSE and its card (README.md, whose license the export's card names), not
+    pickled weights."""
+    from fnmatch import fnmatch
+
+    asked = {}
+    monkeypatch.setattr("huggingface_hub.snapshot_download", lambda repo, **kw: asked.update(kw) or str(cache))
+    local_model_dir("kiln-org/tiny-llama", log=lambda m: None)
+    fetched = [f for f in ("README.md", "LICENSE", "chat_template.jinja", "tokenizer_config.json", "model.safetensors",
+                           "pytorch_model.bin") if any(fnmatch(f, p) for p in asked["allow_patterns"])]
+    assert fetched == ["README.md", "LICENSE", "chat_template.jinja", "tokenizer_config.json", "model.safetensors"]
+
+
 def test_a_model_not_in_the_cache_is_refused_offline(cache, tmp_path):
     with pytest.raises(ConfigError, match=r"HF_HUB_OFFLINE is set and kiln-org/other@v2 is not in the local cache "
                                           rf"\({tmp_path / 'hf-home' / 'hub'}\) \(read as a Hub id"):

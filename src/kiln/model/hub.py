@@ -23,6 +23,7 @@ from kiln.errors import ConfigError
 HUB_ID = re.compile(r"^(?:hf://)?(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+?)(?:@(?P<revision>[\w./-]+))?/?$")
 FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "spiece.model", "vocab.txt", "merges.txt",
          "*.jinja", "LICENSE*",  # a chat template and the license, which an export carries (kiln.state.hf_source)
+         "README.md",  # the card, whose license metadata the export's card keeps (kiln.state.model_card)
          "*.py"]  # *.py: a model's own code, which runs only with model.trust_remote_code
 PICKLES = ["*.bin", "*.pt", "*.pth"]
 
