@@ -101,6 +101,26 @@ def train_records(run_dir: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("event") == "train"]
 
 
+def speed(recs: dict[int, dict], late: list[int]) -> dict:
+    """A Kiln job's speed and losses from its train records by step: medians over the `late` steps, the peak over
+    all of them."""
+    return {"tokens_per_s_per_gpu": statistics.median(recs[s]["tokens_per_s_per_device"] for s in late),
+            "mfu": statistics.median(recs[s].get("mfu") or 0.0 for s in late) or None,
+            "peak_gib": max((r.get("peak_mem_gib") or 0.0 for r in recs.values()), default=0.0) or None,
+            "first_loss": recs[min(recs)]["loss"], "last_loss": recs[max(recs)]["loss"]}
+
+
+def publish(text: str, results: Path, append: bool, json_path: str | None, data: dict) -> None:
+    """Print the result's text, append it to its results page (unless told not to) and write its JSON."""
+    print(text)
+    if append:
+        results.parent.mkdir(parents=True, exist_ok=True)
+        with open(results, "a") as f:
+            f.write(text + "\n")
+    if json_path:
+        Path(json_path).write_text(json.dumps(data, indent=1))
+
+
 class Job:
     """A command started now, its output lines stamped with the time they came (time.time()) and kept in `log`."""
 
@@ -177,10 +197,7 @@ def run_kiln(args, root: Path, variant: tuple[str, ...] = ()) -> dict:
     step_s = {s: tokens / r["tokens_per_s_per_device"] for s, r in recs.items()}
     late = [s for s in recs if s > args.warmup and s != at + 1]
     median_step = statistics.median(step_s[s] for s in late)
-    out = {"tokens_per_s_per_gpu": statistics.median(recs[s]["tokens_per_s_per_device"] for s in late),
-           "mfu": statistics.median(recs[s].get("mfu") or 0.0 for s in late) or None,
-           "peak_gib": max((r.get("peak_mem_gib") or 0.0 for r in recs.values()), default=0.0) or None,
-           "first_loss": recs[min(recs)]["loss"], "last_loss": recs[max(recs)]["loss"],
+    out = {**speed(recs, late),
            "losses": {s: r["loss"] for s, r in sorted(recs.items())},
            # wall seconds between consecutive steps' records: what the warm-up steps cost beside the median
            "step_wall_s": {s: round(recs[s]["time"] - recs[s - 1]["time"], 3) for s in sorted(recs) if s - 1 in recs},
@@ -419,15 +436,8 @@ def main() -> None:
     lines += [f"\n{name} phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in ph.items()) for name, ph in phases if ph]
     if "error" in hf:
         lines.append(f"\nHF Trainer failed: `{hf['error'][-300:]!r}`")
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_append:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        with open(RESULTS, "a") as f:
-            f.write(text + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps({**info, "kiln": kiln, "hf": hf, "variants": variants,
-                                               "kill_resume": killed}, indent=1))
+    publish("\n".join(lines), RESULTS, not args.no_append, args.json,
+            {**info, "kiln": kiln, "hf": hf, "variants": variants, "kill_resume": killed})
 
 
 if __name__ == "__main__":

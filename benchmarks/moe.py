@@ -38,12 +38,11 @@ if not __package__:  # python benchmarks/moe.py: import the folder as the packag
 import argparse
 import json
 import signal
-import statistics
 import tempfile
 import time
 
 from benchmarks import hf_worker
-from benchmarks.fsdp_8b import Job, fmt, kiln_phases, peak_flops, print_phases, stop_jobs, train_records
+from benchmarks.fsdp_8b import Job, fmt, kiln_phases, peak_flops, print_phases, publish, speed, stop_jobs, train_records
 
 RESULTS = Path(__file__).parent / "results" / "moe.md"
 
@@ -109,10 +108,7 @@ def _kiln_job(args, s: dict, root: Path, name: str) -> dict:
     if max(recs, default=0) < args.steps:
         return {"error": f"kiln train failed ({code}):\n{job.text(3000)}"}
     late = [st for st in recs if st > args.warmup] or list(recs)
-    return {"tokens_per_s_per_gpu": statistics.median(recs[st]["tokens_per_s_per_device"] for st in late),
-            "mfu": statistics.median(recs[st].get("mfu") or 0.0 for st in late) or None,
-            "peak_gib": max((r.get("peak_mem_gib") or 0.0 for r in recs.values()), default=0.0) or None,
-            "first_loss": recs[min(recs)]["loss"], "last_loss": recs[max(recs)]["loss"],
+    return {**speed(recs, late),
             "aux_loss": [recs[st].get("aux_loss") for st in sorted(recs)],
             "wall_s": job.t_end - job.t0, "exit_code": code, "phases": kiln_phases(job, recs),
             "experts_loop": experts_loop(job)}
@@ -236,14 +232,7 @@ def main() -> None:
     for name, r in (("Kiln", kiln), ("HF Trainer", hf)):
         if "error" in r:
             lines.append(f"\n{name} failed: `{r['error'][-400:]!r}`")
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_append:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        with open(RESULTS, "a") as f:
-            f.write(text + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps({**info, "kiln": kiln, "hf": hf}, indent=1))
+    publish("\n".join(lines), RESULTS, not args.no_append, args.json, {**info, "kiln": kiln, "hf": hf})
     if "error" in kiln:
         sys.exit(1)
 

@@ -46,12 +46,11 @@ if not __package__:  # python benchmarks/nemotron_h.py: import the folder as the
 import argparse
 import json
 import signal
-import statistics
 import tempfile
 import time
 
 from benchmarks import hf_worker
-from benchmarks.fsdp_8b import Job, fmt, kiln_phases, peak_flops, print_phases, stop_jobs, train_records
+from benchmarks.fsdp_8b import Job, fmt, kiln_phases, peak_flops, print_phases, publish, speed, stop_jobs, train_records
 
 RESULTS = Path(__file__).parent / "results" / "nemotron_h.md"
 PATTERN_8B = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
@@ -111,10 +110,7 @@ def kiln_result(job: Job, run_dir: Path, args) -> dict:
     if max(recs, default=0) < args.steps:
         return {"error": f"kiln train failed ({code}):\n{job.text(3000)}"}
     late = [st for st in recs if st > args.warmup] or list(recs)
-    return {"tokens_per_s_per_gpu": statistics.median(recs[st]["tokens_per_s_per_device"] for st in late),
-            "mfu": statistics.median(recs[st].get("mfu") or 0.0 for st in late) or None,
-            "peak_gib": max((r.get("peak_mem_gib") or 0.0 for r in recs.values()), default=0.0) or None,
-            "first_loss": recs[min(recs)]["loss"], "last_loss": recs[max(recs)]["loss"],
+    return {**speed(recs, late),
             "wall_s": job.t_end - job.t0, "exit_code": code, "phases": kiln_phases(job, recs)}
 
 
@@ -280,14 +276,7 @@ def main() -> None:
     for name, r in results.items():
         if "error" in r:
             lines.append(f"\n{name} failed: `{r['error'][-400:]!r}`")
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_append:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        with open(RESULTS, "a") as f:
-            f.write(text + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps({**info, **results}, indent=1))
+    publish("\n".join(lines), RESULTS, not args.no_append, args.json, {**info, **results})
     if "error" in results["Kiln native"]:
         sys.exit(1)
 
