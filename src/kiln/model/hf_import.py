@@ -175,7 +175,8 @@ def _context(model: ModelConfig, context: int, scaling: RopeScaling | None) -> t
     writes both out); longer without scaling is a ConfigError."""
     fields = model.model_fields_set
     want = model.max_seq_len if "max_seq_len" in fields else context
-    new_scaling = "rope_scaling" in fields and model.rope_scaling != scaling
+    asked = _over(model.rope_scaling, scaling) if "rope_scaling" in fields else scaling
+    new_scaling = "rope_scaling" in fields and asked != scaling
     where = f"model.init_from={model.init_from}"
     if want > context and not new_scaling:
         raise ConfigError(f"model.max_seq_len={want} is longer than the {context} positions of {where} (its "
@@ -186,7 +187,16 @@ def _context(model: ModelConfig, context: int, scaling: RopeScaling | None) -> t
     if new_scaling and want <= context:
         raise ConfigError(f"model.rope_scaling beside {where} extends the model's context: set model.max_seq_len "
                           f"above its {context} positions too (or remove model.rope_scaling)")
-    return want, model.rope_scaling if new_scaling else scaling
+    return want, asked if new_scaling else scaling
+
+
+def _over(run: RopeScaling | None, base: RopeScaling | None) -> RopeScaling | None:
+    """The run's model.rope_scaling over the model's own: the fields it leaves unset (its type too) are the model's
+    where the type is the same (model.rope_scaling.factor=16 on a Llama 3.1 keeps its original context and
+    frequency bands; they became the defaults)."""
+    if run is None or base is None or ("type" in run.model_fields_set and run.type != base.type):
+        return run
+    return base.model_copy(update={k: getattr(run, k) for k in run.model_fields_set - {"type"}})
 
 
 def load_init_weights(model: torch.nn.Module, cfg: ModelConfig) -> None:

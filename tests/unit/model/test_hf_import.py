@@ -41,6 +41,23 @@ def test_the_models_context_is_its_own_unless_extended_on_purpose(hf_dir):
     assert hf["max_position_embeddings"] == 16384 and hf["rope_scaling"]["factor"] == 4.0
 
 
+def test_a_rope_scaling_field_set_beside_init_from_changes_that_field_alone(tmp_path):
+    """model.rope_scaling.factor=16 on a Llama 3.1 whose scaling starts from 1024 positions keeps its 1024 and its
+    frequency bands (they became the defaults: 8192, so the extended model was not the one asked for); a type of its
+    own replaces the model's scaling whole."""
+    from kiln.config import load_config
+
+    llama31 = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, max_seq_len=8192, rope_theta=5e5,
+                          rope_scaling=RopeScaling(original_max_position_embeddings=1024, high_freq_factor=2.0))
+    (tmp_path / "config.json").write_text(json.dumps(to_hf_config_dict(llama31)))
+    asked = ["model.max_seq_len=16384", "model.rope_scaling.factor=16"]
+    model = resolve_init_from(load_config(None, [f"model.init_from={tmp_path}", *asked]).model)
+    assert model.rope_scaling == llama31.rope_scaling.model_copy(update={"factor": 16.0})
+    linear = ["model.max_seq_len=16384", "model.rope_scaling.type=linear", "model.rope_scaling.factor=2"]
+    model = resolve_init_from(load_config(None, [f"model.init_from={tmp_path}", *linear]).model)
+    assert model.rope_scaling == RopeScaling(type="linear", factor=2.0)
+
+
 def test_the_cpt_preset_keeps_a_long_context(tmp_path):
     """cpt-8b-4gpu trains 8192-token rows; a Llama-3.1 of 131072 positions stays one (it used to become 8192)."""
     from kiln.config import load_config
