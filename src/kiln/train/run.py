@@ -377,7 +377,8 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     if final is None:  # preempted: the checkpoint is written, nothing else to do
         return run_dir
     if final:
-        console.print(f"validation loss: {first['val_loss']:.4f} at start -> {final['val_loss']:.4f} "
+        since = "at start" if not first.get("step") else f"at step {first['step']}"  # a resumed run's last
+        console.print(f"validation loss: {first['val_loss']:.4f} {since} -> {final['val_loss']:.4f} "
                       f"after {trainer.step} steps" + (f" ({final['val_bpb']:.4f} bits per byte)"
                                                        if "val_bpb" in final else ""))
     if trainer.stop_reason:
