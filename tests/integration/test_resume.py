@@ -134,11 +134,14 @@ def test_sigterm_writes_a_checkpoint_and_exits_zero(base, reference, tmp_path):
     again = resume(run_dir)
     assert again.returncode == 0, again.stderr
     assert losses(run_dir)[0] == reference
-    # with no console, train.log holds each process's progress, the stop and the resume
+    # with no console, train.log holds each process's progress, its checkpoints, the stop and the resume
     said = [line[21:].split("  ")[0] for line in (run_dir / "train.log").read_text().splitlines()]
     assert [s.split(":")[0] for s in said if not s.startswith("step ")] == [
-        f"start at step 0 of {2 * N}", "eval step 0", f"end at step {N + K}", f"start at step {N + K} of {2 * N}",
-        f"eval step {2 * N}", f"end at step {2 * N}"]
+        f"start at step 0 of {2 * N}", "eval step 0", "checkpoint", "checkpoint", f"end at step {N + K}",
+        f"start at step {N + K} of {2 * N}", f"eval step {2 * N}", "checkpoint", f"end at step {2 * N}"]
+    assert [s.split(" (")[0] for s in said if s.startswith("checkpoint")] == [
+        f"checkpoint: step_{N:08d} saved", f"checkpoint: step_{N + K:08d} saved", f"checkpoint: step_{2 * N:08d} saved"]
+    assert f"checkpoint: step_{N + K:08d} saved (preempt, " in "\n".join(said)
     assert said[-1] == f"end at step {2 * N}: finished" and f"end at step {N + K}: stopped" in said
     assert [s.split()[1] for s in said if s.startswith("step ")] == [f"{i}/{2 * N}" for i in range(1, 2 * N + 1)]
 
