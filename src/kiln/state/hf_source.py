@@ -126,12 +126,16 @@ def _architecture(cfg: ModelConfig, context: Any = None) -> dict[str, Any]:
 
 
 def written_lengths(out: Path, max_len: int, before: int | None) -> None:
-    """With a context extended on purpose, the carried tokenizer_config.json's model_max_length and
-    generation_config.json's max_length follow it where they were the model's context (`before`)."""
+    """With a context extended on purpose, the carried generation_config.json's max_length follows it where it was
+    the model's context (`before`), and tokenizer_config.json's model_max_length where it held that whole context
+    but not the new one (a tokenizer's limit below the model's context would warn of every longer text)."""
+    if before is None or max_len <= before:
+        return
     for name, key in (("tokenizer_config.json", "model_max_length"), ("generation_config.json", "max_length")):
         file = out / name
         data = read_json(file)
-        if before is not None and data.get(key) == before and max_len > before:
+        value = data.get(key)
+        if (value == before) if key == "max_length" else (isinstance(value, int) and before <= value < max_len):
             data[key] = max_len
             file.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 

@@ -7,7 +7,7 @@ import json
 
 from kiln.config import ModelConfig, RopeScaling
 from kiln.model.hf import to_hf_config_dict
-from kiln.state.hf_source import carry_files, source_config, source_dir
+from kiln.state.hf_source import carry_files, source_config, source_dir, written_lengths
 
 CFG = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, max_seq_len=256, tie_embeddings=False)
 
@@ -72,3 +72,15 @@ def test_a_hub_snapshot_fetches_what_an_export_carries():
     for name in ("chat_template.jinja", "LICENSE", "tokenizer_config.json", "generation_config.json",
                  "special_tokens_map.json", "tokenizer.json"):
         assert any(fnmatch(name, pattern) for pattern in FILES), name
+
+
+def test_an_extended_context_is_the_tokenizers_limit_where_that_held_the_old_one(tmp_path):
+    """8192 positions extended to 32768: a tokenizer limit of 16384 (above the old context) becomes 32768 (it stayed
+    16384, warning of every longer text), one of 4096 stays; generation's max_length follows where it was 8192."""
+    for limit, cap, want in ((16384, 8192, (32768, 32768)), (4096, 2048, (4096, 2048)), (8192, 20, (32768, 20))):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": limit}))
+        (tmp_path / "generation_config.json").write_text(json.dumps({"max_length": cap}))
+        written_lengths(tmp_path, 32768, 8192)
+        got = (json.loads((tmp_path / "tokenizer_config.json").read_text())["model_max_length"],
+               json.loads((tmp_path / "generation_config.json").read_text())["max_length"])
+        assert got == want, (limit, cap)
