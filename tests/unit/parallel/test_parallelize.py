@@ -51,18 +51,39 @@ CASES = {  # global batch 4 sequences everywhere: batch_size x grad_accum x 2 ra
 WRAPPER = {"ddp": "DistributedDataParallel", "fsdp": "FSDPTransformer"}
 
 
+WIDE = {"d_model": 256, "n_heads": 4, "n_kv_heads": 4}  # 0.9M parameters: 3.5 MB of gradients in buckets of 1 MB
+COMPILED_STEPS = 4
+REDUCE_CASES = {f"{sharding}_{every}": {"batch_size": 1, "grad_accum": 2, "dist": {
+    "strategy": "fsdp", "sharding": sharding, "replicas": replicas, "reduce_every_microbatch": every}}
+    for sharding, replicas in (("full", None), ("hybrid", 2)) for every in (True, False)}
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> tuple[dict, Path]:
+    """One torchrun of 2 processes for every case of this module's slow tests (its start-up, two interpreters and
+    a process group, paid once): {case: (losses, last metrics, wrapper)} and the folder of the saved weights. The
+    compiled case runs last: its compiled loss kernel stays for the rest of the process."""
+    tmp = tmp_path_factory.mktemp("two_processes")
+    reduce = {name: {**case, "save": str(tmp / f"{name}.pt")} for name, case in REDUCE_CASES.items()}
+    # two micro-batches a step: the first under no_sync (no all-reduce), the second reducing both
+    compiled = {"ddp_model": {"batch_size": 1, "grad_accum": 2, "model": WIDE,
+                              "dist": {"strategy": "ddp", "bucket_mb": 1},
+                              "train": {"compile": True, "compile_scope": "model", "max_steps": COMPILED_STEPS}}}
+    out = tmp / "out.json"
+    done = torchrun([str(HERE / "workers.py"), str(out), json.dumps({**CASES, **reduce, **compiled})])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text()), tmp
+
+
 @pytest.mark.slow
-def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
+def test_two_processes_match_one_with_the_same_global_batch(two_processes):
     refs = {}  # one process, 4 sequences per step, of each model shape the cases train
     for case in CASES.values():
         key = json.dumps(case.get("model"))
         if key not in refs:
             refs[key] = train_losses(config(4, 1, model=case.get("model")), Mesh())[:2]
             assert len(refs[key][0]) == STEPS and refs[key][0][0] != refs[key][0][-1]
-    out = tmp_path / "out.json"
-    done = torchrun([str(HERE / "workers.py"), str(out), json.dumps(CASES)])
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(out.read_text())
+    results = two_processes[0]
     for name, case in CASES.items():
         ref_losses, ref_metrics = refs[json.dumps(case.get("model"))]
         losses, metrics, wrapper = results[name]
@@ -74,22 +95,15 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_keeps_a_whole_model_graph_split_at_its_gradient_buckets(tmp_path):
+def test_ddp_keeps_a_whole_model_graph_split_at_its_gradient_buckets(two_processes):
     """train.compile_scope=model under DDP: torch's compiler splits the one graph where DDP's buckets end, so each
     bucket is reduced while the backward pass goes on, and the run trains like one process."""
-    compiled, wide = {"compile": True, "compile_scope": "model"}, {"d_model": 256, "n_heads": 4, "n_kv_heads": 4}
-    ref_losses, _, _ = train_losses(config(4, 1, None, wide), Mesh())  # one process, not compiled
-    # 0.9M parameters: 3.5 MB of gradients in buckets of 1 MB
-    # two micro-batches a step: the first under no_sync (no all-reduce), the second reducing both
-    cases = {"ddp_model": {"batch_size": 1, "grad_accum": 2, "train": compiled, "model": wide,
-                           "dist": {"strategy": "ddp", "bucket_mb": 1}}}
-    out = tmp_path / "out.json"
-    done = torchrun([str(HERE / "workers.py"), str(out), json.dumps(cases)])
-    assert done.returncode == 0, done.stderr[-3000:]
-    losses, metrics, wrapper = json.loads(out.read_text())["ddp_model"]
+    ref_losses, _, _ = train_losses(config(4, 1, {"max_steps": COMPILED_STEPS}, WIDE), Mesh())  # one process, eager
+    losses, metrics, wrapper = two_processes[0]["ddp_model"]
     assert wrapper == "DistributedDataParallel"
     # unsplit: the model is one graph and the loss kernel another; per block: the block, the norm and the loss
     assert metrics["compiled_graphs"] >= 5, metrics["compiled_graphs"]
+    assert len(losses) == COMPILED_STEPS and losses[0] != losses[-1]
     assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-5)
 
 
@@ -215,27 +229,17 @@ def test_dropped_unreduced_gradients_do_not_reach_the_next_step(sharding, every,
 
 
 @pytest.mark.slow
-def test_reducing_every_micro_batch_trains_as_reducing_once_a_step(tmp_path):
+def test_reducing_every_micro_batch_trains_as_reducing_once_a_step(two_processes):
     """dist.reduce_every_microbatch under FSDP2 over 2 gloo processes, 2 micro-batches a step: reduce-scattering
     each micro-batch into the fp32 shards (hybrid: holding the shards for one all-reduce between the replicas at the
     step's last) gives the losses and final weights of one reduction a step, to fp32 rounding: the same sums in
     another order (seen: losses 1.7e-7 apart relatively, weights 6.3e-7 after 10 AdamW steps of about 3e-3)."""
-    cases = {}
-    for sharding, replicas in (("full", None), ("hybrid", 2)):
-        for every in (True, False):
-            cases[f"{sharding}_{every}"] = {
-                "batch_size": 1, "grad_accum": 2, "save": str(tmp_path / f"{sharding}_{every}.pt"),
-                "dist": {"strategy": "fsdp", "sharding": sharding, "replicas": replicas,
-                         "reduce_every_microbatch": every}}
-    out = tmp_path / "out.json"
-    done = torchrun([str(HERE / "workers.py"), str(out), json.dumps(cases)])
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(out.read_text())
+    results, tmp = two_processes
     for sharding in ("full", "hybrid"):
         (every, _, _), (once, _, _) = results[f"{sharding}_True"], results[f"{sharding}_False"]
         assert len(every) == STEPS and every[0] != every[-1]
         assert every == pytest.approx(once, rel=1e-6), sharding
-        a, b = (torch.load(tmp_path / f"{sharding}_{e}.pt") for e in (True, False))
+        a, b = (torch.load(tmp / f"{sharding}_{e}.pt") for e in (True, False))
         assert a.keys() == b.keys()
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=2e-6, msg=f"{sharding} {k}")
