@@ -18,6 +18,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def local_ray(tmp_path_factory):
+    """One local Ray for the tests that run Ray jobs (`kiln sweep`, `kiln launch ray`): each joins it as a cluster
+    already up, as a user's call does, and leaves it up; its start and stop (several seconds) are paid once."""
+    ray = pytest.importorskip("ray")
+    with pytest.MonkeyPatch.context() as mp:  # its daemons and workers keep the tests' home, as _isolated_home does
+        mp.setenv("HOME", str(tmp_path_factory.getbasetemp() / "home"))
+        ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path_factory, monkeypatch):
     """Keep ~/.cache/kiln of the machine out of tests (the default cache_dir expands ~)."""

@@ -14,7 +14,7 @@ pytest.importorskip("ray.tune")
 
 
 @pytest.mark.slow
-def test_a_grid_sweep_with_asha(tmp_path, monkeypatch):
+def test_a_grid_sweep_with_asha(tmp_path, monkeypatch, local_ray):
     from typer.testing import CliRunner
 
     from kiln.cli import app

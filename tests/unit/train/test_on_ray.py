@@ -21,7 +21,7 @@ def losses(run_dir: Path) -> list[float]:
 
 
 @pytest.mark.slow
-def test_two_ray_workers_train_as_torchrun_does(tmp_path, monkeypatch):
+def test_two_ray_workers_train_as_torchrun_does(tmp_path, monkeypatch, local_ray):
     pytest.importorskip("ray.train.torch")
     from typer.testing import CliRunner
 
