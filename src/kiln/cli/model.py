@@ -27,9 +27,10 @@ def generate(
 
     Example: kiln generate runs/20261126-101500 --prompt "def main(" -n 64 --seed 0
     """
+    if not temperature >= 0:  # NaN, which the range check of typer before 0.17 lets through
+        raise ConfigError(f"--temperature {temperature}: give 0 (greedy) or a positive number")
     import torch
 
-    from kiln.errors import ConfigError
     from kiln.model.generate import generate as sample
     from kiln.model.generate import start_ids
     from kiln.plan.threads import apply_threads
