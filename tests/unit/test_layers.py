@@ -17,7 +17,8 @@ ROOT = Path(kiln.__file__).parent
 
 # lowest first; a module belongs to the layer of the longest name here that it starts with
 LAYERS: list[list[str]] = [
-    ["kiln", "kiln.errors", "kiln.files", "kiln.events", "kiln.streams", "kiln.start_signals"],  # no imports of Kiln
+    ["kiln", "kiln.errors", "kiln.files", "kiln.events", "kiln.streams", "kiln.start_signals",
+     "kiln.versions"],  # no imports of Kiln
     ["kiln.sizes", "kiln.config", "kiln.docs_ref"],  # the validated config (named sizes are plain data), its docs
     ["kiln.data", "kiln.model", "kiln.plan"],  # read, prepare and load data; the pure model; the planner
     ["kiln.docs_models"],  # the model tables of the docs, from the families and the native architectures

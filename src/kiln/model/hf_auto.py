@@ -50,6 +50,7 @@ from kiln.model.hf_moe import RouterAux, router_aux_coef
 from kiln.model.hf_packing import doc_positions, merge_documents, recurrent_layers, split_documents
 from kiln.model.hf_precision import match_native
 from kiln.model.loss import IGNORE_INDEX
+from kiln.versions import require
 
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 _FREE = {"init_from", "allow_pickle", "max_seq_len", "hf_class", "trust_remote_code", "init_std", "size"}
@@ -99,10 +100,7 @@ def auto_config(model: ModelConfig) -> ModelConfig:
 
 def _peft_config(lora: LoraConfig, hf: nn.Module):
     """PEFT's LoraConfig for `hf`; `lora.targets` found among its layers (kiln.model.hf_lora)."""
-    try:
-        import peft
-    except ImportError:
-        raise ConfigError("lora.rank > 0 with model.hf_class=auto needs peft: pip install 'kiln[hf]'") from None
+    peft = require("peft", "lora.rank > 0 with model.hf_class=auto")
     from kiln.model.hf_lora import block_linears, describe, lora_targets, peft_modules
 
     if "all" in lora.targets:
@@ -147,8 +145,7 @@ def build_auto(cfg: ModelConfig, lora: LoraConfig | None = None, weights: bool =
                          f"{str(e).splitlines()[0] if str(e) else 'damaged'}); copy them again from their "
                          "source") from None
     if use_lora:
-        import peft
-
+        peft = require("peft", "lora.rank > 0 with model.hf_class=auto")
         config, where = _peft_config(lora, hf)
         with warnings.catch_warnings():  # PEFT asks transformers' deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from kiln.errors import ConfigError, StateError
+from kiln.errors import StateError
+from kiln.versions import require
 
 
 def transformers_module():
-    """The transformers library, imported on first use (an extra: kiln[hf]), with its download bars off."""
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError("model.hf_class=auto needs transformers: pip install 'kiln[hf]'") from None
+    """The transformers library, imported on first use (an extra: kiln[hf]) and of a version Kiln is tested
+    with (kiln.versions), with its download bars off."""
+    transformers = require("transformers", "model.hf_class=auto")
     transformers.utils.logging.disable_progress_bar()  # its per-file bars would break Kiln's console output
     return transformers
 
