@@ -282,6 +282,9 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
             elif not glob.has_magic(path) and prefix == "hf://" and hub_offline():
                 raise DataError(f"data source '{spec}': HF_HUB_OFFLINE is set, so the Hugging Face Hub cannot be "
                                 "read. Unset HF_HUB_OFFLINE to read the dataset, or give a local copy of its files")
+            elif not glob.has_magic(path) and not prefix and os.path.exists(path):  # a device, a pipe, a socket
+                raise DataError(f"data source '{spec}' is not a regular file or directory (a device, a pipe or a "
+                                "socket, which could be endless or never end); copy its text into a file and name that")
             elif not glob.has_magic(path):
                 raise DataError(f"data source '{spec}' does not exist. Check the path or URL in data.sources.")
             else:

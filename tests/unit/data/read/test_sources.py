@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -188,6 +189,10 @@ def test_a_file_reached_twice_is_read_once(tmp_path):
 def test_paths_that_lead_nowhere(tmp_path):
     with pytest.raises(DataError, match=r"'.*missing\.txt' does not exist"):
         expand([str(tmp_path / "missing.txt")])
+    os.mkfifo(tmp_path / "pipe.txt")  # it exists (it was said not to): a device or a pipe is named for what it is
+    for special in (tmp_path / "pipe.txt", "/dev/zero"):
+        with pytest.raises(DataError, match="is not a regular file or directory"):
+            expand([str(special)])
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "ok.txt").write_text("ok")
     (tmp_path / "d" / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
