@@ -365,11 +365,19 @@ def _export_auto(model, tok: Tokenizer | None, to: str | Path, dtype: str | None
 
 
 def _check_destination(src: Path, to: Path) -> None:
-    """--to must be a directory (new or existing) other than the source."""
+    """--to must be a directory (new or existing) other than the source, and outside the parts of its run that
+    Kiln reads back: the run's model/ (written over with Hugging Face names, `kiln generate` and the run could no
+    longer read it) and its checkpoints."""
     if to.exists() and not to.is_dir():
         raise StateError(f"--to {to}: a file of that name exists; give a directory to write the model into")
-    if to.exists() and to.resolve() == src.resolve():
+    target, source = to.resolve(), src.resolve()
+    if target == source:
         raise StateError(f"--to {to} is the source itself; give another directory")
+    run = source.parent.parent if source.parent.name == "checkpoints" else source
+    for kept in (run / "model", run / "checkpoints") if (run / "config.yaml").is_file() else ():
+        if target == kept or kept in target.parents:
+            raise StateError(f"--to {to} is inside {kept}, which the run reads back: the export would write over "
+                             "its files. Give a directory outside it (e.g. beside the run)")
 
 
 def _own_tokenizer(directory: Path) -> Tokenizer | None:

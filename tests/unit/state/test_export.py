@@ -157,13 +157,22 @@ def test_pickled_weights_are_refused_unless_allowed(tokenizer, tmp_path):
     assert torch.equal(loaded["embed_tokens.weight"], model.embed_tokens.weight)
 
 
-def test_export_to_an_existing_file_is_refused_with_the_reason(tokenizer, tmp_path):
+def test_export_to_an_existing_file_or_into_the_runs_own_model_is_refused_with_the_reason(tokenizer, tmp_path):
     model = random_model("llama")
     save_model(model, model.cfg, tokenizer, tmp_path / "run" / "model")
     (tmp_path / "out").write_text("notes")
     with pytest.raises(StateError, match="--to .*out: a file of that name exists"):
         export_from(tmp_path / "run", tmp_path / "out")
     assert (tmp_path / "out").read_text() == "notes"
+    # the run's own model/ (or its checkpoints): written over with Hugging Face names, `kiln generate` of the run
+    # failed with a KeyError and the run's model was lost
+    (tmp_path / "run" / "config.yaml").write_text("{}\n")
+    before = (tmp_path / "run" / "model" / "model.safetensors").read_bytes()
+    for inside in ("model", "checkpoints/step_00000001/hf"):
+        with pytest.raises(StateError, match=f"--to .*{inside} is inside .*run/{inside.split('/')[0]}, which"):
+            export_from(tmp_path / "run", tmp_path / "run" / inside)
+    assert (tmp_path / "run" / "model" / "model.safetensors").read_bytes() == before
+    assert (export_from(tmp_path / "run", tmp_path / "run" / "hf") / "config.json").is_file()  # beside them: fine
 
 
 def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tokenizer, tmp_path):
