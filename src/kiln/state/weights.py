@@ -88,11 +88,18 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn
     except Exception as e:  # safetensors raises its own error type on a damaged header or body
         raise StateError(f"{weights} is damaged ({e}); `kiln train RUN_DIR` saves it again from the run's newest "
                          "checkpoint") from None
-    if cfg.tie_embeddings:
+    if cfg.tie_embeddings and "embed_tokens.weight" in state:  # absent: load_state_dict names what is missing
         state["lm_head.weight"] = state["embed_tokens.weight"]
+    expected = set(model.state_dict())
+    missing, unknown = sorted(expected - set(state)), sorted(set(state) - expected)
     try:
+        if missing or unknown:  # another tool's names (Hugging Face's 'model.' prefix): said in a line, not a page
+            raise RuntimeError(f"{len(missing)} tensor(s) missing (e.g. {', '.join(missing[:2]) or '-'}), "
+                               f"{len(unknown)} unknown (e.g. {', '.join(unknown[:2]) or '-'})")
         model.load_state_dict(state)
     except RuntimeError as e:
-        raise StateError(f"{weights} does not match {conf}: {e}") from None
+        raise StateError(f"{weights} does not match {conf} (written over by another tool?): {e}. If it is a run's "
+                         "model/, delete that folder and run `kiln train RUN_DIR`: it saves the model again from the "
+                         "run's final checkpoint") from None
     tok = Tokenizer.load(p / "tokenizer.json") if (p / "tokenizer.json").is_file() else None
     return model.to(device).eval(), tok

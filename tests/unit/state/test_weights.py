@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from kiln.config import ModelConfig
 from kiln.errors import StateError
@@ -23,6 +24,11 @@ def test_round_trip(tmp_path, tied):
 def test_damaged_files_are_state_errors(tmp_path):
     model = Transformer(ModelConfig(size="tiny", vocab_size=97))
     out = save_model(model, model.cfg, None, tmp_path / "model")
+    named = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(named, out / "model.safetensors")  # another tool's names (Hugging Face's): a KeyError before
+    with pytest.raises(StateError, match=r"model.safetensors does not match .*: 21 tensor\(s\) missing "
+                       r"\(e.g. embed_tokens.weight, .*\), 20 unknown \(e.g. model.embed_tokens.weight, .*delete that"):
+        load_model(tmp_path)
     (out / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(StateError, match="model.safetensors is damaged"):
         load_model(tmp_path)
