@@ -31,3 +31,9 @@ class TrainingError(KilnError):
 
 class ResourceError(KilnError):
     """The machine lacks something the run needs (device, memory, disk)."""
+
+
+# what a refused resume (other data, another sequence length) says to do instead: the run's weights, exported, start
+# a new one
+FROM_THE_WEIGHTS = ("start a new run from its weights: kiln export RUN_DIR --to DIR, then train with "
+                    "model.init_from=DIR")

@@ -40,8 +40,10 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     try:
         data = json.loads(file.read_text())
     except FileNotFoundError:
+        kiln = any((file.parent / n).is_file() for n in ("model_config.json", "config.yaml"))  # a run of Kiln's
         raise ConfigError(f"model.init_from: {file.parent} has no config.json, so it is not a Hugging Face model "
-                          "directory") from None
+                          "directory" + ("; it is a Kiln run or its model/: export it first (kiln export RUN_DIR "
+                                         "--to DIR) and give DIR" if kiln else "")) from None
     except (OSError, ValueError) as e:
         raise StateError(f"{file} cannot be read as JSON ({e})") from None
     if not isinstance(data, dict):

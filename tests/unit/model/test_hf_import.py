@@ -94,7 +94,10 @@ def test_missing_directory_config_or_weights(tmp_path, hf_dir):
     with pytest.raises(ConfigError, match="is not a directory"):
         resolve_init_from(ModelConfig(init_from=str(tmp_path / "nope")))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ConfigError, match="has no config.json"):
+    with pytest.raises(ConfigError, match="has no config.json, so it is not a Hugging Face model directory$"):
+        resolve_init_from(ModelConfig(init_from=str(tmp_path / "empty")))
+    (tmp_path / "empty" / "model_config.json").write_text("{}")  # a Kiln run's model/: how to start from it
+    with pytest.raises(ConfigError, match=r"it is a Kiln run or its model/: export it first \(kiln export RUN_DIR"):
         resolve_init_from(ModelConfig(init_from=str(tmp_path / "empty")))
     with pytest.raises(StateError, match="holds no weights"):
         weight_files(hf_dir)

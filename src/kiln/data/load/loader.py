@@ -45,7 +45,7 @@ from kiln.data.load.mixture import Mixture
 from kiln.data.load.order import permute, round_keys
 from kiln.data.load.prefetch import Prefetcher
 from kiln.data.load.schedule import Schedule, Stage
-from kiln.errors import ConfigError, DataError
+from kiln.errors import FROM_THE_WEIGHTS, ConfigError, DataError
 
 CHUNK = 4096  # row positions permuted at a time
 
@@ -201,7 +201,7 @@ class PackedRows:
                             "version of the loader") from None
         if seq_len != self.T:
             raise DataError(f"the saved loader position counts rows of {seq_len} tokens but train.seq_len is "
-                            f"{self.T}; resume with train.seq_len={seq_len}, or start a new run from the weights")
+                            f"{self.T}; resume with train.seq_len={seq_len}, or " + FROM_THE_WEIGHTS)
         if seed != self.seed:
             raise DataError(f"the saved loader position is for train.seed={seed}, this run has {self.seed}; "
                             f"resume with train.seed={seed} to continue the same data order")
@@ -209,7 +209,7 @@ class PackedRows:
         if set(taken) != set(self.names):
             raise DataError(f"the saved loader position is for datasets {sorted(taken)} but this run reads "
                             f"{sorted(self.names)}; the data changed since the checkpoint. Resume with the same "
-                            "data, or start a new run from the weights")
+                            "data, or " + FROM_THE_WEIGHTS)
         self.sample = sample
         self.taken = np.array([int(taken[n]) for n in self.names], dtype=np.int64)
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kiln.data.load.prefetch import Prefetcher
-from kiln.errors import DataError, EmptySplit
+from kiln.errors import FROM_THE_WEIGHTS, DataError, EmptySplit
 
 ENCODE_BATCH = 64  # documents tokenized together
 
@@ -161,7 +161,7 @@ class StreamRows:
                     where = self._order(self.position["epoch"])[self.position["file"]].url
                     raise DataError(f"cannot resume the stream: record {self.position['record']} of {where} is "
                                     "not the document the run was reading; the source files changed since the "
-                                    "checkpoint. Resume with the same files, or start a new run from the weights")
+                                    "checkpoint. Resume with the same files, or " + FROM_THE_WEIGHTS)
                 self._expect = None
             if self._skip:  # resuming inside this document
                 if item[4].size <= self._skip:
@@ -235,7 +235,7 @@ class StreamRows:
         check_resume_shape(state, self.B, self.world, self.per_step)
         if key != self.key:
             raise DataError("the source files changed since the stream position was saved (names or sizes differ); "
-                            "resume with the same data.sources, or start a new run from the weights")
+                            "resume with the same data.sources, or " + FROM_THE_WEIGHTS)
         self.position = pos
         self._reset_buffer()
 

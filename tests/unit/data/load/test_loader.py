@@ -139,7 +139,8 @@ def test_resume_refuses_other_data_or_shape(stream, tmp_path):
     with pytest.raises(DataError, match="train.seed"):
         PackedLoader(ts, T, B, seed=99).load_state_dict(state)
     other, _ = make_stream(tmp_path, "ds-other", [[50, 60]])
-    with pytest.raises(DataError, match="data changed"):
+    with pytest.raises(DataError, match=r"data changed.* or start a new run from its weights: kiln export RUN_DIR "
+                                        r"--to DIR, then train with model.init_from=DIR"):  # said how
         PackedLoader(other, T, B).load_state_dict(state)
     with pytest.raises(DataError, match="malformed"):
         PackedLoader(ts, T, B).load_state_dict({"epoch": 0})
