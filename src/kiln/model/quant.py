@@ -56,9 +56,25 @@ def torchao_nf4():
         except ImportError:
             raise ConfigError("lora.quantize_base=nf4 needs torchao: pip install 'kiln[qlora]' (or torchao>=0.10), "
                               "or set lora.quantize_base=none to keep the base in lora.base_dtype") from None
+        except Exception as e:  # a torchao made for a newer torch fails inside its own import (AttributeError)
+            raise ConfigError(_mismatch(e)) from None
+    except Exception as e:
+        raise ConfigError(_mismatch(e)) from None
     finally:
         quiet.setLevel(level)
     return to_nf4
+
+
+def _mismatch(e: Exception) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("torchao")
+    except PackageNotFoundError:
+        found = "?"
+    return (f"lora.quantize_base=nf4: torchao {found} does not load with torch {torch.__version__} "
+            f"({type(e).__name__}: {e}); install the torchao release made for this torch (torchao>=0.10), or set "
+            "lora.quantize_base=none to keep the base in lora.base_dtype")
 
 
 def is_nf4(t: torch.Tensor) -> bool:

@@ -3,6 +3,7 @@ for a layer that cannot be quantized or a missing torchao."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -96,6 +97,19 @@ def test_without_torchao_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.quantization", None)
     monkeypatch.setitem(sys.modules, "torchao.dtypes.nf4tensor", None)
     with pytest.raises(ConfigError, match=r"pip install 'kiln\[qlora\]'"):
+        quantize(torch.randn(64, 64), torch.bfloat16)
+
+
+def test_a_torchao_made_for_another_torch_is_named_with_both_versions(monkeypatch, tmp_path):
+    """torchao 0.18 beside torch 2.6 fails inside its own import with an AttributeError, not an ImportError."""
+    (tmp_path / "torchao").mkdir()
+    (tmp_path / "torchao" / "__init__.py").write_text(
+        "raise AttributeError(\"module 'torch.utils._pytree' has no attribute 'register_constant'\")\n")
+    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=rf"torchao .* does not load with torch {re.escape(torch.__version__)} "
+                                          r"\(AttributeError: .*register_constant'\); install the torchao release"):
         quantize(torch.randn(64, 64), torch.bfloat16)
 
 
