@@ -29,8 +29,9 @@ def use(path: str | None) -> str | None:
     where = Path(path).expanduser()
     where.mkdir(parents=True, exist_ok=True)
     os.environ[ENV] = str(where)
-    if "torch._inductor.utils" in sys.modules:  # this process compiled before: forget the directory it memoized
-        sys.modules["torch._inductor.utils"].clear_caches()
+    utils = sys.modules.get("torch._inductor.utils")
+    if utils is not None:  # this process compiled before: forget the directory it memoized (the name before 2.8)
+        (getattr(utils, "clear_caches", None) or utils.clear_inductor_caches)()
     return str(where)
 
 

@@ -366,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
             os.remove(path)
     os.environ[STOPPED], os.environ[FAILED_NOTE] = stopped, failed
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:  # under nohup: torchrun would stop the job on a hangup
+    # under nohup: torchrun would stop the job on a hangup (torch before 2.10 has no --signals-to-handle to say so)
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN and hasattr(args, "signals_to_handle"):
         args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() != "SIGHUP")
     try:
         run(args)
