@@ -1,6 +1,8 @@
-"""Sampling from a trained model: temperature, top-k, seeded."""
+"""Sampling from a trained model: temperature, top-k, seeded, stopping at any of the model's stop tokens."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -20,9 +22,10 @@ def start_ids(tok, prompt: str) -> list[int]:
 
 @torch.no_grad()
 def generate(model: nn.Module, ids: list[int], max_new_tokens: int, temperature: float = 0.8,
-             top_k: int | None = 50, seed: int | None = None, stop_id: int | None = None,
+             top_k: int | None = 50, seed: int | None = None, stop_ids: Iterable[int] = (),
              vocab_size: int | None = None) -> list[int]:
-    """Append up to max_new_tokens sampled tokens to `ids`.
+    """Up to max_new_tokens tokens sampled after `ids`; sampling stops after the first of `stop_ids` it produces
+    (the model's EOS and other stop tokens: kiln.state.stop_tokens), which ends the result.
 
     temperature 0 is greedy (the most likely token); top_k None or 0 samples among all tokens.
     `vocab_size`: the tokenizer's; ids from there up to the model's (padded) vocabulary are never
@@ -36,6 +39,7 @@ def generate(model: nn.Module, ids: list[int], max_new_tokens: int, temperature:
     gen.manual_seed(seed if seed is not None else torch.seed())
     ctx_len = model.cfg.max_seq_len
     tokens = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
+    stops = set(stop_ids)
     was_training = model.training
     model.eval()
     for _ in range(max_new_tokens):
@@ -54,7 +58,7 @@ def generate(model: nn.Module, ids: list[int], max_new_tokens: int, temperature:
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
         tokens = torch.cat([tokens, nxt], dim=1)
-        if stop_id is not None and int(nxt) == stop_id:
+        if int(nxt) in stops:
             break
     model.train(was_training)
     return tokens[0, len(ids):].tolist()

@@ -45,6 +45,7 @@ from kiln.state.parts import KEYS
 from kiln.state.preempt import SignalGuard, StopSignals, resume_command, train_guarded
 from kiln.state.resume import check_compatible, choose_checkpoint, fingerprints, run_directory
 from kiln.state.rundir import config_while_starting, hold_run_dir, model_saved, process_rank, write_config
+from kiln.state.stop_tokens import run_stops
 from kiln.state.verify import read_meta
 from kiln.state.weights import save_model
 from kiln.train.early_stop import EarlyStop
@@ -411,7 +412,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     if tcfg.sample_tokens:
         stops.during, stops.then = "while sampling", "training and the model save are complete"
         ids = generate(model, start_ids(tok, tcfg.sample_prompt), tcfg.sample_tokens, seed=tcfg.seed,
-                       vocab_size=tok.vocab_size)
+                       stop_ids=run_stops(cfg, tok), vocab_size=tok.vocab_size)
         console.rule("sample")
         text = tcfg.sample_prompt + tok.decode(ids)
         console.print(text, markup=False, highlight=False)

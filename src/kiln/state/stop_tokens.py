@@ -1,0 +1,95 @@
+"""The tokens Kiln's sampling stops at (`kiln generate`, the sample at the end of a run), as transformers' generate
+stops on every id of generation_config.eos_token_id.
+
+A model trained from scratch stops at its EOS. A model from a Hugging Face directory (model.init_from, a Kiln
+export, or a run trained on a tokenizer directory: data.tokenizer=DIR) has more: its generation_config.json's
+eos_token_id (one id or a list) and its tokenizer_config.json's eos_token, read as an export reads them
+(kiln.state.hf_source.stop_ids): Llama 3 stops at <|end_of_text|> and at <|eot_id|>, the end of a chat turn;
+Qwen's chat models at <|endoftext|> and <|im_end|>.
+
+    stops = model_stops(tok, [model_dir, source_dir(cfg.model), tokenizer_dir(cfg.data.tokenizer)])
+    stops = run_stops(cfg, tok)                         # the sample at the end of a run
+    stops = saved_model_stops("runs/X", tok)            # what `kiln generate runs/X` stops at
+    stops += named_stops(tok, ["<|im_end|>"])            # `kiln generate --stop`: token texts, unknown ones refused
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from kiln.errors import ConfigError
+
+
+def model_stops(tok, folders: Iterable[Path | None]) -> list[int]:
+    """`tok`'s EOS, then the stop tokens of each Hugging Face directory of `folders` (None: none) that ships this very
+    tokenizer (another tokenizer's ids would name other tokens); each id once, in that order."""
+    from kiln.state.hf_source import same_tokenizer, stop_ids
+
+    found = [tok.eos_id]
+    for folder in dict.fromkeys(Path(f).expanduser().resolve() for f in folders if f is not None):
+        if folder.is_dir() and same_tokenizer(folder, tok):
+            listed = stop_ids(folder, tok, {})["eos_token_id"]
+            found += listed if isinstance(listed, list) else [listed]
+    return list(dict.fromkeys(i for i in found if isinstance(i, int)))
+
+
+def run_stops(cfg, tok) -> list[int]:
+    """The stop tokens of the model a run (RunConfig `cfg`, its tokenizer `tok`) trains: its EOS, and those of its
+    model.init_from and data.tokenizer directories (the sample at the end of a run)."""
+    from kiln.state.hf_source import source_dir, tokenizer_dir
+
+    return model_stops(tok, [source_dir(cfg.model), tokenizer_dir(cfg.data.tokenizer)])
+
+
+def saved_model_stops(path: str | Path, tok) -> list[int]:
+    """The stop tokens of the model `kiln generate PATH` samples from: a run directory or its model/ folder (with
+    its model.init_from and data.tokenizer directories, where they are still there, and its data.eos_token), or a
+    Hugging Face model directory (a Kiln export)."""
+    from kiln.state.hf_source import read_json, tokenizer_dir
+
+    p = Path(path).expanduser()
+    model_dir = p / "model" if (p / "model" / "model_config.json").is_file() else p
+    folders = [model_dir]
+    init_from = read_json(model_dir / "model_config.json").get("init_from")
+    if isinstance(init_from, str) and init_from:
+        folders.append(Path(init_from))
+    stops = []
+    run_cfg = _run_config(model_dir.parent if model_dir.name == "model" else model_dir)
+    if run_cfg is not None:
+        folders.append(tokenizer_dir(run_cfg.data.tokenizer))
+        eos = run_cfg.data.eos_token
+        if eos not in ("auto", None) and tok.tk.token_to_id(eos) is not None:  # the run's own document end
+            stops.append(tok.tk.token_to_id(eos))
+    return list(dict.fromkeys(stops + model_stops(tok, folders)))
+
+
+def named_stops(tok, names: Iterable[str]) -> list[int]:
+    """The ids of token texts (`kiln generate --stop`): a token of the vocabulary as the tokenizer writes it
+    (<|eot_id|>, </s>), or a text it encodes as one token ("\\n"); ConfigError for any other."""
+    ids = []
+    for name in names:
+        found = tok.tk.token_to_id(name) if name else None
+        if found is None and name:
+            encoded = tok.encode(name)
+            found = encoded[0] if len(encoded) == 1 else None
+        if found is None:
+            raise ConfigError(f"--stop {name!r} is not a token of the model's tokenizer (it encodes as "
+                              f"{len(tok.encode(name))} tokens): give one token's text, such as a special token "
+                              "(<|eot_id|>, <|im_end|>, </s>) or a text that encodes as one token")
+        ids.append(found)
+    return list(dict.fromkeys(ids))
+
+
+def _run_config(run_dir: Path):
+    """The run's validated config, or None (no run directory, or a config this version cannot read)."""
+    from kiln.config import load_config
+    from kiln.errors import KilnError
+
+    file = run_dir / "config.yaml"
+    if not file.is_file():
+        return None
+    try:
+        return load_config(file)
+    except KilnError:  # the model still samples, stopping at its tokenizer's stop tokens
+        return None

@@ -1,0 +1,89 @@
+"""Sampling stops at every stop token of the model: its EOS, and the eos_token_id list of a Hugging Face directory's
+generation_config.json (Llama 3's <|eot_id|> beside <|end_of_text|>); `kiln generate --stop` adds tokens,
+--ignore-eos drops the model's."""
+
+import json
+
+import pytest
+import torch
+
+from kiln.config import ModelConfig
+from kiln.data.prepare.tokenizer import Tokenizer, train_bpe
+from kiln.errors import ConfigError
+from kiln.model.generate import generate
+from kiln.model.llama import Transformer
+from kiln.state.stop_tokens import model_stops, named_stops, saved_model_stops
+from kiln.state.weights import save_model
+
+EOT = "<|eot_id|>"
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return train_bpe(["def f(x):\n    return x * 2\n", "class A:\n    pass\n"] * 30, 300,
+                     specials=["<|endoftext|>", EOT])
+
+
+@pytest.fixture(scope="module")
+def eot_model(tok) -> Transformer:
+    """A model whose most likely next token is always <|eot_id|>: the layers add nothing to the embedding (all
+    ones), and the head's only non-zero row is <|eot_id|>'s."""
+    model = Transformer(ModelConfig(size="tiny", vocab_size=320, tie_embeddings=False)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0 if name == "embed_tokens.weight" else 0.0)
+        model.norm.weight.fill_(1.0)
+        model.lm_head.weight[tok.tk.token_to_id(EOT)] = 1.0
+    return model
+
+
+def hf_dir(path, tok, eos_token_id) -> str:
+    """A Hugging Face tokenizer directory whose generation_config.json lists `eos_token_id` (None: no such file)."""
+    path.mkdir()
+    tok.save(path / "tokenizer.json")
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    if eos_token_id is not None:
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_token_id}))
+    return str(path)
+
+
+def test_sampling_stops_at_a_second_stop_token_only_where_the_model_lists_it(tmp_path, tok, eot_model):
+    eos, eot = tok.eos_id, tok.tk.token_to_id(EOT)
+    listed = model_stops(tok, [hf_dir(tmp_path / "llama3", tok, [eos, eot])])
+    assert listed == [eos, eot]
+    assert generate(eot_model, [5, 6], 6, temperature=0, stop_ids=listed) == [eot]
+    single = model_stops(tok, [hf_dir(tmp_path / "one", tok, eos)])  # one int, as most models write it
+    assert single == [eos]
+    assert generate(eot_model, [5, 6], 6, temperature=0, stop_ids=single) == [eot] * 6
+    assert model_stops(tok, [tmp_path / "absent", None]) == [eos]  # from scratch: its EOS alone
+    other = train_bpe(["completely different text\n"] * 30, 280, specials=["<|endoftext|>", EOT])
+    assert model_stops(other, [tmp_path / "llama3"]) == [other.eos_id]  # another tokenizer's ids are not its
+
+
+def test_kiln_generate_stops_at_the_stop_tokens_of_the_model_and_at_stop(tmp_path, tok, eot_model, capsys):
+    from kiln.cli.model import generate as kiln_generate
+
+    eos, eot = tok.eos_id, tok.tk.token_to_id(EOT)
+    source = hf_dir(tmp_path / "source", tok, [eos, eot])
+    run, scratch = tmp_path / "run", tmp_path / "scratch"
+    save_model(eot_model, eot_model.cfg.model_copy(update={"init_from": source}), tok, run / "model")
+    save_model(eot_model, eot_model.cfg, tok, scratch / "model")
+    assert saved_model_stops(run, tok) == [eos, eot] and saved_model_stops(scratch, tok) == [eos]
+
+    def sample(path, stop=(), ignore_eos=False) -> str:
+        kiln_generate(str(path), "def", 5, 0.0, 0, 0, list(stop), ignore_eos, threads=torch.get_num_threads())
+        return capsys.readouterr().out
+
+    assert sample(run) == f"def{EOT}\n"
+    assert sample(scratch) == f"def{EOT * 5}\n"
+    assert sample(scratch, stop=[EOT]) == f"def{EOT}\n"
+    assert sample(run, ignore_eos=True) == f"def{EOT * 5}\n"
+    with pytest.raises(ConfigError, match="--stop '<|im_end|>' is not a token"):
+        sample(run, stop=["<|im_end|>"])
+
+
+def test_stop_names_a_token_or_a_text_of_one_token(tok):
+    assert named_stops(tok, [EOT, "\n", EOT]) == [tok.tk.token_to_id(EOT), *tok.encode("\n")]
+    for bad in ("", "return x and more words"):
+        with pytest.raises(ConfigError, match="is not a token of the model's tokenizer"):
+            named_stops(tok, [bad])
