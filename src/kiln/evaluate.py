@@ -67,8 +67,9 @@ def _transformer(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> torch.nn.M
     return model
 
 
-def load_target(target: str | Path) -> Target:
-    """What TARGET holds (see the module doc), loaded on the CPU."""
+def load_target(target: str | Path, command: str = "kiln eval") -> Target:
+    """What TARGET holds (see the module doc), loaded on the CPU; `command` (kiln eval, kiln generate) is named in
+    the errors."""
     from kiln.data.prepare.tokenizer import Tokenizer
     from kiln.state.rundir import checkpoint_of, model_saved
     from kiln.state.weights import load_model
@@ -83,7 +84,7 @@ def load_target(target: str | Path) -> Target:
         run_cfg = _run_config(run_dir)
         model, tok = load_model(model_dir)
         if tok is None:
-            raise StateError(f"{model_dir} holds no tokenizer.json; kiln eval needs the model's tokenizer")
+            raise StateError(f"{model_dir} holds no tokenizer.json; {command} needs the model's tokenizer")
         if run_cfg is not None:
             tok = Tokenizer.load(model_dir / "tokenizer.json", run_cfg.data.eos_token, run_cfg.data.bos_token)
         return Target(model, tok, "model", model_dir, run_cfg, default_out=run_dir / "eval.json"
@@ -94,9 +95,9 @@ def load_target(target: str | Path) -> Target:
         try:
             tok = Tokenizer.load(p)
         except DataError as e:  # its message speaks of data.tokenizer, which kiln eval does not read
-            raise StateError(f"{str(e).split('; ')[0]}: kiln eval needs the model's own tokenizer; save it beside "
+            raise StateError(f"{str(e).split('; ')[0]}: {command} needs the model's own tokenizer; save it beside "
                              "the model (tokenizer.save_pretrained(DIR))") from None
-        weight_files(p, command="kiln eval")  # pickled weights are refused with advice for this command
+        weight_files(p, command=command)  # pickled weights are refused with advice for this command
         if native_architecture(p):
             cfg, state = import_hf(p)
             model = _transformer(cfg, state)

@@ -10,7 +10,8 @@ from kiln.errors import ConfigError
 
 @app.command()
 def generate(
-    run_dir: str = typer.Argument(..., help="Run directory of a finished `kiln train` (or its model/ folder)."),
+    run_dir: str = typer.Argument(..., help="Run directory of a finished `kiln train` (or its model/ folder), or a "
+                                            "Hugging Face model directory (a `kiln export`)."),
     prompt: str = typer.Option("", "--prompt", "-p", help="Text to continue."),
     max_new_tokens: int = typer.Option(100, "--max-new-tokens", "-n", min=1, help="Tokens to generate."),
     temperature: float = typer.Option(0.8, "--temperature", "-t", min=0.0,
@@ -44,7 +45,13 @@ def generate(
     from kiln.state.weights import load_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, tok = load_model(run_dir, device)
+    if _hf_directory(run_dir):
+        from kiln.evaluate import load_target
+
+        target = load_target(run_dir, command="kiln generate")
+        model, tok = target.model.to(device).eval(), target.tokenizer
+    else:
+        model, tok = load_model(run_dir, device)
     if tok is None:
         raise ConfigError(f"{run_dir} holds no tokenizer.json; cannot encode the prompt")
     apply_threads(threads, device, sum(p.numel() for p in model.parameters()), sampling=True)
@@ -58,6 +65,15 @@ def generate(
     except ValueError as e:
         raise ConfigError(f"kiln generate {run_dir}: {e}") from None
     print(prompt + tok.decode(out))
+
+
+def _hf_directory(path: str) -> bool:
+    """Whether `path` is a Hugging Face model directory (config.json, no Kiln model_config.json or run)."""
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    return (p / "config.json").is_file() and not any((p / n).exists() for n in ("model_config.json", "model",
+                                                                                 "config.yaml", "meta.json"))
 
 
 @app.command()

@@ -87,3 +87,18 @@ def test_stop_names_a_token_or_a_text_of_one_token(tok):
     for bad in ("", "return x and more words"):
         with pytest.raises(ConfigError, match="is not a token of the model's tokenizer"):
             named_stops(tok, [bad])
+
+
+def test_kiln_generate_on_an_export_stops_at_its_generation_configs_stop_tokens(tmp_path, tok, eot_model, capsys):
+    from kiln.cli.model import generate as kiln_generate
+    from kiln.state.export import export_hf
+
+    out = export_hf(eot_model, eot_model.cfg, tok, tmp_path / "export")
+    config = json.loads((out / "generation_config.json").read_text())
+    assert config["eos_token_id"] == tok.eos_id
+    kiln_generate(str(out), "def", 4, 0.0, 0, 0, [], False, threads=torch.get_num_threads())
+    assert capsys.readouterr().out == f"def{EOT * 4}\n"  # the export's one stop token is not <|eot_id|>
+    config["eos_token_id"] = [tok.eos_id, tok.tk.token_to_id(EOT)]  # as Llama 3's lists both
+    (out / "generation_config.json").write_text(json.dumps(config))
+    kiln_generate(str(out), "def", 4, 0.0, 0, 0, [], False, threads=torch.get_num_threads())
+    assert capsys.readouterr().out == f"def{EOT}\n"
