@@ -412,7 +412,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     if tcfg.sample_tokens:
         stops.during, stops.then = "while sampling", "training and the model save are complete"
         ids = generate(model, start_ids(tok, tcfg.sample_prompt), tcfg.sample_tokens, seed=tcfg.seed,
-                       stop_ids=run_stops(cfg, tok), vocab_size=tok.vocab_size)
+                       stop_ids=() if tcfg.sample_ignore_eos else run_stops(cfg, tok), vocab_size=tok.vocab_size)
         console.rule("sample")
         text = tcfg.sample_prompt + tok.decode(ids)
         console.print(text, markup=False, highlight=False)
