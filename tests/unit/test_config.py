@@ -98,8 +98,10 @@ def test_non_mapping_yaml(tmp_path):
 
 
 def test_missing_file_and_presets():
-    with pytest.raises(ConfigError, match="does not exist and is not a preset"):
+    with pytest.raises(ConfigError, match="does not exist and is not a preset. Presets: "):
         load_config("no-such-file.yaml")
+    with pytest.raises(ConfigError, match="'gpu-125m' does not exist and is not a preset. Did you mean 'gpu-124m'?"):
+        load_config("gpu-125m")
     cfg = load_config("quickstart")
     assert cfg.model.d_model == RunConfig().model.d_model
 

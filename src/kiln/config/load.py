@@ -155,7 +155,9 @@ def resolve_config_path(path: str | Path) -> Path:
     if preset.is_file():
         return preset
     names = sorted(f.stem for f in PRESETS_DIR.glob("*.yaml"))
-    raise ConfigError(f"config file '{path}' does not exist and is not a preset. Presets: {', '.join(names)}.")
+    close = difflib.get_close_matches(str(path).removesuffix(".yaml"), names, n=1, cutoff=0.75)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    raise ConfigError(f"config file '{path}' does not exist and is not a preset.{hint} Presets: {', '.join(names)}.")
 
 
 class _StrictLoader(yaml.SafeLoader):
