@@ -32,6 +32,10 @@ class RecoveryConfig(Section):
     spike_zscore: float = Field(6.0, ge=0)
     """A step whose loss is this many standard deviations above the mean of the last spike_window good steps
     is a spike (0: spikes are not checked, only non-finite values)."""
+    spike_min_rise: float = Field(0.1, ge=0)
+    """The least rise of a loss above the window's mean (in nats) that is a spike, however many standard deviations
+    it is: a model that has learnt its data by heart has a window so flat that a rise of hundredths of a nat, at
+    the start of another pass over the data, scores far above spike_zscore."""
     spike_window: int = Field(50, ge=2)
     """Good steps the spike check compares against; no step is called a spike before there are this many. A spike
     whose rise persists over the next steps while the model still fits a batch it learnt before is a change of

@@ -6,9 +6,10 @@ holds from the first step, before the spike window has filled, and after a force
 diverges.
 
 A loss more than `recovery.spike_zscore` standard deviations above the mean of the last `recovery.spike_window`
-good steps is a spike, and a spike is not by itself a divergence: the data can change under a valid run (a
-stream that moves from repetitive records to prose, a mixture whose sources differ in difficulty). The steps
-after it tell which it is:
+good steps, and at least `recovery.spike_min_rise` above it (a model that knows its data by heart has a window
+so flat that any rise is many deviations), is a spike, and a spike is not by itself a divergence: the data can
+change under a valid run (a stream that moves from repetitive records to prose, a mixture whose sources differ in
+difficulty). The steps after it tell which it is:
 - the loss is back to its level at the steps after it: one bad batch. The step is rolled back and its samples
   passed over.
 - the rise persists over the steps after it: the data changed, or the weights broke. The model's loss on a
@@ -78,6 +79,7 @@ class SpikeDetector:
 
     def __init__(self, rcfg: RecoveryConfig, bound: float | None = None):
         self.z, self.size, self.bound = rcfg.spike_zscore, rcfg.spike_window, bound
+        self.min_rise = rcfg.spike_min_rise
         self.window: deque[tuple[int, float]] = deque(maxlen=self.size)  # (step, loss) of good steps
         self.reference: Reference | None = None
         self.asked: tuple[int, float, float] | None = None  # the reference's step, loss then and now, once asked
@@ -114,10 +116,13 @@ class SpikeDetector:
         return None
 
     def score(self, loss: float) -> float | None:
-        """How many standard deviations `loss` is above the window's mean (None: no full window, or spikes off)."""
+        """How many standard deviations `loss` is above the window's mean (None: no full window, or spikes off);
+        0 for a rise under recovery.spike_min_rise."""
         if not self.z or len(self.window) < self.size:
             return None
         mean, sd = self.stats()
+        if loss - mean < self.min_rise:
+            return 0.0
         return (loss - mean) / max(sd, 1e-6 * abs(mean), 1e-12)
 
     def spike(self, loss: float) -> str | None:

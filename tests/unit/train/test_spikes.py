@@ -99,3 +99,16 @@ def test_the_detector_state_round_trips_without_its_reference_batch():
     again.load_state_dict(d.state_dict())
     assert list(again.window) == [(1, 3.1), (2, 2.9), (3, 3.0)] and again.reference is None
     assert again.spike(4.0) is not None and again.persists([3.9, 4.1]) and not again.persists([3.0, 3.05])
+
+
+def test_a_rise_under_the_least_rise_is_no_spike_however_flat_the_window():
+    """A model that knows its data by heart: losses of hundredths of a nat, a window flat to a thousandth."""
+    flat = [0.010, 0.011, 0.009, 0.010]
+    d, strict = SpikeDetector(RecoveryConfig(spike_window=4)), SpikeDetector(RecoveryConfig(spike_window=4,
+                                                                                            spike_min_rise=0.0))
+    for step, loss in enumerate(flat):
+        d.add(step, loss)
+        strict.add(step, loss)
+    assert strict.spike(0.05) is not None  # 57 standard deviations
+    assert d.spike(0.05) is None and not d.persists([0.05, 0.06])
+    assert d.spike(0.5) is not None  # a rise of half a nat is still one
