@@ -218,7 +218,8 @@ def preempt_saves(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("victim", ["kiln", "torchrun"])
 def test_workers_whose_launcher_is_killed_write_a_checkpoint_and_stop(base, tmp_path, victim):
     """SIGKILL to `kiln train --nproc` (torchrun is told with SIGTERM) or to torchrun (its workers are): the
-    workers neither train on nor hold the run, its GPUs and its lock: they save, stop, and the run resumes."""
+    workers neither train on nor hold the run, its GPUs and its lock: they save, stop, and the run resumes; that
+    resumed job, sent SIGHUP through its torchrun, saves and stops in turn (sighup_to_torchrun)."""
     run_dir = tmp_path / "run"
     job = start(tmp_path / "1", *base, "train.batch_size=2", f"train.run_dir={run_dir}")
     wait_until(lambda: steps_saved(run_dir), job, tmp_path / "1")
@@ -237,25 +238,26 @@ def test_workers_whose_launcher_is_killed_write_a_checkpoint_and_stop(base, tmp_
     if victim == "kiln":
         return  # the workers stopped as under a scheduler's SIGTERM, whose resume test_sigkill_sigterm_... checks
     assert job.returncode == 128 + signal.SIGKILL and "torchrun was killed by SIGKILL" in out
-    done = finish(str(run_dir))  # the lock is free: the run resumes from the workers' checkpoint
+    # the lock is free: the run resumes from the workers' checkpoint (the job is then stopped as in sighup_to_torchrun)
     saved = run_dir / "checkpoints" / f"step_{saves[0]['step']:08d}"
-    assert f"resumed from {saved}" in done.stdout + done.stderr
+    out = sighup_to_torchrun(tmp_path / "2", run_dir, str(run_dir), after=saves[0]["step"])
+    assert f"resumed from {saved}" in out
 
 
-@pytest.mark.slow
-def test_sighup_to_torchrun_writes_a_checkpoint_and_stops(base, tmp_path):
-    """torchrun passes the SIGHUP of a closed terminal to the workers, which died of it with no checkpoint."""
-    run_dir = tmp_path / "run"
-    job = start(tmp_path / "1", *base, "train.batch_size=2", f"train.run_dir={run_dir}")
-    wait_until(lambda: steps_saved(run_dir) and worker(job.pid, 1), job, tmp_path / "1")
+def sighup_to_torchrun(logs: Path, run_dir: Path, *args: str, after: int = 0) -> str:
+    """torchrun passes the SIGHUP of a closed terminal to the workers, which died of it with no checkpoint. The job
+    `kiln train ARGS --nproc 2`, SIGHUP to its torchrun once it saved a step past `after`: its output."""
+    job = start(logs, *args)
+    wait_until(lambda: newer_checkpoint(run_dir, after)() and worker(job.pid, 1), job, logs)
     os.kill(launcher(job.pid), signal.SIGHUP)
     assert job.wait(timeout=120) == 128 + signal.SIGHUP
-    out = output(tmp_path / "1")
+    out = output(logs)
     killed_early(run_dir)
-    saves = preempt_saves(run_dir)
+    saves = [m for m in preempt_saves(run_dir) if m["step"] > after]
     assert len(saves) == 1 and saves[0]["world_size"] == 2, out[-3000:]
     assert f"stopped by SIGHUP after step {saves[0]['step']}" in out and "kiln: the job stopped on SIGHUP" in out
     assert f"Resume with: kiln train {run_dir} --nproc 2\n" in out  # on 2 processes, as it ran
+    return out
 
 
 @pytest.mark.slow
