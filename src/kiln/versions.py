@@ -23,9 +23,6 @@ MINIMUM = {
     "huggingface_hub": "1.5",  # what transformers 5.16 needs
 }
 
-_PIP_NAMES = {"huggingface_hub": "huggingface_hub"}
-
-
 def parse(version: str) -> tuple[int, ...]:
     """The leading release numbers of a version string ('5.16.0.dev0' -> (5, 16, 0)); () when it has none."""
     m = re.match(r"\s*v?(\d+(?:\.\d+)*)", version)
@@ -43,7 +40,7 @@ def check(name: str, found: str, feature: str) -> None:
     minimum = MINIMUM[name]
     if too_old(found, minimum):
         raise ConfigError(f"{feature} needs {name}>={minimum}, but {name} {found} is installed: "
-                          f"pip install -U 'kiln[hf]' (or pip install '{_PIP_NAMES.get(name, name)}>={minimum}')")
+                          f"pip install -U 'kiln[hf]' (or pip install '{name}>={minimum}')")
 
 
 def require(name: str, feature: str) -> ModuleType:
