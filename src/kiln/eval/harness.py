@@ -22,7 +22,7 @@ each its share of the requests; the processes gather the results through torch.d
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,7 +40,8 @@ class KilnLM(TemplateLM):
     a wrapped one in training) and its `kiln` Tokenizer."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, batch_size: int = 16, max_length: int | None = None,
-                 max_gen_toks: int = 256, autocast: Callable[[], Any] | None = None, data_parallel: bool = False):
+                 max_gen_toks: int = 256, autocast: Callable[[], Any] | None = None, data_parallel: bool = False,
+                 stop_ids: Sequence[int] = ()):
         super().__init__()
         if data_parallel:
             import torch.distributed as dist
@@ -56,6 +57,8 @@ class KilnLM(TemplateLM):
         cfg = getattr(model, "cfg", None)
         self._max_length = int(max_length or (cfg.max_seq_len if cfg is not None else 2048))
         self.max_gen_toks = max_gen_toks
+        # generation ends at any of the model's stop tokens (kiln.state.stop_tokens), as transformers' does
+        self.stop_ids = {i for i in (tokenizer.eos_id, *stop_ids) if i is not None}
         self.autocast = autocast or contextlib.nullcontext
         self._device = next(model.parameters()).device
         # only a plain native model is asked for its hidden states (a wrapped one runs its own forward)
@@ -232,6 +235,9 @@ class KilnLM(TemplateLM):
                     nxt[row] = torch.multinomial(p, 1, generator=gen)[0]
             for row in range(B):
                 if done[row]:
+                    continue
+                if int(nxt[row]) in self.stop_ids:
+                    done[row] = True
                     continue
                 new[row].append(int(nxt[row]))
                 text = self.tok.decode(new[row])

@@ -73,6 +73,12 @@ def test_batched_generation_matches_greedy_decoding_one_prompt_at_a_time(tiny):
     # a stop string cuts the text; the EOS token stops too
     (cut,) = lm.generate_until(requests("generate_until", [(prompts[0], {"until": [got[0][:2]], "max_gen_toks": 8})]))
     assert cut == ""
+    # any of the model's stop tokens (generation_config's eos_token_id list) ends a generation, left out of it
+    ids = generate(model, tok.encode(prompts[0]), 8, temperature=0, vocab_size=tok.vocab_size)
+    k = ids.index(ids[2])
+    stopped = KilnLM(model, tok, batch_size=1, stop_ids=[ids[2]])
+    (text,) = stopped.generate_until(requests("generate_until", [(prompts[0], {"until": ["\n\n"], "max_gen_toks": 8})]))
+    assert text == tok.decode(ids[:k]).split("\n\n")[0]
 
 
 def test_offline_tasks_of_each_kind(tiny, manager):
