@@ -63,6 +63,13 @@ def snapshot_of(path: str | None) -> tuple[str, str] | None:
     return None
 
 
+def published_base(path: str | None) -> tuple[str | None, str | None]:
+    """(name, revision) a published adapter names its base by: a Hub snapshot's id and revision (`snapshot_of`),
+    else `path` itself and no revision."""
+    hub = snapshot_of(path)
+    return hub if hub else (path, None)
+
+
 def local_model_dir(spec: str, allow_pickle: bool = False, log: Callable[[str], None] = print,
                     files: list[str] | None = None) -> str:
     """`spec` as an absolute path when it is not a Hub id (a run records it, and a resume or an export from another

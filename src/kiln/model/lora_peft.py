@@ -49,12 +49,11 @@ def from_peft_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 def peft_config(model_cfg: ModelConfig, lcfg: LoraConfig, base: str | None) -> dict:
     """The adapter_config.json of these adapters (the fields PEFT's LoraConfig reads); a `base` in huggingface_hub's
     cache is named by its Hub id and revision (kiln.model.hub.snapshot_of), which AutoPeftModel loads anywhere."""
-    from kiln.model.hub import snapshot_of
+    from kiln.model.hub import published_base
 
-    hub = snapshot_of(base)
+    name, revision = published_base(base)
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": hub[0] if hub else base,
-        "revision": hub[1] if hub else None,
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": name, "revision": revision,
         "r": lcfg.rank, "lora_alpha": lcfg.alpha, "lora_dropout": lcfg.dropout,
         "target_modules": hf_target_modules(model_cfg, lcfg.targets), "bias": "none", "fan_in_fan_out": False,
         "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,

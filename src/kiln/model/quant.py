@@ -49,16 +49,14 @@ def torchao_nf4():
     quiet = logging.getLogger("torchao")  # it warns of every optional kernel library it cannot load
     level, quiet.level = quiet.level, logging.ERROR
     try:
-        from torchao.quantization import to_nf4
-    except ImportError:
-        try:  # torchao before 0.16 kept it here
+        try:
+            from torchao.quantization import to_nf4
+        except ImportError:  # torchao before 0.16 kept it here
             from torchao.dtypes.nf4tensor import to_nf4
-        except ImportError:
-            raise ConfigError("lora.quantize_base=nf4 needs torchao: pip install 'kiln[qlora]' (or torchao>=0.10), "
-                              "or set lora.quantize_base=none to keep the base in lora.base_dtype") from None
-        except Exception as e:  # a torchao made for a newer torch fails inside its own import (AttributeError)
-            raise ConfigError(_mismatch(e)) from None
-    except Exception as e:
+    except ImportError:
+        raise ConfigError("lora.quantize_base=nf4 needs torchao: pip install 'kiln[qlora]' (or torchao>=0.10), "
+                          "or set lora.quantize_base=none to keep the base in lora.base_dtype") from None
+    except Exception as e:  # a torchao made for another torch fails inside its own import (AttributeError)
         raise ConfigError(_mismatch(e)) from None
     finally:
         quiet.setLevel(level)

@@ -259,16 +259,15 @@ def _base_tokenizer(src: Path, out: Path) -> None:
     import shutil
 
     from kiln.state.hf_source import TOKENIZER_FILES
-    from kiln.state.model_card import _run_of
 
-    model = (_run_of(src)[2] or {}).get("model")
-    base = model.get("init_from") if isinstance(model, dict) else None
+    base = _run_section(src, "model").get("init_from")
     if not isinstance(base, str) or not (Path(base).expanduser() / "config.json").is_file():
         return
+    base_dir = Path(base).expanduser()
     for name in sorted(TOKENIZER_FILES):
-        if (Path(base).expanduser() / name).is_file():
-            shutil.copyfile(Path(base).expanduser() / name, out / name)
-    data = _run_data(src)
+        if (base_dir / name).is_file():
+            shutil.copyfile(base_dir / name, out / name)
+    data = _run_section(src)
     if data and data.get("bos_token") is None:
         _drop_bos(out)
 
@@ -290,7 +289,7 @@ def _export(src: str | Path, to: str | Path, dtype: str | None, tokenizer: str |
     if adapters:
         return _export_adapters(p, to, dtype)
     tok = Tokenizer.load(tokenizer) if tokenizer is not None else None
-    data = _run_data(p)
+    data = _run_section(p)
     tok_dir = tokenizer_dir(tokenizer if tokenizer is not None else data.get("tokenizer"))
     if (p / "model_config.json").is_file() or model_saved(p / "model"):  # else a run's checkpoint (below)
         model, saved_tok = load_model(p)
@@ -334,12 +333,13 @@ def _export(src: str | Path, to: str | Path, dtype: str | None, tokenizer: str |
     return export_hf(state, cfg, run_tok, to, dtype, max_shard_bytes, tokenizer_source=tok_dir, bos_free=bos_free)
 
 
-def _run_data(src: Path) -> dict[str, Any]:
-    """The data section of the config of the run an export's `src` belongs to; {} where it is no run's."""
+def _run_section(src: Path, name: str = "data") -> dict[str, Any]:
+    """A section of the config of the run an export's `src` belongs to ("data", "model"); {} where it is no
+    run's."""
     from kiln.state.model_card import _run_of
 
     config = _run_of(src)[2] or {}
-    return config.get("data") if isinstance(config.get("data"), dict) else {}
+    return config.get(name) if isinstance(config.get(name), dict) else {}
 
 
 def _as_trained(tok: Tokenizer | None, data: dict[str, Any]) -> tuple[Tokenizer | None, bool]:
@@ -504,7 +504,7 @@ def _checkpoint_tensors(ckpt: Path) -> tuple[Any, dict, dict[str, torch.Tensor]]
 
 def _export_adapters(p: Path, to: str | Path, dtype: str | None) -> Path:
     """The LoRA adapters of a run (its model/adapters/, else its newest checkpoint) in PEFT's format."""
-    from kiln.model.hub import snapshot_of
+    from kiln.model.hub import published_base
     from kiln.model.lora_peft import CONFIG, read_peft_adapters, save_peft, write_peft_adapters
     from kiln.state.rundir import checkpoints
 
@@ -524,10 +524,9 @@ def _export_adapters(p: Path, to: str | Path, dtype: str | None) -> Path:
                          "model without --adapters")
     if run_cfg.model.hf_class == "auto":  # PEFT's own adapters on the transformers model
         model = load_checkpoint_auto(ckpt, run_cfg, base_weights=False)
-        hub = snapshot_of(run_cfg.model.init_from)  # a Hub id's snapshot: named by its id and revision
+        name, revision = published_base(run_cfg.model.init_from)  # a Hub snapshot: named by its id and revision
         for adapter in model.hf.peft_config.values():
-            adapter.base_model_name_or_path = hub[0] if hub else run_cfg.model.init_from
-            adapter.revision = hub[1] if hub else None
+            adapter.base_model_name_or_path, adapter.revision = name, revision
         out = Path(to).expanduser()
         (model.hf.to(cast) if cast else model.hf).save_pretrained(str(out), safe_serialization=True)
         for f in out.glob("*.safetensors"):
@@ -550,7 +549,7 @@ def _copy_peft(saved: Path, out: Path, cast: torch.dtype | None) -> Path:
     from safetensors.torch import load_file, save_file
 
     from kiln.files import atomic_write_json, replace_file
-    from kiln.model.hub import snapshot_of
+    from kiln.model.hub import published_base
     from kiln.model.lora_peft import CONFIG, WEIGHTS
 
     try:
@@ -558,9 +557,9 @@ def _copy_peft(saved: Path, out: Path, cast: torch.dtype | None) -> Path:
         config = json.loads((saved / CONFIG).read_text())
     except Exception as e:  # safetensors raises its own error type on a damaged file
         raise StateError(f"the LoRA adapters in {saved} cannot be read ({e})") from None
-    hub = snapshot_of(config.get("base_model_name_or_path"))  # a Hub id's snapshot: named by its id and revision
-    if hub:
-        config = {**config, "base_model_name_or_path": hub[0], "revision": hub[1]}
+    name, revision = published_base(config.get("base_model_name_or_path"))  # a Hub snapshot: its id and revision
+    if revision is not None:
+        config = {**config, "base_model_name_or_path": name, "revision": revision}
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / (WEIGHTS + ".tmp")
     save_file({k: v.to(cast or v.dtype).contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})

@@ -131,11 +131,12 @@ def written_lengths(out: Path, max_len: int, before: int | None) -> None:
     but not the new one (a tokenizer's limit below the model's context would warn of every longer text)."""
     if before is None or max_len <= before:
         return
-    for name, key in (("tokenizer_config.json", "model_max_length"), ("generation_config.json", "max_length")):
+    rules = {("tokenizer_config.json", "model_max_length"): lambda v: isinstance(v, int) and before <= v < max_len,
+             ("generation_config.json", "max_length"): lambda v: v == before}
+    for (name, key), raise_it in rules.items():
         file = out / name
         data = read_json(file)
-        value = data.get(key)
-        if (value == before) if key == "max_length" else (isinstance(value, int) and before <= value < max_len):
+        if raise_it(data.get(key)):
             data[key] = max_len
             file.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 

@@ -60,7 +60,7 @@ class Trainer:
         self.last_eval: dict[str, Any] | None = None
         # the losses of the steps since the last logging step (their mean is the next one's loss); saved with the
         # state, so the first logging step after a resume logs the mean an uninterrupted run logs
-        self.window: list[torch.Tensor] = []
+        self.unlogged: list[torch.Tensor] = []
         self.token_bytes: torch.Tensor | None = None  # bytes of text per token id (on the device): val_bpb
         self.stop_reason: str | None = None  # set by a callback (early stopping) to end training after this step
         use_bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
@@ -72,7 +72,7 @@ class Trainer:
         last = dict(self.last_eval) if self.last_eval is not None else None
         out = {"step": self.step, "tokens_seen": self.tokens_seen, "last_eval": last, "stop_reason": self.stop_reason,
                "skipped": self.skips.state_dict(), "lr_scale": self.lr_scale,
-               "window": torch.stack(self.window).float().tolist() if self.window else []}  # one read
+               "unlogged": torch.stack(self.unlogged).float().tolist() if self.unlogged else []}  # one read
         for cb in self.events.callbacks:  # callbacks with a state of their own (early stopping) under their key
             if getattr(cb, "state_key", None):
                 out[cb.state_key] = cb.state_dict()
@@ -86,7 +86,7 @@ class Trainer:
                 cb.load_state_dict(state[cb.state_key])
         self.skips.load_state_dict(state.get("skipped", []))
         self.set_lr_scale(float(state.get("lr_scale", 1.0)))
-        self.window[:] = [torch.tensor(float(v), device=self.device) for v in state.get("window", [])]  # in place:
+        self.unlogged[:] = [torch.tensor(float(v), device=self.device) for v in state.get("unlogged", [])]  # in place:
         # the training loop holds this list
 
     def set_lr_scale(self, scale: float) -> None:
@@ -163,7 +163,7 @@ class Trainer:
         self.model.train()
         self.events.emit("on_train_start", self)
         self.meter.start(self.step)
-        losses = self.window
+        losses = self.unlogged
         while self.step < tcfg.max_steps and self.stop_reason is None:
             self.consistent = False  # until the counters match the weights again (emergency checkpoints)
             loss, gnorm = self.train_step()
