@@ -162,7 +162,7 @@ def _profile(trainer, attention: str, steps: int = 3) -> None:
         for _ in range(steps):
             trainer.train_step()
         sync()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90))
 
 
 def run_hf_trainer(size: str, batch: int, seq: int, warmup: int, steps: int, name: str = "hf-trainer") -> Result:
