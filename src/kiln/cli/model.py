@@ -22,15 +22,16 @@ def generate(
     stop: list[str] = typer.Option([], "--stop", help="Also stop at this token (its text, e.g. <|im_end|>; "
                                    "repeatable). The model's stop tokens always count: its EOS and the "
                                    "eos_token_id of its Hugging Face generation_config.json."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at the model's stop tokens: sample "
-                                    "all --max-new-tokens, or up to a --stop token."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at the model's stop tokens (nor its "
+                                    "stop strings): sample all --max-new-tokens, or up to a --stop token."),
     threads: int | None = typer.Option(None, "--threads", min=1,
                                           help="CPU threads of PyTorch (on the CPU only); default: 1 for a model "
                                                "under 20M parameters (one token at a time is too little to "
                                                "split), else PyTorch's."),
 ) -> None:
     """Sample text from a trained model, up to its first stop token (its EOS, and those its Hugging Face
-    generation_config.json lists) or --max-new-tokens.
+    generation_config.json lists), the token that completes one of that file's stop_strings (kept in the text,
+    as transformers keeps it), or --max-new-tokens.
 
     Example: kiln generate runs/20261126-101500 --prompt "def main(" -n 64 --seed 0
     """
@@ -40,8 +41,9 @@ def generate(
 
     from kiln.model.generate import generate as sample
     from kiln.model.generate import start_ids
+    from kiln.model.stop_strings import StopStrings
     from kiln.plan.threads import apply_threads
-    from kiln.state.stop_tokens import named_stops, saved_model_stops
+    from kiln.state.stop_tokens import named_stops, saved_model_stop_strings, saved_model_stops
     from kiln.state.weights import load_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -60,8 +62,10 @@ def generate(
     except ValueError as e:
         raise ConfigError(f"--prompt: {e}; give a prompt") from None
     stops = named_stops(tok, stop) + ([] if ignore_eos else saved_model_stops(run_dir, tok))
+    texts = StopStrings([] if ignore_eos else saved_model_stop_strings(run_dir, tok), tok.decode)
     try:
-        out = sample(model, ids, max_new_tokens, temperature, top_k or None, seed, stops, vocab_size=tok.vocab_size)
+        out = sample(model, ids, max_new_tokens, temperature, top_k or None, seed, stops, vocab_size=tok.vocab_size,
+                     stop_strings=texts)
     except ValueError as e:
         raise ConfigError(f"kiln generate {run_dir}: {e}") from None
     print(prompt + tok.decode(out))

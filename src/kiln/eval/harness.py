@@ -41,7 +41,7 @@ class KilnLM(TemplateLM):
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, batch_size: int = 16, max_length: int | None = None,
                  max_gen_toks: int = 256, autocast: Callable[[], Any] | None = None, data_parallel: bool = False,
-                 stop_ids: Sequence[int] = ()):
+                 stop_ids: Sequence[int] = (), stop_strings: Sequence[str] = ()):
         super().__init__()
         if data_parallel:
             import torch.distributed as dist
@@ -59,6 +59,8 @@ class KilnLM(TemplateLM):
         self.max_gen_toks = max_gen_toks
         # generation ends at any of the model's stop tokens (kiln.state.stop_tokens), as transformers' does
         self.stop_ids = {i for i in (tokenizer.eos_id, *stop_ids) if i is not None}
+        # and at its stop strings (generation_config.json's), which end and cut it as the task's `until` strings do
+        self.stop_strings = [s for s in stop_strings if s]
         self.autocast = autocast or contextlib.nullcontext
         self._device = next(model.parameters()).device
         # only a plain native model is asked for its hidden states (a wrapped one runs its own forward)
@@ -206,7 +208,7 @@ class KilnLM(TemplateLM):
         for kw in kwargs:
             until = kw.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
-            untils.append([*until, eos] if eos and eos not in until else until)
+            untils.append(list(dict.fromkeys([*until, *([eos] if eos else []), *self.stop_strings])))
         steps = [int(kw.get("max_gen_toks", self.max_gen_toks)) for kw in kwargs]
         sample = [bool(kw.get("do_sample", False)) and float(kw.get("temperature", 1.0)) > 0 for kw in kwargs]
         room = self.max_length - max(steps)

@@ -1,4 +1,5 @@
-"""Sampling from a trained model: temperature, top-k, seeded, stopping at any of the model's stop tokens."""
+"""Sampling from a trained model: temperature, top-k, seeded, stopping at any of the model's stop tokens and stop
+strings."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+from kiln.model.stop_strings import StopStrings
 
 
 def start_ids(tok, prompt: str) -> list[int]:
@@ -23,9 +26,10 @@ def start_ids(tok, prompt: str) -> list[int]:
 @torch.no_grad()
 def generate(model: nn.Module, ids: list[int], max_new_tokens: int, temperature: float = 0.8,
              top_k: int | None = 50, seed: int | None = None, stop_ids: Iterable[int] = (),
-             vocab_size: int | None = None) -> list[int]:
+             vocab_size: int | None = None, stop_strings: StopStrings | None = None) -> list[int]:
     """Up to max_new_tokens tokens sampled after `ids`; sampling stops after the first of `stop_ids` it produces
-    (the model's EOS and other stop tokens: kiln.state.stop_tokens), which ends the result.
+    (the model's EOS and other stop tokens: kiln.state.stop_tokens), which ends the result, or after the token that
+    completes one of `stop_strings` (generation_config.json's), which ends it too.
 
     temperature 0 is greedy (the most likely token); top_k None or 0 samples among all tokens.
     `vocab_size`: the tokenizer's; ids from there up to the model's (padded) vocabulary are never
@@ -58,7 +62,7 @@ def generate(model: nn.Module, ids: list[int], max_new_tokens: int, temperature:
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
         tokens = torch.cat([tokens, nxt], dim=1)
-        if int(nxt) in stops:
+        if int(nxt) in stops or (stop_strings and stop_strings.ends(tokens[0, -stop_strings.window:].tolist())):
             break
     model.train(was_training)
     return tokens[0, len(ids):].tolist()

@@ -102,12 +102,15 @@ def _run_tokenizer(tokenizer: Tokenizer | None, tokenizer_source: Path | None, k
 
 def _write_run_tokenizer(out: Path, tokenizer: Tokenizer | None, specials: dict[str, Any], tok_dir: Path | None,
                          max_len: int, bos_free: bool) -> None:
-    """The run's tokenizer (`_run_tokenizer`) into `out`: generation_config.json of its special ids, tokenizer.json
-    and Kiln's tokenizer_config.json, or its directory's tokenizer files (chat template, special tokens); with
-    `bos_free` (the run put no BOS first), without the BOS its post-processor puts first."""
-    from kiln.state.hf_source import carry_tokenizer_files
+    """The run's tokenizer (`_run_tokenizer`) into `out`: generation_config.json of its special ids (and its
+    directory's stop_strings), tokenizer.json and Kiln's tokenizer_config.json, or its directory's tokenizer files
+    (chat template, special tokens); with `bos_free` (the run put no BOS first), without the BOS its post-processor
+    puts first."""
+    from kiln.state.hf_source import carry_tokenizer_files, stop_strings
 
-    _write_json(out / "generation_config.json", {"_from_model_config": True, **specials})
+    texts = stop_strings(tok_dir) if tok_dir is not None else []
+    _write_json(out / "generation_config.json", {"_from_model_config": True, **specials,
+                                                 **({"stop_strings": texts} if texts else {})})
     if tokenizer is not None:
         write_tokenizer(tokenizer, out, max_len)
     if tok_dir is not None:

@@ -170,6 +170,13 @@ def stop_ids(folder: Path, tokenizer, specials: dict[str, Any]) -> dict[str, Any
     return {**specials, "eos_token_id": ids[0] if len(ids) == 1 else ids or None}
 
 
+def stop_strings(folder: Path) -> list[str]:
+    """The stop_strings of `folder`'s generation_config.json (one text or a list; anything else: none), as a list."""
+    listed = read_json(folder / "generation_config.json").get("stop_strings")
+    listed = [listed] if isinstance(listed, str) else listed if isinstance(listed, list) else []
+    return [t for t in listed if isinstance(t, str) and t]
+
+
 def carry_tokenizer_files(folder: Path, out: Path, max_len: int) -> list[str]:
     """The tokenizer files of `folder` (special tokens, chat template) into `out`, the model's context `max_len` as
     tokenizer_config.json's model_max_length (the directory's is another model's); their names."""

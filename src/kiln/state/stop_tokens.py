@@ -5,12 +5,15 @@ A model trained from scratch stops at its EOS. A model from a Hugging Face direc
 export, or a run trained on a tokenizer directory: data.tokenizer=DIR) has more: its generation_config.json's
 eos_token_id (one id or a list) and its tokenizer_config.json's eos_token, read as an export reads them
 (kiln.state.hf_source.stop_ids): Llama 3 stops at <|end_of_text|> and at <|eot_id|>, the end of a chat turn;
-Qwen's chat models at <|endoftext|> and <|im_end|>.
+Qwen's chat models at <|endoftext|> and <|im_end|>. The same directories' generation_config.json may list
+stop_strings, texts that end sampling even where they span several tokens (kiln.model.stop_strings).
 
     stops = model_stops(tok, [model_dir, source_dir(cfg.model), tokenizer_dir(cfg.data.tokenizer)])
     stops = run_stops(cfg, tok)                         # the sample at the end of a run
     stops = saved_model_stops("runs/X", tok)            # what `kiln generate runs/X` stops at
     stops += named_stops(tok, ["<|im_end|>"])            # `kiln generate --stop`: token texts, unknown ones refused
+    texts = run_stop_strings(cfg, tok)                  # generation_config.json's stop_strings, as text
+    texts = saved_model_stop_strings("runs/X", tok)
 """
 
 from __future__ import annotations
@@ -24,28 +27,64 @@ from kiln.errors import ConfigError
 def model_stops(tok, folders: Iterable[Path | None]) -> list[int]:
     """`tok`'s EOS, then the stop tokens of each Hugging Face directory of `folders` (None: none) that ships this very
     tokenizer (another tokenizer's ids would name other tokens); each id once, in that order."""
-    from kiln.state.hf_source import same_tokenizer, stop_ids
+    from kiln.state.hf_source import stop_ids
 
     found = [tok.eos_id]
-    for folder in dict.fromkeys(Path(f).expanduser().resolve() for f in folders if f is not None):
-        if folder.is_dir() and same_tokenizer(folder, tok):
-            listed = stop_ids(folder, tok, {})["eos_token_id"]
-            found += listed if isinstance(listed, list) else [listed]
+    for folder in _own_folders(tok, folders):
+        listed = stop_ids(folder, tok, {})["eos_token_id"]
+        found += listed if isinstance(listed, list) else [listed]
     return list(dict.fromkeys(i for i in found if isinstance(i, int)))
+
+
+def model_stop_strings(tok, folders: Iterable[Path | None]) -> list[str]:
+    """The stop_strings of the generation_config.json of each Hugging Face directory of `folders` that ships `tok`
+    (those whose stop tokens count: model_stops); each text once, in that order."""
+    from kiln.state.hf_source import stop_strings
+
+    return list(dict.fromkeys(t for folder in _own_folders(tok, folders) for t in stop_strings(folder)))
+
+
+def _own_folders(tok, folders: Iterable[Path | None]) -> list[Path]:
+    """The directories of `folders` (None: none) that are there and ship this very tokenizer, each once."""
+    from kiln.state.hf_source import same_tokenizer
+
+    found = dict.fromkeys(Path(f).expanduser().resolve() for f in folders if f is not None)
+    return [f for f in found if f.is_dir() and same_tokenizer(f, tok)]
 
 
 def run_stops(cfg, tok) -> list[int]:
     """The stop tokens of the model a run (RunConfig `cfg`, its tokenizer `tok`) trains: its EOS, and those of its
     model.init_from and data.tokenizer directories (the sample at the end of a run)."""
+    return model_stops(tok, _run_folders(cfg))
+
+
+def run_stop_strings(cfg, tok) -> list[str]:
+    """The stop strings of the model a run trains (those of the directories run_stops reads)."""
+    return model_stop_strings(tok, _run_folders(cfg))
+
+
+def _run_folders(cfg) -> list[Path | None]:
     from kiln.state.hf_source import source_dir, tokenizer_dir
 
-    return model_stops(tok, [source_dir(cfg.model), tokenizer_dir(cfg.data.tokenizer)])
+    return [source_dir(cfg.model), tokenizer_dir(cfg.data.tokenizer)]
 
 
 def saved_model_stops(path: str | Path, tok) -> list[int]:
     """The stop tokens of the model `kiln generate PATH` samples from: a run directory or its model/ folder (with
     its model.init_from and data.tokenizer directories, where they are still there, and its data.eos_token), or a
     Hugging Face model directory (a Kiln export)."""
+    folders, stops = _saved_model_folders(path, tok)
+    return list(dict.fromkeys(stops + model_stops(tok, folders)))
+
+
+def saved_model_stop_strings(path: str | Path, tok) -> list[str]:
+    """The stop strings of the model `kiln generate PATH` samples from (those of the directories saved_model_stops
+    reads)."""
+    return model_stop_strings(tok, _saved_model_folders(path, tok)[0])
+
+
+def _saved_model_folders(path: str | Path, tok) -> tuple[list[Path | None], list[int]]:
+    """(the Hugging Face directories of the saved model at `path`, the id of its run's data.eos_token if any)."""
     from kiln.state.hf_source import read_json, tokenizer_dir
 
     p = Path(path).expanduser()
@@ -61,7 +100,7 @@ def saved_model_stops(path: str | Path, tok) -> list[int]:
         eos = run_cfg.data.eos_token
         if eos not in ("auto", None) and tok.tk.token_to_id(eos) is not None:  # the run's own document end
             stops.append(tok.tk.token_to_id(eos))
-    return list(dict.fromkeys(stops + model_stops(tok, folders)))
+    return folders, stops
 
 
 def named_stops(tok, names: Iterable[str]) -> list[int]:

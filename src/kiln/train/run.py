@@ -26,6 +26,7 @@ from kiln.model.lora import (
     training_bytes,
 )
 from kiln.model.registry import active_param_count, flops_per_token, param_count
+from kiln.model.stop_strings import StopStrings
 from kiln.monitor.plots import PlotAtEnd
 from kiln.monitor.profile import ProfileWindow
 from kiln.monitor.sinks import ConsoleSink, JsonlSink, enabled_sinks
@@ -45,7 +46,7 @@ from kiln.state.parts import KEYS
 from kiln.state.preempt import SignalGuard, StopSignals, resume_command, train_guarded
 from kiln.state.resume import check_compatible, choose_checkpoint, fingerprints, run_directory
 from kiln.state.rundir import config_while_starting, hold_run_dir, model_saved, process_rank, write_config
-from kiln.state.stop_tokens import run_stops
+from kiln.state.stop_tokens import run_stop_strings, run_stops
 from kiln.state.verify import read_meta
 from kiln.state.weights import save_model
 from kiln.train.early_stop import EarlyStop
@@ -411,8 +412,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         return run_dir  # a signal came during the save: stop here, as it asked
     if tcfg.sample_tokens:
         stops.during, stops.then = "while sampling", "training and the model save are complete"
+        ignore = tcfg.sample_ignore_eos
         ids = generate(model, start_ids(tok, tcfg.sample_prompt), tcfg.sample_tokens, seed=tcfg.seed,
-                       stop_ids=() if tcfg.sample_ignore_eos else run_stops(cfg, tok), vocab_size=tok.vocab_size)
+                       stop_ids=() if ignore else run_stops(cfg, tok), vocab_size=tok.vocab_size,
+                       stop_strings=StopStrings([] if ignore else run_stop_strings(cfg, tok), tok.decode))
         console.rule("sample")
         text = tcfg.sample_prompt + tok.decode(ids)
         console.print(text, markup=False, highlight=False)

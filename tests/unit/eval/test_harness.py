@@ -79,6 +79,11 @@ def test_batched_generation_matches_greedy_decoding_one_prompt_at_a_time(tiny):
     stopped = KilnLM(model, tok, batch_size=1, stop_ids=[ids[2]])
     (text,) = stopped.generate_until(requests("generate_until", [(prompts[0], {"until": ["\n\n"], "max_gen_toks": 8})]))
     assert text == tok.decode(ids[:k]).split("\n\n")[0]
+    # and at its stop strings (generation_config's stop_strings), which cut the text as `until` strings do
+    stop = tok.decode(ids[3:5])
+    stopped = KilnLM(model, tok, batch_size=1, stop_strings=[stop])
+    (text,) = stopped.generate_until(requests("generate_until", [(prompts[0], {"until": ["\n\n"], "max_gen_toks": 8})]))
+    assert stop in got[0] and text == got[0].split(stop)[0]
 
 
 def test_offline_tasks_of_each_kind(tiny, manager):

@@ -1,18 +1,19 @@
 """Sampling stops at every stop token of the model: its EOS, and the eos_token_id list of a Hugging Face directory's
-generation_config.json (Llama 3's <|eot_id|> beside <|end_of_text|>); `kiln generate --stop` adds tokens,
---ignore-eos drops the model's."""
+generation_config.json (Llama 3's <|eot_id|> beside <|end_of_text|>), and at its stop_strings; `kiln generate --stop`
+adds tokens, --ignore-eos drops the model's."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from kiln.config import ModelConfig
+from kiln.config import ModelConfig, load_config
 from kiln.data.prepare.tokenizer import Tokenizer, train_bpe
 from kiln.errors import ConfigError
 from kiln.model.generate import generate
 from kiln.model.llama import Transformer
-from kiln.state.stop_tokens import model_stops, named_stops, saved_model_stops
+from kiln.state.stop_tokens import model_stops, named_stops, run_stop_strings, saved_model_stops
 from kiln.state.weights import save_model
 
 EOT = "<|eot_id|>"
@@ -37,13 +38,14 @@ def eot_model(tok) -> Transformer:
     return model
 
 
-def hf_dir(path, tok, eos_token_id) -> str:
-    """A Hugging Face tokenizer directory whose generation_config.json lists `eos_token_id` (None: no such file)."""
+def hf_dir(path, tok, eos_token_id, **generation) -> str:
+    """A Hugging Face tokenizer directory whose generation_config.json lists `eos_token_id` and `generation` (None and
+    nothing: no such file)."""
     path.mkdir()
     tok.save(path / "tokenizer.json")
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    if eos_token_id is not None:
-        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_token_id}))
+    if eos_token_id is not None or generation:
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_token_id, **generation}))
     return str(path)
 
 
@@ -102,3 +104,32 @@ def test_kiln_generate_on_an_export_stops_at_its_generation_configs_stop_tokens(
     (out / "generation_config.json").write_text(json.dumps(config))
     kiln_generate(str(out), "def", 4, 0.0, 0, 0, [], False, threads=torch.get_num_threads())
     assert capsys.readouterr().out == f"def{EOT}\n"
+
+
+def test_sampling_and_exports_keep_the_stop_strings_of_the_generation_config(tmp_path, tok, eot_model, capsys):
+    from transformers import GenerationConfig
+
+    from kiln.cli.model import generate as kiln_generate
+    from kiln.state.export import export_from, export_hf
+
+    twice = EOT * 2  # a stop string of two tokens
+    source = hf_dir(tmp_path / "source", tok, tok.eos_id, stop_strings=[twice, "never here"])
+    # a model from scratch on that tokenizer directory: the export writes its own generation_config.json
+    rebuilt = export_hf(eot_model, eot_model.cfg, tok, tmp_path / "rebuilt", tokenizer_source=Path(source))
+    tuned = eot_model.cfg.model_copy(update={"init_from": str(rebuilt)})  # a model trained from that export
+    run = tmp_path / "run"
+    save_model(eot_model, tuned, tok, run / "model")
+    carried = export_hf(eot_model, tuned, tok, tmp_path / "carried")  # its source's generation_config.json kept
+    again = export_from(carried, tmp_path / "again")  # `kiln export` of an export
+    for out in (rebuilt, carried, again):
+        assert GenerationConfig.from_pretrained(out).stop_strings == [twice, "never here"]
+
+    def sample(path, ignore_eos=False) -> str:
+        kiln_generate(str(path), "def", 5, 0.0, 0, 0, [], ignore_eos, threads=torch.get_num_threads())
+        return capsys.readouterr().out
+
+    for path in (run, carried):
+        assert sample(path) == f"def{twice}\n"  # the stop string kept, as transformers' generate keeps it
+    assert sample(run, ignore_eos=True) == f"def{EOT * 5}\n"
+    cfg = load_config(None, [f"model.init_from={rebuilt}", "model.size=null"])  # the sample at the end of a run
+    assert run_stop_strings(cfg, tok) == [twice, "never here"]
