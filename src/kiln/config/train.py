@@ -89,6 +89,11 @@ class TrainConfig(Section):
     run of the same model and shapes recompiles little (an 8B model's first step: 82 s cold, about 20 s warm).
     Share it between nodes on a shared filesystem (or copy it); null: torch's default, /tmp/torchinductor_$USER,
     lost at a reboot. The environment variable TORCHINDUCTOR_CACHE_DIR, where set, wins."""
+    cross_entropy_kernel: Literal["auto", "triton", "torch"] = "auto"
+    """The kernel of the chunked cross-entropy's softmax, loss and logits' gradient: 'triton', one Triton kernel
+    that reads each chunk's logits twice and writes their gradient over them (CUDA GPUs with triton, which CUDA
+    builds of torch ship; timed against torch's by benchmarks/cross_entropy.py); 'torch', PyTorch's ops (fused
+    by torch.compile with train.compile); 'auto', triton where it can run, else torch."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """Recompute activations in the backward pass to save memory: 'selective' keeps each block's matrix
     product and attention outputs and recomputes its elementwise ops; 'full' recomputes whole blocks
@@ -162,6 +167,9 @@ class TrainConfig(Section):
             out.append((("fp8.enabled", "device"), f"train.fp8.enabled needs a CUDA GPU with float8 tensor cores "
                         f"(compute capability 8.9 or more: H100, H200, L4, L40S), and train.device={self.device}; "
                         "set train.fp8.enabled=false to train on it in bf16 or fp32"))
+        if self.cross_entropy_kernel == "triton" and not self.device.startswith(("auto", "cuda")):
+            out.append((("cross_entropy_kernel", "device"), f"train.cross_entropy_kernel=triton runs on CUDA GPUs, "
+                        f"and train.device={self.device}; set train.cross_entropy_kernel=auto (or torch)"))
         return out
 
     def step_rows(self, world: int) -> int:

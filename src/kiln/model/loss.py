@@ -49,7 +49,9 @@ def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, want_grad: 
 
 
 class ChunkKernel:
-    """The elementwise kernel used by every chunk; `kiln.parallel.compile` swaps in a compiled one."""
+    """The elementwise kernel used by every chunk; `kiln.parallel.compile` swaps in a compiled one,
+    `kiln.parallel.loss_kernel` a Triton one. The logits it is given are the chunk's own temporary: it may
+    write their gradient over them."""
 
     fn: Callable = staticmethod(chunk_loss_and_grad)
 

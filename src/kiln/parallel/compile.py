@@ -65,8 +65,11 @@ def eager_parts() -> None:
 def compile_loss_kernel() -> None:
     """Compile the chunked cross-entropy's elementwise kernel, for every model of this process: the
     softmax, the loss and the logits' gradient become one fused pass over each chunk."""
-    if loss_module.ChunkKernel.fn is loss_module.chunk_loss_and_grad:
-        loss_module.ChunkKernel.fn = torch.compile(loss_module.chunk_loss_and_grad, fullgraph=True)
+    kernel = loss_module.ChunkKernel
+    if kernel.fn is loss_module.chunk_loss_and_grad:
+        kernel.fn = torch.compile(loss_module.chunk_loss_and_grad, fullgraph=True)
+    elif getattr(kernel.fn, "fallback", None) is loss_module.chunk_loss_and_grad:  # behind the Triton kernel
+        kernel.fn.fallback = torch.compile(loss_module.chunk_loss_and_grad, fullgraph=True)
 
 
 def restore_loss_kernel() -> None:

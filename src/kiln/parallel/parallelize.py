@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kiln.config import RunConfig
 from kiln.errors import ConfigError
-from kiln.parallel import compile_cache
+from kiln.parallel import compile_cache, loss_kernel
 from kiln.parallel.ac import apply_ac
 from kiln.parallel.compile import apply_compile
 from kiln.parallel.mesh import Mesh
@@ -106,6 +106,7 @@ def parallelize(model: nn.Module, cfg: RunConfig, m: Mesh, n_params: int | None 
             log(f"train.compile_scope=model is compiled per block under {strategy} ({per_block})")
             scope = "blocks"
         apply_compile(model, scope=scope)  # in place: state-dict keys stay the same
+    loss_kernel.install(tcfg.cross_entropy_kernel, m.device, log)  # after compile: Triton's before torch's
     if strategy == "single" and tcfg.offload == "optimizer":  # fp32 masters stay on the host (kiln.parallel.offload)
         from kiln.parallel.offload import place_model
 
