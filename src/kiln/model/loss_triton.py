@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -82,12 +83,27 @@ def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, want_grad: 
 
 class TritonChunkKernel:
     """`ChunkKernel.fn` that runs the Triton kernel on the logits it takes (`runs_on`), writing the gradient over
-    them (the chunked loss's own temporary), and `fallback` (PyTorch's, compiled or not) on any others."""
+    them (the chunked loss's own temporary), and `fallback` (PyTorch's, compiled or not) on any others. Should
+    Triton fail to build one of its programs (a Triton release it was not written for), it says so once and
+    `fallback` serves from then on: a run is slower, never stopped."""
 
     def __init__(self, fallback: Callable):
         self.fallback = fallback
+        self.built: set[tuple] = set()  # the programs (dtype, gradient, soft-cap) that ran
+        self.failed: str | None = None
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor, want_grad: bool, softcap: float | None = None):
-        if runs_on(logits):
-            return chunk_loss_and_grad(logits, targets, want_grad, softcap, in_place=True)
+        if self.failed is None and runs_on(logits):
+            key = (logits.dtype, want_grad, softcap is None)
+            if key in self.built:
+                return chunk_loss_and_grad(logits, targets, want_grad, softcap, in_place=True)
+            try:  # a program's first launch builds it; the logits are untouched if that fails
+                out = chunk_loss_and_grad(logits, targets, want_grad, softcap, in_place=True)
+            except Exception as e:  # noqa: BLE001 (said, and PyTorch's kernel computes the same)
+                self.failed = f"{type(e).__name__}: {e}"[:500]
+                warnings.warn(f"the Triton cross-entropy kernel failed to build ({self.failed}); PyTorch's is used "
+                              "instead (train.cross_entropy_kernel=torch chooses it without trying)", stacklevel=2)
+            else:
+                self.built.add(key)
+                return out
         return self.fallback(logits, targets, want_grad, softcap)

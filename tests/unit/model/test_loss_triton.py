@@ -88,7 +88,8 @@ def test_the_vocabularies_of_real_models(device, vocab):
 
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_linear_cross_entropy_through_it_matches_f_cross_entropy(device, monkeypatch, softcap):
-    monkeypatch.setattr(loss_module.ChunkKernel, "fn", loss_triton.TritonChunkKernel(chunk_loss_and_grad))
+    kernel = loss_triton.TritonChunkKernel(chunk_loss_and_grad)
+    monkeypatch.setattr(loss_module.ChunkKernel, "fn", kernel)
     g = torch.Generator().manual_seed(1)
     h = torch.randn(70, 32, generator=g).to(device).requires_grad_()
     w = (torch.randn(1000, 32, generator=g) * 0.3).to(device).requires_grad_()
@@ -102,6 +103,7 @@ def test_linear_cross_entropy_through_it_matches_f_cross_entropy(device, monkeyp
         logits = softcap * torch.tanh(logits / softcap)
     want = F.cross_entropy(logits, targets, ignore_index=-100)
     want.backward()
+    assert kernel.failed is None and kernel.built == {(torch.float32, True, softcap is None)}  # Triton's ran
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=0)
     torch.testing.assert_close(h.grad, h0.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(w.grad, w0.grad, rtol=1e-5, atol=1e-6)
@@ -115,12 +117,14 @@ def test_linear_cross_entropy_under_autocast_matches_pytorchs_kernel(monkeypatch
     targets = torch.randint(0, 32000, (4096,), generator=g).cuda()
     targets[::7] = -100
     out = {}
-    for name, fn in (("torch", chunk_loss_and_grad), ("triton", loss_triton.TritonChunkKernel(chunk_loss_and_grad))):
+    kernel = loss_triton.TritonChunkKernel(chunk_loss_and_grad)
+    for name, fn in (("torch", chunk_loss_and_grad), ("triton", kernel)):
         monkeypatch.setattr(loss_module.ChunkKernel, "fn", fn)
         h.grad = w.grad = None
         with torch.autocast("cuda", torch.bfloat16):
             loss = linear_cross_entropy(h, w, targets, rows=1024)
         loss.backward()
         out[name] = loss.detach(), h.grad.clone(), w.grad.clone()
+    assert kernel.failed is None and kernel.built == {(torch.bfloat16, True, True)}
     for a, b in zip(out["triton"], out["torch"]):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-4)

@@ -63,3 +63,21 @@ def test_the_triton_kernel_hands_cpu_logits_to_pytorchs_and_torch_puts_it_back(m
     compile_loss_kernel()  # PyTorch's kernel behind Triton's is compiled, Triton's stays in front
     assert loss_module.ChunkKernel.fn is kernel and kernel.fallback is not loss_module.chunk_loss_and_grad
     assert loss_kernel.install("torch", CPU) == "torch" and loss_module.ChunkKernel.fn is kernel.fallback
+
+
+def test_a_triton_kernel_that_fails_to_build_says_so_and_pytorchs_serves(monkeypatch):
+    """A Triton release the kernel was not written for must slow a run down, not stop it."""
+    from kiln.model import loss_triton
+
+    def broken():
+        raise RuntimeError("unsupported by this triton")
+
+    monkeypatch.setattr(loss_triton, "runs_on", lambda logits: True)
+    monkeypatch.setattr(loss_triton, "_program", lambda: broken())
+    kernel = TritonChunkKernel(loss_module.chunk_loss_and_grad)
+    logits, targets = torch.randn(4, 10), torch.tensor([1, -100, 3, 9])
+    kept = logits.clone()
+    with pytest.warns(UserWarning, match="failed to build .*unsupported by this triton.*PyTorch's is used"):
+        loss, grad = kernel(logits, targets, True)
+    assert torch.equal(logits, kept) and torch.equal(grad, loss_module.chunk_loss_and_grad(kept, targets, True)[1])
+    assert kernel(logits, targets, True)[0] == loss  # from then on PyTorch's, without trying again
