@@ -61,6 +61,10 @@ class Trainer:
         # the losses of the steps since the last logging step (their mean is the next one's loss); saved with the
         # state, so the first logging step after a resume logs the mean an uninterrupted run logs
         self.unlogged: list[torch.Tensor] = []
+        # values on the device that each logging step reads beside its loss, in the same all-reduce and host read
+        # (name -> a function giving a 0-d tensor, or None when it has nothing this time): the router losses of a
+        # mixture of experts (kiln.train.router_aux), at no sync or collective of their own
+        self.logged: dict[str, Any] = {}
         self.token_bytes: torch.Tensor | None = None  # bytes of text per token id (on the device): val_bpb
         self.stop_reason: str | None = None  # set by a callback (early stopping) to end training after this step
         use_bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
@@ -242,9 +246,10 @@ class Trainer:
 
 class StepRead:
     """The host read of logging step `step`: after the sync the throughput clock needs (this rank's gradient norm),
-    one read of the mean over ranks (one all-reduce) of the loss since the last log (`losses`) and of this rank's
-    throughput. A check of the step (kiln.train.rollback) reads its values along: `read(values)` returns their
-    means over ranks, from the same all-reduce, and leaves the step's metrics in `metrics`."""
+    one read of the mean over ranks (one all-reduce) of the loss since the last log (`losses`), of this rank's
+    throughput and of the trainer's `logged` values. A check of the step (kiln.train.rollback) reads its values
+    along: `read(values)` returns their means over ranks, from the same all-reduce, and leaves the step's metrics in
+    `metrics`."""
 
     def __init__(self, trainer: Trainer, losses: list[torch.Tensor], gnorm: torch.Tensor, step: int):
         self.trainer, self.losses, self.gnorm, self.step = trainer, losses, gnorm, step
@@ -258,7 +263,10 @@ class StepRead:
         local = t.meter.read(self.step, t.tokens_per_step // t.mesh.world)
         keys = sorted(local)
         rates = torch.tensor([float(local[k]) for k in keys], device=loss.device)
-        mean = host_read(torch.cat([values, loss[None], rates]), t.mesh)  # kiln.parallel: the one all-reduce
-        n = len(values)
-        self.metrics = {"loss": mean[n], "grad_norm": gnorm, **dict(zip(keys, mean[n + 1:]))}
+        extra = {name: v for name, take in t.logged.items() if (v := take()) is not None}  # every rank alike
+        along = [v.detach().float().reshape(1).to(loss.device) for v in extra.values()]
+        mean = host_read(torch.cat([values, loss[None], rates, *along]), t.mesh)  # kiln.parallel: the one all-reduce
+        n, r = len(values), len(values) + 1 + len(keys)
+        self.metrics = {"loss": mean[n], "grad_norm": gnorm, **dict(zip(keys, mean[n + 1:r])),
+                        **dict(zip(extra, mean[r:]))}
         return mean[:n]

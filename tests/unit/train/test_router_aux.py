@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kiln.config import load_config
+from kiln.events import Callback
 from kiln.train.run import run
 
 transformers = pytest.importorskip("transformers")
@@ -85,3 +86,65 @@ def test_fsdp_over_two_processes_trains_the_moe_to_the_one_process_losses(tmp_pa
     for a, b in zip(one, two):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
         assert a["aux_loss"] == pytest.approx(b["aux_loss"], rel=3e-2)
+
+
+class _Rows:
+    """Token rows drawn from a generator seeded by their position: a loader the Trainer can read."""
+
+    def __init__(self):
+        self.i = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(self.i))
+        self.i += 1
+        return x[:, :-1], x[:, 1:], None
+
+    def state_dict(self) -> dict:
+        return {"sample": 2 * self.i}
+
+
+def test_the_router_losses_are_read_with_the_logging_steps_loss_at_no_host_read_of_their_own(tmp_path, monkeypatch):
+    """A read of a device value to the host waits for the GPU's queued work: a logging step's end may read the
+    gradient norm (the throughput clock) and the all-reduced loss, and nothing else (the router losses come in that
+    read), another step nothing. On the CPU the experts' loop reads its row ends, which the GPU's kernel does not."""
+    from kiln.config import RunConfig
+    from kiln.model.llama import Transformer
+    from kiln.train.router_aux import RouterAuxLog
+    from kiln.train.trainer import Trainer
+
+    cfg = RunConfig.model_validate({
+        "model": {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 16,
+                  "moe": {"n_experts": 4, "top_k": 2, "expert_hidden": 16, "z_loss_coef": 0.001}},
+        "train": {"seq_len": 16, "batch_size": 2, "max_steps": 4, "warmup_steps": 1, "device": "cpu",
+                  "eval_every": 0, "run_dir": str(tmp_path)},
+        "optim": {"fused": True}, "logging": {"every": 2}})  # fused AdamW: no read of its step count
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    reads, logged = [], []
+
+    class Count(Callback):
+        def on_step_end(self, trainer, metrics):
+            logged.append((trainer.step, len(reads), metrics))
+            reads.clear()
+
+    def counted(plain):
+        def read(t):
+            caller = sys._getframe(1).f_code.co_filename
+            if not caller.endswith("grouped_mm.py"):  # the CPU's loop over the experts reads their row ends
+                reads.append(caller)
+            return plain(t)
+        return read
+
+    for name in ("item", "tolist"):  # every host read of a tensor the loop makes is one of these
+        monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+    trainer = Trainer(cfg, model, _Rows(), None, torch.device("cpu"),
+                      callbacks=[RouterAuxLog(model.router_aux, model.router_z), Count()])
+    trainer.train()
+    assert [(step, n) for step, n, _ in logged] == [(1, 0), (2, 2), (3, 0), (4, 2)]
+    for step, _, metrics in logged[1::2]:
+        assert 1.0 <= metrics["aux_loss"] <= 4.0 and metrics["router_z_loss"] > 0, step
+        assert isinstance(metrics["aux_loss"], float)
+    assert model.router_aux.take() is None  # each logging step took the sums since the one before
