@@ -124,3 +124,53 @@ def test_a_compiled_moe_block_matches_eager_forward_and_backward():
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """The operators a step runs that make the host wait for the device: a scalar read (`.item()`, `int()`,
+    `bool()`), outputs whose size depends on values (nonzero, boolean-mask indexing, unique, bincount,
+    repeat_interleave without its output size)."""
+
+    SIZED_BY_VALUES = ("nonzero", "masked_select", "_unique", "unique_", "bincount", "histc", "argwhere")
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.__name__
+        indices = args[1] if name.startswith("index.") and len(args) > 1 else ()
+        if ("_local_scalar_dense" in name or any(op in name for op in self.SIZED_BY_VALUES)
+                or ("repeat_interleave" in name and kwargs.get("output_size") is None)
+                or any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)):
+            self.seen.append(name)
+        return func(*args, **kwargs)
+
+
+def test_a_moe_training_forward_and_backward_make_no_host_read():
+    """Routing, the router losses and the loss stay on the device: nothing in a step's forward and backward waits
+    for the GPU (the CPU's loop over the experts, one opaque operator, reads its row ends; the kernel does not)."""
+    torch.manual_seed(0)
+    model = Transformer(_cfg(z_loss_coef=0.01, shared_expert_hidden=24)).train()
+    x = torch.randint(0, 64, (2, 16))
+    with _HostReads() as reads:
+        model(x, x).backward()
+        model.router_aux.add(torch.ones(()))
+    assert reads.seen == []
+    with _HostReads() as reads:  # the detector sees what it looks for
+        torch.nonzero(x > 3), int(x.sum()), x[x > 3], x[0].repeat_interleave(x[0])
+    assert reads.seen == ["nonzero.default", "_local_scalar_dense.default", "index.Tensor",
+                          "repeat_interleave.Tensor"]
+
+
+def test_a_compiled_moe_block_has_no_graph_break():
+    """Each block is compiled whole: a graph break would split it into several graphs with host work between."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    model = Transformer(_cfg(z_loss_coef=0.01))
+    block = model.layers[0]
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(block)(torch.randn(2, 16, 32), *model._rope(16), None)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
