@@ -147,3 +147,81 @@ def test_compiled_moe_blocks_train_as_eager_ones_in_bf16():
     for other in (True, "selective AC"):
         for a, b in zip(losses[False], losses[other]):
             assert abs(a - b) < 0.05 * abs(a), losses
+
+
+class _PinnedRows:
+    """Token rows of two packed documents each, pinned as Kiln's loader pins them (seeded by position)."""
+
+    def __init__(self, vocab: int, T: int):
+        self.vocab, self.T, self.i = vocab, T, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        x = torch.randint(0, self.vocab, (2, self.T + 1), generator=torch.Generator().manual_seed(self.i))
+        docs = torch.zeros(2, self.T, dtype=torch.int32)
+        docs[:, self.T // 3:] = 1
+        self.i += 1
+        return x[:, :-1].pin_memory(), x[:, 1:].pin_memory(), docs.pin_memory()
+
+    def state_dict(self) -> dict:
+        return {"sample": 2 * self.i}
+
+
+def test_compiled_moe_training_steps_make_no_host_sync_but_the_logging_steps_read(tmp_path, monkeypatch):
+    """Kiln's trainer over a compiled MoE model (bf16, grouped GEMMs, full activation checkpointing, packed
+    documents, router and z-losses, fused AdamW, clipping), after two warm-up steps, under CUDA's sync debug mode
+    set to error: any operation that makes the host wait for the GPU fails the test, apart from the one read of a
+    logging step by design (kiln.train.trainer.StepRead: the gradient norm the throughput clock needs and the
+    all-reduced loss, router losses and rates), which runs with the mode off."""
+    from kiln.config import RunConfig
+    from kiln.events import Callback
+    from kiln.parallel.compile import apply_compile
+    from kiln.train import trainer as trainer_module
+    from kiln.train.router_aux import RouterAuxLog
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch's grouped GEMM serves Hopper and newer")
+    cfg = RunConfig.model_validate({
+        "model": {"vocab_size": 4096, "d_model": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "qk_norm": True,
+                  "max_seq_len": 256, "moe": {"n_experts": 16, "top_k": 4, "expert_hidden": 128,
+                                              "z_loss_coef": 0.001}},
+        "train": {"seq_len": 256, "batch_size": 2, "max_steps": 8, "warmup_steps": 2, "device": "cuda",
+                  "precision": "bf16", "eval_every": 0, "grad_clip": 1.0, "run_dir": str(tmp_path)},
+        "logging": {"every": 2}})
+    torch.manual_seed(0)
+    model = Transformer(cfg.model).cuda()
+    apply_ac(model, "full")
+    apply_compile(model)
+    reads = {"logging": 0}
+    plain_read = trainer_module.StepRead.__call__
+
+    def read(self, values=None):  # the logging step's read, by design: the mode off around it
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            reads["logging"] += 1
+            return plain_read(self, values)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+
+    monkeypatch.setattr(trainer_module.StepRead, "__call__", read)
+    logged = []
+
+    class Strict(Callback):
+        def on_step_end(self, trainer, metrics):
+            if metrics is not None:
+                logged.append(metrics)
+            if trainer.step == 2:  # compiled and warmed up: from here every sync is an error
+                torch.cuda.set_sync_debug_mode("error")
+
+    trainer = trainer_module.Trainer(cfg, model, _PinnedRows(4096, 256), None, torch.device("cuda"),
+                                     callbacks=[RouterAuxLog(model.router_aux, model.router_z), Strict()])
+    try:
+        trainer.train()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert trainer.step == 8 and reads["logging"] == 4
+    assert [m["step"] for m in logged] == [2, 4, 6, 8]
+    assert all(m["aux_loss"] > 0 and m["router_z_loss"] > 0 for m in logged)
