@@ -21,6 +21,12 @@ hidden 768, top 8 renormalised, vocab 151936, untied):
     load-balancing term), random init, bf16, fused AdamW, batch 1 per GPU, FSDP2 through accelerate wrapping each
     Qwen3MoeDecoderLayer, its own activation checkpointing; random token ids; steps timed by a callback.
 
+Gradient reduction: Kiln runs its default, reduce-scatter in fp32 (dist.reduce_fp32=true, exact sums), while
+accelerate's FSDP2 reduces in bf16 (the table says which each side used: twice the traffic on Kiln's side). The
+like-for-like bf16 variant is `--set dist.reduce_fp32=false`. Step time: Kiln's is the wall time between two
+logging reads (logging.every=1), data, logging and its one host read of each step included; the HF Trainer's
+callback times from step begin to step end between device synchronisations, its batch fetch and logging left out.
+
 tokens/s per GPU and MFU are medians over the steps after --warmup; both MFUs count the active parameters (the
 router and the top-k experts: kiln.model.registry.flops_per_token) and the card's peak. Peak memory is
 torch.cuda.max_memory_allocated from the first training step on. The table is printed and appended, dated and
@@ -111,7 +117,14 @@ def _kiln_job(args, s: dict, root: Path, name: str) -> dict:
     return {**speed(recs, late),
             "aux_loss": [recs[st].get("aux_loss") for st in sorted(recs)],
             "wall_s": job.t_end - job.t0, "exit_code": code, "phases": kiln_phases(job, recs),
+            "reduce_dtype": kiln_reduce_dtype(args),
             "experts_loop": experts_loop(job)}
+
+
+def kiln_reduce_dtype(args) -> str:
+    """The dtype Kiln's FSDP2 reduces gradients in: float32 unless a --set turns dist.reduce_fp32 off (bf16 runs)."""
+    off = any(x.replace(" ", "").lower() in ("dist.reduce_fp32=false", "dist.reduce_fp32=0") for x in args.set)
+    return "float32" if args.device != "cuda" or not off else "bfloat16"
 
 
 def experts_loop(job: Job) -> list[str]:
@@ -131,7 +144,7 @@ def run_hf(args, s: dict, root: Path) -> dict:
     spec = {"model": "Qwen3MoeForCausalLM", "config_class": "Qwen3MoeConfig", "config": config,
             "layer": "Qwen3MoeDecoderLayer", "tokens": s["vocab"], "seq": args.seq, "steps": args.steps,
             "warmup": args.warmup, "ac": args.ac, "device": args.device, "out": str(root / "hf"),
-            "report": ["experts_implementation"], "t0": time.time()}
+            "report": ["experts_implementation", "reduce_dtype"], "t0": time.time()}
     job = Job(hf_worker.command(spec, args.nproc), root / "hf.log", env=hf_worker.env())
     code = job.wait()
     out = hf_worker.parse(x for _, x in job.lines)
@@ -168,6 +181,9 @@ def table(kiln: dict, hf: dict) -> list[str]:
                      "tokens/s per GPU")
     for why in kiln.get("experts_loop") or []:
         lines.append(f"\nKiln's experts did not run torch's grouped GEMM: `{why}`")
+    if hf.get("reduce_dtype") and kiln.get("reduce_dtype"):
+        lines.append(f"\nGradients reduced in {kiln['reduce_dtype']} by Kiln (dist.reduce_fp32), in "
+                     f"{hf['reduce_dtype']} by the HF Trainer (accelerate's FSDP2 mixed precision)")
     if hf.get("experts_implementation"):
         lines.append(f"\nThe HF Trainer's experts ran transformers' `{hf['experts_implementation']}` implementation")
     return lines
