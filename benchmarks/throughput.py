@@ -37,6 +37,7 @@ from kiln.config import RunConfig
 from kiln.model.llama import Transformer
 from kiln.model.registry import flops_per_token
 from kiln.monitor.meters import peak_flops
+from kiln.parallel import loss_kernel
 from kiln.parallel.ac import apply_ac
 from kiln.parallel.compile import apply_compile, compiled_graph_count
 
@@ -71,13 +72,13 @@ def _sdpa_backend(name: str):
 def run_kiln(size: str, batch: int, seq: int, warmup: int, steps: int, compile: bool = True, ac: str = "none",
              attention: str = "default", docs: int = 0, name: str = "kiln", scope: str = "blocks",
              precision: str = "bf16", profile: bool = False, data: str = "random", mask: bool = True,
-             prefetch: int = 2, mode: str | None = None) -> Result:
+             prefetch: int = 2, mode: str | None = None, ce: str = "auto") -> Result:
     """precision: 'bf16' (autocast over fp32 weights) or 'bf16-params' (bf16 weights and AdamW state).
     data: 'random' tokens (in rows of `docs` documents on average, with document masking; 0: one causal
     row), or 'real' ones; either way through Kiln's loader (benchmarks.synthetic) with `prefetch` batches
     made ahead in a background thread. 'real' reads over the corpus of benchmarks/real_run.py
     (prepared with the same settings, so an earlier `real_run.py --prepare-only` is reused), with
-    document masking `mask`."""
+    document masking `mask`. ce: the cross-entropy's kernel, as train.cross_entropy_kernel (auto, triton, torch)."""
     from kiln.train.trainer import Trainer
 
     free()
@@ -96,6 +97,7 @@ def run_kiln(size: str, batch: int, seq: int, warmup: int, steps: int, compile: 
     apply_ac(model, ac)
     if compile:
         apply_compile(model, scope=scope, mode=mode)
+    ce = loss_kernel.install(ce, device, log=lambda s: None)  # process-wide: each variant installs its own
     fpt = flops_per_token(cfg.model, seq)
     with tempfile.TemporaryDirectory() as tmp:
         if data == "real":
@@ -107,7 +109,7 @@ def run_kiln(size: str, batch: int, seq: int, warmup: int, steps: int, compile: 
             res = _time_kiln(Result(name, size, batch, seq), trainer, fpt, warmup, steps, attention, mode, profile)
         finally:
             loader.close()
-    res.notes = (f"compile={compile} ac={ac} attn={attention} scope={scope} mode={mode} {precision}"
+    res.notes = (f"compile={compile} ac={ac} attn={attention} scope={scope} mode={mode} {precision} ce={ce}"
                  + (f" docs={docs}" if docs else ""))
     if data == "real":
         res.notes += f" real data mask={mask} prefetch={prefetch}"
@@ -217,7 +219,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--variant", action="append", default=[],
-                   help="extra Kiln variant, e.g. 'ac=selective' or 'attention=cudnn,name=kiln-cudnn' (repeatable)")
+                   help="extra Kiln variant, e.g. 'ac=selective', 'attention=cudnn,name=kiln-cudnn' or 'ce=torch' "
+                   "(train.cross_entropy_kernel; repeatable)")
     p.add_argument("--hf-trainer", action="store_true", help="also run the HF Trainer baseline of each size")
     p.add_argument("--no-default", action="store_true", help="run only the --variant runs, not the default one")
     p.add_argument("--json", help="write every result here as JSON")

@@ -38,6 +38,10 @@ SMOKE = {
                     "--json", "{tmp}/out.json"], r"speed-up over torch.save: \d"),
     "cpt_8b": (["--size", "tiny", "--device", "cpu", "--steps", "3", "--data-bytes", "150000"],
                r"peft\+hf-trainer +[1-9]"),
+    "cross_entropy": (["--device", "cpu", "--chunks", "64x1000", "--losses", "128x32x1000", "--torch", "eager",
+                       "--iters", "2", "--warmup", "1", "--json", "{tmp}/out.json"],
+                      r"triton unavailable: the device is cpu[\s\S]*chunk +64x1000 bfloat16 +torch \(eager\) +\d"
+                      r"[\s\S]*linear_cross_entropy fwd\+bwd +128x32 V1000 +torch \(eager\) +\d"),
     "doc_mask": (["--size", "tiny", "--seq-len", "64", "--batch-size", "2", "--steps", "1", "--median-doc", "16",
                   "--vocab", "512"],
                  r"ratio masked / causal: \d"),
