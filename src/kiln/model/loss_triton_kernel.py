@@ -42,6 +42,12 @@ def cross_entropy_rows(logits_ptr, grad_ptr, targets_ptr, loss_ptr, n_cols, logi
                 idx = start + cols
                 tl.store(grad_ptr + idx, zero, mask=idx < n_cols)
     else:
+        # the target's logit, read before pass 1: pass 1 ends in a reduction every warp of the program waits
+        # for, so no warp can yet have written a gradient over it (in place), as one could after pass 1
+        # a target outside the vocabulary reads nothing and makes the loss NaN (eager PyTorch raises instead)
+        known = (target >= 0) & (target < n_cols)
+        x_target = tl.load(logits_ptr + tl.where(known, target, 0)).to(tl.float32)
+        x_target = _capped(x_target, softcap, SOFTCAP)
         # pass 1: the row's log-sum-exp, online (running maximum m, sum s of exp(x - m)), in fp32
         m = -float("inf")
         s = 0.0
@@ -54,12 +60,9 @@ def cross_entropy_rows(logits_ptr, grad_ptr, targets_ptr, loss_ptr, n_cols, logi
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
             m = m_new
         lse = m + tl.log(s)
-        # a target outside the vocabulary reads nothing and makes the loss NaN (eager PyTorch raises instead)
-        known = (target >= 0) & (target < n_cols)
-        x_target = tl.load(logits_ptr + tl.where(known, target, 0)).to(tl.float32)
-        x_target = _capped(x_target, softcap, SOFTCAP)
         tl.store(loss_ptr + row, tl.where(known, lse - x_target, float("nan")))
-        if WANT_GRAD:  # pass 2: softmax - one-hot, times the cap's derivative 1 - tanh^2
+        if WANT_GRAD:  # pass 2: softmax - one-hot, times the cap's derivative 1 - tanh^2; each thread stores
+            # what it loaded (one layout), so writing over the logits reads nothing already written
             for start in range(0, n_cols, BLOCK):
                 idx = start + cols
                 inside = idx < n_cols
