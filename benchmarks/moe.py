@@ -118,6 +118,7 @@ def _kiln_job(args, s: dict, root: Path, name: str) -> dict:
             "aux_loss": [recs[st].get("aux_loss") for st in sorted(recs)],
             "wall_s": job.t_end - job.t0, "exit_code": code, "phases": kiln_phases(job, recs),
             "reduce_dtype": kiln_reduce_dtype(args),
+            "alloc_retries": sum(recs[st].get("alloc_retries") or 0 for st in late),
             "experts_loop": experts_loop(job)}
 
 
@@ -181,6 +182,9 @@ def table(kiln: dict, hf: dict) -> list[str]:
                      "tokens/s per GPU")
     for why in kiln.get("experts_loop") or []:
         lines.append(f"\nKiln's experts did not run torch's grouped GEMM: `{why}`")
+    if kiln.get("alloc_retries"):
+        lines.append(f"\nKiln's CUDA allocator retried {kiln['alloc_retries']:.0f} allocations a GPU (the mean over "
+                     "GPUs) in the measured steps: each freed its cache and waited for the GPU")
     if hf.get("reduce_dtype") and kiln.get("reduce_dtype"):
         lines.append(f"\nGradients reduced in {kiln['reduce_dtype']} by Kiln (dist.reduce_fp32), in "
                      f"{hf['reduce_dtype']} by the HF Trainer (accelerate's FSDP2 mixed precision)")

@@ -225,3 +225,4 @@ def test_compiled_moe_training_steps_make_no_host_sync_but_the_logging_steps_rea
     assert trainer.step == 8 and reads["logging"] == 4
     assert [m["step"] for m in logged] == [2, 4, 6, 8]
     assert all(m["aux_loss"] > 0 and m["router_z_loss"] > 0 for m in logged)
+    assert [m["alloc_retries"] for m in logged[1:]] == [0, 0, 0]  # nor did the allocator wait for the device

@@ -1,5 +1,5 @@
 """Throughput meters read at logging steps only: tokens/s, MFU, peak memory (since the last read), time waiting
-for data."""
+for data, and on a GPU the caching allocator's retries (since the last read)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ def peak_flops(device: torch.device) -> float | None:
     return peak_for_name(torch.cuda.get_device_name(device))
 
 
+def alloc_retries(device: torch.device) -> int:
+    """How many times the CUDA caching allocator found no room for a block, freed its cached blocks and tried again
+    so far: each retry's frees wait for the whole device, so the host waits (unseen by the sync debug mode)."""
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
 class Throughput:
     """Measures the interval between two reads. `read` must follow a host sync (the loss read).
     `clock` gives seconds (time.perf_counter; tests pass a fake one)."""
@@ -30,11 +36,13 @@ class Throughput:
         self.flops_per_token, self.device, self.clock = flops_per_token, device, clock
         self.peak = peak or peak_flops(device)
         self._t0, self._step0, self._wait, self._paused = clock(), 0, 0.0, 0.0
+        self._retries = 0  # the allocator's retries counted so far (CUDA)
 
     def start(self, step: int) -> None:
         self._t0, self._step0, self._wait, self._paused = self.clock(), step, 0.0, 0.0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self._retries = alloc_retries(self.device)
 
     @contextlib.contextmanager
     def waiting_for_data(self) -> Iterator[None]:
@@ -61,5 +69,7 @@ class Throughput:
         if self.device.type == "cuda":  # the peak since the last read: each record its own interval's
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             torch.cuda.reset_peak_memory_stats(self.device)
+            out["alloc_retries"] = alloc_retries(self.device) - self._retries
+            self._retries += out["alloc_retries"]
         self._t0, self._step0, self._wait, self._paused = now, step, 0.0, 0.0
         return out

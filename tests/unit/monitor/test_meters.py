@@ -66,3 +66,19 @@ def test_peak_table_picks_the_most_specific_name():
     assert peak_for_name("NVIDIA L40S") == 362e12 and peak_for_name("NVIDIA L4") == 121e12
     assert peak_for_name("NVIDIA A10G") == 70e12 and peak_for_name("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_for_name("Some Future GPU") is None
+
+
+def test_each_read_on_a_gpu_counts_the_allocators_retries_since_the_last(monkeypatch):
+    """The CUDA allocator's retries are counted per interval (its counter only grows); the CUDA calls are stood in
+    for here, on the CPU."""
+    stats = {"num_alloc_retries": 3}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: dict(stats))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 2**30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    meter = Throughput(flops_per_token=0.0, device=torch.device("cuda"), peak=1.0, clock=iter(range(100)).__next__)
+    meter.start(0)  # the retries before the training steps (start-up, compile) are not theirs
+    stats["num_alloc_retries"] = 5
+    assert meter.read(1, 8)["alloc_retries"] == 2
+    assert meter.read(2, 8)["alloc_retries"] == 0
+    stats["num_alloc_retries"] = 6
+    assert meter.read(3, 8)["alloc_retries"] == 1
