@@ -42,8 +42,10 @@ def interpreting() -> bool:
 
 
 def runs_on(logits: torch.Tensor) -> bool:
-    """The kernel takes these logits: a 2-D CUDA tensor (or a CPU one under the interpreter) of a dtype in DTYPES."""
-    return logits.dim() == 2 and logits.dtype in DTYPES and (logits.is_cuda or interpreting())
+    """The kernel takes these logits: a plain 2-D CUDA tensor (or a CPU one under the interpreter; no subclass such
+    as a DTensor) of a dtype in DTYPES."""
+    return (type(logits) is torch.Tensor and logits.dim() == 2 and logits.dtype in DTYPES
+            and (logits.is_cuda or interpreting()))
 
 
 @functools.cache

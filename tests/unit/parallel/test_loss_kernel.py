@@ -81,3 +81,13 @@ def test_a_triton_kernel_that_fails_to_build_says_so_and_pytorchs_serves(monkeyp
         loss, grad = kernel(logits, targets, True)
     assert torch.equal(logits, kept) and torch.equal(grad, loss_module.chunk_loss_and_grad(kept, targets, True)[1])
     assert kernel(logits, targets, True)[0] == loss  # from then on PyTorch's, without trying again
+
+
+def test_the_triton_kernel_takes_plain_cuda_tensors_of_its_dtypes_only(monkeypatch):
+    from kiln.model.loss_triton import runs_on
+
+    x = torch.randn(2, 8)
+    assert not runs_on(x)  # a CPU tensor, without the interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert runs_on(x) and runs_on(x.bfloat16()) and not runs_on(x.double()) and not runs_on(x[0])
+    assert not runs_on(torch.nn.Parameter(x))  # a subclass (a DTensor, say) stays with PyTorch's kernel
