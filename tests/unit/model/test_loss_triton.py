@@ -126,5 +126,5 @@ def test_linear_cross_entropy_under_autocast_matches_pytorchs_kernel(monkeypatch
         loss.backward()
         out[name] = loss.detach(), h.grad.clone(), w.grad.clone()
     assert kernel.failed is None and kernel.built == {(torch.bfloat16, True, True)}
-    for a, b in zip(out["triton"], out["torch"]):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-4)
+    for a, b in zip(out["triton"], out["torch"]):  # bf16 gradients of the logits, one rounding apart at most
+        assert ((a - b).norm() / b.norm()).item() < 1e-2
