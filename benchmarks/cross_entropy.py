@@ -64,21 +64,33 @@ def chunk_rows(rows: int, vocab: int, dtype: torch.dtype, dev: torch.device, how
     if not triton_ok:
         return out
     for launch in [""] + sweep:
-        block, warps = (int(x) for x in launch.split(":")) if launch else (None, None)
-        run = functools.partial(loss_triton.chunk_loss_and_grad, logits, targets, True, block=block, warps=warps,
-                                in_place=True)
-        loss, grad = loss_triton.chunk_loss_and_grad(logits, targets, True, block=block, warps=warps)
-        loss_diff = ((loss - want_loss).abs() / want_loss.abs()).item()
-        grad_diff = (grad.float() - want_grad.float()).abs().max().item()
-        del grad
-        t = seconds_per_call(run, iters, warmup, dev)  # over the logits: from here on they hold a gradient
-        b, w = (block, warps) if launch else loss_triton.launch_shape(vocab, dtype)
-        out.append({"what": "chunk", "shape": shape, "kernel": f"triton {b}:{w}" + ("" if launch else " (default)"),
-                    "ms": 1e3 * t, "gbps": traffic / t / 1e9, "vs_torch": base / t, "loss_diff": loss_diff,
-                    "grad_diff": grad_diff})
+        try:
+            out.append(_triton_row(logits, targets, launch, want_loss, want_grad, base, traffic, iters, warmup, dev))
+        except Exception as e:  # noqa: BLE001 (a launch Triton cannot build is a row that says so)
+            out.append({"what": "chunk", "shape": shape, "kernel": f"triton {launch or 'default'}: failed: "
+                        f"{type(e).__name__}: {e}"[:160]})
         logits.copy_((torch.randn(rows, vocab, generator=g, device=dev) * 2).to(dtype))
         want_loss, want_grad = fn(logits, targets, True)
     return out
+
+
+def _triton_row(logits: torch.Tensor, targets: torch.Tensor, launch: str, want_loss: torch.Tensor,
+                want_grad: torch.Tensor, base: float, traffic: int, iters: int, warmup: int, dev: torch.device) -> dict:
+    """Triton's kernel at `launch` ('block:warps', '' for its default): checked against PyTorch's, then timed
+    writing over the logits."""
+    rows, vocab = logits.shape
+    block, warps = (int(x) for x in launch.split(":")) if launch else (None, None)
+    run = functools.partial(loss_triton.chunk_loss_and_grad, logits, targets, True, block=block, warps=warps,
+                            in_place=True)
+    loss, grad = loss_triton.chunk_loss_and_grad(logits, targets, True, block=block, warps=warps)
+    loss_diff = ((loss - want_loss).abs() / want_loss.abs()).item()
+    grad_diff = (grad.float() - want_grad.float()).abs().max().item()
+    del grad
+    t = seconds_per_call(run, iters, warmup, dev)  # over the logits: from here on they hold a gradient
+    b, w = (block, warps) if launch else loss_triton.launch_shape(vocab, logits.dtype)
+    return {"what": "chunk", "shape": f"{rows}x{vocab} {str(logits.dtype).removeprefix('torch.')}",
+            "kernel": f"triton {b}:{w}" + ("" if launch else " (default)"), "ms": 1e3 * t,
+            "gbps": traffic / t / 1e9, "vs_torch": base / t, "loss_diff": loss_diff, "grad_diff": grad_diff}
 
 
 def loss_rows(rows: int, d: int, vocab: int, dev: torch.device, how: str, iters: int, warmup: int,
