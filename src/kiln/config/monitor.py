@@ -16,6 +16,10 @@ class ProfileConfig(Section):
     """Steps recorded from profile.start on (0: no profiler at all)."""
     memory_snapshot: bool = False
     """On CUDA, also record every allocation in the window and write a memory snapshot (for OOM debugging)."""
+    shapes: bool = True
+    """Record each operator's input shapes and memory use in the trace. Their cost on the host, per operator, stretches
+    a step bound by the host (a small model; a mixture of experts on many GPUs, where the other ranks wait for the
+    profiled rank 0): false for a trace whose GPU idle time is the unprofiled step's."""
 
 
 class MonitorConfig(Section):

@@ -33,7 +33,7 @@ class ProfileWindow(Sink):
 
     def __init__(self, pcfg, run_dir: Path, log: Callable[[str], None] = print):
         self.start, self.end = pcfg.start, pcfg.start + pcfg.steps - 1  # the optimizer steps recorded
-        self.memory = pcfg.memory_snapshot
+        self.memory, self.shapes = pcfg.memory_snapshot, pcfg.shapes
         self.dir, self.log = Path(run_dir) / "profile", log
         self.prof: torch.profiler.profile | None = None
         self.warm: int | None = None  # the warm-up step, when there is one
@@ -68,7 +68,7 @@ class ProfileWindow(Sink):
         elif self.memory:
             self.log("profiler: profile.memory_snapshot needs CUDA; this run is on the CPU, so there is none")
         self.prof = torch.profiler.profile(activities=activities, schedule=self.action, on_trace_ready=self._ready,
-                                           record_shapes=True, profile_memory=True)
+                                           record_shapes=self.shapes, profile_memory=self.shapes)
         self.prof.step_num = now  # its steps are the optimizer steps; action(now) is NONE, so nothing runs yet
         self.prof.start()
         self.prof.step()  # on to step now + 1: the warm-up or the first recorded step

@@ -55,6 +55,16 @@ def test_the_trace_holds_the_window_steps_only(tmp_path):
     assert "Self CPU" in top and top.strip() in "\n".join(logged)  # the top operators are printed too
 
 
+def test_a_light_trace_leaves_out_the_operators_shapes(tmp_path):
+    def dims(run_dir, *overrides) -> int:
+        train(run_dir, 3, "profile.start=2", "profile.steps=1", *overrides)
+        [trace] = (run_dir / "profile").glob("*.pt.trace.json")
+        return sum("Input Dims" in e.get("args", {}) for e in json.loads(trace.read_text())["traceEvents"])
+
+    assert dims(tmp_path / "full") > 0
+    assert dims(tmp_path / "light", "profile.shapes=false") == 0
+
+
 def test_a_window_cut_short_by_the_end_of_training_is_written(tmp_path):
     train(tmp_path, 4, "profile.start=3", "profile.steps=5")
     [trace] = (tmp_path / "profile").glob("*.pt.trace.json")
