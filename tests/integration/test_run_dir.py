@@ -29,7 +29,7 @@ from pathlib import Path
 action, go = sys.argv[1], Path(sys.argv[2])
 sys.argv = ["kiln", "train", *sys.argv[3:]]
 
-def wait(what):
+def wait(what, go=go):
     print(what, flush=True)
     while not go.exists():
         time.sleep(0.01)
@@ -53,12 +53,19 @@ if action == "startup":  # inside data preparation, with the tokenizer workers s
             wait("encoding")
         return submit(self, *a, **k)
     e.Encoder.submit = waiting
-if action == "save":  # at the start of the final model save
+if action.startswith("save"):  # at the start of the final model save
     save = r.save_model
     def slow(*a, **k):
         wait("saving")
         return save(*a, **k)
     r.save_model = slow
+if action.endswith("+end"):  # as the process ends, after the run (GO_FILE.end)
+    run = r.run
+    def ending(*a, **k):
+        out = run(*a, **k)
+        wait("ending", go.with_suffix(".end"))
+        return out
+    r.run = ending
 from kiln.cli import main
 
 main()
@@ -83,12 +90,13 @@ def child(action: str, go: Path, args: list[str]) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
 
 
-def wait_for(stream, line: str) -> None:
+def wait_for(stream, line: str) -> str:
+    """What `stream` gives up to the first line that is or holds `line`."""
     seen = []
     for got in stream:
         seen.append(got)
         if got.strip() == line or line in got:
-            return
+            return "".join(seen)
     raise AssertionError(f"the child ended before printing {line!r}:\n{''.join(seen)[-3000:]}")
 
 
@@ -145,15 +153,21 @@ def test_a_finished_run_is_left_as_it_is_and_a_failed_force_keeps_the_config(bas
 
 def test_ctrl_c_during_the_final_save_finishes_it_and_twice_aborts_it(base, tmp_path):
     run_dir = tmp_path / "run"
-    once = child("save", tmp_path / "go", [*base, f"train.run_dir={run_dir}"])
+    once = child("save+end", tmp_path / "go", [*base, f"train.run_dir={run_dir}"])
     wait_for(once.stdout, "saving")
     os.killpg(once.pid, signal.SIGINT)
     wait_for(once.stderr, "finishing the model save first")
     (tmp_path / "go").touch()
-    out, err = once.communicate(timeout=300)
+    out = wait_for(once.stdout, "ending")  # saved: a Ctrl-C as the process ends loses nothing, and says so
+    os.killpg(once.pid, signal.SIGINT)
+    wait_for(once.stderr, "after the run was saved: nothing is lost")
+    (tmp_path / "go.end").touch()
+    rest, err = once.communicate(timeout=300)
+    out += rest
     assert once.returncode == 0, err[-3000:]
     assert "model saved" in out and "stopped by SIGINT after the model save" in out
     assert (run_dir / "model" / "model.safetensors").is_file() and "Traceback" not in err
+    assert "interrupted" not in err
 
     run_dir = tmp_path / "run2"
     twice = child("save", tmp_path / "go2", [*base, f"train.run_dir={run_dir}"])

@@ -19,8 +19,10 @@ for _verbs in ("train", "data", "model", "runs", "launch"):  # each adds its ver
 
 def main() -> None:
     from kiln.start_signals import started, stop_while_starting
+    from kiln.state import after_save
     from kiln.streams import keep_writing
 
+    after_save.install()  # to the process's end: once a run is saved, a signal as it ends loses nothing, exits 0
     stop_while_starting()  # a signal while the libraries load says so (kiln.start_signals)
     keep_writing()  # a closed pipe (`| tee` under Ctrl-C) or terminal drops the output, not the run
     try:

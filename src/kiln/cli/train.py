@@ -84,6 +84,7 @@ def train(
         started()  # signals are the launcher's from here on: it passes them to torchrun
         # the config was checked here first: an error in it is shown once, not by every process of every restart
         raise typer.Exit(relaunch(nproc, max_restarts=max_restarts, cfg=cfg))
+    from kiln.state import after_save
     from kiln.state.preempt import Interrupted
     from kiln.train.run import run
 
@@ -94,7 +95,7 @@ def train(
         if state["debug"]:
             raise
         err_console.print(str(e), highlight=False)
-        raise typer.Exit(e.exit_code) from None
+        raise typer.Exit(0 if after_save.is_saved() else e.exit_code) from None
 
 
 @app.command()

@@ -38,6 +38,7 @@ from kiln.parallel.parallelize import full_model, parallelize, strategy_of
 from kiln.parallel.watch import Watch, rest
 from kiln.plan.memory import checkpoint_bytes
 from kiln.plan.threads import apply_threads
+from kiln.state import after_save
 from kiln.state.callback import CheckpointEvery
 from kiln.state.checkpointer import Checkpointer
 from kiln.state.lora_base import KEY as BASE_KEY
@@ -108,6 +109,7 @@ def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", ca
     exit 130/143; the final model save: finished first, a second signal aborts).
     Under torchrun every process calls this; rank 0 alone writes the console and the run files."""
     console = console or Console()
+    after_save.reset()  # nothing of this run is saved yet (kiln.state.after_save)
     mesh = init_mesh(cfg.train.device, cfg.dist, console.print)  # kiln.parallel: process group, this rank's device
     watch = Watch(mesh.rank, mesh.world, cfg.dist.watchdog_s).start() if mesh.distributed else None
     try:
@@ -410,8 +412,9 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
                       highlight=False)
     elif cfg.checkpoint.save_final and not _save_final(_saved_model(trainer, model), cfg, tok, run_dir, console):
         return run_dir  # a signal came during the save: stop here, as it asked
+    after_save.mark_saved()  # all is written: a signal from here on cuts the sample short and exits 0
     if tcfg.sample_tokens:
-        stops.during, stops.then = "while sampling", "training and the model save are complete"
+        stops.during, stops.then = "while sampling", "the sample is cut short; training and the model save are complete"
         ignore = tcfg.sample_ignore_eos
         ids = generate(model, start_ids(tok, tcfg.sample_prompt), tcfg.sample_tokens, seed=tcfg.seed,
                        stop_ids=() if ignore else run_stops(cfg, tok), vocab_size=tok.vocab_size,
@@ -421,6 +424,9 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         console.print(text, markup=False, highlight=False)
         console.rule()
         trainer.events.emit("on_sample", trainer, text)
+    # the sinks close as the run ends: a signal now is noted (a second one ends it), as after_save notes one later
+    stops.defer, stops.during = True, "after the run was saved"
+    stops.deferred, stops.then = "nothing is lost; finishing the shutdown", "exiting now; nothing is lost"
     if model_saved(run_dir / "model"):  # what kiln generate reads
         console.print(f"{'sample again' if tcfg.sample_tokens else 'sample'} with: kiln generate "
                       f"{shlex.quote(str(run_dir))} --prompt {shlex.quote(tcfg.sample_prompt)}", markup=False,
@@ -464,6 +470,7 @@ def _save_final(model, cfg: RunConfig, tok, run_dir: Path, console: Console) -> 
             merged = merged_model(cfg.model, cfg.lora, adapter_state_dict(model)) if cfg.lora.rank else model
             out = save_model(merged, cfg.model, tok, run_dir / "model")
     console.print(f"model saved: {out}")
+    after_save.mark_saved()
     if saving.received:
         console.print(f"stopped by {saving.received} after the model save; the run is complete", highlight=False)
     return saving.received is None
