@@ -128,3 +128,14 @@ def test_linear_cross_entropy_under_autocast_matches_pytorchs_kernel(monkeypatch
     assert kernel.failed is None and kernel.built == {(torch.bfloat16, True, True)}
     for a, b in zip(out["triton"], out["torch"]):  # bf16 gradients of the logits, one rounding apart at most
         assert ((a - b).norm() / b.norm()).item() < 1e-2
+
+
+def test_fp16_logits_with_a_row_stride_of_their_own_and_int32_targets(device):
+    wide, targets = _case(6, 700, torch.float16, device)
+    logits = wide[:, :500]  # rows 700 apart
+    targets = torch.where(targets < 500, targets, 3).int()
+    want_loss, want_grad = chunk_loss_and_grad(logits.float(), targets.long(), True)
+    loss, grad = loss_triton.chunk_loss_and_grad(logits, targets, True, block=128)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0)
+    assert grad.dtype == torch.float16
+    assert ((grad.float() - want_grad).abs() <= 2.0**-10 * want_grad.abs() + 1e-7).all()  # fp16: 11 bits
