@@ -114,6 +114,18 @@ def _verify_pending(state) -> bool:
     return bool(verify is not None and verify(state))
 
 
+def _unlogged_over_ranks(trainer: dict[str, Any], group) -> dict[str, Any]:
+    """The trainer's state (rank 0's, the one written) with its losses since the last log as each step's mean over
+    the ranks, as the log averages them: a resume's first log is then the one an uninterrupted run writes, on any
+    number of processes (rank 0's own losses alone gave another). Every rank has as many (one per step)."""
+    unlogged = trainer.get("unlogged")
+    if not unlogged:
+        return trainer
+    losses = torch.tensor(unlogged, dtype=torch.float64)
+    dist.all_reduce(losses, group=group)
+    return {**trainer, "unlogged": (losses / dist.get_world_size(group)).tolist()}
+
+
 class Checkpointer:
     def __init__(self, run_dir: str | Path, cfg: RunConfig, fingerprints: dict[str, Any],
                  log: Callable[[str], None] = print, policies: list[CheckpointPolicy] | None = None):
@@ -215,6 +227,8 @@ class Checkpointer:
         self._check_room(step, tensors)
         small = staging.json_copy({**{k: parts[k].state_dict() for k in SMALL_KEYS},
                                    "fingerprints": self.fingerprints, "reason": reason})
+        if self.group is not None:  # no save is in flight on the group here (waited for above)
+            small["trainer"] = _unlogged_over_ranks(small["trainer"], self.group)
         rng = staging.json_copy({k: parts[k].state_dict() for k in RANK_KEYS})
         tmp = self.dir / f"{TMP_PREFIX}{target.name}"
         if self.rank == 0:

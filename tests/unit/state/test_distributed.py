@@ -1,5 +1,6 @@
 """Two real processes (gloo): one checkpoint from both ranks (plain or FSDP2-sharded), exact continuation
-in 2 processes and in 1, and a signal seen by one rank stops both at the same step."""
+in 2 processes and in 1, the first log after a resume as an uninterrupted run's, and a signal seen by one rank stops
+both at the same step."""
 
 from __future__ import annotations
 
@@ -63,13 +64,14 @@ def two_processes(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     JSON that rank 0 wrote."""
     root = tmp_path_factory.mktemp("two")
     worker = root / "worker.py"
-    worker.write_text(WORKER + FSDP_WORKER)
+    worker.write_text(WORKER + LOGGED_WORKER + FSDP_WORKER)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
-           str(HERE), str(root / "run"), str(root / "out.json"), str(root / "fsdp_run"), str(root / "fsdp_out.json")]
+           str(HERE), str(root / "run"), str(root / "out.json"), str(root / "fsdp_run"), str(root / "fsdp_out.json"),
+           str(root / "logged_run"), str(root / "logged_out.json")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     return {name: (root / f"{prefix}run", json.loads((root / f"{prefix}out.json").read_text()))
-            for name, prefix in (("plain", ""), ("fsdp", "fsdp_"))}
+            for name, prefix in (("plain", ""), ("fsdp", "fsdp_"), ("logged", "logged_"))}
 
 
 @pytest.mark.slow  # torchrun, two processes
@@ -84,7 +86,56 @@ def test_two_ranks_save_once_and_resume_in_two_or_one(two_processes):
     assert one.step == 2 and run_steps(one, 3) == result["expected"]
 
 
-# run after WORKER in the same processes (one torchrun start for both), in a run directory of its own
+@pytest.mark.slow  # torchrun, two processes
+def test_the_first_log_after_a_resume_is_the_uninterrupted_runs_mean_over_both_ranks(two_processes):
+    _, result = two_processes["logged"]
+    assert result["resumed"] == pytest.approx(result["uninterrupted"], rel=1e-6)
+    assert list(result["resumed"]) == ["4"]
+
+
+# run after WORKER in the same processes (one torchrun start for all three), in a run directory of its own: a run
+# logging every 4 steps, each rank on rows of its own (DDP), checkpointed at step 2 (losses of 2 steps not yet
+# logged) and resumed from there; the losses its step 4 logs, uninterrupted and resumed
+LOGGED_WORKER = r'''
+import torch
+from conftest import PositionalBatches
+from kiln.config import RunConfig
+from kiln.events import Callback
+from kiln.model.llama import Transformer
+from kiln.train.trainer import Trainer
+
+class Logged(Callback):
+    def __init__(self, ck=None):
+        self.ck, self.losses = ck, {}
+
+    def on_step_end(self, trainer, metrics):
+        if metrics:
+            self.losses[trainer.step] = metrics["loss"]
+        if self.ck is not None and trainer.step == 2:
+            self.ck.save(trainer)
+
+def logged_trainer():
+    cfg = RunConfig.model_validate({"model": {"size": "tiny", "vocab_size": 256}, "logging": {"every": 4},
+        "train": {"seq_len": 16, "batch_size": 2, "max_steps": 4, "warmup_steps": 1, "device": "cpu",
+                  "run_dir": sys.argv[6]}})
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(Transformer(cfg.model))
+    return Trainer(cfg, model, PositionalBatches(1 + rank), None, torch.device("cpu"))
+
+whole = logged_trainer()
+ck = Checkpointer(sys.argv[6], whole.cfg, {"dataset": "d"}, print)
+whole.events.callbacks.append(uninterrupted := Logged(ck))
+whole.train()
+ck.wait()
+resumed = logged_trainer()
+ck.load(resumed, ck.dir / "step_00000002")
+resumed.events.callbacks.append(after := Logged())
+resumed.train()
+if rank == 0:
+    json.dump({"uninterrupted": uninterrupted.losses, "resumed": after.losses}, open(sys.argv[7], "w"))
+ck.close()
+'''
+
 FSDP_WORKER = r'''
 import torch
 from torch.distributed.device_mesh import init_device_mesh
