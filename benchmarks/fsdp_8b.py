@@ -86,6 +86,7 @@ def kiln_command(args, run_dir: Path, checkpoint_every: int, variant: tuple[str,
             f"train.compile={str(cuda and not args.no_compile).lower()}", f"train.activation_checkpointing={args.ac}",
             # the evaluations at the start and the end (never skipped) take one batch: device time for the steps
             "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0", "train.warmup_steps=2",
+            f"train.lr={hf_worker.LR}",
             "logging.every=1", "logging.plots=false",
             "logging.console=false", f"checkpoint.every={checkpoint_every}", "checkpoint.async_save=true",
             "checkpoint.save_final=false", f"checkpoint.at_end={str(args.final_save == 'on').lower()}",

@@ -83,6 +83,7 @@ def common_flags(args, run_dir: Path) -> list[str]:
             f"train.device={args.device}", f"train.precision={'bf16' if cuda else 'fp32'}",
             f"train.compile={str(cuda and not args.no_compile).lower()}", f"train.activation_checkpointing={args.ac}",
             "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0", "train.warmup_steps=2",
+            f"train.lr={hf_worker.LR}",
             "logging.every=1", "logging.plots=false", "logging.console=false", "checkpoint.save_final=false",
             "checkpoint.at_end=false", "checkpoint.every=0", "dist.strategy=fsdp", "dist.sharding=full",
             f"data.cache_dir={args.cache_dir}", f"train.run_dir={run_dir}", *args.set, "--nproc", str(args.nproc)]

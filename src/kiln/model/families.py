@@ -89,8 +89,8 @@ FAMILIES: list[Family] = [
     Family("Qwen2-MoE", ("qwen2_moe",), _matrix("qwen2_moe", LoRA=f"{MOE_LORA}[qwen2_moe]"),
            note=MOE_NOTE + "; the gated shared expert", featured=True),
     Family("Qwen3-MoE", ("qwen3_moe",), _matrix("qwen3_moe", LoRA=f"{MOE_LORA}[qwen3_moe]"), note=MOE_NOTE,
-           speed=("small shape on one H200: 3.01x the HF Trainer; 13B (Qwen3-30B-A3B, 20 layers) on 4 H100s: 0.75x, "
-                  "measured with a profiler inside the median (benchmarks/results/moe.md)"),
+           speed=("small shape on one H200: 3.01x the HF Trainer; 13B (Qwen3-30B-A3B, 20 layers) on 4 H100s: 1.60x "
+                  "(benchmarks/results/moe.md)"),
            featured=True),
     Family("Nemotron-H", ("nemotron_h",), _matrix("nemotron_h", **{
         "LoRA": "tests/unit/model/test_nemotron_h.py::test_lora_on_every_projection_trains_the_adapters_and_merges",
@@ -100,8 +100,8 @@ FAMILIES: list[Family] = [
         note="hybrid Mamba-2, attention and MLP layers (model.layer_pattern); Kiln's own chunked SSD scan, compiled "
              "per layer (no mamba-ssm); the scan and convolution restart at each packed document; LoRA on in_proj, "
              "out_proj too; MoE layers (Nemotron 3) are refused: hf_class=auto",
-        speed=("0.16B shape on one H200: 19.4K tokens/s, 2.49x the HF Trainer; 8B on 4 H200s: 6,860 tokens/s/GPU, "
-               "where the HF Trainer runs out of memory (benchmarks/results/nemotron_h.md)"),
+        speed=("8B on 4 H100s at sequence 2048: 3.66x the HF Trainer; at 8192 (4 H200s) 6,860 tokens/s/GPU, where "
+               "the HF Trainer runs out of memory (benchmarks/results/nemotron_h.md)"),
         featured=True),
     Family("Gemma", ("gemma",), _matrix("gemma")),
     Family("Gemma 2", ("gemma2",), {
