@@ -92,10 +92,13 @@ def read_csv(f: BinaryIO, field: str, delimiter: str, skip: int = 0, limit: int 
     import pyarrow as pa
     from pyarrow import csv
 
-    header = f.readline().removeprefix(BOM)
-    names = next(iter(pycsv.reader([header.decode("utf-8", "replace")], delimiter=delimiter,
-                                   quoting=pycsv.QUOTE_MINIMAL if quoting else pycsv.QUOTE_NONE)), None)
-    first = f.read(1)
+    header, first = _header_line(f, limit)
+    try:
+        names = next(iter(pycsv.reader([header.decode("utf-8", "replace")], delimiter=delimiter,
+                                       quoting=pycsv.QUOTE_MINIMAL if quoting else pycsv.QUOTE_NONE)), None)
+    except pycsv.Error as e:
+        raise DataError(f"malformed CSV header row ({e}); fix the file or check data.format") from None
+    first = first or f.read(1)
     if not names or not first:
         return
     f = io.BufferedReader(_Prefixed(first, f), buffer_size=CHUNK)
@@ -139,6 +142,16 @@ def read_csv(f: BinaryIO, field: str, delimiter: str, skip: int = 0, limit: int 
     finally:
         if reader is not None:  # stops its reading thread now: one left running at exit aborts the interpreter
             reader.close()
+
+
+def _header_line(f: BinaryIO, limit: int) -> tuple[bytes, bytes]:
+    """(the header row without its line end, the bytes read past it). A row ends at \\n, \\r\\n or a
+    lone \\r (old Mac files, some spreadsheet exports), as the rows after it do for pyarrow's reader."""
+    line = f.readline(limit).removeprefix(BOM)
+    cr = line.find(b"\r")
+    if cr < 0 or line[cr + 1:] == b"\n":
+        return line.rstrip(b"\r\n"), b""
+    return line[:cr], line[cr + 1:]
 
 
 def _column_batches(batches, skip: int, keys: list[str] = ()) -> Iterator[Record]:

@@ -118,3 +118,11 @@ def test_crlf_and_lone_cr_line_ends(tmp_path, monkeypatch, end):
     docs = list(iter_documents(DataConfig(sources=[str(tmp_path / "a.txt")], text_unit="line")))
     assert [(d.text, d.line) for d in docs] == [("one", 1), ("two", 2), ("three", 4), ("four", 6)]
     assert read(tmp_path / "a.txt", text_unit="paragraph") == ["one\ntwo", "three", "four"]
+
+
+def test_csv_with_lone_cr_line_ends_and_a_header_csv_cannot_read(tmp_path):
+    (tmp_path / "a.csv").write_bytes(b'id,text\r1,row one\r2,"quoted\rvalue"\r3,row three\r')  # old Mac line ends
+    assert read(tmp_path / "a.csv") == ["row one", "quoted\rvalue", "row three"]
+    (tmp_path / "b.csv").write_text("x" * 200_000 + ",text\n1,hello\n")  # longer than Python's csv field limit
+    with pytest.raises(DataError, match=r"b\.csv: malformed CSV header row \(field larger than field limit"):
+        read(tmp_path / "b.csv")
