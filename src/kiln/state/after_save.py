@@ -41,7 +41,12 @@ def reset() -> None:
 
 
 def mark_saved() -> None:
-    """The run has written everything it was to write: a signal from here on loses nothing."""
+    """The run (this process's part of it) has written all it was to write: a signal from here on loses nothing;
+    under `kiln train --nproc`, torchrun is told too (once all of its workers are, a signal ends the job with 0)."""
+    from kiln.parallel.launch.torchrun import record_saved
+
+    if not _state["saved"]:
+        record_saved()
     _state["saved"] = True
 
 
@@ -63,8 +68,9 @@ def _handle(signum: int, frame) -> None:
     name = signal.Signals(signum).name
     if _state["received"] is None:
         _state["received"] = name
-        print(f"\n{name} after the run was saved: nothing is lost; finishing the shutdown (send it again to exit "
-              "now)", file=sys.stderr, flush=True)
+        if os.environ.get("RANK", "0") == "0":  # one line for a job of several processes
+            print(f"\n{name} after the run was saved: nothing is lost; finishing the shutdown (send it again to "
+                  "exit now)", file=sys.stderr, flush=True)
         return
     print(f"second {name}: exiting now; the run was saved", file=sys.stderr, flush=True)
     sys.stdout.flush()

@@ -406,6 +406,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
                       if cfg.checkpoint.save_final else "training is complete; no sample was made")
         model = full_model(model, cfg, mesh)  # kiln.parallel: every rank sends its shards; rank 0 gets the model
         if model is None:
+            after_save.mark_saved()  # this rank's part is sent: rank 0 writes model/
             return run_dir
     if keep_model:
         console.print(f"model/ is kept as it was saved: no step was trained since (step {trainer.step})",

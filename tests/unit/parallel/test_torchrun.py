@@ -95,6 +95,30 @@ def test_a_signal_ends_the_job_with_one_line_and_128_plus_its_number(monkeypatch
     assert err == "kiln: the job stopped on SIGTERM\n"
 
 
+@pytest.mark.parametrize("saved,code", [(["0 2", "1 2"], 0), (["1 2"], 130)], ids=["all", "one"])
+def test_a_signal_after_every_worker_saved_ends_the_job_with_0(monkeypatch, capsys, saved, code):
+    """Ctrl-C as a finished job ends (each worker has written all it was to: kiln.state.after_save) loses nothing:
+    exit 0, not 130; a worker still saving (rank 0 writing model/) keeps 130."""
+    import torch.distributed.run as torch_run
+    from torch.distributed.elastic.multiprocessing import api
+
+    def stopped(args):
+        for line in saved:  # as each worker's record_saved writes it
+            monkeypatch.setenv("LOCAL_RANK", line.split()[0])
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", line.split()[1])
+            torchrun.record_saved()
+        raise api.SignalException("got signal: SIGINT", sigval=signal.SIGINT)
+
+    monkeypatch.setattr(torch_run, "run", stopped)
+    monkeypatch.setattr(api, "_terminate_process_handler", api._terminate_process_handler)  # main wraps it
+    monkeypatch.setattr(torchrun, "stop_with_parent", lambda: True)  # not for pytest itself
+    monkeypatch.setenv(torchrun.PARENT_PID, "1")
+    assert torchrun.main(["--standalone", "--nproc_per_node=2", "-m", "kiln.cli", "train"]) == code
+    expected = "SIGINT after the job was saved: nothing is lost" if code == 0 else "the job stopped on SIGINT"
+    assert capsys.readouterr().err == f"kiln: {expected}\n"
+    assert torchrun.SAVED not in os.environ
+
+
 def test_torchrun_takes_a_signal_delivered_twice_at_once_as_one_and_a_later_one_as_a_second():
     """The same SIGTERM to the process group and forwarded by `kiln train --nproc`: torchrun must not break off
     its wait and signal the workers again (a kiln worker aborts its checkpoint on a second signal)."""

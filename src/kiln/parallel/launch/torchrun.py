@@ -62,6 +62,7 @@ from kiln.parallel.launch.agent import HUNG, SHOWN, ended, wrap_agent
 EXIT_CODE = "kiln_exit_code"  # key of the error file: the exit code of the process that printed it
 DUPLICATE_S = 1.0  # a signal this soon after the same one is the same event delivered twice
 STOPPED = "KILN_STOPPED_FILE"  # environment: where a worker that stopped on a signal writes the signal's name
+SAVED = "KILN_SAVED_FILE"  # environment: where each worker notes that it has written all it was to (record_saved)
 PARENT_PID = "KILN_PARENT_PID"  # environment: the pid of the process that started this one (stop_with_parent)
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
 SIGNALLED_BARRIER_S = 30.0  # how long a signalled torchrun waits in the exit barrier for the other nodes' ones
@@ -239,6 +240,24 @@ def record_stop(signame: str) -> None:
             f.write(signame)
 
 
+def record_saved() -> None:
+    """Tell this node's torchrun (if kiln's started this process) that this worker has written all it was to write
+    (kiln.state.after_save): a signal as the job ends then loses nothing, and the job exits 0 (`all_saved`)."""
+    path = os.environ.get(SAVED)
+    if path:
+        with contextlib.suppress(OSError), open(path, "a") as f:
+            f.write(f"{os.environ.get('LOCAL_RANK', 0)} {os.environ.get('LOCAL_WORLD_SIZE', 1)}\n")
+
+
+def all_saved() -> bool:
+    """Whether every worker of this node said it has written all it was to write (`record_saved`)."""
+    with contextlib.suppress(OSError, ValueError), open(os.environ.get(SAVED) or os.devnull) as f:
+        noted = [tuple(int(v) for v in line.split()) for line in f if line.strip()]
+        sizes = {size for _, size in noted}
+        return len(sizes) == 1 and {rank for rank, _ in noted} == set(range(sizes.pop()))
+    return False
+
+
 def stop_signal() -> str:
     """The signal this node's workers stopped on (`record_stop`), or ""."""
     with contextlib.suppress(OSError), open(os.environ.get(STOPPED) or os.devnull) as f:
@@ -361,10 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[PARENT_PID] = str(os.getpid())  # the workers stop when this process dies
     stopped = os.path.join(tempfile.gettempdir(), f"kiln-torchrun-{os.getpid()}.stopped")
     failed = os.path.join(tempfile.gettempdir(), f"kiln-torchrun-{os.getpid()}.failed")
-    for path in (stopped, failed):
+    saved = os.path.join(tempfile.gettempdir(), f"kiln-torchrun-{os.getpid()}.saved")
+    for path in (stopped, failed, saved):
         with contextlib.suppress(OSError):
             os.remove(path)
-    os.environ[STOPPED], os.environ[FAILED_NOTE] = stopped, failed
+    os.environ[STOPPED], os.environ[FAILED_NOTE], os.environ[SAVED] = stopped, failed, saved
     args = parse_args(sys.argv[1:] if argv is None else argv)
     # under nohup: torchrun would stop the job on a hangup (torch before 2.10 has no --signals-to-handle to say so)
     if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN and hasattr(args, "signals_to_handle"):
@@ -376,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
         print(text, file=sys.stderr, flush=True)
         return code
     except api.SignalException as e:  # the workers had the signal and the time to stop; torchrun waited for them
+        if all_saved():  # it came as the job ended, after each worker had written all it was to: nothing is lost
+            print(f"kiln: {e.sigval.name} after the job was saved: nothing is lost", file=sys.stderr, flush=True)
+            return 0
         print(f"kiln: the job stopped on {e.sigval.name}", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     except RendezvousConnectionError:  # torch's traceback and C++ frames said only "connection failed"
@@ -387,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         print(busy_port(args), file=sys.stderr, flush=True)  # instead of torch's 40-line traceback
         return 1
     finally:
-        for name, path in ((STOPPED, stopped), (FAILED_NOTE, failed)):
+        for name, path in ((STOPPED, stopped), (FAILED_NOTE, failed), (SAVED, saved)):
             os.environ.pop(name, None)
             with contextlib.suppress(OSError):
                 os.remove(path)
