@@ -302,6 +302,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         from kiln.data.load.schedule import ScheduleLog
 
         callbacks.append(ScheduleLog(train_loader))
+    if cfg.data.streaming:  # kiln.data: what the stream's reading skipped, as `kiln prepare` reports it
+        from kiln.data.load.streaming import StreamDrops
+
+        callbacks.append(StreamDrops(train_loader))
     if cfg.eval.tasks:  # kiln.eval: benchmark scores join each evaluation's metrics, before the sinks see them
         from kiln.eval.callback import TasksAtEval
 

@@ -27,6 +27,7 @@ import torch
 
 from kiln.data.load.prefetch import Prefetcher
 from kiln.errors import FROM_THE_WEIGHTS, DataError, EmptySplit
+from kiln.events import Callback
 
 ENCODE_BATCH = 64  # documents tokenized together
 
@@ -307,3 +308,36 @@ class StreamingLoader:
     def close(self) -> None:
         if self._prefetch is not None:
             self._prefetch.stop()
+
+
+class StreamDrops(Callback):
+    """Says what a streaming run's reading dropped: records skipped under data.on_bad_record=skip, damaged
+    files, filtered documents (`kiln prepare` puts them in its report). On the first logging step after the
+    counts change, and at the end, a `data_dropped` notice (console, train.log, metrics.jsonl) gives the counts
+    so far by reason, with examples; the counts are of the first epoch read, as later epochs read the same."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.said: dict[str, int] = {}
+
+    def _say(self, trainer) -> None:
+        checker = getattr(getattr(self.loader, "rows", None), "checker", None)
+        if checker is None:
+            return
+        dropped = dict(checker.dropped)  # one copy, taken while the prefetch thread may count on
+        if dropped == self.said:
+            return
+        self.said = dropped
+        examples = {r: list(checker.examples.get(r, ())) for r in dropped}
+        parts = [f"{n:,} {r} (e.g. {', '.join(examples[r])})" for r, n in sorted(dropped.items())]
+        trainer.notice("data_dropped", dropped=dropped, examples=examples,
+                       message=f"the stream has dropped {sum(dropped.values()):,} record(s) or file(s) so far "
+                               f"(data.on_bad_record=skip and the filters): " + "; ".join(parts))
+
+    def on_step_end(self, trainer, metrics) -> None:
+        if metrics is not None:
+            self._say(trainer)
+
+    def on_train_end(self, trainer, metrics) -> None:
+        self._say(trainer)
+

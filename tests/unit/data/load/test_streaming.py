@@ -185,6 +185,34 @@ def test_skipped_records_are_counted_once_per_run(corpus, tmp_path):
     assert ld.dropped == {"wrong_type": 1, "malformed": 1, "missing_field": 1}
 
 
+def test_what_the_stream_drops_is_said_on_the_next_logging_step(corpus, tmp_path):
+    """A streaming run under data.on_bad_record=skip counted its skipped records but said nothing of them."""
+    from kiln.data.load.streaming import StreamDrops
+
+    class Run:  # what the callback sees of the trainer: its notices go to every sink
+        def __init__(self):
+            self.notices = []
+
+        def notice(self, kind, **info):
+            self.notices.append((kind, info))
+
+    cfg, tok = corpus
+    (tmp_path / "src" / "part0.jsonl").open("a").write('{"text": 7}\n{"other": 1}\n')
+    ld, run = loader(cfg.model_copy(update={"on_bad_record": "skip", "shuffle": False}), tok), Run()
+    drops = StreamDrops(ld)
+    drops.on_step_end(run, {"loss": 1.0})
+    assert run.notices == []  # nothing read yet, nothing dropped
+    while ld.rows.position["file"] == 0:
+        next(ld)
+    drops.on_step_end(run, None)  # not a logging step
+    drops.on_step_end(run, {"loss": 1.0})
+    drops.on_train_end(run, {})  # no change since: said once
+    (kind, info), = run.notices
+    assert kind == "data_dropped" and info["dropped"] == {"wrong_type": 1, "missing_field": 1}
+    assert info["examples"]["wrong_type"] == [f"{tmp_path / 'src' / 'part0.jsonl'}:51"]
+    assert "dropped 2 record(s)" in info["message"] and "part0.jsonl:52" in info["message"]
+
+
 def test_streaming_reports_the_files_it_passes_over_as_prepare_does(tmp_path):
     """Streaming passed over files without a word (and a sub-folder of text beside a folder of records)."""
     from kiln.config import load_config
