@@ -114,9 +114,10 @@ class TrainConfig(Section):
     """Prompt of the sample printed at the end of training."""
     sample_tokens: int = Field(80, ge=0)
     """Tokens generated for that sample (0: no sample), at most: it ends at the model's first stop token (its EOS,
-    and the eos_token_id of model.init_from's generation_config.json), as `kiln generate` does."""
+    and the eos_token_id of model.init_from's generation_config.json) or stop string (that file's stop_strings), as
+    `kiln generate` does."""
     sample_ignore_eos: bool = False
-    """Sample all sample_tokens, past the model's stop tokens (as `kiln generate --ignore-eos`)."""
+    """Sample all sample_tokens, past the model's stop tokens and stop strings (as `kiln generate --ignore-eos`)."""
     early_stop: EarlyStopConfig = EarlyStopConfig()
     """Early stopping on validation loss: patience (evaluations) and min_delta; off unless patience > 0."""
 
