@@ -410,16 +410,18 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
                       if cfg.checkpoint.save_final else "training is complete; no sample was made")
         model = full_model(model, cfg, mesh)  # kiln.parallel: every rank sends its shards; rank 0 gets the model
         if model is None:
-            after_save.mark_saved()  # this rank's part is sent: rank 0 writes model/
+            _saved(stops)  # this rank's part is sent: rank 0 writes model/
             return run_dir
     if keep_model:
         console.print(f"model/ is kept as it was saved: no step was trained since (step {trainer.step})",
                       highlight=False)
     elif cfg.checkpoint.save_final and not _save_final(_saved_model(trainer, model), cfg, tok, run_dir, console):
+        _saved(stops)
         return run_dir  # a signal came during the save: stop here, as it asked
-    after_save.mark_saved()  # all is written: a signal from here on cuts the sample short and exits 0
-    if tcfg.sample_tokens:
-        stops.during, stops.then = "while sampling", "the sample is cut short; training and the model save are complete"
+    _saved(stops)
+    if tcfg.sample_tokens:  # a signal cuts the sample short (and exits 0: all is written)
+        stops.defer, stops.during = False, "while sampling"
+        stops.then = "the sample is cut short; training and the model save are complete"
         ignore = tcfg.sample_ignore_eos
         ids = generate(model, start_ids(tok, tcfg.sample_prompt), tcfg.sample_tokens, seed=tcfg.seed,
                        stop_ids=() if ignore else run_stops(cfg, tok), vocab_size=tok.vocab_size,
@@ -429,14 +431,22 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         console.print(text, markup=False, highlight=False)
         console.rule()
         trainer.events.emit("on_sample", trainer, text)
-    # the sinks close as the run ends: a signal now is noted (a second one ends it), as after_save notes one later
-    stops.defer, stops.during = True, "after the run was saved"
-    stops.deferred, stops.then = "nothing is lost; finishing the shutdown", "exiting now; nothing is lost"
+        _saved(stops)
     if model_saved(run_dir / "model"):  # what kiln generate reads
         console.print(f"{'sample again' if tcfg.sample_tokens else 'sample'} with: kiln generate "
                       f"{shlex.quote(str(run_dir))} --prompt {shlex.quote(tcfg.sample_prompt)}", markup=False,
                       highlight=False)
     return run_dir
+
+
+def _saved(stops: StopSignals) -> None:
+    """All is written (model/, else the final checkpoint): a signal from here on loses nothing (kiln.state.after_save).
+    The run's own handler notes it and the shutdown goes on (sinks close, the run directory is let go); a second one
+    ends it, with exit code 0."""
+    after_save.mark_saved()
+    stops.defer, stops.during = True, "after the run was saved"
+    stops.then = "exiting now; nothing is lost"
+    stops.deferred = "nothing is lost; finishing the shutdown" if process_rank()[0] == 0 else ""  # one line of a job
 
 
 def _saved_model(trainer: Trainer, model):
