@@ -32,6 +32,42 @@ class DamagedFile(DataError):
     data.on_bad_record=skip the records read before the damage are kept and the file is counted."""
 
 
+class NotItsFormat(DamagedFile):
+    """A file whose first bytes say it is not what it is read as: UTF-16 or UTF-32 text (Windows tools write it),
+    a parquet, Arrow, gzip, zstd or zip file under a text or JSON name. Read on, its bytes would be bad records
+    one by one, or, under data.on_bad_record=skip, lines of garbage that happen to decode (UTF-16 ASCII is valid
+    UTF-8 with a NUL after every character). `fix` says what to do."""
+
+    def __init__(self, why: str, fix: str):
+        super().__init__(why)
+        self.fix = fix
+
+
+# (first bytes, what the file is, whether it is text in another encoding); a match must also hold a byte no
+# UTF-8 text begins with (0xFF, 0xFE, 0x8B, 0xB5) or, for PAR1 and ARROW1, a NUL soon after
+_KINDS = [(b"\xff\xfe\x00\x00", "UTF-32", True), (b"\x00\x00\xfe\xff", "UTF-32", True),
+          (b"\xff\xfe", "UTF-16", True), (b"\xfe\xff", "UTF-16", True),
+          (b"\x1f\x8b", "gzip-compressed", False), (b"\x28\xb5\x2f\xfd", "zstd-compressed", False),
+          (b"PAR1", "a parquet file", False), (b"ARROW1", "an Arrow IPC file", False),
+          (b"PK\x03\x04", "a zip archive", False)]
+
+
+def check_kind(head: bytes, url: str, fmt: str) -> None:
+    """Raise NotItsFormat if `head`, the first bytes of a file read as `fmt` (text, jsonl, json, csv, tsv),
+    shows that it is something else."""
+    for magic, what, encoding in _KINDS:
+        if not head.startswith(magic) or (magic[:1].isalpha() and b"\x00" not in head[:64]):
+            continue
+        name = url.rsplit("/", 1)[-1]
+        if encoding:
+            raise NotItsFormat(f"the file is {what} text (it begins with a {what} byte order mark), and Kiln reads "
+                               "UTF-8", f"Convert it (iconv -f {what} -t UTF-8 {name} > {name}.utf8, then name that "
+                               "file)")
+        raise NotItsFormat(f"the file is {what}, not {fmt} as it is read (by its name or data.format)",
+                           "Give it the name of what it is (.parquet, .arrow, .gz or .zst after its format; "
+                           "unpack a zip) or set data.format")
+
+
 class _Marker:
     def __init__(self, name: str):
         self.name = name

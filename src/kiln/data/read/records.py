@@ -122,11 +122,15 @@ class RecordChecker:
             ex.append(url if index is None else where(url, index, line))
         return None
 
-    def damaged(self, sf: Source, why: str) -> None:
+    def damaged(self, sf: Source, why: str, fix: str | None = None) -> None:
         """A file that cannot be read to its end (truncated, corrupt, not its format): a DataError under the
-        'error' policy; under 'skip' the file is counted (`damaged_file`) and its records read so far kept."""
+        'error' policy; under 'skip' the file is counted (`damaged_file`) and its records read so far kept.
+        `fix`: what to do, where the file is whole but of another kind than it is read as."""
         if self.policy == "error" and not sf.lenient:
             why = why.removeprefix(f"{sf.url}: ")
+            if fix:
+                raise DataError(f"{sf.url}: {why}. {fix}, or set data.on_bad_record=skip to pass over it (the file "
+                                "is counted in the report)")
             raise DataError(f"{sf.url}: cannot read ({why}); the file may be truncated or corrupt. Fix or remove "
                             "it, or set data.on_bad_record=skip to keep the records read before the damage and go "
                             "on (the file is counted in the report)")

@@ -36,9 +36,10 @@ from kiln.errors import ConfigError, DataError
 from kiln.files import hash_stream
 
 STDLIB = "@stdlib"
-# How files become documents: raised whenever a reader gives other documents for the same bytes (as
-# when lone CR bytes began to end lines), so datasets and tokenizers made by the old readers are not reused
-READERS_VERSION = 2
+# How files become documents: raised whenever a reader gives other documents for the same bytes (as when
+# lone CR bytes began to end lines, or a UTF-16 file stopped giving lines of NULs under on_bad_record=skip),
+# so datasets and tokenizers made by the old readers are not reused
+READERS_VERSION = 3
 TEXT_SUFFIXES = {".txt", ".text", ".md", ".markdown", ".rst", ".py", ".tex"}
 DATA_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
                  ".csv": "csv", ".tsv": "tsv", ".arrow": "arrow"}
@@ -387,6 +388,8 @@ def iter_documents(cfg, files: list[SourceFile] | None = None, start: tuple[int,
             raw = _Tap(raw, progress)
         try:
             with raw, (raw if columnar else sf.open(raw)) as f:
+                if not columnar and not skip:
+                    readers.check_kind(f.peek(64)[:64], sf.url, sf.format)
                 for index, line, value in read_records(sf, f, cfg.field, cfg.text_unit, cfg.max_record_bytes, skip,
                                                           cfg.csv_quoting):
                     text = checker.check(value, sf, index, line, whole)
@@ -401,7 +404,7 @@ def iter_documents(cfg, files: list[SourceFile] | None = None, start: tuple[int,
                     raise
                 msg = str(e)
                 raise DataError(msg if msg.startswith(sf.url) else f"{sf.url}: {msg}") from None
-            checker.damaged(sf, damage)  # raises under data.on_bad_record=error
+            checker.damaged(sf, damage, getattr(e, "fix", None))  # raises under data.on_bad_record=error
             if hashes is not None:
                 hashes[fi] = digest or file_sha256(sf)
         if progress is not None and columnar:

@@ -91,6 +91,6 @@ def test_a_gzip_file_renamed_without_its_suffix_is_prepared_again(tmp_path):
     first = prepare(cfg)
     assert first.manifest["settings"]["reads"] == ["text+gzip"] and first.manifest["report"]["documents"] == 1
     (tmp_path / "a.txt.gz").rename(tmp_path / "a.txt")  # compressed bytes read as text now: not the same dataset
-    with pytest.raises(DataError, match="0 documents read; dropped: 1 invalid_utf8"):
+    with pytest.raises(DataError, match="0 documents read; dropped: 1 damaged_file"):
         prepare(cfg.model_copy(update={"sources": [str(tmp_path / "a.txt")]}))
 

@@ -126,3 +126,21 @@ def test_csv_with_lone_cr_line_ends_and_a_header_csv_cannot_read(tmp_path):
     (tmp_path / "b.csv").write_text("x" * 200_000 + ",text\n1,hello\n")  # longer than Python's csv field limit
     with pytest.raises(DataError, match=r"b\.csv: malformed CSV header row \(field larger than field limit"):
         read(tmp_path / "b.csv")
+
+
+def test_a_file_of_another_encoding_or_kind_than_its_name_says_is_one_bad_file(tmp_path):
+    """A UTF-16 file (as Windows PowerShell writes `>`) read line by line under on_bad_record=skip gave its
+    lines as documents of NULs (UTF-16 ASCII is valid UTF-8); a parquet file named .jsonl, one 'not UTF-8'
+    record per line of bytes."""
+    (tmp_path / "a.txt").write_bytes("\ufeffhello there\r\nsecond line\r\n".encode("utf-16-le"))
+    pq.write_table(pa.table({"text": DOCS}), tmp_path / "b.jsonl")
+    (tmp_path / "c.txt").write_text("PAR1 is a word here\n")  # a text that begins as parquet does
+    cfg = DataConfig(sources=[str(tmp_path / n) for n in ("a.txt", "b.jsonl", "c.txt")], text_unit="line",
+                     on_bad_record="skip")
+    checker = RecordChecker.from_config(cfg)
+    assert [d.text for d in iter_documents(cfg, checker=checker)] == ["PAR1 is a word here"]
+    assert dict(checker.dropped) == {"damaged_file": 2}
+    with pytest.raises(DataError, match=r"a\.txt: the file is UTF-16 text .* Convert it \(iconv -f UTF-16"):
+        read(tmp_path / "a.txt", text_unit="line")
+    with pytest.raises(DataError, match=r"b\.jsonl: the file is a parquet file, not jsonl"):
+        read(tmp_path / "b.jsonl")
