@@ -106,7 +106,7 @@ class RecordChecker:
         else:
             return self._bad("wrong_type", f"got {readers.json_type(value)}: {str(value)[:40]!r}", sf, index, line)
         if not text or text.isspace():
-            return self._empty_file(sf) if whole_file else self._bad("empty", "", sf, index, line)
+            return self.empty_file(sf) if whole_file else self._bad("empty", "", sf, index, line)
         if len(text) < self.min_chars:
             return self.drop("short", sf, index, line)
         if self.max_chars is not None and len(text) > self.max_chars:
@@ -136,13 +136,15 @@ class RecordChecker:
                             "on (the file is counted in the report)")
         self.drop("damaged_file", sf, None, None)
 
-    def _empty_file(self, sf: Source) -> None:
-        """A whole text file that is empty or only whitespace. One found in a directory or by a glob (a package's
-        empty __init__.py) is no bad record: it is counted (`empty`) whatever the policy. One named in data.sources
-        is a DataError under the 'error' policy."""
+    def empty_file(self, sf: Source, whole: bool = True) -> None:
+        """A file that is empty or only whitespace: a whole text file (`whole`), or one of records (JSON Lines,
+        JSON, CSV/TSV). One found in a directory or by a glob (a package's empty __init__.py) is no bad record:
+        it is counted (`empty`) whatever the policy. One named in data.sources is a DataError under the 'error'
+        policy (a download that failed, a job that wrote nothing)."""
         if sf.named and self.policy == "error" and not sf.lenient:
-            raise DataError(f"{sf.url}: the file is empty or only whitespace (data.text_unit=file reads it as one "
-                            "document), so it holds nothing to train on. Give a file with text, remove it from "
+            how = " (data.text_unit=file reads it as one document)" if whole else ""
+            raise DataError(f"{sf.url}: the file is empty or only whitespace{how}, so it holds nothing to train "
+                            "on. Give a file with text, remove it from "
                             "data.sources, or set data.on_bad_record=skip to pass over it (it is counted in the "
                             "report).")
         return self.drop("empty", sf.url, None, None)

@@ -388,13 +388,18 @@ def iter_documents(cfg, files: list[SourceFile] | None = None, start: tuple[int,
             raw = _Tap(raw, progress)
         try:
             with raw, (raw if columnar else sf.open(raw)) as f:
-                if not columnar and not skip:
-                    readers.check_kind(f.peek(64)[:64], sf.url, sf.format)
+                head = None if columnar or skip else f.peek(64)[:64]
+                if head is not None:
+                    readers.check_kind(head, sf.url, sf.format)
+                records = 0
                 for index, line, value in read_records(sf, f, cfg.field, cfg.text_unit, cfg.max_record_bytes, skip,
                                                           cfg.csv_quoting):
+                    records += 1
                     text = checker.check(value, sf, index, line, whole)
                     if text is not None:
                         yield Document(text, sf.url, fi, index, line)
+                if not records and head is not None and not head.strip():  # a record file with nothing in it
+                    checker.empty_file(sf, whole=False)
                 if hashes is not None:
                     hashes[fi] = digest or raw.digest(sf.url)
         except Exception as e:

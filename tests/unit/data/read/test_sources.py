@@ -336,3 +336,24 @@ def test_an_empty_file_of_a_directory_is_dropped_and_counted_whatever_the_policy
         list(iter_documents(DataConfig(sources=[str(pkg)], format="auto")))
     with pytest.raises(DataError, match=r"__init__\.py: the file is empty"):  # a file named on its own
         list(iter_documents(DataConfig(sources=[str(pkg / "__init__.py")])))
+
+
+def test_an_empty_record_file_named_in_the_sources_is_said_as_an_empty_text_file_is(tmp_path):
+    """An empty .jsonl, .json, .csv or .jsonl.gz named in data.sources (a download that failed) gave no records
+    without a word, where an empty text file stops the run."""
+    import gzip
+
+    from kiln.data.read.records import RecordChecker
+
+    (tmp_path / "good.jsonl").write_text('{"text": "a document"}\n')
+    (tmp_path / "a.jsonl").write_text("\n  \n")
+    (tmp_path / "b.json").write_text("")
+    (tmp_path / "c.csv").write_text("")
+    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(b""))
+    for name in ("a.jsonl", "b.json", "c.csv", "d.jsonl.gz"):
+        with pytest.raises(DataError, match=rf"{name}: the file is empty or only whitespace, so it holds nothing"):
+            list(iter_documents(DataConfig(sources=[str(tmp_path / "good.jsonl"), str(tmp_path / name)])))
+    cfg = DataConfig(sources=[str(tmp_path / "*.json*")])  # found by a glob: dropped and counted, as text files are
+    checker = RecordChecker.from_config(cfg)
+    assert [d.text for d in iter_documents(cfg, checker=checker)] == ["a document"]
+    assert dict(checker.dropped) == {"empty": 3}
