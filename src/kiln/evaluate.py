@@ -211,7 +211,8 @@ def evaluate(target: str | Path, data: list[str], *, split: str | None = None, m
     bf16 = dev.type == "cuda" and (rc is None or rc.train.precision != "fp32")
     with tempfile.TemporaryDirectory(prefix="kiln-eval-") as tmp:
         ds, split = open_eval_data(list(data), t.tokenizer, rc, Path(tmp), split, T + 1, **data_fields)
-        stream = TokenStream(ds.shards(split), ds.dtype, name=f"{ds.manifest['id']}/{split}")
+        stream = TokenStream(ds.shards(split), ds.dtype, name=f"{ds.manifest['id']}/{split}",
+                             vocab=ds.manifest.get("vocab_size"))
         if seed is None:  # the order the run's validation reads its rows in
             seed = rc.train.seed if rc is not None else 0
         rows = PackedRows([stream], T, B, seed=seed, document_mask=mask, shuffle=True)

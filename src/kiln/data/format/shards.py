@@ -54,10 +54,16 @@ class TokenStream:
     """The concatenation of a split's shards, read as a circle of `len(self)` tokens.
 
     shards: (bin_path, idx_path, n_tokens) triples, as `PreparedDataset.shards(split)` gives them.
+    vocab: the tokenizer's vocabulary size, if known: a token id read at or past it (a changed byte of a shard,
+    which only `kiln prepare --verify` finds before) is a DataError naming the shard, not an index error (on a
+    GPU, a device-side assert that ends the process) in the model's embedding.
     """
 
-    def __init__(self, shards: Sequence[tuple[str | Path, str | Path, int]], dtype, name: str = "stream"):
+    def __init__(self, shards: Sequence[tuple[str | Path, str | Path, int]], dtype, name: str = "stream",
+                 vocab: int | None = None):
         self.name, self.dtype = name, np.dtype(dtype)
+        self.vocab = vocab if vocab is not None and vocab <= np.iinfo(self.dtype).max else None
+        self.paths: list[Path] = []
         self.bins: list[np.ndarray] = []
         self.ends: list[np.ndarray] = []  # per shard: document end offsets, shard-local
         sizes = []
@@ -77,6 +83,7 @@ class TokenStream:
                                 f"{int(ends[-1]) if ends.size else 0}): the dataset is damaged; "
                                 f"{_REMEDY.format(Path(bin_path).parent.parent)}")
             self.bins.append(tokens.view(np.ndarray))  # plain array view: no memmap overhead per slice
+            self.paths.append(Path(bin_path))
             self.ends.append(ends)
             sizes.append(int(n))
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # (n_shards + 1,)
@@ -98,6 +105,13 @@ class TokenStream:
             done += take
             pos = (pos + take) % L
 
+    def _out_of_vocab(self, s: int, local: int, piece: np.ndarray) -> None:
+        at = int(np.argmax(piece >= self.vocab))
+        path = self.paths[s]
+        raise DataError(f"shard {path} holds token id {int(piece[at])} at token {local + at}, past the tokenizer's "
+                        f"vocabulary of {self.vocab}: the dataset is damaged (a byte changed after it was made); "
+                        f"{_REMEDY.format(path.parent.parent)}")
+
     def read(self, start: int, out: np.ndarray, doc_ids: np.ndarray | None = None) -> None:
         """Fill `out` with the tokens at [start, start + len(out)) of the circle, and `doc_ids`
         (optional, length <= len(out)) with the index of each position's document, from 0."""
@@ -118,6 +132,8 @@ class TokenStream:
             pieces = list(self._pieces(start, n))
         for s, local, off, take in pieces:
             out[off:off + take] = self.bins[s][local:local + take]
+            if self.vocab is not None and int(out[off:off + take].max()) >= self.vocab:
+                self._out_of_vocab(s, local, out[off:off + take])
         if doc_starts is None:
             return
         m = doc_starts.size

@@ -240,7 +240,8 @@ class PackedLoader:
         """A loader over the `split` of one PreparedDataset or a list of them (a mixture)."""
         if not isinstance(datasets, (list, tuple)):
             datasets = [datasets]
-        streams = [TokenStream(ds.shards(split), ds.dtype, name=f"{ds.manifest['id']}/{split}") for ds in datasets]
+        streams = [TokenStream(ds.shards(split), ds.dtype, name=f"{ds.manifest['id']}/{split}",
+                               vocab=ds.manifest.get("vocab_size")) for ds in datasets]
         return cls(streams, seq_len, batch_size, **kwargs)
 
     def __iter__(self) -> PackedLoader:

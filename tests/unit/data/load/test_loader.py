@@ -166,6 +166,29 @@ def test_too_little_data_and_damaged_shards(tmp_path):
         TokenStream([(idx.with_suffix(".bin"), idx, entry["tokens"])], np.uint16, name="bad2")
 
 
+def test_a_token_past_the_vocabulary_in_a_shard_is_a_data_error_naming_it(tmp_path):
+    """A changed byte of a shard (same size: only --verify looks) gave the model a token id past its embedding:
+    an IndexError mid-run on a CPU, a device-side assert that ends the process on a GPU."""
+    import json
+
+    from kiln.config import DataConfig
+    from kiln.data.prepare.pipeline import prepare
+
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"document {i} of a few words"}) + "\n"
+                                              for i in range(40)))
+    ds = prepare(DataConfig(sources=[str(tmp_path / "a.jsonl")], vocab_size=300, val_fraction=0, workers=1,
+                            cache_dir=str(tmp_path / "cache")))
+    binp = ds.path / "train" / "00000.bin"
+    tokens = np.fromfile(binp, np.uint16)
+    tokens[len(tokens) // 2:] = 65535  # what a changed high byte does to a uint16 id
+    tokens.tofile(binp)
+    loader = PackedLoader.from_datasets(ds, "train", 8, 2, prefetch=0)
+    with pytest.raises(DataError, match=rf"shard {binp} holds token id 65535 at token \d+, past the tokenizer's "
+                                        r"vocabulary of \d+: the dataset is damaged"):
+        for _ in range(50):
+            next(loader)
+
+
 def test_no_document_ids_when_masking_is_off(stream):
     ts, _ = stream
     tokens, targets, doc_ids = next(PackedLoader(ts, T, B, document_mask=False, prefetch=0))
