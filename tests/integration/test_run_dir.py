@@ -125,6 +125,22 @@ def test_a_second_run_is_refused_and_a_killed_holder_blocks_no_resume(base, tmp_
     assert not (run_dir / ".lock").exists() and not (run_dir / ".lock-holder.json").exists()
 
 
+def test_a_run_stopped_by_sigterm_in_training_checkpoints_and_exits_143(base, tmp_path):
+    """Not finished: 128 + the signal, as `kiln train --nproc` exits, so a scheduler that restarts failed jobs
+    resumes it (exit 0 marked a preempted Kubernetes job done)."""
+    run_dir = tmp_path / "run"
+    stopped = child("hold", tmp_path / "go", [*base, f"train.run_dir={run_dir}"])
+    wait_for(stopped.stdout, "held")  # at the end of step 2
+    os.killpg(stopped.pid, signal.SIGTERM)
+    wait_for(stopped.stderr, "SIGTERM received")
+    (tmp_path / "go").touch()
+    out, err = stopped.communicate(timeout=300)
+    assert stopped.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "stopped by SIGTERM after step 3" in out and f"Resume with: kiln train {run_dir}" in out  # the next step's end
+    assert (run_dir / "checkpoints" / "step_00000003" / "meta.json").is_file()
+    assert "Traceback" not in err and not (run_dir / ".lock").exists()
+
+
 def test_a_finished_run_is_left_as_it_is_and_a_failed_force_keeps_the_config(base, tmp_path):
     run_dir = tmp_path / "run"
     first = kiln(*base, f"train.run_dir={run_dir}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import typer
@@ -35,7 +37,8 @@ def train(
     hashes verify (damaged ones are skipped, with a message), with the config in RUN_DIR/config.yaml.
     `kiln train CONFIG train.run_dir=RUN_DIR` does the same with CONFIG, which must match the saved
     config; add `--resume force` to accept deliberate changes (e.g. train.max_steps=4000 train.lr=1e-4).
-    A run stopped by SIGTERM or Ctrl-C writes a checkpoint first; Ctrl-C twice aborts at once.
+    A run stopped by SIGTERM or Ctrl-C writes a checkpoint first and exits 128 + the signal's number (143, 130:
+    not finished, so a scheduler restarts it); Ctrl-C twice aborts at once.
     """
     from kiln.config import derive, describe_fields, load_config
 
@@ -84,8 +87,9 @@ def train(
         started()  # signals are the launcher's from here on: it passes them to torchrun
         # the config was checked here first: an error in it is shown once, not by every process of every restart
         raise typer.Exit(relaunch(nproc, max_restarts=max_restarts, cfg=cfg))
+    from kiln.parallel.launch.torchrun import STOPPED
     from kiln.state import after_save
-    from kiln.state.preempt import Interrupted
+    from kiln.state.preempt import Interrupted, stopped_by
     from kiln.train.run import run
 
     started()  # torch is loaded: signals are the run's from here on (kiln.train.run)
@@ -96,6 +100,9 @@ def train(
             raise
         err_console.print(str(e), highlight=False)
         raise typer.Exit(0 if after_save.is_saved() else e.exit_code) from None
+    signame = stopped_by()  # stopped in the loop, its checkpoint written: not finished, 128 + the signal's number
+    if signame and not os.environ.get(STOPPED):  # under `kiln train --nproc`, the launcher's exit code says it
+        raise typer.Exit(128 + signal.Signals[signame].value)
 
 
 @app.command()

@@ -34,6 +34,16 @@ class Preempted(Exception):
         self.signame, self.step, self.path = signame, step, path
 
 
+_stopped: list[str] = []  # the signal that stopped this process's last run after its checkpoint (train_guarded)
+
+
+def stopped_by() -> str | None:
+    """The name of the signal that stopped this process's last `train_guarded` run, its checkpoint written (None:
+    it was not stopped). `kiln train` exits 128 + its number: the run is not finished, and a scheduler that
+    restarts a job on a non-zero exit (Kubernetes' OnFailure, Kubeflow's exit codes 128-255) resumes it."""
+    return _stopped[-1] if _stopped else None
+
+
 class _Handler(abc.ABC):
     """SIGTERM, SIGINT and SIGHUP go to `on_signal` while the block runs (main thread only). A process forked
     meanwhile (tokenizer or loader workers) inherits the handler, and dies of the signal instead. SIGHUP (a
@@ -193,10 +203,12 @@ def train_guarded(trainer, checkpointer, guard: SignalGuard | None, run_dir: Pat
     """`trainer.train()` with signal handling and emergency checkpoints. None when preempted."""
     from kiln.errors import KilnError
 
+    _stopped.clear()
     try:
         with guard if guard is not None else contextlib.nullcontext():
             return trainer.train()
     except Preempted as p:
+        _stopped.append(p.signame)
         checkpointer.close()
         if dist.is_available() and dist.is_initialized():  # this node's torchrun waits no longer for lost nodes
             record_stop(p.signame)
