@@ -136,7 +136,8 @@ def test_a_run_stopped_by_sigterm_in_training_checkpoints_and_exits_143(base, tm
     (tmp_path / "go").touch()
     out, err = stopped.communicate(timeout=300)
     assert stopped.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert "stopped by SIGTERM after step 3" in out and f"Resume with: kiln train {run_dir}" in out  # the next step's end
+    # the guard stops at the end of the step after the signal's
+    assert "stopped by SIGTERM after step 3" in out and f"Resume with: kiln train {run_dir}" in out
     assert (run_dir / "checkpoints" / "step_00000003" / "meta.json").is_file()
     assert "Traceback" not in err and not (run_dir / ".lock").exists()
 
