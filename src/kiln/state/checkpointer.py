@@ -154,6 +154,8 @@ class Checkpointer:
         self._warned_slow = self._closed = False
         if self.rank != 0:
             policies = []
+        else:
+            _check_writable(self.dir)
         self.policies = default_policies(self.run_dir, cfg, log) if policies is None else list(policies)
 
     # ------------------------------------------------------------------ save
@@ -233,7 +235,10 @@ class Checkpointer:
         tmp = self.dir / f"{TMP_PREFIX}{target.name}"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            try:
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                self._failed(e, step, tmp)
         self._barrier()
         writer = hashing_writer(tmp, self.ccfg.write_threads, self.ccfg.fsync)
         self.last_saved_step = step
@@ -460,3 +465,17 @@ class Checkpointer:
     def restore_snapshot(self, state) -> int:
         """Roll `state` back to the last snapshot. Returns its step."""
         return self.snapshots.restore(state)
+
+
+def _check_writable(directory: Path) -> None:
+    """StateError before any training when `directory` (the run's checkpoints/) cannot take a checkpoint: found at
+    the first save, it would lose the steps trained until then."""
+    where = next(p for p in (directory, *directory.parents) if p.exists())  # the first one a save would write in
+    if directory.exists() and not directory.is_dir():
+        reason = "a file of that name is in the way"
+    elif not os.access(where, os.W_OK | os.X_OK):
+        reason = f"{where} is not writable"
+    else:
+        return
+    raise StateError(f"cannot keep checkpoints in {directory}: {reason}. Move or rename what is there (or fix its "
+                     "permissions), then run the same command again; nothing has been trained yet.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import random
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -255,3 +256,15 @@ def test_digests_computed_while_writing_match_the_files(tmp_path):
     for name, info in digests.items():
         path = tmp_path / "c" / name
         assert info == {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def test_a_file_in_place_of_checkpoints_is_refused_before_training(trainer_factory):
+    """A file named checkpoints/ in the run directory: refused when the checkpointer starts, not after the steps up
+    to the first save were trained (a NotADirectoryError traceback there)."""
+    t = trainer_factory()
+    ckdir = Path(t.cfg.train.run_dir) / "checkpoints"
+    ckdir.parent.mkdir(parents=True, exist_ok=True)
+    ckdir.write_text("notes\n")
+    with pytest.raises(StateError, match="checkpoints: a file of that name is in the way"):
+        checkpointer(t)
+    assert ckdir.read_text() == "notes\n"
