@@ -77,6 +77,10 @@ class JsonScanner:
                 cut = e.pos >= len(self.buf) - 8 or e.msg.startswith("Unterminated string")
                 if self.eof or not cut:  # not for want of the next piece: the JSON is invalid
                     raise self._invalid(e) from None
+            except (RecursionError, ValueError) as e:  # valid JSON that Python's json module does not decode
+                raise self.error(f"a JSON value Python's json module cannot decode ({undecodable(e)}). A JSON file "
+                                 "cannot be read on past it: convert the file to JSON Lines, where such a line is "
+                                 "one bad record, skipped with data.on_bad_record=skip") from None
             if len(self.buf) - self.pos > self.limit:
                 if not whole:
                     return self.TOO_BIG
@@ -115,3 +119,11 @@ class JsonScanner:
             line, nl = self.line_at(), self.buf.rfind("\n", 0, self.pos)
             col = self.pos - nl if nl >= 0 else self.col0 + self.pos + 1
         return DataError(f"line {line}" + (f" column {col}" if col is not None else "") + f": {what}")
+
+
+def undecodable(e: Exception) -> str:
+    """Why Python's json module raised `e` (not a JSONDecodeError) on valid JSON."""
+    if isinstance(e, RecursionError):
+        return "arrays or objects nested deeper than its recursion limit"
+    return str(e).split(";")[0]  # 'Exceeds the limit (4300 digits) for integer string conversion: ...'
+

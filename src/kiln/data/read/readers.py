@@ -20,7 +20,7 @@ import json
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from kiln.data.read.jsontext import JsonScanner
+from kiln.data.read.jsontext import JsonScanner, undecodable
 from kiln.errors import DataError
 
 CHUNK = 1 << 20
@@ -243,9 +243,12 @@ def read_jsonl(f: BinaryIO, field: str, limit: int, skip: int = 0) -> Iterator[R
                     yield index, lineno, InvalidUTF8(f"byte {e.start} of the line is not UTF-8")
                 else:
                     try:
-                        yield index, lineno, _field(_json_decode(text), field)
-                    except ValueError as e:
-                        yield index, lineno, Malformed(f"not valid JSON ({e})")
+                        value = _field(_json_decode(text), field)
+                    except json.JSONDecodeError as e:
+                        value = Malformed(f"not valid JSON ({e})")
+                    except (RecursionError, ValueError) as e:
+                        value = Malformed(f"JSON that Python's json module cannot decode ({undecodable(e)})")
+                    yield index, lineno, value
         index += 1
 
 
@@ -302,7 +305,7 @@ def _one_value(line: bytes) -> bool:
     try:
         _json_decode(line.decode("utf-8", "surrogateescape"))
         return True
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
 
 

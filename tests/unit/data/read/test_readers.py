@@ -144,3 +144,22 @@ def test_a_file_of_another_encoding_or_kind_than_its_name_says_is_one_bad_file(t
         read(tmp_path / "a.txt", text_unit="line")
     with pytest.raises(DataError, match=r"b\.jsonl: the file is a parquet file, not jsonl"):
         read(tmp_path / "b.jsonl")
+
+
+def test_valid_json_that_pythons_json_module_cannot_decode(tmp_path):
+    """Arrays nested deeper than the recursion limit, or an integer of over 4300 digits, raised RecursionError
+    and ValueError tracebacks out of the .json reader (and RecursionError out of the .jsonl one)."""
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "a.jsonl").write_text(f'{{"text": "kept"}}\n{{"text": "x", "meta": {deep}}}\n{{"text": "too"}}\n')
+    (tmp_path / "b.json").write_text(f'[{{"text": "x", "meta": {deep}}}]')
+    (tmp_path / "c.json").write_text('[{"text": "x", "n": ' + "9" * 5000 + "}]")
+    cfg = DataConfig(sources=[str(tmp_path / "a.jsonl")], on_bad_record="skip")
+    checker = RecordChecker.from_config(cfg)
+    assert [d.text for d in iter_documents(cfg, checker=checker)] == ["kept", "too"]
+    assert dict(checker.dropped) == {"malformed": 1}
+    with pytest.raises(DataError, match=r"a\.jsonl:2: .*cannot decode \(arrays or objects nested deeper"):
+        read(tmp_path / "a.jsonl")
+    with pytest.raises(DataError, match=r"b\.json: line 1 column 2: a JSON value Python's json module cannot decode"):
+        read(tmp_path / "b.json", on_bad_record="skip")
+    with pytest.raises(DataError, match=r"c\.json: line 1 column 2: .*\(Exceeds the limit \(4300 digits\)"):
+        read(tmp_path / "c.json")
