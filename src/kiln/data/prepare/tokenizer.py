@@ -213,6 +213,10 @@ def load_or_train(cfg, texts: Iterable[str], sources: str | list, cache_dir: Pat
                                       "same command again to train it", highlight=False)
                     raise
                 tok = Tokenizer.load(path, eos, bos)
+                if tok.vocab_size < cfg.vocab_size and console is not None:
+                    console.print(f"the tokenizer learned {tok.vocab_size:,} tokens, fewer than data.vocab_size="
+                                  f"{cfg.vocab_size:,}: its text holds no more pairs to merge (more, or more varied, "
+                                  "text gives more); the model's vocabulary follows the tokenizer's", highlight=False)
     return tok
 
 

@@ -96,6 +96,19 @@ def test_trained_tokenizer_is_cached(tmp_path):
         load_or_train(cfg.model_copy(update={"vocab_size": 100}), iter(CORPUS), "key2", tmp_path)
 
 
+def test_a_tokenizer_that_learns_fewer_tokens_than_asked_says_so(tmp_path):
+    """data.vocab_size=100000 on a small corpus gave a tokenizer of a few hundred tokens without a word."""
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    cfg = DataConfig(vocab_size=100_000, cache_dir=str(tmp_path))
+    tok = load_or_train(cfg, iter(["ab ab ab"]), "key1", tmp_path, Console(file=out, width=300))
+    assert tok.vocab_size < 300
+    assert f"the tokenizer learned {tok.vocab_size:,} tokens, fewer than data.vocab_size=100,000" in out.getvalue()
+
+
 def _with_template(single: str | None):
     """A BPE with Llama's specials (<unk>, <s>, </s>) whose post-processor is `single` (None: none)."""
     from tokenizers import processors
