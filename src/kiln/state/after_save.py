@@ -1,7 +1,8 @@
 """Signals after a run is saved. Once `kiln train` has written all it was to write (model/, else the final
 checkpoint), a Ctrl-C or SIGTERM while the process winds down (sinks closing, the run directory let go, the process
 group left, loader workers and threads ending) loses nothing: it says so in one line, the shutdown goes on, and the
-process exits 0, not 130 with a traceback. A second one ends the process at once, still 0. Before that moment,
+process exits 0, not 130 with a traceback. A second one ends the process at once, still 0; once the interpreter
+tears itself down (after the last atexit function), signals are ignored until it has. Before that moment,
 signals are handled as ever (kiln.state.preempt: a checkpoint, or Interrupted and 128 + the signal's number).
 
     install()      # `kiln`'s main, first: the process's handler, below every handler of the command and the run
@@ -12,6 +13,7 @@ signals are handled as ever (kiln.state.preempt: a checkpoint, or Interrupted an
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -25,6 +27,8 @@ def install() -> None:
     """From here to the end of the process (main thread), SIGTERM, SIGINT and SIGHUP that no block of the run
     handles come here: handled as before until `mark_saved`, then as the module says. SIGHUP is left alone where it
     is ignored (under nohup)."""
+    if _state["pid"] is None:
+        atexit.register(_ignore_while_finalizing)  # the first registered runs last, after every other one
     _state.update(pid=os.getpid(), previous={})
     reset()
     for sig in SIGNALS:
@@ -52,6 +56,15 @@ def mark_saved() -> None:
 
 def is_saved() -> bool:
     return bool(_state["saved"])
+
+
+def _ignore_while_finalizing() -> None:
+    """The interpreter's last step, once the run is saved: Python gives every signal it handles its default action
+    back before it tears its modules down (a second or more with torch loaded), so a signal then ended a saved run
+    with 128 + its number and no word. Ignored instead, the process ends with the exit code it had."""
+    if _state["saved"] and os.getpid() == _state["pid"]:
+        for sig in SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _handle(signum: int, frame) -> None:

@@ -34,3 +34,29 @@ def test_a_signal_is_handled_as_before_until_the_run_is_saved_then_noted(capsys,
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+LATE_SIGNAL = """
+import os, signal, sys, time
+from kiln.state import after_save
+after_save.install()
+after_save.mark_saved()
+class Late:  # torn down with __main__, after the interpreter gave the signals their default action back
+    def __del__(self, kill=os.kill, pid=os.getpid(), sig=signal.SIGTERM, sleep=time.sleep):
+        kill(pid, sig)
+        sleep(0.05)
+late = Late()
+print("saved", flush=True)
+"""
+
+
+def test_a_signal_while_the_interpreter_ends_a_saved_run_leaves_its_exit_code(tmp_path):
+    """The second or so torch takes to be torn down after `kiln train` returns: a SIGTERM there ended a saved run
+    with 143 and no word (Python's default action again by then)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", LATE_SIGNAL], capture_output=True, text=True, timeout=60, env=env,
+                       cwd=tmp_path)
+    assert (r.returncode, r.stdout) == (0, "saved\n"), r.stderr
