@@ -195,7 +195,7 @@ def _record_folders(kinds: dict[str, str | None]) -> set[str]:
 
 class SourceList(list):
     """The files of `expand`, plus `passed_over`: the files of directories that were not read (of
-    unknown type, or text beside record files), reported by `kiln prepare`."""
+    unknown type, or text beside record files) and folders a glob matched, reported by `kiln prepare`."""
 
     passed_over: list[str]
 
@@ -208,7 +208,8 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
     images) are passed over and listed in `passed_over`; hidden ones (.git, .DS_Store) silently. A
     folder that holds record files (jsonl, json, parquet, csv, tsv), itself or in its sub-folders, has
     its own text files (README.md, notes.txt) passed over too, unless data.format says otherwise; text
-    files in sub-folders without records are read. A file a glob or path names is always read.
+    files in sub-folders without records are read. A file a glob or path names is always read; a folder
+    a glob matches without any of its files (corpus/* matching corpus/2024/) is listed in `passed_over`.
     """
     import fsspec
     from fsspec.implementations.local import LocalFileSystem
@@ -261,7 +262,7 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
 
         def url(p: str, prefix: str = prefix) -> str:
             return p if p.startswith(prefix) else prefix + p
-        found = False
+        found = matched_folder = False
         try:
             if fs.isdir(path):
                 arrow = _hf_saved(fs, path, dataset_split)
@@ -290,9 +291,17 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
                 raise DataError(f"data source '{spec}' does not exist. Check the path or URL in data.sources.")
             else:
                 matches = fs.glob(path, recursive=True) if "://" in spec else glob.glob(path, recursive=True)
-                for p in sorted(matches):
-                    if fs.isfile(p):
-                        found |= add(fs, p, url(p), True)
+                files = [p for p in sorted(matches) if fs.isfile(p) or _broken_link(p, prefix)]  # add() says which
+                for p in files:
+                    found |= add(fs, p, url(p), True)
+                folders = {posixpath.dirname(p) for p in files}
+                for f in list(folders):
+                    while f not in ("", "/") and (f := posixpath.dirname(f)) not in folders:
+                        folders.add(f)
+                for p in sorted(matches):  # a folder the glob matched, none of whose files it did (corpus/*)
+                    if p.rstrip("/") not in folders and p not in files and fs.isdir(p) and fs.ls(p):
+                        out.passed_over.append(url(p).rstrip("/") + "/")
+                        matched_folder = True
         except DataError:
             raise
         except Exception as e:  # remote filesystems raise their own errors too (credentials, HTTP, ...)
@@ -301,9 +310,17 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
             raise DataError(f"data source '{spec}': {type(e).__name__}: {str(e).rstrip('. ')}. Check the path or "
                             "URL in data.sources (and, for a URL, its credentials).") from None
         if not found:
+            folders = (" It matches folders only: name a folder itself to read the files in it, or end the glob "
+                       "with /** to match them.") if matched_folder else ""
             raise DataError(f"data source '{spec}' matches no readable file (formats: .txt .md .py .jsonl .json "
-                            ".parquet .csv .tsv .arrow, optionally .gz or .zst). Check the path in data.sources.")
+                            ".parquet .csv .tsv .arrow, optionally .gz or .zst). Check the path in data.sources."
+                            + folders)
     return out
+
+
+def _broken_link(path: str, prefix: str) -> bool:
+    """A local symbolic link whose target is gone."""
+    return not prefix and os.path.islink(path) and not os.path.exists(path)
 
 
 def file_sha256(sf: SourceFile) -> dict:

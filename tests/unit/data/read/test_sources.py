@@ -357,3 +357,23 @@ def test_an_empty_record_file_named_in_the_sources_is_said_as_an_empty_text_file
     checker = RecordChecker.from_config(cfg)
     assert [d.text for d in iter_documents(cfg, checker=checker)] == ["a document"]
     assert dict(checker.dropped) == {"empty": 3}
+
+
+def test_a_glob_says_which_folders_and_broken_links_it_matched(tmp_path):
+    """corpus/* matching corpus/2024/ left that folder's files unread without a word, a glob matching folders only
+    said it matched no file, and a broken link a glob matched was passed over silently (in a folder it stops)."""
+    d = tmp_path / "corpus"
+    (d / "2023").mkdir(parents=True)
+    (d / "2024").mkdir()
+    (d / "top.jsonl").write_text('{"text": "top"}\n')
+    (d / "2024" / "b.jsonl").write_text('{"text": "in 2024"}\n')
+    files = expand([str(d / "*")])
+    assert [f.url for f in files] == [str(d / "top.jsonl")]
+    assert files.passed_over == [f"{d / '2024'}/"]  # an empty folder holds nothing left unread
+    files = expand([str(d / "**")])  # its files are matched too: nothing to say
+    assert [f.url for f in files] == [str(d / "2024" / "b.jsonl"), str(d / "top.jsonl")] and files.passed_over == []
+    with pytest.raises(DataError, match=r"matches no readable file .* It matches folders only: name a folder itself"):
+        expand([str(d / "20*")])
+    (d / "gone.jsonl").symlink_to(tmp_path / "nowhere.jsonl")
+    with pytest.raises(DataError, match=r"gone\.jsonl is a broken symbolic link"):
+        expand([str(d / "*.jsonl")])
