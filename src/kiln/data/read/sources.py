@@ -288,7 +288,11 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
                 raise DataError(f"data source '{spec}' is not a regular file or directory (a device, a pipe or a "
                                 "socket, which could be endless or never end); copy its text into a file and name that")
             elif not glob.has_magic(path):
-                raise DataError(f"data source '{spec}' does not exist. Check the path or URL in data.sources.")
+                relative = "" if prefix or os.path.isabs(path) else (
+                    f" (a relative path, read from the current directory {os.getcwd()}: run kiln from the directory "
+                    "the run was started in, or give an absolute path)")
+                raise DataError(f"data source '{spec}' does not exist{relative}. Check the path or URL in "
+                                "data.sources.")
             else:
                 matches = fs.glob(path, recursive=True) if "://" in spec else glob.glob(path, recursive=True)
                 files = [p for p in sorted(matches) if fs.isfile(p) or _broken_link(p, prefix)]  # add() says which

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -186,9 +187,14 @@ def test_a_file_reached_twice_is_read_once(tmp_path):
     assert [f.url for f in expand([str(s) for s in specs])] == [str(tmp_path / "d" / "a.txt")]
 
 
-def test_paths_that_lead_nowhere(tmp_path):
-    with pytest.raises(DataError, match=r"'.*missing\.txt' does not exist"):
+def test_paths_that_lead_nowhere(tmp_path, monkeypatch):
+    with pytest.raises(DataError, match=r"'.*missing\.txt' does not exist\. Check"):
         expand([str(tmp_path / "missing.txt")])
+    # a run resumed from another directory: its relative sources are looked for there, and the message says so
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=rf"'corpus' does not exist \(a relative path, read from the current "
+                                        rf"directory {re.escape(str(tmp_path))}: run kiln from the directory"):
+        expand(["corpus"])
     os.mkfifo(tmp_path / "pipe.txt")  # it exists (it was said not to): a device or a pipe is named for what it is
     for special in (tmp_path / "pipe.txt", "/dev/zero"):
         with pytest.raises(DataError, match="is not a regular file or directory"):
