@@ -63,7 +63,8 @@ def runs_(
 
 @app.command()
 def plan(
-    config: str | None = typer.Argument(None, help="YAML config file or preset name; omit for the quickstart."),
+    config: str | None = typer.Argument(None, help="YAML config file, preset name or run directory; omit for the "
+                                        "quickstart."),
     overrides: list[str] | None = typer.Argument(None, help="Dotted KEY=VALUE overrides, e.g. train.batch_size=16."),
     gpus: int = typer.Option(1, "--gpus", min=1, help="Processes (one per GPU) the run would use."),
     gpu: str | None = typer.Option(None, "--gpu", help="The card: h100, h200, a100, a100-40, l40s, rtx4090, "
@@ -85,6 +86,8 @@ def plan(
     if config is not None and "=" in config:
         overrides.insert(0, config)
         config = None
+    if config is not None and (Path(config).expanduser() / "config.yaml").is_file():  # a run directory, as in train
+        config = str(Path(config).expanduser() / "config.yaml")
     cfg = load_config(config, overrides)
     device, note = local_device(gpu, cfg.train.device)
     result = make_plan(cfg, gpus, device)

@@ -166,6 +166,18 @@ def test_cli_prints_the_plan_and_warns_with_exit_0():
     assert bad.returncode == 2 and "not a card the planner knows" in bad.stderr and "Traceback" not in bad.stderr
 
 
+
+def test_cli_plans_a_run_directory_from_its_config(tmp_path):
+    """`kiln plan RUN_DIR`, as `kiln train RUN_DIR` resumes one: it was refused as 'a directory, not a YAML file'."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(load_config("gpu-1b", ["model.size=8b"]).to_yaml())  # as kiln train writes it
+    r = kiln("plan", str(run), "--gpu", "rtx4090")
+    assert r.returncode == 0, r.stderr
+    assert "8.03B parameters" in r.stdout and "does not fit" in r.stdout
+    assert kiln("plan", str(tmp_path), "--gpu", "rtx4090").returncode == 2  # no config.yaml: not a run directory
+
+
 def test_lora_plans_an_8b_model_on_one_rtx4090():
     from kiln.plan.memory import Lora, lora_params
 
