@@ -228,9 +228,12 @@ _json_decode = json.JSONDecoder().decode
 
 
 def read_jsonl(f: BinaryIO, field: str, limit: int, skip: int = 0) -> Iterator[Record]:
-    """JSON Lines: one object per non-blank line; the record is its `field`."""
+    """JSON Lines: one object per non-blank line; the record is its `field`. A line may begin with a UTF-8 byte
+    order mark (files that each had one, concatenated)."""
     index = 0
     for lineno, line, long_line in _lines(f, limit):
+        if line[:3] == BOM:
+            line = line[3:]
         if not long_line and not line.strip():
             continue
         if index >= skip:

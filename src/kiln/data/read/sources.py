@@ -39,7 +39,7 @@ STDLIB = "@stdlib"
 # How files become documents: raised whenever a reader gives other documents for the same bytes (as when
 # lone CR bytes began to end lines, or a UTF-16 file stopped giving lines of NULs under on_bad_record=skip),
 # so datasets and tokenizers made by the old readers are not reused
-READERS_VERSION = 3
+READERS_VERSION = 4  # 4: a JSON Lines line may begin with a UTF-8 byte order mark
 TEXT_SUFFIXES = {".txt", ".text", ".md", ".markdown", ".rst", ".py", ".tex"}
 DATA_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
                  ".csv": "csv", ".tsv": "tsv", ".arrow": "arrow"}

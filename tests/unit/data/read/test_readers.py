@@ -163,3 +163,12 @@ def test_valid_json_that_pythons_json_module_cannot_decode(tmp_path):
         read(tmp_path / "b.json", on_bad_record="skip")
     with pytest.raises(DataError, match=r"c\.json: line 1 column 2: .*\(Exceeds the limit \(4300 digits\)"):
         read(tmp_path / "c.json")
+
+
+def test_json_lines_concatenated_from_files_with_a_byte_order_mark(tmp_path):
+    """`cat a.jsonl b.jsonl` of files that each begin with a UTF-8 BOM: the line after the join was not valid
+    JSON ('Expecting value: line 1 column 1'), a record lost under data.on_bad_record=skip."""
+    one = b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n'
+    (tmp_path / "a.jsonl").write_bytes(one + one.replace(b"first", b"third").replace(b"second", b"fourth"))
+    assert read(tmp_path / "a.jsonl") == ["first", "second", "third", "fourth"]
+
