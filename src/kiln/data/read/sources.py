@@ -44,6 +44,7 @@ TEXT_SUFFIXES = {".txt", ".text", ".md", ".markdown", ".rst", ".py", ".tex"}
 DATA_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
                  ".csv": "csv", ".tsv": "tsv", ".arrow": "arrow"}
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+ZSTD_WINDOW = 1 << 31  # the window a .zst frame may ask for: zstd's largest, as `zstd -d --long=31` allows
 
 
 class Document(NamedTuple):
@@ -88,7 +89,10 @@ class SourceFile:
             except ImportError:
                 raise DataError(f"{self.url}: reading .zst files needs the 'zstandard' package: "
                                 "pip install 'kiln[zstd]'") from None
-            return io.BufferedReader(_Zstd(raw, zstandard.ZstdDecompressor()), buffer_size=readers.CHUNK)
+            # up to zstd's largest window (2 GiB): `zstd --long=31` writes such frames for big corpora, and the
+            # library's default 128 MiB limit refuses them ('Frame requires too much memory for decoding')
+            return io.BufferedReader(_Zstd(raw, zstandard.ZstdDecompressor(max_window_size=ZSTD_WINDOW)),
+                                     buffer_size=readers.CHUNK)
         return raw if isinstance(raw, io.BufferedReader) else io.BufferedReader(raw, buffer_size=readers.CHUNK)
 
 

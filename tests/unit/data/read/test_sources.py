@@ -163,6 +163,20 @@ def test_byte_order_mark_is_not_text(tmp_path):
     assert texts(tmp_path, sorted(tmp_path.glob("?.*"))) == ["x", "hello", "hi", "arr"]
 
 
+def test_zstd_of_a_long_window_is_read(tmp_path):
+    """A file of `zstd --long=31` (a 2 GiB window, as big corpora are compressed) was 'truncated or corrupt':
+    the zstandard library decodes windows of up to 128 MiB unless told more."""
+    import zstandard
+
+    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=31, enable_ldm=True)
+    writer = zstandard.ZstdCompressor(compression_params=params).compressobj()  # size unknown: the window stays
+    data = writer.compress(b"".join(b'{"text": "record %d"}\n' % i for i in range(50))) + writer.flush()
+    assert zstandard.get_frame_parameters(data).window_size == 1 << 31
+    (tmp_path / "a.jsonl.zst").write_bytes(data)
+    assert [d.text for d in iter_documents(DataConfig(sources=[str(tmp_path / "a.jsonl.zst")]))] == \
+        [f"record {i}" for i in range(50)]
+
+
 def test_truncated_zstd_is_an_error_not_a_shorter_file(tmp_path):
     import zstandard
 
