@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -42,6 +43,28 @@ def save_model(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer | None, 
     if tokenizer is not None:
         tokenizer.save(out / "tokenizer.json")
     return out
+
+
+@contextmanager
+def final_model_errors(run_dir: Path) -> Iterator[None]:
+    """A final model save that the disk or the file system refuses (full, read-only, a quota) as a StateError that
+    says what helps: it raised the writer's own error (OSError, or safetensors' SafetensorError) with a traceback.
+    The partial weights file goes, which gives its room back; the final checkpoint is complete."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        out = run_dir / "model"
+        for tmp in out.glob("*.tmp"):
+            if tmp.is_file():
+                tmp.unlink()
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        newest = checkpoints(run_dir)
+        kept = f"the final checkpoint {newest[-1]} is complete, and " if newest else ""
+        raise StateError(f"writing the final model to {out} failed: {reason}. Nothing is lost: {kept}`kiln train "
+                         f"{run_dir}` writes model/ from it once the cause is gone (free space on that disk)."
+                         ) from None
 
 
 def _not_saved(run_dir: Path) -> StateError:

@@ -49,7 +49,7 @@ from kiln.state.resume import check_compatible, choose_checkpoint, fingerprints,
 from kiln.state.rundir import config_while_starting, hold_run_dir, model_saved, process_rank, write_config
 from kiln.state.stop_tokens import run_stop_strings, run_stops
 from kiln.state.verify import read_meta
-from kiln.state.weights import save_model
+from kiln.state.weights import final_model_errors, save_model
 from kiln.train.early_stop import EarlyStop
 from kiln.train.events import EvalEvery
 from kiln.train.rollback import Rollback, host_room
@@ -462,7 +462,7 @@ def _save_final(model, cfg: RunConfig, tok, run_dir: Path, console: Console) -> 
         return True
     with StopSignals("during the final model save", f"model/ is incomplete; the final checkpoint is complete "
                      f"and `kiln train {run_dir}` writes model/ from it", defer=True,
-                     deferred="finishing the model save first") as saving:
+                     deferred="finishing the model save first") as saving, final_model_errors(run_dir):
         if cfg.model.hf_class == "auto":  # save_pretrained: PEFT's adapters in model/adapters, then merged
             from kiln.state.export import finish_auto_export
             from kiln.state.hf_source import tokenizer_dir

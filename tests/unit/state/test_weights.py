@@ -7,7 +7,7 @@ from safetensors.torch import save_file
 from kiln.config import ModelConfig
 from kiln.errors import StateError
 from kiln.model import Transformer
-from kiln.state.weights import load_model, save_model
+from kiln.state.weights import final_model_errors, load_model, save_model
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -69,3 +69,23 @@ def test_the_saved_and_exported_weights_get_the_mode_of_a_new_file(tmp_path):
         os.umask(old)
     for path in (tmp_path / "model" / "model.safetensors", tmp_path / "hf" / "model.safetensors"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+
+
+def test_a_final_model_the_disk_cannot_hold_is_a_state_error(tmp_path):
+    """A real 256 KiB disk (tmpfs; needs root) and a 0.5 MB model: safetensors' SafetensorError with a traceback,
+    after a complete run's final checkpoint. Now a StateError that says what to do, the partial file gone."""
+    import subprocess
+
+    run = tmp_path / "run"
+    run.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(run)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        model = Transformer(ModelConfig(size="tiny", vocab_size=97))
+        with pytest.raises(StateError, match=rf"writing the final model to {run / 'model'} failed: .*No space left on "
+                                             rf"device.*`kiln train {run}` writes model/"):
+            with final_model_errors(run):
+                save_model(model, model.cfg, None, run / "model")
+        assert list((run / "model").iterdir()) == []  # the partial weights gave their room back
+    finally:
+        subprocess.run(["umount", "-l", str(run)], capture_output=True)
