@@ -231,7 +231,8 @@ def set_aside(run_dir: str | Path) -> list[Path]:
 
 
 def model_saved(path: Path) -> bool:
-    """Whether `path` holds the whole final model: weights, model config and tokenizer (written in that order)."""
+    """Whether `path` holds the whole final model: weights, tokenizer and model config (written last, so its presence
+    says the others are whole)."""
     try:
         json.loads((path / "model_config.json").read_text())
     except (OSError, ValueError):

@@ -39,22 +39,26 @@ def save_model(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer | None, 
     # the layout is Kiln's own). The tensors are written sorted by dtype and name: deterministic.
     save_file(state, str(tmp), metadata={"format": "pt"})
     replace_file(tmp, out / "model.safetensors")
+    if tokenizer is not None:  # whole or not at all, before the model config that completes `out`
+        tokenizer.save(out / "tokenizer.json.tmp")
+        replace_file(out / "tokenizer.json.tmp", out / "tokenizer.json")
     atomic_write_json(out / "model_config.json", cfg.model_dump(mode="json"), indent=2)
-    if tokenizer is not None:
-        tokenizer.save(out / "tokenizer.json")
     return out
 
 
 @contextmanager
 def final_model_errors(run_dir: Path) -> Iterator[None]:
     """A final model save that the disk or the file system refuses (full, read-only, a quota) as a StateError that
-    says what helps: it raised the writer's own error (OSError, or safetensors' SafetensorError) with a traceback.
+    says what helps: it raised the writer's own error (OSError, safetensors' SafetensorError, the tokenizer's
+    Exception) with a traceback.
     The partial weights file goes, which gives its room back; the final checkpoint is complete."""
     from safetensors import SafetensorError
 
     try:
         yield
-    except (OSError, SafetensorError) as e:
+    except Exception as e:
+        if not isinstance(e, (OSError, SafetensorError)) and "(os error " not in str(e):  # the Rust writers' I/O
+            raise  # errors (safetensors, tokenizers' plain Exception) end in "(os error N)"; the others are bugs
         out = run_dir / "model"
         for tmp in out.glob("*.tmp"):
             if tmp.is_file():

@@ -72,20 +72,41 @@ def test_the_saved_and_exported_weights_get_the_mode_of_a_new_file(tmp_path):
 
 
 def test_a_final_model_the_disk_cannot_hold_is_a_state_error(tmp_path):
-    """A real 256 KiB disk (tmpfs; needs root) and a 0.5 MB model: safetensors' SafetensorError with a traceback,
-    after a complete run's final checkpoint. Now a StateError that says what to do, the partial file gone."""
+    """A real 1 MiB disk (tmpfs; needs root): a final save whose weights do not fit, then one whose weights fit but
+    not its tokenizer. Both raised the writer's own error with a traceback (safetensors' SafetensorError, the
+    tokenizer's plain Exception), and the second left a partial tokenizer.json after model_config.json, a model/
+    that read as complete. Now a StateError that says what to do, no partial file, and model/ not complete."""
     import subprocess
+    import sysconfig
+    from pathlib import Path
+
+    from kiln.data.prepare.tokenizer import train_bpe
+    from kiln.state.rundir import model_saved
 
     run = tmp_path / "run"
     run.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(run)], capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(run)], capture_output=True).returncode:
         pytest.skip("mounting a small tmpfs needs root")
     try:
-        model = Transformer(ModelConfig(size="tiny", vocab_size=97))
-        with pytest.raises(StateError, match=rf"writing the final model to {run / 'model'} failed: .*No space left on "
-                                             rf"device.*`kiln train {run}` writes model/"):
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig(size="tiny", vocab_size=300))
+        tok = train_bpe([(Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()], 300)
+        out = run / "model"
+        (run / "filler").write_bytes(b"0" * (1 << 20))  # the disk full to the last block: nothing fits
+        with pytest.raises(StateError, match=rf"writing the final model to {out} failed: .*No space left on device"
+                                             rf".*`kiln train {run}` writes model/"):
             with final_model_errors(run):
-                save_model(model, model.cfg, None, run / "model")
-        assert list((run / "model").iterdir()) == []  # the partial weights gave their room back
+                save_model(model, model.cfg, tok, out)
+        assert list(out.iterdir()) == []  # the partial weights gave their room back
+        (run / "filler").unlink()
+        save_model(model, model.cfg, None, tmp_path / "weights")
+        weights = (tmp_path / "weights" / "model.safetensors").stat().st_size
+        free = subprocess.run(["df", "-B1", "--output=avail", str(run)], capture_output=True, text=True)
+        room = int(free.stdout.split()[-1]) - weights - 8192  # the weights fit, not the tokenizer (~10 KB)
+        (run / "filler").write_bytes(b"0" * room)
+        with pytest.raises(StateError, match="No space left on device"):
+            with final_model_errors(run):
+                save_model(model, model.cfg, tok, out)
+        assert not model_saved(out) and sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
     finally:
         subprocess.run(["umount", "-l", str(run)], capture_output=True)
