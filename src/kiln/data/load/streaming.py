@@ -113,13 +113,14 @@ class StreamRows:
 
         frac, limit, want_val = self.cfg.val_fraction, self.cfg.max_bytes, self.split == "val"
         while True:
-            batch, found, total = [], False, chars_before
+            batch, found, total, read = [], False, chars_before, 0
             if self.counted_epoch is None:
                 self.counted_epoch = epoch
             checker = self.checker if epoch == self.counted_epoch else None
             for doc in iter_documents(self.cfg, self._order(epoch), start=start, checker=checker):
                 size = len(doc.text)  # data.max_bytes counts characters, as `kiln prepare` does
                 h = doc_hash(doc.text)
+                read += 1
                 if is_val(h, frac) == want_val:
                     batch.append((doc.file_index, doc.record_index, total, doc.text, h))
                 total += size
@@ -132,8 +133,11 @@ class StreamRows:
                 yield from self._encode(epoch, batch, encode_texts)
                 found = True
             if not found and start == (0, 0):
-                raise EmptySplit(f"the sources {self.cfg.sources} hold no '{self.split}' documents (data.val_fraction="
-                                 f"{frac}); give more data or change data.val_fraction")
+                dropped = ", ".join(f"{n:,} {r}" for r, n in sorted(self.checker.dropped.items())) or "none"
+                fix = "give more data or change data.val_fraction" if read else \
+                    "every record was dropped: check the files, data.format and data.field"
+                raise EmptySplit(f"the sources {self.cfg.sources} hold no '{self.split}' documents ({read:,} read, "
+                                 f"dropped: {dropped}; data.val_fraction={frac}); {fix}")
             epoch, start, chars_before = epoch + 1, (0, 0), 0
 
     def _encode(self, epoch: int, batch: list, encode_texts):

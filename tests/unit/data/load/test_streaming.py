@@ -285,6 +285,17 @@ def test_a_stream_without_validation_documents_trains_without_evaluating(tmp_pat
     # a stream with no training documents still stops, saying so
     (tmp_path / "src" / "a.py").write_text(next(t for t in (f"y = {i}\n" * 200 for i in range(100))
                                                 if is_val(doc_hash(t), 0.1)))
-    with pytest.raises(DataError, match="hold no 'train' documents"):
+    with pytest.raises(DataError, match=r"hold no 'train' documents \(1 read, dropped: none; data\.val_fraction=0\.1\)"
+                                        "; give more data"):
         run(cfg.model_copy(update={"train": cfg.train.model_copy(update={"run_dir": str(tmp_path / "run2")})}),
             Console(quiet=True))
+
+
+def test_a_stream_whose_every_record_was_dropped_says_so(corpus, tmp_path):
+    """It said 'give more data or change data.val_fraction' when data.on_bad_record=skip had dropped them all."""
+    cfg, tok = corpus
+    (tmp_path / "bad.jsonl").write_text('{"text": 7}\n{"other": "x"}\n')
+    cfg = cfg.model_copy(update={"sources": [str(tmp_path / "bad.jsonl")], "on_bad_record": "skip"})
+    with pytest.raises(DataError, match=r"hold no 'train' documents \(0 read, dropped: 1 missing_field, 1 wrong_type; "
+                                        r"data\.val_fraction=0\.1\); every record was dropped: check the files"):
+        next(loader(cfg, tok))
