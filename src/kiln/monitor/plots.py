@@ -22,7 +22,7 @@ import base64
 import html
 import json
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -302,12 +302,19 @@ def write_plots(run_dirs: list[str | Path], out: str | Path, names: list[str] | 
     png = Path(out).expanduser()
     if png.suffix.lower() != ".png":
         png = png.with_name(png.name + ".png")
-    png.parent.mkdir(parents=True, exist_ok=True)
     tmp = png.with_name(png.name + ".tmp")
-    with _quiet_glyphs():
-        fig.savefig(tmp, dpi=90, format="png")
-    _pyplot().close(fig)
-    tmp.replace(png)
+    try:
+        png.parent.mkdir(parents=True, exist_ok=True)
+        with _quiet_glyphs():
+            fig.savefig(tmp, dpi=90, format="png")
+        tmp.replace(png)
+    except OSError as e:  # a full or read-only disk: said, without a traceback, and no partial file left
+        with suppress(OSError):
+            tmp.unlink()
+        raise StateError(f"cannot write the plots to {png}: {e.strerror or e}. Free space there, or give another "
+                         "file (kiln plot --out)") from None
+    finally:
+        _pyplot().close(fig)
     data = base64.b64encode(png.read_bytes()).decode()
     rows = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in _summary_rows(runs))
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>kiln plots: {html.escape(png.stem)}</title>"
@@ -317,10 +324,14 @@ def write_plots(run_dirs: list[str | Path], out: str | Path, names: list[str] | 
             f"<th>last loss</th><th>best val loss</th><th>best val bpb</th></tr>{rows}</table>"
             f"<img alt='training curves' src='data:image/png;base64,{data}'></body></html>")
     page_path, side = png.with_suffix(".html"), png.with_suffix(".json")
-    atomic_write(page_path, page)
     events = [{"run": r.name, "event": e["event"], "step": e["step"]} for r in runs for e in r.events]
-    atomic_write(side, json.dumps({"runs": [r.name for r in runs], "panels": panels, "events": events},
-                                  indent=1) + "\n")
+    try:
+        atomic_write(page_path, page)
+        atomic_write(side, json.dumps({"runs": [r.name for r in runs], "panels": panels, "events": events},
+                                      indent=1) + "\n")
+    except OSError as e:
+        raise StateError(f"cannot write the plots' page beside {png}: {e.strerror or e}. Free space there, or give "
+                         "another file (kiln plot --out)") from None
     return {"png": png, "html": page_path, "json": side}
 
 

@@ -176,3 +176,13 @@ def test_events_are_marked_on_the_loss_panels(tmp_path):
     out = write_plots([run], tmp_path / "p.png")
     assert [e["event"] for e in json.loads(out["json"].read_text())["events"]] == \
         ["auto_batch", "rollback", "warning", "early_stop"]
+
+
+def test_plots_that_cannot_be_written_are_a_state_error(tmp_path):
+    """`kiln plot --out` under a file, as on a full or read-only disk: an OSError traceback before."""
+    from kiln.errors import StateError
+
+    run = fake_run(tmp_path / "run", steps=3)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StateError, match=r"cannot write the plots to .*file/p\.png: .*give another file"):
+        write_plots([run], tmp_path / "file" / "p.png")
