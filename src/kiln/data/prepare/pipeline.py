@@ -347,7 +347,9 @@ def _build(cfg, hashes: SourceHashes, tokenizer: Tokenizer, settings: dict, part
                           read_documents=read, seconds=time.perf_counter() - start,
                           resumed_shards=sum(len(done[s]) for s in SPLITS), passed_over=files.passed_over,
                           max_bytes=cfg.max_bytes if cfg.max_bytes is not None and chars >= cfg.max_bytes else None,
-                          specials=describe_specials(tokenizer, cfg.bos_token))
+                          specials=describe_specials(tokenizer, cfg.bos_token),
+                          unknown=None if tokenizer.unk_id is None else
+                          (tokenizer.unk_id, tokenizer.tk.id_to_token(tokenizer.unk_id), dtype))
     (partial / "report.json").write_text(json.dumps(report, indent=2))
     manifest = {
         "format": FORMAT, "id": ds_id, "dtype": np.dtype(dtype).name, "vocab_size": tokenizer.vocab_size,

@@ -24,10 +24,18 @@ def doc_lengths(root: Path, shards: list[dict], cap: int = 10_000_000) -> np.nda
     return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
 
+def unknown_tokens(root: Path, shards: list[dict], dtype, unk_id: int) -> int:
+    """How many tokens of `shards` are the unknown token `unk_id`."""
+    return sum(int(np.count_nonzero(np.memmap(root / f"{s['name']}.bin", dtype=dtype, mode="r") == unk_id))
+               for s in shards if s["tokens"])
+
+
 def build_report(root: Path, splits: dict[str, list[dict]], checker: RecordChecker, *, files: int,
                  input_bytes: int, read_documents: int, seconds: float, resumed_shards: int,
-                 max_bytes: int | None = None, passed_over: list[str] = (), specials: str | None = None) -> dict:
-    """The report of a prepared dataset; `passed_over`: files in source directories not read (see `expand`)."""
+                 max_bytes: int | None = None, passed_over: list[str] = (), specials: str | None = None,
+                 unknown: tuple[int, str, object] | None = None) -> dict:
+    """The report of a prepared dataset; `passed_over`: files in source directories not read (see `expand`);
+    `unknown`: (id, text, shard dtype) of the tokenizer's unknown token, if it has one, to count it."""
     lengths = doc_lengths(root, [s for shards in splits.values() for s in shards])
     out = {s: {"documents": sum(x["documents"] for x in v), "tokens": sum(x["tokens"] for x in v),
                "shards": len(v)} for s, v in splits.items()}
@@ -39,6 +47,10 @@ def build_report(root: Path, splits: dict[str, list[dict]], checker: RecordCheck
         pct = {"min": int(qs[0]), "p10": int(qs[1]), "p50": int(qs[2]), "p90": int(qs[3]), "p99": int(qs[4]),
                "max": int(qs[5]), "mean": round(float(lengths.mean()), 1)}
     dropped = dict(sorted(checker.dropped.items()))
+    unk = {}
+    if unknown is not None:
+        n = sum(unknown_tokens(root, shards, unknown[2], unknown[0]) for shards in splits.values())
+        unk = {"unknown_tokens": n, "unknown_token": unknown[1]}
     return {
         "files": files, "files_passed_over": len(passed_over), "passed_over_examples": list(passed_over[:EXAMPLES]),
         "input_bytes": input_bytes, "documents_read": read_documents,
@@ -49,7 +61,7 @@ def build_report(root: Path, splits: dict[str, list[dict]], checker: RecordCheck
         "document_tokens": pct, "seconds": round(seconds, 2),
         "documents_per_s": round(read_documents / seconds, 1) if seconds else None,
         "tokens_per_s": round(tokens / seconds, 1) if seconds and not resumed_shards else None,
-        "resumed_shards": resumed_shards,
+        "resumed_shards": resumed_shards, **unk,
     }
 
 
@@ -82,6 +94,11 @@ def print_report(report: dict, console, path: Path, reused: bool = False) -> Non
     if d:
         t.add_row("tokens/doc", f"mean {d['mean']:,}  p10 {d['p10']:,}  p50 {d['p50']:,}  p90 {d['p90']:,}  "
                                 f"p99 {d['p99']:,}  max {d['max']:,}")
+    if report.get("unknown_tokens"):
+        n, share = report["unknown_tokens"], report["unknown_tokens"] / max(1, report["tokens"])
+        t.add_row("unknown", f"{n:,} tokens ({share:.2%}) are the tokenizer's unknown token "
+                             f"{report['unknown_token']}: text it has no token for (other scripts, emoji) is lost "
+                             "there; a tokenizer with byte fallback (a byte-level BPE: data.tokenizer unset) keeps it")
     for reason, n in report["dropped"].items():
         ex = ", ".join(report["dropped_examples"].get(reason, []))
         if reason == "damaged_file":  # files, not records

@@ -91,6 +91,15 @@ class Tokenizer:
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     @cached_property
+    def unk_id(self) -> int | None:
+        """The id of the model's unknown token (WordPiece, Unigram, a BPE without byte-level pre-tokenisation),
+        which stands for text the vocabulary has no token for: that text is lost. None where there is none."""
+        model = json.loads(self.tk.to_str()).get("model", {})
+        if model.get("unk_token") is not None:
+            return self.tk.token_to_id(model["unk_token"])
+        return int(model["unk_id"]) if model.get("unk_id") is not None else None
+
+    @cached_property
     def vocab_size(self) -> int:
         """Largest token id + 1: the ids a model must embed (a vocabulary may skip ids, so this can exceed
         the number of tokens)."""

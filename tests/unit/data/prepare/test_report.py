@@ -58,3 +58,23 @@ def test_damaged_files_under_skip_are_named_in_the_report_and_prepare_goes_on(tm
     assert "3 file(s) could not be read to their end" in printed and str(tmp_path / "fake.parquet") in printed
     with pytest.raises(DataError, match="cut.jsonl.gz: cannot read"):
         prepare(cfg.model_copy(update={"on_bad_record": "error"}))
+
+
+def test_text_a_tokenizer_has_no_token_for_is_counted_as_its_unknown_token(tmp_path):
+    """A WordPiece tokenizer (no byte fallback) turned Greek and emoji into [UNK] without a word: lost text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.train_from_iterator(["hello world good doc"] * 10, trainers.WordPieceTrainer(vocab_size=100,
+                                                                                      special_tokens=["[UNK]", "</s>"]))
+    tk.save(str(tmp_path / "wp.json"))
+    (tmp_path / "a.jsonl").write_text('{"text": "hello world"}\n{"text": "ελληνικά κείμενο 😀"}\n')
+    cfg = DataConfig(sources=[str(tmp_path / "a.jsonl")], tokenizer=str(tmp_path / "wp.json"), val_fraction=0,
+                     workers=1, cache_dir=str(tmp_path / "c"))
+    console = Console(record=True, width=300)
+    report = prepare(cfg, console).manifest["report"]
+    assert report["unknown_tokens"] == 3 and report["unknown_token"] == "[UNK]"  # one per word: 3 of 7 tokens
+    assert "3 tokens (42.86%) are the tokenizer's unknown token [UNK]" in console.export_text()
+    own = prepare(cfg.model_copy(update={"tokenizer": None, "vocab_size": 300})).manifest["report"]
+    assert "unknown_tokens" not in own  # a byte-level BPE has no unknown token: nothing is lost, nothing counted
