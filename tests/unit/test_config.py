@@ -166,6 +166,7 @@ BAD_OVERRIDES = {  # name: (overrides, what the error must say)
     "empty_tokenizer": (["data.tokenizer=''"], r"data.tokenizer: empty; .* default \(null\)"),
     "empty_source": (["data.sources=[a.txt, '']"], "data.sources.1: an empty source"),
     "empty_mixture_source": (["data.mixture=[{sources: ['']}]"], "data.mixture.0.sources.0: an empty source"),
+    "no_mixture_sources": (["data.mixture=[{sources: []}]"], "data.mixture.0: the entry's sources are empty"),
 }
 
 

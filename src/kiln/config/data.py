@@ -21,6 +21,8 @@ class MixtureEntry(Section):
         if (self.dataset is None) == (self.sources is None):
             return [(("dataset", "sources"),
                      "a mixture entry needs exactly one of 'dataset' (a prepared directory) or 'sources'")]
+        if self.sources == []:
+            return [(("sources",), "the entry's sources are empty: name files, directories, globs or URLs")]
         return []
 
 
