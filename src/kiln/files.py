@@ -77,6 +77,17 @@ def replace_file(tmp: str | Path, path: str | Path, fsync: bool = True) -> None:
         fsync_dir(Path(path).parent)
 
 
+def write_failure(e: BaseException) -> str | None:
+    """Why a file could not be written, when `e` is a writer's I/O error: an OSError (its strerror), or the error of
+    a Rust writer (safetensors' SafetensorError, tokenizers' plain Exception), whose text ends in "(os error N)";
+    None for anything else (a bug, to raise as it is)."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    if isinstance(e, Exception) and "(os error " in str(e):
+        return str(e)
+    return None
+
+
 def temp_name(path: Path) -> Path:
     """A temporary name beside `path`, unique to this writer (`<name>.<pid>-<random>.tmp`)."""
     return path.with_name(f"{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")

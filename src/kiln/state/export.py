@@ -245,12 +245,21 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
     """`kiln export SRC --to TO`: find what SRC holds (see the module doc) and export it, with a model card
     (README.md: kiln.state.model_card; `repo`: the Hub repository it is meant for); `adapters`: a LoRA run's
     adapters in PEFT's format instead of the merged model."""
+    from kiln.files import write_failure
     from kiln.state.model_card import write_model_card
 
-    out = _export(src, to, dtype, tokenizer, max_shard_bytes, adapters)
-    if adapters:
-        _base_tokenizer(Path(src).expanduser(), out)
-    write_model_card(Path(src).expanduser(), out, repo, adapters)
+    try:
+        out = _export(src, to, dtype, tokenizer, max_shard_bytes, adapters)
+        if adapters:
+            _base_tokenizer(Path(src).expanduser(), out)
+        write_model_card(Path(src).expanduser(), out, repo, adapters)
+    except Exception as e:  # a full or read-only disk: said, with what to do, instead of the writer's traceback
+        reason = write_failure(e)
+        if reason is None:
+            raise
+        partial = f"{to} holds an incomplete export, not to be loaded: " if Path(to).expanduser().is_dir() else ""
+        raise StateError(f"writing the export to {to} failed: {reason}. {src} is untouched; {partial}free space "
+                         "there (or give another --to) and export again") from None
     return out
 
 

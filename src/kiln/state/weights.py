@@ -14,7 +14,7 @@ from torch import nn
 from kiln.config import ModelConfig
 from kiln.data.prepare.tokenizer import Tokenizer
 from kiln.errors import StateError
-from kiln.files import atomic_write_json, replace_file
+from kiln.files import atomic_write_json, replace_file, write_failure
 from kiln.state.rundir import checkpoints, model_saved
 
 
@@ -52,18 +52,16 @@ def final_model_errors(run_dir: Path) -> Iterator[None]:
     says what helps: it raised the writer's own error (OSError, safetensors' SafetensorError, the tokenizer's
     Exception) with a traceback.
     The partial weights file goes, which gives its room back; the final checkpoint is complete."""
-    from safetensors import SafetensorError
-
     try:
         yield
     except Exception as e:
-        if not isinstance(e, (OSError, SafetensorError)) and "(os error " not in str(e):  # the Rust writers' I/O
-            raise  # errors (safetensors, tokenizers' plain Exception) end in "(os error N)"; the others are bugs
+        reason = write_failure(e)
+        if reason is None:
+            raise
         out = run_dir / "model"
         for tmp in out.glob("*.tmp"):
             if tmp.is_file():
                 tmp.unlink()
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         newest = checkpoints(run_dir)
         kept = f"the final checkpoint {newest[-1]} is complete, and " if newest else ""
         raise StateError(f"writing the final model to {out} failed: {reason}. Nothing is lost: {kept}`kiln train "

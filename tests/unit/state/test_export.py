@@ -164,6 +164,8 @@ def test_export_to_an_existing_file_or_into_the_runs_own_model_is_refused_with_t
     with pytest.raises(StateError, match="--to .*out: a file of that name exists"):
         export_from(tmp_path / "run", tmp_path / "out")
     assert (tmp_path / "out").read_text() == "notes"
+    with pytest.raises(StateError, match="writing the export to .*out/hf failed: Not a directory"):  # a traceback
+        export_from(tmp_path / "run", tmp_path / "out" / "hf")  # before (as a full or read-only disk's errors)
     # the run's own model/ (or its checkpoints): written over with Hugging Face names, `kiln generate` of the run
     # failed with a KeyError and the run's model was lost
     (tmp_path / "run" / "config.yaml").write_text("{}\n")
