@@ -53,14 +53,15 @@ def data_position() -> tuple[int, int]:
     return 0, 1
 
 
-def prepare_all(data: DataConfig, console=None) -> list:
+def prepare_all(data: DataConfig, console=None, trained_on: str | None = None) -> list:
     """The prepared dataset of data.sources, or of each data.mixture entry (all with one tokenizer:
-    the first entry's, which the later `sources` entries are prepared with)."""
+    the first entry's, which the later `sources` entries are prepared with); `trained_on`: the dataset id a resumed
+    checkpoint names (kiln.data.prepare.trained_on)."""
     from kiln.data.format.dataset import open_dataset
     from kiln.data.prepare.pipeline import prepare
 
     if not data.mixture:
-        return [prepare(data, console)]
+        return [prepare(data, console, trained_on=trained_on)]
     out: list = []
     for i, entry in enumerate(data.mixture):
         where = f"data.mixture[{i}]"
@@ -91,10 +92,11 @@ def _split_tokens(ds, split: str) -> int:
 
 
 def build_data(cfg: RunConfig, device: torch.device, rank: int | None = None, world: int | None = None,
-               console=None) -> RunData:
+               console=None, trained_on: str | None = None) -> RunData:
     """Prepare (or open, or stream) what cfg.data names and build this rank's loaders.
 
-    `console` (rich) shows prepare's progress and report."""
+    `console` (rich) shows prepare's progress and report; `trained_on`: the dataset id of the checkpoint a run
+    resumes from."""
     if rank is None or world is None:
         rank, world = data_position()
     d, t = cfg.data, cfg.train
@@ -121,7 +123,7 @@ def build_data(cfg: RunConfig, device: torch.device, rank: int | None = None, wo
 
     from kiln.data.load.loader import PackedLoader
 
-    datasets = prepare_all(d, console)
+    datasets = prepare_all(d, console, trained_on)
     weights = [e.weight for e in d.mixture] or [1.0]
     schedule = None
     if d.schedule is not None:  # a curriculum; validation reads its last stage's mix

@@ -194,7 +194,8 @@ def _first_evaluation(trainer: Trainer, console: Console) -> dict:
 def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict | None, finished: bool,
            mesh: Mesh, console: Console, resume: str, callbacks: list, stops: StopSignals, end: RunEnd) -> Path:
     device = mesh.device
-    data = build_data(cfg, device, console=console)  # prepares, opens or streams cfg.data; this rank's loaders
+    data = build_data(cfg, device, console=console,  # prepares, opens or streams cfg.data; this rank's loaders
+                      trained_on=(meta or {}).get("fingerprints", {}).get("dataset"))
     tok = data.tokenizer
     console.print(data.summary)
     if cfg.model.vocab_size is None:

@@ -54,6 +54,7 @@ from kiln.data.prepare.keys import dataset_settings, digest, read_forms, train_c
 from kiln.data.prepare.progress import PrepareBar
 from kiln.data.prepare.report import build_report, print_report
 from kiln.data.prepare.tokenizer import Tokenizer, describe_specials, load_or_train
+from kiln.data.prepare.trained_on import same_files_earlier_reader
 from kiln.data.prepare.writer import ShardWriter, completed_shards
 from kiln.data.read.records import Deduplicator, RecordChecker, is_val
 from kiln.data.read.sources import SourceFile, expand, file_sha256, iter_documents
@@ -150,10 +151,13 @@ def _train_texts(cfg, files: list[SourceFile]) -> Iterator[str]:
         yield d.text
 
 
-def prepare(cfg, console=None, progress: bool = True, tokenizer: Tokenizer | None = None) -> PreparedDataset:
+def prepare(cfg, console=None, progress: bool = True, tokenizer: Tokenizer | None = None,
+            trained_on: str | None = None) -> PreparedDataset:
     """Prepare `cfg.sources` (a DataConfig), or reuse the complete dataset of the same id.
 
-    `console` (a rich Console) gets the progress bar and the report; None prints nothing.
+    `console` (a rich Console) gets the progress bar and the report; None prints nothing. `trained_on`: the id of
+    the dataset a resumed checkpoint trained on, reused where a Kiln of another reader version made it from these
+    very files (kiln.data.prepare.trained_on).
     """
     import multiprocessing
 
@@ -165,14 +169,14 @@ def prepare(cfg, console=None, progress: bool = True, tokenizer: Tokenizer | Non
     start = time.perf_counter()
     cache = open_cache(cfg.cache_dir)
     with cache_errors(cache), sigterm_interrupts():  # SIGTERM stops it as Ctrl-C does: finished shards are kept
-        ds, reused = _prepare(cfg, cache, console, progress, tokenizer, start)
+        ds, reused = _prepare(cfg, cache, console, progress, tokenizer, start, trained_on)
     if console is not None:
         print_report(ds.manifest["report"], console, ds.path, reused)
     return ds
 
 
 def _prepare(cfg, cache: Path, console, progress: bool, tokenizer: Tokenizer | None,
-             start: float) -> tuple[PreparedDataset, bool]:
+             start: float, trained_on: str | None = None) -> tuple[PreparedDataset, bool]:
     files = expand(cfg.sources, cfg.format, cfg.dataset_split)
     hashes = SourceHashes(files, cache)
     if tokenizer is None and cfg.tokenizer:
@@ -192,7 +196,9 @@ def _prepare(cfg, cache: Path, console, progress: bool, tokenizer: Tokenizer | N
     known = hashes.known()
     if None in known and sizes.is_file():  # files of these sizes made a dataset: these may be copies of them
         known = hashes.all()
-    out = _finished(datasets, known, tokenizer, settings)
+    out = None if trained_on is None else same_files_earlier_reader(datasets / trained_on, hashes.all(), tokenizer,
+                                                                   settings)  # a resumed run's own, kept
+    out = out or _finished(datasets, known, tokenizer, settings)
     if out is not None and _damage(out, tokenizer) is not None:
         out = None  # replaced below, under the lock
     reused = out is not None

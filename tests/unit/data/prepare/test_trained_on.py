@@ -1,0 +1,32 @@
+"""A resumed run keeps the dataset it trained on when a Kiln upgrade's readers would name it anew."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+from kiln.config import DataConfig
+from kiln.data.prepare import keys
+from kiln.data.prepare.pipeline import prepare
+from kiln.data.prepare.tokenizer import train_bpe
+
+
+def test_a_resumed_run_keeps_the_dataset_an_earlier_reader_made_of_the_same_files(tmp_path, monkeypatch):
+    """After READERS_VERSION changed, a run's own files were prepared again under another id and its checkpoint
+    was refused, with --resume force too: a run started before an upgrade could not go on."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    texts = [(stdlib / n).read_text() for n in ("textwrap.py", "shlex.py", "bisect.py")]
+    for i, t in enumerate(texts):
+        (corpus / f"{i}.txt").write_text(t)
+    train_bpe(texts, 300).save(tmp_path / "tokenizer.json")
+    cfg = DataConfig(sources=[str(corpus)], tokenizer=str(tmp_path / "tokenizer.json"),
+                     cache_dir=str(tmp_path / "cache"), val_fraction=0.2, workers=1)
+    old = prepare(cfg)
+    monkeypatch.setattr(keys, "READERS_VERSION", keys.READERS_VERSION + 1)  # the readers of a newer Kiln
+    new = prepare(cfg)
+    assert new.id != old.id  # a new run reads with the new readers
+    assert prepare(cfg, trained_on=old.id).path == old.path  # the resumed one goes on with what it trained on
+    (corpus / "0.txt").write_text(texts[0] + "\n# changed\n")  # other files: not its data any more
+    assert prepare(cfg, trained_on=old.id).id not in (old.id, new.id)
