@@ -146,6 +146,11 @@ def build_data(cfg: RunConfig, device: torch.device, rank: int | None = None, wo
         lines.append("schedule: " + "; ".join(
             f"{'blend to' if st.blend else 'from'} {d.schedule.unit[:-1]} {st.at}: {st.weights}"
             for st in d.schedule.stages))
+    step_tokens, held = t.step_rows(world) * world * t.seq_len, sum(_split_tokens(ds, "train") for ds in datasets)
+    if 0 < held < step_tokens:  # a batch larger than the data: said, as the loss then falls for the wrong reason
+        lines.append(f"warning: one optimizer step reads {step_tokens:,} tokens, more than the {held:,} of the train "
+                     f"split, so every step repeats all of it ({step_tokens / held:.1f} times): lower "
+                     "train.batch_size or train.grad_accum, or give more data")
     if val is None:
         lines.append(f"validation: none, no run is evaluated (no 'val' split holds train.seq_len + 1 = "
                      f"{t.seq_len + 1} tokens; raise data.val_fraction, now {d.val_fraction}, to evaluate)")
