@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from kiln.config import RunConfig, dotted
-from kiln.errors import StateError
+from kiln.errors import ConfigError, StateError
 from kiln.state.rundir import (
     DAMAGED_PREFIX,
+    check_outside_sources,
     checkpoints,
     fresh_sibling,
     from_rank0,
@@ -166,8 +167,9 @@ def run_directory(cfg: RunConfig, mode: str, log: Callable[[str], None]) -> tupl
             run_dir = new
         may_resume = bool(run_dir) and mode != "never" and (run_dir.is_dir() or bool(cfg.checkpoint.archive_url))
         try:
+            check_outside_sources(run_dir or Path("runs"), cfg)  # runs/: where a run without one goes
             found = (make_run_dir(run_dir), may_resume, None)
-        except StateError as e:
+        except (StateError, ConfigError) as e:
             found = (None, False, str(e))
     run_dir, may_resume, error = from_rank0(found)
     if error:

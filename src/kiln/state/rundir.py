@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.config import RunConfig
-from kiln.errors import StateError
+from kiln.errors import ConfigError, StateError
 from kiln.files import atomic_write, atomic_write_json, try_lock
 from kiln.state.verify import META
 
@@ -53,6 +53,22 @@ def make_run_dir(path: str | Path | None, root: str | Path = "runs") -> Path:
     except OSError as e:
         raise StateError(f"cannot create run directory {path}: {e.strerror}. Choose another train.run_dir.") from None
     return path
+
+
+def check_outside_sources(run_dir: Path, cfg: RunConfig) -> None:
+    """ConfigError when the run directory is, or lies within, a local directory named in data.sources (or a
+    mixture entry's): the run's own files (config.yaml, metrics.jsonl, checkpoints' JSON) would be read as data by
+    the next start, and a resume would stop on them or on a dataset that changed."""
+    named = [*cfg.data.sources, *(s for e in cfg.data.mixture for s in (e.sources or []))]
+    inside = run_dir.expanduser().absolute()
+    for spec in named:
+        if "://" in spec or spec.startswith("@") or any(c in spec for c in "*?["):
+            continue  # URLs, the built-in corpus and globs (which name some files of a directory, not all)
+        source = Path(spec).expanduser().absolute()
+        if source.is_dir() and (inside == source or source in inside.parents):
+            raise ConfigError(f"train.run_dir {run_dir} is inside the data source {spec} (data.sources): the run's "
+                              "own files would be read as training data when it starts again. Give a run directory "
+                              "outside it (a run already there can be moved out whole, then resumed from there)")
 
 
 def write_config(run_dir: str | Path, cfg: RunConfig) -> None:

@@ -132,3 +132,24 @@ def test_the_command_of_a_start_killed_before_it_wrote_its_config_is_told(tmp_pa
     (tmp_path / HOLDER).write_text(json.dumps({"command": "/x/src/kiln/cli.py train my.yaml train.lr=0.1"}))
     assert started_by(tmp_path) == "kiln train my.yaml train.lr=0.1"
     assert started_by(tmp_path / "none") is None
+
+
+def test_a_run_directory_inside_a_data_source_is_refused(tmp_path, monkeypatch):
+    """train.run_dir within a directory of data.sources (or the default runs/ under data.sources=[.]): the first
+    start trained, the next read its config.yaml, metrics and checkpoints' JSON as data and stopped on them."""
+    from kiln.config import load_config
+    from kiln.errors import KilnError
+    from kiln.state.resume import run_directory
+
+    data, other = tmp_path / "data", tmp_path / "other"
+    data.mkdir(), other.mkdir()
+    monkeypatch.chdir(data)
+    for run_dir, sources in ((data / "run", [str(data)]), (data, [str(data)]), (None, ["."]),
+                             (other / "run", [f"file://{data}", str(tmp_path / "x"), str(other)])):
+        cfg = load_config(None, [f"data.sources={sources}".replace("'", "")]
+                          + ([f"train.run_dir={run_dir}"] if run_dir else []))
+        with pytest.raises(KilnError, match=r"is inside the data source .* Give a run directory outside it"):
+            run_directory(cfg, "auto", print)
+    assert list(data.iterdir()) == list(other.iterdir()) == []  # nothing made there
+    cfg = load_config(None, [f"data.sources=[{data}/*.txt]", f"train.run_dir={data / 'run'}"])  # a glob: some files
+    assert run_directory(cfg, "auto", print)[0] == data / "run"
