@@ -176,7 +176,7 @@ def prepare(cfg, console=None, progress: bool = True, tokenizer: Tokenizer | Non
 
 
 def _prepare(cfg, cache: Path, console, progress: bool, tokenizer: Tokenizer | None,
-             start: float, trained_on: str | None = None) -> tuple[PreparedDataset, bool]:
+             start: float, trained_on: str | None = None) -> tuple[PreparedDataset, bool | str]:
     files = expand(cfg.sources, cfg.format, cfg.dataset_split)
     hashes = SourceHashes(files, cache)
     if tokenizer is None and cfg.tokenizer:
@@ -198,10 +198,14 @@ def _prepare(cfg, cache: Path, console, progress: bool, tokenizer: Tokenizer | N
         known = hashes.all()
     out = None if trained_on is None else same_files_earlier_reader(datasets / trained_on, hashes.all(), tokenizer,
                                                                    settings)  # a resumed run's own, kept
+    kept = out is not None and out.name != _dataset_id(hashes.all(), tokenizer, settings)
     out = out or _finished(datasets, known, tokenizer, settings)
     if out is not None and _damage(out, tokenizer) is not None:
         out = None  # replaced below, under the lock
     reused = out is not None
+    if reused and kept:
+        return open_dataset(out, tokenizer.hash), ("the dataset this run trained on, made of the same files by an "
+                                                   "earlier Kiln's readers")
     if not reused:
         key = digest({"format": FORMAT, "sources": hashes.identities(), "tokenizer": tokenizer_json,
                        "settings": settings})[:16]

@@ -72,11 +72,12 @@ def passed_over_text(count: int, examples: list[str]) -> str:
             "read it")
 
 
-def print_report(report: dict, console, path: Path, reused: bool = False) -> None:
+def print_report(report: dict, console, path: Path, reused: bool | str = False) -> None:
+    """`reused`: True, or why a dataset of other settings was (kiln.data.prepare.trained_on)."""
     from rich.table import Table
 
-    title = f"reused the prepared dataset {path} (same inputs, tokenizer and settings)" if reused else \
-        f"prepared {path}"
+    why = reused if isinstance(reused, str) else "same inputs, tokenizer and settings"
+    title = f"reused the prepared dataset {path} ({why})" if reused else f"prepared {path}"
     t = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
     t.add_column(style="bold")
     t.add_column()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import sysconfig
 from pathlib import Path
+
+from rich.console import Console
 
 from kiln.config import DataConfig
 from kiln.data.prepare import keys
@@ -27,6 +30,10 @@ def test_a_resumed_run_keeps_the_dataset_an_earlier_reader_made_of_the_same_file
     monkeypatch.setattr(keys, "READERS_VERSION", keys.READERS_VERSION + 1)  # the readers of a newer Kiln
     new = prepare(cfg)
     assert new.id != old.id  # a new run reads with the new readers
-    assert prepare(cfg, trained_on=old.id).path == old.path  # the resumed one goes on with what it trained on
+    said = io.StringIO()
+    kept = prepare(cfg, Console(file=said), trained_on=old.id)
+    assert kept.path == old.path  # the resumed one goes on with what it trained on, and says so
+    assert "(the dataset this run trained on, made of the same files by an earlier Kiln's readers)" in " ".join(
+        said.getvalue().split())  # the report's title, wrapped at the table's width
     (corpus / "0.txt").write_text(texts[0] + "\n# changed\n")  # other files: not its data any more
     assert prepare(cfg, trained_on=old.id).id not in (old.id, new.id)
