@@ -19,6 +19,7 @@ checked against the one the checkpoint recorded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 from pathlib import Path
@@ -245,14 +246,21 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
     """`kiln export SRC --to TO`: find what SRC holds (see the module doc) and export it, with a model card
     (README.md: kiln.state.model_card; `repo`: the Hub repository it is meant for); `adapters`: a LoRA run's
     adapters in PEFT's format instead of the merged model."""
+    from kiln.data.prepare.bpe import sigterm_interrupts
     from kiln.files import write_failure
     from kiln.state.model_card import write_model_card
 
     try:
-        out = _export(src, to, dtype, tokenizer, max_shard_bytes, adapters)
-        if adapters:
-            _base_tokenizer(Path(src).expanduser(), out)
-        write_model_card(Path(src).expanduser(), out, repo, adapters)
+        with sigterm_interrupts():  # SIGTERM as Ctrl-C: the partial weights below go with either
+            out = _export(src, to, dtype, tokenizer, max_shard_bytes, adapters)
+            if adapters:
+                _base_tokenizer(Path(src).expanduser(), out)
+            write_model_card(Path(src).expanduser(), out, repo, adapters)
+    except KeyboardInterrupt:  # a weights file being written (the size of the model) is not left behind
+        for tmp in Path(to).expanduser().glob("*.tmp"):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        raise
     except Exception as e:  # a full or read-only disk: said, with what to do, instead of the writer's traceback
         reason = write_failure(e)
         if reason is None:

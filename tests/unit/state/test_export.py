@@ -354,3 +354,28 @@ def test_a_run_without_its_models_bos_exports_the_models_tokenizer_without_it(to
     assert tok("def f(x)")["input_ids"] == run_tok.encode("def f(x)")
     assert tok.chat_template == template and tok.bos_token == "<s>"
     assert json.loads((out / "tokenizer_config.json").read_text())["add_bos_token"] is False
+
+
+def test_a_sigterm_during_an_export_leaves_no_partial_weights(tokenizer, tmp_path, monkeypatch):
+    """SIGTERM while the weights are written (timed here by sending it from inside the write): the process ended
+    at once, leaving a model.safetensors.tmp the size of the model; now an interrupt, the file removed."""
+    import os
+    import signal
+
+    import safetensors.torch
+
+    from kiln.data.prepare.bpe import Interrupted
+
+    model = random_model("llama")
+    save_model(model, model.cfg, tokenizer, tmp_path / "run" / "model")
+    real = safetensors.torch.save_file
+
+    def signalled(tensors, path, metadata=None):
+        real(tensors, path, metadata)  # the file is there, as when the signal comes midway
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", signalled)
+    with pytest.raises(Interrupted):
+        export_from(tmp_path / "run", tmp_path / "out")
+    assert not list((tmp_path / "out").glob("*.tmp")) and not (tmp_path / "out" / "model.safetensors").exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back
