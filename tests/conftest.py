@@ -1,7 +1,10 @@
 """Shared test setup: GPU-marked tests skip cleanly without CUDA; caches stay inside tmp dirs; the
-process-wide loss kernel that `apply_compile` swaps is put back after each test."""
+process-wide loss kernel that `apply_compile` swaps, and the signal handlers a test's `kiln` main or guard
+installs, are put back after each test."""
 
 from __future__ import annotations
+
+import signal
 
 import pytest
 import torch
@@ -45,3 +48,16 @@ def _restore_loss_kernel():
     saved = ChunkKernel.__dict__["fn"]  # the descriptor itself (a staticmethod), not what it gives
     yield
     ChunkKernel.fn = saved
+
+
+@pytest.fixture(autouse=True)
+def _restore_signal_handlers():
+    """A test that runs `kiln`'s main in-process installs kiln.state.after_save's handler for the rest of the
+    process, and one whose guard fails may leave its own: a later test's handler would then chain to them (a
+    recursion, or a signal the test sends itself ending pytest)."""
+    sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    saved = {sig: signal.getsignal(sig) for sig in sigs}
+    yield
+    for sig, handler in saved.items():
+        if signal.getsignal(sig) is not handler and handler is not None:
+            signal.signal(sig, handler)
