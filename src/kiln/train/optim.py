@@ -54,5 +54,16 @@ def lr_factor(step: int, tcfg: TrainConfig) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def schedule_warning(tcfg: TrainConfig) -> str | None:
+    """What is wrong with a schedule that is valid but cannot be meant: a warmup as long as the run or longer, whose
+    learning rate never reaches train.lr and never decays."""
+    if tcfg.warmup_steps < tcfg.max_steps:
+        return None
+    top = lr_factor(tcfg.max_steps - 1, tcfg)
+    return (f"train.warmup_steps={tcfg.warmup_steps} is not shorter than train.max_steps={tcfg.max_steps}: the "
+            f"learning rate only rises, to {top:.0%} of train.lr at the last step, and never decays; lower "
+            "train.warmup_steps")
+
+
 def build_scheduler(opt: torch.optim.Optimizer, tcfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, tcfg))

@@ -52,6 +52,7 @@ from kiln.state.verify import read_meta
 from kiln.state.weights import final_model_errors, save_model
 from kiln.train.early_stop import EarlyStop
 from kiln.train.events import EvalEvery
+from kiln.train.optim import schedule_warning
 from kiln.train.rollback import Rollback, host_room
 from kiln.train.spikes import loss_bound
 from kiln.train.trainer import Trainer
@@ -155,6 +156,8 @@ def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: M
         cfg = with_init_from(cfg, console.print)
     else:
         check_exportable(cfg.model, console.print)
+    if (unmeant := schedule_warning(cfg.train)) is not None:
+        console.print(f"warning: {unmeant}", highlight=False)
     run_dir, may_resume = run_directory(cfg, resume, console.print)
     cfg = derive(cfg, {"train.run_dir": str(run_dir)})
     stops = StopSignals("during start-up", f"stopped before training; nothing in {run_dir} changed. Run the "

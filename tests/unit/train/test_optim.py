@@ -69,3 +69,15 @@ def test_tied_weights_counted_once():
     assert sum(len(g["params"]) for g in groups) == len(list(m.parameters()))
     opt = build_optimizer(m, OptimConfig(), 1e-3, torch.device("cpu"))
     assert opt.defaults["fused"] in (False, None)
+
+
+def test_a_warmup_as_long_as_the_run_is_said():
+    """train.warmup_steps >= train.max_steps is valid but cannot be meant: the learning rate never reaches train.lr
+    and never decays, and the run said nothing."""
+    from kiln.train.optim import schedule_warning
+
+    assert schedule_warning(cfg(max_steps=100, warmup_steps=10)) is None
+    assert schedule_warning(cfg(max_steps=6, warmup_steps=50)) == (
+        "train.warmup_steps=50 is not shorter than train.max_steps=6: the learning rate only rises, to 12% of "
+        "train.lr at the last step, and never decays; lower train.warmup_steps")
+    assert "to 100% of train.lr" in schedule_warning(cfg(max_steps=8, warmup_steps=8))
