@@ -29,7 +29,10 @@ def install() -> None:
     is ignored (under nohup)."""
     if _state["pid"] is None:
         atexit.register(_ignore_while_finalizing)  # the first registered runs last, after every other one
-    _state.update(pid=os.getpid(), previous={})
+    # called again in this process (`kiln`'s main run twice in-process): a signal still on this handler keeps the
+    # handler recorded the first time; recorded anew it would be SIG_DFL, and Ctrl-C would kill the process outright
+    previous = _state["previous"] if _state["pid"] == os.getpid() else {}
+    _state.update(pid=os.getpid(), previous=previous)
     reset()
     for sig in SIGNALS:
         current = signal.getsignal(sig)

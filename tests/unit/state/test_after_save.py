@@ -36,6 +36,23 @@ def test_a_signal_is_handled_as_before_until_the_run_is_saved_then_noted(capsys,
             signal.signal(sig, handler)
 
 
+def test_installed_twice_in_one_process_ctrl_c_is_still_keyboard_interrupt_until_saved():
+    """`kiln`'s main run twice in one process: the second install forgot Python's SIGINT handler for the signals
+    already on its own, so a Ctrl-C before the save killed the process (SIG_DFL) instead of raising."""
+    before = {sig: signal.getsignal(sig) for sig in after_save.SIGNALS}
+    try:
+        after_save.install()
+        after_save.install()
+        assert signal.getsignal(signal.SIGINT) is after_save._handle
+        # what it hands an unsaved run's Ctrl-C to (checked first: a SIG_DFL there would end the test process)
+        assert after_save._state["previous"].get(signal.SIGINT) is before[signal.SIGINT]
+        with pytest.raises(KeyboardInterrupt):
+            after_save._handle(signal.SIGINT, None)  # as the signal would run it, without risking the test process
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 LATE_SIGNAL = """
 import os, signal, sys, time
 from kiln.state import after_save
