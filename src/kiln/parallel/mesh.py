@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from kiln.config import DistConfig, dotted
 from kiln.errors import ConfigError, ResourceError
+from kiln.parallel import allocator
 from kiln.parallel.env import check_backend, env_int
 
 
@@ -130,6 +131,7 @@ def rank_device(name: str, local_rank: int) -> torch.device:
 def init_mesh(device_name: str, cfg: DistConfig, log: Callable[[str], None] = print) -> Mesh:
     """Join the process group torchrun describes (if any) and pick this process's device."""
     world, rank, local_rank, local_world = process_env()
+    allocator.configure()  # before this process first allocates on a GPU
     device = rank_device(device_name, local_rank if world > 1 else 0)
     if world <= 1:
         n = torch.cuda.device_count() if device.type == "cuda" else 0
