@@ -89,11 +89,12 @@ class TrainConfig(Section):
     run of the same model and shapes recompiles little (an 8B model's first step: 82 s cold, about 20 s warm).
     Share it between nodes on a shared filesystem (or copy it); null: torch's default, /tmp/torchinductor_$USER,
     lost at a reboot. The environment variable TORCHINDUCTOR_CACHE_DIR, where set, wins."""
-    cross_entropy_kernel: Literal["auto", "triton", "torch"] = "auto"
-    """The kernel of the chunked cross-entropy's softmax, loss and logits' gradient: 'triton', one Triton kernel
-    that reads each chunk's logits twice and writes their gradient over them (CUDA GPUs with triton, which CUDA
-    builds of torch ship; timed against torch's by benchmarks/cross_entropy.py); 'torch', PyTorch's ops (fused
-    by torch.compile with train.compile); 'auto', triton where it can run, else torch."""
+    cross_entropy_kernel: Literal["auto", "triton", "torch"] = "torch"
+    """The kernel of the chunked cross-entropy's softmax, loss and logits' gradient: 'torch', PyTorch's ops (fused
+    by torch.compile with train.compile); 'triton', one Triton kernel that reads each chunk's logits twice and
+    writes their gradient over them (CUDA GPUs with triton, which CUDA builds of torch ship); 'auto', triton where
+    it can run, else torch. torch is the default: Triton's was 1.02x the whole loss of a 124m step on an H100, and
+    an 8B job on 4 H100s with it ran 1.28x slower, its steps growing longer (benchmarks/results/fsdp_8b.md)."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """Recompute activations in the backward pass to save memory: 'selective' keeps each block's matrix
     product and attention outputs and recomputes its elementwise ops; 'full' recomputes whole blocks

@@ -23,7 +23,7 @@ CPU = torch.device("cpu")
 
 
 def test_the_config_takes_three_kernels_and_checks_the_device():
-    assert RunConfig().train.cross_entropy_kernel == "auto"
+    assert RunConfig().train.cross_entropy_kernel == "torch"
     assert load_config(None, ["train.cross_entropy_kernel=torch"]).train.cross_entropy_kernel == "torch"
     with pytest.raises(ConfigError, match="cross_entropy_kernel"):
         load_config(None, ["train.cross_entropy_kernel=liger"])
