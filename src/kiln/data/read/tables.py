@@ -8,6 +8,7 @@ struct column.
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -101,7 +102,8 @@ def read_csv(f: BinaryIO, field: str, delimiter: str, skip: int = 0, limit: int 
     first = first or f.read(1)
     if not names or not first:
         return
-    f = io.BufferedReader(_Prefixed(first, f), buffer_size=CHUNK)
+    quotes = _QuoteTracker(_Prefixed(first, f), delimiter) if quoting else None
+    f = io.BufferedReader(quotes or _Prefixed(first, f), buffer_size=CHUNK)
     names = [n.strip() for n in names]
     bad: list[tuple[int | None, str]] = []
 
@@ -119,21 +121,30 @@ def read_csv(f: BinaryIO, field: str, delimiter: str, skip: int = 0, limit: int 
         if field not in names:
             reader = csv.open_csv(f, read_options=read, parse_options=parse)
             rows = sum(b.num_rows for b in reader)
+            _check_quotes(quotes)
             yield from _missing_column(rows, f"the file has no column '{field}' (it has: {', '.join(names)})", skip)
             return
         convert = csv.ConvertOptions(include_columns=[field], column_types={field: pa.binary()},
                                      strings_can_be_null=False, quoted_strings_can_be_null=False)
         reader = csv.open_csv(f, read_options=read, parse_options=parse, convert_options=convert)
         for batch in reader:
+            _check_quotes(quotes)  # before the batch that holds the row a quote swallowed
             if index >= skip:
                 yield from ((-1, line, Malformed(why)) for line, why in bad)
             bad.clear()
             for record in _column_batches([batch], skip - index):
                 yield record[0] + index, None, record[2]
             index += batch.num_rows
+        _check_quotes(quotes)
         for line, why in bad:
             yield -1, line, Malformed(why)
     except pa.ArrowInvalid as e:
+        if "straddl" in str(e) and quotes is not None and quotes.state == quotes.QUOTED:
+            raise DataError(f"line {quotes.open_line}: a quoted field opens here (with '\"') and does not close "
+                            f"within data.max_record_bytes={limit} bytes: the quote may never close. Close it (a "
+                            "quote inside a quoted field is written twice: \"\"), set data.csv_quoting=false if the "
+                            "quotes in this file are plain text, or raise data.max_record_bytes if the field is "
+                            "that long") from None
         if "straddl" in str(e):  # pyarrow's words for a row longer than a block
             raise DataError(f"a row after row {index} is longer than data.max_record_bytes={limit} bytes, "
                             "which a CSV file cannot skip; raise data.max_record_bytes (or look for an "
@@ -142,6 +153,83 @@ def read_csv(f: BinaryIO, field: str, delimiter: str, skip: int = 0, limit: int 
     finally:
         if reader is not None:  # stops its reading thread now: one left running at exit aborts the interpreter
             reader.close()
+
+
+class _QuoteTracker(io.RawIOBase):
+    """A raw stream that passes `raw`'s bytes on and follows whether they end inside a quoted field, as
+    pyarrow's CSV reader parses them: a '"' opens a quoted field only at the start of a field; inside one,
+    '""' is a quote and a lone '"' closes it. pyarrow takes a file that ends inside a quoted field without
+    a word, the rest of the file then being one field (or one malformed row), its rows lost; `unclosed`
+    is then the line where that quote opened (the header is line 1)."""
+
+    START, FIELD, QUOTED, QUOTE_END = range(4)
+
+    def __init__(self, raw: io.RawIOBase, delimiter: str):
+        self.raw, self.delim = raw, delimiter.encode()
+        sep = rb"[" + re.escape(self.delim) + rb"\n\r]"
+        self.separator = re.compile(sep)
+        self.fields = re.compile(rb'(?:(?:[^"%s][^%s]*)?%s|"[^"]*(?:""[^"]*)*"(?!")[^%s]*%s)*'
+                                 % (sep[1:-1], sep[1:-1], sep, sep[1:-1], sep))
+        self.state, self.lines, self.open_line, self.cr = self.START, 1, 0, False  # lines: line ends read
+        self.unclosed: int | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = self.raw.readinto(b)
+        if n:
+            self._feed(bytes(b[:n]))
+        elif len(b) and self.state == self.QUOTED:
+            self.unclosed = self.open_line
+        return n
+
+    def _feed(self, data: bytes) -> None:
+        opened, pos, n = None, 0, len(data)
+        while pos < n:
+            if self.state == self.QUOTE_END:
+                if data[pos] == 34:  # '""': a quote inside the field
+                    self.state, pos = self.QUOTED, pos + 1
+                    continue
+                self.state = self.FIELD  # closed: on to the field's end, as in an unquoted field
+            if self.state == self.QUOTED:
+                end = _QUOTED_BODY.match(data, pos).end()  # up to the next quote that is not '""'
+                if end == n:
+                    break
+                self.state, pos = self.QUOTE_END, end + 1  # '"' closes, unless the next read begins with '"'
+                continue
+            if self.state == self.START:
+                pos = self.fields.match(data, pos).end()  # whole fields, quoted or not, in one step
+                if pos == n:
+                    break
+                if data[pos] == 34:  # a quoted field that does not close in `data`
+                    opened, self.state, pos = pos, self.QUOTED, pos + 1
+                    continue
+                self.state = self.FIELD
+            m = self.separator.search(data, pos)  # the end of this unquoted field (or of a quoted one's tail)
+            if m is None:
+                break
+            self.state, pos = self.START, m.end()
+        if self.state == self.QUOTED and opened is not None:  # a quote opened in `data` is still open
+            self.open_line = self.lines + _line_ends(data[:opened]) + 1
+        self.lines += _line_ends(data) - (self.cr and data[:1] == b"\n")  # a \r\n split between reads
+        self.cr = data[-1:] == b"\r"
+
+
+_QUOTED_BODY = re.compile(rb'[^"]*(?:""[^"]*)*')
+
+
+def _line_ends(data: bytes) -> int:
+    """Line ends in `data`: \n, \r\n or a lone \r."""
+    return data.count(b"\n") + data.count(b"\r") - data.count(b"\r\n")
+
+
+def _check_quotes(quotes: _QuoteTracker | None) -> None:
+    if quotes is not None and quotes.unclosed is not None:
+        raise DataError(f"line {quotes.unclosed}: a quoted field opens here (with '\"') and never closes, so "
+                        "the rest of the file would be read as one field and its rows lost. Close the quote (a "
+                        "quote inside a quoted field is written twice: \"\"), or set data.csv_quoting=false if the "
+                        "quotes in this file are plain text")
 
 
 def _header_line(f: BinaryIO, limit: int) -> tuple[bytes, bytes]:

@@ -92,6 +92,25 @@ def test_tsv_quotes_as_written_by_pandas_or_as_plain_text(tmp_path):
     assert read(tmp_path / "raw.tsv")[0] == "Hello, she said."  # what quoting does to them (docstring)
 
 
+
+def test_csv_quote_that_never_closes_names_its_line_under_both_policies(tmp_path):
+    """pyarrow reads a file that ends inside a quoted field without a word: the rest of the file was one
+    field (one column) or one malformed row (several), and every row after the quote was lost."""
+    (tmp_path / "a.csv").write_bytes(b'text\r\nok\r\n"say ""hi"" there"\r\n"never closed\r\nlost\r\nlost too\r\n')
+    (tmp_path / "b.tsv").write_text('id\ttext\n1\tfine "here"\n2\t"a\ttab"\n3\t"open\n4\tlost\n')
+    for policy in ("error", "skip"):  # skipping would drop the rest of the file unseen
+        with pytest.raises(DataError, match=r"a\.csv: line 4: a quoted field opens here .* never closes"):
+            read(tmp_path / "a.csv", on_bad_record=policy)
+        with pytest.raises(DataError, match=r"b\.tsv: line 4: .* data\.csv_quoting=false"):
+            read(tmp_path / "b.tsv", on_bad_record=policy)
+    rest = "".join(f"{i}\trow {i}\n" for i in range(5, 250_000))  # longer than two read blocks (1 MiB)
+    (tmp_path / "c.tsv").write_text('id\ttext\n1\tok\n2\t"open\n' + rest)
+    with pytest.raises(DataError, match=r"c\.tsv: line 3: a quoted field .* does not close within data\.max_rec"):
+        read(tmp_path / "c.tsv", max_record_bytes=1000)
+    (tmp_path / "b.tsv").write_text('id\ttext\n1\tfine "here"\n2\t"a\ttab"\n3\t"closed\n"\n4\tkept\n')
+    assert read(tmp_path / "b.tsv") == ['fine "here"', "a\ttab", "closed\n", "kept"]
+
+
 def test_csv_header_only_and_fields_longer_than_a_block(tmp_path):
     (tmp_path / "a.csv").write_text("id,text\n")
     assert read(tmp_path / "a.csv", on_bad_record="skip") == []
