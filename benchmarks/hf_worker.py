@@ -49,8 +49,16 @@ def command(spec: dict, nproc: int) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    """The worker's environment beside the launcher's: one OpenMP thread a rank unless set."""
-    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    """The worker's environment beside the launcher's: one OpenMP thread a rank unless set, and Kiln's allocator."""
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **allocator_env()}
+
+
+def allocator_env() -> dict[str, str]:
+    """The CUDA allocator setting Kiln's runs use (`kiln.parallel.allocator`) for a baseline's process, unless the
+    environment sets one: both sides of a comparison allocate alike."""
+    from kiln.parallel import allocator
+
+    return {} if any(os.environ.get(name) for name in allocator.USER) else {allocator.USER[0]: allocator.SETTING}
 
 
 def parse(lines: Iterable[str]) -> dict | None:

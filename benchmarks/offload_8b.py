@@ -50,6 +50,7 @@ import traceback
 import torch
 
 from benchmarks.common import hf_rows, hf_step_clock, peak_gib, run_info, table, write_json
+from benchmarks.hf_worker import allocator_env
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -264,7 +265,7 @@ def run_side(args, side: str, base: Path, root: Path) -> dict:
     for s in args.set:
         cmd += ["--set", s]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
+    env = {**os.environ, **allocator_env(), "PYTHONPATH": path}  # Kiln's allocator setting on both sides
     t0 = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, env=env)
     res = json.loads(result.read_text()) if result.is_file() else \
