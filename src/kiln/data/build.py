@@ -7,13 +7,13 @@ tokenized while training). Ranks default to the data-parallel position of torch.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kiln.config import DataConfig, RunConfig
+from kiln.data.prepare.trained_on import mixture_id
 from kiln.errors import DataError
 
 
@@ -33,9 +33,8 @@ class RunData:
         if len(self.datasets) == 1:
             return self.datasets[0].manifest
         if self.datasets:  # a mixture: its identity is the set of datasets, whatever the weights
-            ids = sorted(ds.manifest["id"] for ds in self.datasets)
             tokens = sum(_split_tokens(ds, "train") for ds in self.datasets)
-            return {"id": "mix-" + hashlib.sha256(" ".join(ids).encode()).hexdigest()[:16],
+            return {"id": mixture_id([ds.manifest["id"] for ds in self.datasets]),
                     "splits": {"train": {"tokens": tokens}}}
         return {"id": f"stream-{self.stream_key}", "splits": {}}
 
@@ -53,15 +52,16 @@ def data_position() -> tuple[int, int]:
     return 0, 1
 
 
-def prepare_all(data: DataConfig, console=None, trained_on: str | None = None) -> list:
+def prepare_all(data: DataConfig, console=None, trained_on: str | list[str] | None = None) -> list:
     """The prepared dataset of data.sources, or of each data.mixture entry (all with one tokenizer:
     the first entry's, which the later `sources` entries are prepared with); `trained_on`: the dataset id a resumed
-    checkpoint names (kiln.data.prepare.trained_on)."""
+    checkpoint names, or for a mixture its entries' ids (kiln.data.prepare.trained_on)."""
     from kiln.data.format.dataset import open_dataset
     from kiln.data.prepare.pipeline import prepare
 
     if not data.mixture:
-        return [prepare(data, console, trained_on=trained_on)]
+        return [prepare(data, console, trained_on=trained_on if isinstance(trained_on, str) else None)]
+    entries = _mixture_trained_on(data, trained_on)
     out: list = []
     for i, entry in enumerate(data.mixture):
         where = f"data.mixture[{i}]"
@@ -78,13 +78,47 @@ def prepare_all(data: DataConfig, console=None, trained_on: str | None = None) -
                 raise DataError(f"{where}: {e}") from None
         else:
             sub = data.model_copy(update={"mixture": [], "sources": list(entry.sources or [])})
-            ds = prepare(sub, console, tokenizer=out[0].tokenizer if out else None)
+            ds = prepare(sub, console, tokenizer=out[0].tokenizer if out else None, trained_on=entries[i])
         if out and ds.tokenizer.hash != out[0].tokenizer.hash:
             raise DataError(f"{where}: dataset {ds.path} was made with tokenizer {ds.tokenizer.hash}, but the "
                             f"first entry's is {out[0].tokenizer.hash}; prepare it again with --tokenizer "
                             f"{out[0].path / 'tokenizer.json'}")
         out.append(ds)
     return out
+
+
+def _mixture_trained_on(data: DataConfig, trained_on: str | list[str] | None) -> list[str | None]:
+    """The dataset each data.mixture entry of a resumed run trained on, where known: the checkpoint's list, or
+    for one that records only their mixture id, the datasets in the cache that make it up."""
+    n = len(data.mixture)
+    if isinstance(trained_on, list) and len(trained_on) == n:
+        return list(trained_on)
+    if isinstance(trained_on, str) and trained_on.startswith("mix-"):
+        from pathlib import Path
+
+        from kiln.data.prepare.trained_on import mixture_entries
+        from kiln.data.read.sources import expand
+
+        try:
+            named = [_dataset_id(e.dataset) if e.dataset is not None else
+                     [sf.url for sf in expand(list(e.sources or []), data.format, data.dataset_split)]
+                     for e in data.mixture]
+        except (DataError, OSError):  # a source gone: prepare says so
+            return [None] * n
+        found = mixture_entries(Path(data.cache_dir).expanduser() / "datasets", trained_on, named)
+        if found is not None:
+            return found
+    return [None] * n
+
+
+def _dataset_id(path: str) -> str:
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(path).expanduser() / "manifest.json").read_text())["id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return Path(path).name
 
 
 def _split_tokens(ds, split: str) -> int:

@@ -62,12 +62,16 @@ def fingerprints(cfg: RunConfig, dataset) -> dict[str, Any]:
     """What a checkpoint records to recognise its config and its data."""
     relevant = {k: v for k, v in dotted(cfg.model_dump(mode="json")).items() if not k.startswith(FREE)}
     manifest = dataset.manifest
-    return {
+    out = {
         "config": hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16],
         "dataset": manifest.get("id") or Path(dataset.path).name,
         "tokenizer": dataset.tokenizer.hash,
         "train_tokens": manifest.get("splits", {}).get("train", {}).get("tokens"),
     }
+    entries = getattr(dataset, "datasets", [])
+    if len(entries) > 1:  # a mixture: each entry's dataset, so a resume after an upgrade finds them (trained_on)
+        out["datasets"] = [ds.manifest["id"] for ds in entries]
+    return out
 
 
 def check_compatible(meta: dict[str, Any], cfg: RunConfig, prints: dict[str, Any], force: bool,

@@ -194,11 +194,16 @@ def _first_evaluation(trainer: Trainer, console: Console) -> dict:
         return {}
 
 
+def _trained_on(saved: dict) -> str | list[str] | None:
+    """What a checkpoint says its run trained on: a mixture's entries' datasets, or the one dataset."""
+    return saved.get("datasets") or saved.get("dataset")
+
+
 def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict | None, finished: bool,
            mesh: Mesh, console: Console, resume: str, callbacks: list, stops: StopSignals, end: RunEnd) -> Path:
     device = mesh.device
     data = build_data(cfg, device, console=console,  # prepares, opens or streams cfg.data; this rank's loaders
-                      trained_on=(meta or {}).get("fingerprints", {}).get("dataset"))
+                      trained_on=_trained_on((meta or {}).get("fingerprints", {})))
     tok = data.tokenizer
     console.print(data.summary)
     if cfg.model.vocab_size is None:

@@ -4,10 +4,16 @@ documents: a run resumed after such an upgrade prepared its files again under an
 refused (`prepared dataset: A -> B`), with --resume force too (the saved loader position counts rows of A). Its
 own dataset, still in the cache, is what it trained on and what exact resume needs: it is reused where only the
 reader version differs, made from these very files (their sha256), with the same tokenizer and other settings.
+
+A data.mixture run is recorded by its entries' datasets, in order (a checkpoint's `datasets` fingerprint), and by
+`mixture_id` of them (its `dataset`); for a checkpoint with the latter alone, `mixture_entries` finds the datasets
+in the cache that make it up.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 from pathlib import Path
 
@@ -27,3 +33,27 @@ def same_files_earlier_reader(path: Path, sources: list[dict], tokenizer, settin
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     return path if same else None
+
+
+def mixture_id(ids: list[str]) -> str:
+    """The dataset fingerprint of a data.mixture run: its entries' datasets, whatever the weights or order."""
+    return "mix-" + hashlib.sha256(" ".join(sorted(ids)).encode()).hexdigest()[:16]
+
+
+def mixture_entries(datasets: Path, mixed: str, entries: list[list[str] | str]) -> list[str] | None:
+    """The ids, one per mixture entry, of the datasets in `datasets` (a cache's) whose `mixture_id` is `mixed`:
+    an entry's candidates are the datasets made of the files it names (`entries[i]`, their paths; a str: the id of
+    a prepared dataset it names). None if no choice of them gives `mixed`. Each one found is checked again by
+    `same_files_earlier_reader` when it is prepared."""
+    made: dict[tuple[str, ...], list[str]] = {}
+    for manifest in datasets.glob("*/manifest.json"):
+        try:
+            m = json.loads(manifest.read_text())
+            made.setdefault(tuple(s["path"] for s in m["sources"]), []).append(m["id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    options = [[e] if isinstance(e, str) else made.get(tuple(e), []) for e in entries]
+    for ids in itertools.islice(itertools.product(*options), 10_000):
+        if mixture_id(list(ids)) == mixed:
+            return list(ids)
+    return None

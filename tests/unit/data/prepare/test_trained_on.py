@@ -37,3 +37,27 @@ def test_a_resumed_run_keeps_the_dataset_an_earlier_reader_made_of_the_same_file
         said.getvalue().split())  # the report's title, wrapped at the table's width
     (corpus / "0.txt").write_text(texts[0] + "\n# changed\n")  # other files: not its data any more
     assert prepare(cfg, trained_on=old.id).id not in (old.id, new.id)
+
+
+def test_a_resumed_mixture_run_keeps_each_entrys_dataset(tmp_path, monkeypatch):
+    """A data.mixture run is fingerprinted by the set of its entries' datasets: after an upgrade each entry was
+    prepared anew and the run's checkpoint refused, as a data.sources run's was before trained_on."""
+    from kiln.data.build import RunData, prepare_all
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(stdlib / n).read_text() for n in ("textwrap.py", "shlex.py", "bisect.py", "colorsys.py")]
+    for i, t in enumerate(texts):
+        (tmp_path / f"{i}.txt").write_text(t)
+    train_bpe(texts, 300).save(tmp_path / "tokenizer.json")
+    cfg = DataConfig(mixture=[{"sources": [str(tmp_path / "0.txt"), str(tmp_path / "1.txt")], "weight": 2},
+                              {"sources": [str(tmp_path / "2.txt"), str(tmp_path / "3.txt")], "weight": 1}],
+                     tokenizer=str(tmp_path / "tokenizer.json"), cache_dir=str(tmp_path / "cache"),
+                     val_fraction=0.2, workers=1)
+    old = RunData(None, None, None, prepare_all(cfg))
+    saved = {"dataset": old.manifest["id"], "datasets": [ds.id for ds in old.datasets]}  # a checkpoint's record
+    monkeypatch.setattr(keys, "READERS_VERSION", keys.READERS_VERSION + 1)
+    assert RunData(None, None, None, prepare_all(cfg)).manifest["id"] != saved["dataset"]
+    for trained_on in (saved["datasets"], saved["dataset"]):  # as saved now, and by a Kiln before the entries' ids
+        kept = RunData(None, None, None, prepare_all(cfg, trained_on=trained_on))
+        assert kept.manifest["id"] == saved["dataset"]
+        assert [ds.path for ds in kept.datasets] == [ds.path for ds in old.datasets]
