@@ -314,3 +314,18 @@ def test_a_nullable_text_override_still_takes_null():
     assert load_config(None, ["data.bos_token=null"]).data.bos_token is None
     assert load_config(None, ["data.bos_token=auto"]).data.bos_token == "auto"
     assert load_config(None, ["train.run_dir=2024"]).train.run_dir == "2024"
+
+
+def test_a_relative_cache_dir_is_made_absolute_once_so_a_resume_elsewhere_finds_it(tmp_path, monkeypatch):
+    """`data.cache_dir: cache` was kept relative in the run's config.yaml: `kiln train RUN_DIR` from another
+    directory trained the tokenizer and prepared the data again into a new cache there."""
+    import yaml
+
+    (tmp_path / "a").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    cfg = load_config(None, ["data.cache_dir=cache"])
+    assert cfg.data.cache_dir == str(tmp_path / "a" / "cache")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))  # as a run saves it
+    monkeypatch.chdir(tmp_path)
+    assert load_config(str(tmp_path / "config.yaml")).data.cache_dir == str(tmp_path / "a" / "cache")
+    assert load_config(None, ["data.cache_dir=~/kc"]).data.cache_dir == "~/kc"  # the same wherever it runs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -127,7 +128,15 @@ class DataConfig(Section):
     workers: int | None = Field(None, ge=1)
     """Processes that tokenize in `kiln prepare` (null: one per CPU core)."""
     cache_dir: str = "~/.cache/kiln"
-    """Where tokenizers and prepared datasets are cached, keyed by their content hashes."""
+    """Where tokenizers and prepared datasets are cached, keyed by their content hashes. A relative path is
+    taken from the directory the command runs in, and made absolute when the config is read: the run's
+    config.yaml names that cache, so a run resumed from another directory reads the data it was prepared
+    into (`kiln prepare`, `kiln train` and torchrun's processes started in one directory share it)."""
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _absolute_cache(cls, v: str) -> str:
+        return v if not v.strip() or v.startswith("~") or os.path.isabs(v) else os.path.abspath(v)
     mixture: list[MixtureEntry] = []
     """Train on a weighted mix instead of data.sources: a list of {dataset: DIR or sources: [...], weight: W}."""
     schedule: ScheduleConfig | None = None
