@@ -49,9 +49,13 @@ SMOKE = {
                  "--batch", "2", "--accum", "2",
                  "--no-append", "--run-root", "{tmp}", "--cache-dir", "{tmp}/cache", "--set", "data.max_bytes=150000",
                  "--json", "{tmp}/out.json"], r"Kiln / HF Trainer: \*\*\d"),
-    "families": (["--families", "qwen3,phi3,gemma2", "--batch", "2", "--seq", "32", "--steps", "1", "--warmup", "1",
-                  "--json", "{tmp}/out.json"],
-                 r"qwen3: auto / native \d.*\nphi3: auto / native \d.*\ngemma2: auto / native \d"),
+    # the two paths' first losses agree (the load-balancing term of Qwen2-MoE's on both: 0.001 x about 4)
+    "families": (["--families", "qwen3,phi3,gemma2,nemotron,qwen2_moe", "--batch", "2", "--seq", "32", "--steps", "1",
+                  "--warmup", "1", "--json", "{tmp}/out.json"],
+                 r"nemotron: native .*; first losses (\d\.\d{4})\d* and \1\d* [\s\S]*"
+                 r"qwen2_moe: native .*; first losses (\d\.\d{4})\d* and \2\d* [\s\S]*"
+                 r"qwen3: auto / native \d.*\nphi3: auto / native \d.*\ngemma2: auto / native \d.*\n"
+                 r"nemotron: auto / native \d.*\nqwen2_moe: auto / native \d"),
     "fp8": (["--size", "tiny", "--batch", "2", "--seq", "32", "--warmup", "1", "--steps", "1", "--compile", "0",
              "--vocab", "512", "--device", "cpu", "--json", "{tmp}/out.json"], r"bf16 +tiny +32 +2 +[1-9][\d,]* +"),
     "fp8_quality": (["--config", "quickstart", "--gpus", "cpu", "--sides", "fp32,bf16", "--steps", "4", "--seq", "32",
