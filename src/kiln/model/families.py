@@ -100,8 +100,8 @@ FAMILIES: list[Family] = [
         note="hybrid Mamba-2, attention and MLP layers (model.layer_pattern); Kiln's own chunked SSD scan, compiled "
              "per layer (no mamba-ssm); the scan and convolution restart at each packed document; LoRA on in_proj, "
              "out_proj too; MoE layers (Nemotron 3) are refused: hf_class=auto",
-        speed=("8B on 4 H100s at sequence 2048: 3.66x the HF Trainer, 3.85x hf_class=auto; at 8192 (4 H200s) 6,860 tokens/s/GPU, where "
-               "the HF Trainer runs out of memory (benchmarks/results/nemotron_h.md)"),
+        speed=("8B on 4 H100s at sequence 2048: 3.66x the HF Trainer, 3.85x hf_class=auto; at 8192 (4 H200s) "
+               "6,860 tokens/s/GPU, where the HF Trainer runs out of memory (benchmarks/results/nemotron_h.md)"),
         featured=True),
     Family("Gemma", ("gemma",), _matrix("gemma")),
     Family("Gemma 2", ("gemma2",), {
