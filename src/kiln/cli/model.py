@@ -116,13 +116,14 @@ def export(
         warnings.simplefilter("always", ExportWarning)
         try:
             out = export_from(source, to, dtype, tokenizer, adapters=adapters, repo=push_to_hub)
-        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: what is left, and the exit status of the signal
+        except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM or SIGHUP: what is left, and the exit status of the signal
             import signal
 
             from kiln.data.prepare.bpe import signal_name
 
             err_console.print(f"export stopped ({signal_name(e)}): {to} is incomplete, not to be loaded (its partial "
-                              f"weights were removed); {source} is untouched. Export again", highlight=False)
+                              f"weights and its config.json were removed); {source} is untouched. Export again",
+                              highlight=False)
             raise typer.Exit(128 + int(getattr(e, "signum", None) or signal.SIGINT)) from None
     for w in caught:  # Kiln's own as a plain warning line; the libraries' as Python shows them
         if issubclass(w.category, ExportWarning):

@@ -250,16 +250,22 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
     from kiln.files import write_failure
     from kiln.state.model_card import write_model_card
 
+    dest = Path(to).expanduser()
+    before = {name: _stamp(dest / name) for name in MARKERS}
     try:
-        with sigterm_interrupts():  # SIGTERM as Ctrl-C: the partial weights below go with either
+        with sigterm_interrupts():  # SIGTERM and SIGHUP as Ctrl-C: the partial export below goes with any of them
             out = _export(src, to, dtype, tokenizer, max_shard_bytes, adapters)
             if adapters:
                 _base_tokenizer(Path(src).expanduser(), out)
             write_model_card(Path(src).expanduser(), out, repo, adapters)
-    except KeyboardInterrupt:  # a weights file being written (the size of the model) is not left behind
-        for tmp in Path(to).expanduser().glob("*.tmp"):
-            with contextlib.suppress(OSError):
+    except KeyboardInterrupt:  # a weights file being written (the size of the model) is not left behind, nor
+        for tmp in dest.glob("*.tmp"):  # the config.json this export wrote, by which a loader took the directory
+            with contextlib.suppress(OSError):  # for a model (its weights written, its tokenizer not yet)
                 tmp.unlink()
+        for name, stamp in before.items():
+            if _stamp(dest / name) != stamp:
+                with contextlib.suppress(OSError):
+                    (dest / name).unlink()
         raise
     except Exception as e:  # a full or read-only disk: said, with what to do, instead of the writer's traceback
         reason = write_failure(e)
@@ -269,6 +275,17 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
         raise StateError(f"writing the export to {to} failed: {reason}. {src} is untouched; {partial}free space "
                          "there (or give another --to) and export again") from None
     return out
+
+
+MARKERS = ("config.json", "adapter_config.json")  # the file a loader takes a directory for a model (or adapters) by
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
 
 
 def _base_tokenizer(src: Path, out: Path) -> None:

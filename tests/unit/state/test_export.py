@@ -356,9 +356,12 @@ def test_a_run_without_its_models_bos_exports_the_models_tokenizer_without_it(to
     assert json.loads((out / "tokenizer_config.json").read_text())["add_bos_token"] is False
 
 
-def test_a_sigterm_during_an_export_leaves_no_partial_weights(tokenizer, tmp_path, monkeypatch):
-    """SIGTERM while the weights are written (timed here by sending it from inside the write): the process ended
-    at once, leaving a model.safetensors.tmp the size of the model; now an interrupt, the file removed."""
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_signal_during_an_export_leaves_nothing_that_loads(tokenizer, tmp_path, monkeypatch, sig):
+    """SIGTERM or SIGHUP (a closed terminal) while the weights are written (timed here by sending it from inside the
+    write): the process ended at once, leaving a model.safetensors.tmp the size of the model (and after SIGTERM's
+    fix, SIGHUP still did), beside the config.json by which a loader takes the directory for a model; now an
+    interrupt that carries its signal (the exit status: 128 + it), the files removed."""
     import os
     import signal
 
@@ -366,17 +369,19 @@ def test_a_sigterm_during_an_export_leaves_no_partial_weights(tokenizer, tmp_pat
 
     from kiln.data.prepare.bpe import Interrupted
 
+    signum = getattr(signal, sig)
     model = random_model("llama")
     save_model(model, model.cfg, tokenizer, tmp_path / "run" / "model")
     real = safetensors.torch.save_file
 
     def signalled(tensors, path, metadata=None):
         real(tensors, path, metadata)  # the file is there, as when the signal comes midway
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
 
     monkeypatch.setattr(safetensors.torch, "save_file", signalled)
-    before = signal.getsignal(signal.SIGTERM)  # the default, or kiln's process-wide one after an in-process `kiln`
-    with pytest.raises(Interrupted):
+    before = signal.getsignal(signum)  # the default, or kiln's process-wide one after an in-process `kiln`
+    with pytest.raises(Interrupted) as stopped:
         export_from(tmp_path / "run", tmp_path / "out")
-    assert not list((tmp_path / "out").glob("*.tmp")) and not (tmp_path / "out" / "model.safetensors").exists()
-    assert signal.getsignal(signal.SIGTERM) is before  # given back
+    assert stopped.value.signum == signum
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []  # config.json was written before the weights
+    assert signal.getsignal(signum) is before  # given back

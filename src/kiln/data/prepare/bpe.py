@@ -1,4 +1,4 @@
-"""Training a byte-level BPE in a child process, with progress, that Ctrl-C and SIGTERM stop at once.
+"""Training a byte-level BPE in a child process, with progress, that Ctrl-C, SIGTERM and SIGHUP stop at once.
 
     train_in_child(texts, vocab_size, specials, out, console, total_chars)   # writes `out` (tokenizer.json)
 
@@ -6,9 +6,9 @@ The tokenizers library trains in Rust without returning to Python until it is do
 handler of the process that trains runs only at the end (minutes or hours later). So this process
 reads the sources and sends their texts, in batches, to a child that trains; it shows the
 characters sent, then a spinner while the child learns its merges, and waits in a loop that a
-signal interrupts. On Ctrl-C, SIGTERM (`sigterm_interrupts`) or an error, the child is killed and
-nothing is written. The child ignores SIGINT (a Ctrl-C reaches the whole process group: this
-process decides) and, on Linux, dies with its parent.
+signal interrupts. On Ctrl-C, SIGTERM or SIGHUP (`sigterm_interrupts`) or an error, the child is killed and
+nothing is written. The child ignores SIGINT and SIGHUP (a Ctrl-C or a closed terminal reaches the whole process
+group: this process decides) and, on Linux, dies with its parent.
 """
 
 from __future__ import annotations
@@ -29,43 +29,55 @@ SEND_CHARS = 1 << 20  # characters of text per message to the child
 
 
 class Interrupted(KeyboardInterrupt):
-    """A KeyboardInterrupt raised by SIGTERM (`sigterm_interrupts`); `kiln` exits 143 (128 + SIGTERM) for it."""
+    """A KeyboardInterrupt raised by SIGTERM or SIGHUP (`sigterm_interrupts`); `kiln` exits 128 + its number (143,
+    129) for it."""
 
     signum = signal.SIGTERM
+
+    def __init__(self, *args, signum: int = signal.SIGTERM):
+        super().__init__(*args)
+        self.signum = signum
+
+
+STOPS = (signal.SIGTERM, signal.SIGHUP)  # the signals `sigterm_interrupts` turns into an Interrupted
 
 
 @contextmanager
 def sigterm_interrupts() -> Iterator[None]:
-    """While active (in the main thread), SIGTERM stops the process as Ctrl-C does: an `Interrupted`
-    (a KeyboardInterrupt) is raised, so cleanup runs and locks are released."""
-    main = threading.current_thread() is threading.main_thread()
-    current = signal.getsignal(signal.SIGTERM)
-    # `kiln`'s main gives the whole process kiln.state.after_save's handler, which until a run is saved does what was
-    # there before it (the default: the process ends without a word, its lock and staging files left): no command's
-    baseline = current is signal.SIG_DFL or getattr(current, "__module__", None) == "kiln.state.after_save"
-    if not main or not baseline:
-        yield  # another thread, or SIGTERM already handled (`kiln train` turns it into its own interrupt)
+    """While active (in the main thread), SIGTERM and SIGHUP (a closed terminal or ssh session) stop the process as
+    Ctrl-C does: an `Interrupted` (a KeyboardInterrupt) is raised, so cleanup runs and locks are released. A signal
+    ignored (SIGHUP under nohup) stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # another thread: signals come to the main one
         return
 
     def raise_interrupt(signum, frame):
-        raise Interrupted("SIGTERM")
+        raise Interrupted(signal.Signals(signum).name, signum=signum)
 
-    previous = signal.signal(signal.SIGTERM, raise_interrupt)
+    previous = {}
+    for sig in STOPS:
+        current = signal.getsignal(sig)
+        # `kiln`'s main gives the whole process kiln.state.after_save's handler, which until a run is saved does what
+        # was there before it (the default: the process ends without a word, its lock and staging files left)
+        if current is signal.SIG_DFL or getattr(current, "__module__", None) == "kiln.state.after_save":
+            previous[sig] = signal.signal(sig, raise_interrupt)  # else handled already (`kiln train`'s own interrupt)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def signal_name(e: KeyboardInterrupt) -> str:
-    signum = getattr(e, "signum", None)  # kiln train's interrupt carries its signal
-    return "SIGTERM" if isinstance(e, Interrupted) or signum == signal.SIGTERM else "Ctrl-C"
+    signum = getattr(e, "signum", None)  # kiln train's interrupt carries its signal, as `sigterm_interrupts`' does
+    return signal.Signals(signum).name if signum in STOPS else "Ctrl-C"
 
 
 def _child(conn, vocab_size: int, specials: list[str], out: str, parent: int) -> None:
     """The training process: texts come in batches over `conn` (None ends them); sends None when `out`
     is written, or the error's text."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal's, sent to the group: as Ctrl-C's
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # forked: not the parent's handler (which raises)
     if sys.platform == "linux":
         import ctypes

@@ -39,6 +39,7 @@ _state: dict = {}
 
 def _init(tk, parse_special: bool, eos_id: int, bos_id: int | None, dtype: str, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops the pool
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal's, sent to the group: as Ctrl-C's
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # forked: not the parent's handler (which raises)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
     if isinstance(tk, str):  # spawned: the path of the tokenizer's JSON
