@@ -19,19 +19,21 @@ def generate(
                                            "most likely token)."),
     top_k: int = typer.Option(50, "--top-k", min=0, help="Sample among the k most likely tokens (0: all)."),
     seed: int | None = typer.Option(None, "--seed", min=0, help="Seed for reproducible samples."),
-    stop: list[str] = typer.Option([], "--stop", help="Also stop at this token (its text, e.g. <|im_end|>; "
-                                   "repeatable). The model's stop tokens always count: its EOS and the "
-                                   "eos_token_id of its Hugging Face generation_config.json."),
+    stop: list[str] = typer.Option([], "--stop", help="Also stop at this token (its text, e.g. <|im_end|>) or "
+                                   "text (e.g. 'Question:', however many tokens it takes: sampling ends at the "
+                                   "token that completes it, kept in the text); repeatable. The model's stop tokens "
+                                   "always count: its EOS and the eos_token_id of its Hugging Face "
+                                   "generation_config.json."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at the model's stop tokens (nor its "
-                                    "stop strings): sample all --max-new-tokens, or up to a --stop token."),
+                                    "stop strings): sample all --max-new-tokens, or up to a --stop."),
     threads: int | None = typer.Option(None, "--threads", min=1,
                                           help="CPU threads of PyTorch (on the CPU only); default: 1 for a model "
                                                "under 20M parameters (one token at a time is too little to "
                                                "split), else PyTorch's."),
 ) -> None:
     """Sample text from a trained model, up to its first stop token (its EOS, and those its Hugging Face
-    generation_config.json lists), the token that completes one of that file's stop_strings (kept in the text,
-    as transformers keeps it), or --max-new-tokens.
+    generation_config.json lists, and --stop tokens), the token that completes one of that file's stop_strings or
+    a --stop text (kept in the text, as transformers keeps it), or --max-new-tokens.
 
     Example: kiln generate runs/20261126-101500 --prompt "def main(" -n 64 --seed 0
     """
@@ -61,8 +63,9 @@ def generate(
         ids = start_ids(tok, prompt)
     except ValueError as e:
         raise ConfigError(f"--prompt: {e}; give a prompt") from None
-    stops = named_stops(tok, stop) + ([] if ignore_eos else saved_model_stops(run_dir, tok))
-    texts = StopStrings([] if ignore_eos else saved_model_stop_strings(run_dir, tok), tok.decode)
+    stop_ids, stop_texts = named_stops(tok, stop)
+    stops = stop_ids + ([] if ignore_eos else saved_model_stops(run_dir, tok))
+    texts = StopStrings(stop_texts + ([] if ignore_eos else saved_model_stop_strings(run_dir, tok)), tok.decode)
     try:
         out = sample(model, ids, max_new_tokens, temperature, top_k or None, seed, stops, vocab_size=tok.vocab_size,
                      stop_strings=texts)

@@ -11,7 +11,7 @@ stop_strings, texts that end sampling even where they span several tokens (kiln.
     stops = model_stops(tok, [model_dir, source_dir(cfg.model), tokenizer_dir(cfg.data.tokenizer)])
     stops = run_stops(cfg, tok)                         # the sample at the end of a run
     stops = saved_model_stops("runs/X", tok)            # what `kiln generate runs/X` stops at
-    stops += named_stops(tok, ["<|im_end|>"])            # `kiln generate --stop`: token texts, unknown ones refused
+    ids, texts = named_stops(tok, ["<|im_end|>", "\\n\\nUser:"])  # `kiln generate --stop`: tokens, and texts
     texts = run_stop_strings(cfg, tok)                  # generation_config.json's stop_strings, as text
     texts = saved_model_stop_strings("runs/X", tok)
 """
@@ -103,21 +103,24 @@ def _saved_model_folders(path: str | Path, tok) -> tuple[list[Path | None], list
     return folders, stops
 
 
-def named_stops(tok, names: Iterable[str]) -> list[int]:
-    """The ids of token texts (`kiln generate --stop`): a token of the vocabulary as the tokenizer writes it
-    (<|eot_id|>, </s>), or a text it encodes as one token ("\\n"); ConfigError for any other."""
-    ids = []
+def named_stops(tok, names: Iterable[str]) -> tuple[list[int], list[str]]:
+    """`kiln generate --stop`'s texts as (stop token ids, stop strings): a token of the vocabulary as the tokenizer
+    writes it (<|eot_id|>, </s>) or a text it encodes as one token ("\\n") is a stop token; any other text ends
+    sampling as a stop string does (kiln.model.stop_strings: at the token that completes it, kept in the text).
+    ConfigError for an empty one."""
+    ids, texts = [], []
     for name in names:
-        found = tok.tk.token_to_id(name) if name else None
-        if found is None and name:
+        if not name:
+            raise ConfigError("--stop '': give the text (or token) to stop at")
+        found = tok.tk.token_to_id(name)
+        if found is None:
             encoded = tok.encode(name)
             found = encoded[0] if len(encoded) == 1 else None
         if found is None:
-            raise ConfigError(f"--stop {name!r} is not a token of the model's tokenizer (it encodes as "
-                              f"{len(tok.encode(name))} tokens): give one token's text, such as a special token "
-                              "(<|eot_id|>, <|im_end|>, </s>) or a text that encodes as one token")
-        ids.append(found)
-    return list(dict.fromkeys(ids))
+            texts.append(name)
+        else:
+            ids.append(found)
+    return list(dict.fromkeys(ids)), list(dict.fromkeys(texts))
 
 
 def _run_config(run_dir: Path):
