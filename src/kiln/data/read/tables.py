@@ -99,6 +99,13 @@ def read_csv(f: BinaryIO, field: str, delimiter: str, skip: int = 0, limit: int 
                                        quoting=pycsv.QUOTE_MINIMAL if quoting else pycsv.QUOTE_NONE)), None)
     except pycsv.Error as e:
         raise DataError(f"malformed CSV header row ({e}); fix the file or check data.format") from None
+    if quoting:
+        head = _QuoteTracker(None, delimiter)
+        head._feed(header)
+        if head.state == head.QUOTED:  # pyarrow would read the rows below as the rest of the header's last name
+            raise DataError("line 1: the header row opens a quoted field (with '\"') that does not close on its line; "
+                            "name the columns without line breaks, or set data.csv_quoting=false if the "
+                            "quotes in this file are plain text")
     first = first or f.read(1)
     if not names or not first:
         return
@@ -123,6 +130,7 @@ def read_csv(f: BinaryIO, field: str, delimiter: str, skip: int = 0, limit: int 
             rows = sum(b.num_rows for b in reader)
             _check_quotes(quotes)
             yield from _missing_column(rows, f"the file has no column '{field}' (it has: {', '.join(names)})", skip)
+            yield from ((-1, line, Malformed(why)) for line, why in bad)  # counted too, not lost without a word
             return
         convert = csv.ConvertOptions(include_columns=[field], column_types={field: pa.binary()},
                                      strings_can_be_null=False, quoted_strings_can_be_null=False)
