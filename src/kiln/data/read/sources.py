@@ -197,6 +197,27 @@ def _record_folders(kinds: dict[str, str | None]) -> set[str]:
     return out
 
 
+RUN_FILES = ("metrics.jsonl", "checkpoints", "model", "train.log")  # beside config.yaml: a run directory
+
+
+def _kiln_folders(files: list[str], root: str) -> set[str]:
+    """The folders below `root` that Kiln wrote, of `files` (all the files under it): a data cache (its
+    source-hashes.json), a prepared dataset (manifest.json beside tokenizer.json) and a run directory (config.yaml
+    beside its metrics, checkpoints or model). In a folder of sources (data.sources=. with the cache or runs/ in
+    it), a second `kiln prepare` read the first one's manifests, tokenizer and checkpoints as records, and a run
+    resumed read its own metrics.jsonl: other documents, another dataset, the checkpoint refused."""
+    children: dict[str, set[str]] = {}
+    for p in files:
+        d, name = posixpath.split(p)
+        while len(d) > len(root.rstrip("/")):
+            children.setdefault(d, set()).add(name)
+            d, name = posixpath.split(d)
+    found = {d for d, names in children.items()
+             if "source-hashes.json" in names or {"manifest.json", "tokenizer.json"} <= names
+             or ("config.yaml" in names and not names.isdisjoint(RUN_FILES))}
+    return {d for d in found if not any(d.startswith(o + "/") for o in found)}
+
+
 class SourceList(list):
     """The files of `expand`, plus `passed_over`: the files of directories that were not read (of
     unknown type, or text beside record files) and folders a glob matched, reported by `kiln prepare`."""
@@ -274,8 +295,12 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
                     for p in arrow:
                         found |= add(fs, p, url(p), True, force="arrow")
                 else:
-                    kinds = {p: _detect(p, fmt, False)[0] for p in sorted(fs.find(path))
-                             if not any(part.startswith(".") for part in p[len(path):].split("/"))}
+                    inside = [p for p in sorted(fs.find(path))
+                              if not any(part.startswith(".") for part in p[len(path):].split("/"))]
+                    own = _kiln_folders(inside, path)  # a data cache or a run directory among the sources
+                    out.passed_over.extend(url(d) + "/" for d in sorted(own))
+                    kinds = {p: _detect(p, fmt, False)[0] for p in inside
+                             if not any(p.startswith(d + "/") for d in own)}
                     # in a folder of records (jsonl, parquet, ...) a text file is documentation (README.md)
                     documentation = _record_folders(kinds) if fmt == "auto" else set()
                     for p, kind in kinds.items():

@@ -397,3 +397,23 @@ def test_a_glob_says_which_folders_and_broken_links_it_matched(tmp_path):
     (d / "gone.jsonl").symlink_to(tmp_path / "nowhere.jsonl")
     with pytest.raises(DataError, match=r"gone\.jsonl is a broken symbolic link"):
         expand([str(d / "*.jsonl")])
+
+
+def test_a_folder_of_sources_passes_over_the_cache_and_runs_kiln_wrote_in_it(tmp_path):
+    """data.sources=. with data.cache_dir and the runs inside it: a second prepare read the first one's
+    manifest.json as records (a DataError: 'the record has no text field'), and under data.on_bad_record=skip
+    its tokenizer and a run's metrics.jsonl as documents."""
+    from kiln.data.prepare.pipeline import prepare
+
+    (tmp_path / "corpus.txt").write_text("some text to learn from\n" * 50)
+    cfg = DataConfig(sources=[str(tmp_path)], cache_dir=str(tmp_path / "cache"), vocab_size=300, workers=1)
+    first = prepare(cfg)
+    run = tmp_path / "runs" / "r1"  # what a run directory holds, beside its config.yaml
+    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    (run / "config.yaml").write_text("data: {}\n")
+    (run / "metrics.jsonl").write_text('{"event": "train", "step": 1, "loss": 5.0}\n')
+    (run / "checkpoints" / "step_2" / "meta.json").write_text('{"step": 2}')
+    files = expand([str(tmp_path)])
+    assert [sf.url for sf in files] == [str(tmp_path / "corpus.txt")]
+    assert files.passed_over == [str(tmp_path / "cache") + "/", str(run) + "/"]
+    assert prepare(cfg).id == first.id  # the same data, found again
