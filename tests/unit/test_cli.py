@@ -144,3 +144,27 @@ def test_an_error_is_shown_as_one_message_whatever_torchruns_variables_hold(monk
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "train.lr" in err
+
+
+def test_a_sighup_that_stops_a_command_exits_with_its_status(model_dir, tmp_path, monkeypatch, capsys):
+    """`kiln eval` reads its --data with kiln prepare's readers, which SIGHUP (a closed terminal) now interrupts as
+    SIGTERM does, cleanup running: kiln's main said 'interrupted' and exited 130 for any such interrupt."""
+    import os
+    import signal
+
+    from kiln import cli
+    from kiln.data.read import readers
+
+    real = readers.read_text
+
+    def hung_up(*args, **kw):
+        os.kill(os.getpid(), signal.SIGHUP)  # the terminal closes as the text is read
+        return real(*args, **kw)
+
+    (tmp_path / "held-out.txt").write_text("def g(y):\n    return y\n" * 20)
+    monkeypatch.setattr(readers, "read_text", hung_up)
+    monkeypatch.setattr(sys, "argv", ["kiln", "eval", str(model_dir), "--data", str(tmp_path / "held-out.txt")])
+    with pytest.raises(SystemExit) as done:
+        cli.main()
+    assert done.value.code == 128 + signal.SIGHUP
+    assert "interrupted (SIGHUP)" in capsys.readouterr().err

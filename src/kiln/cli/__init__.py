@@ -38,9 +38,32 @@ def main() -> None:
 
             record_error(where + str(e))
         sys.exit(2)
-    except KeyboardInterrupt:
-        err_console.print("interrupted")
-        sys.exit(130)
+    except SystemExit as e:  # typer ends a command that a KeyboardInterrupt stopped with 130, whatever its signal
+        signum = _signal_of(e) if e.code == 130 else None
+        if signum is None:
+            raise
+        _interrupted(signum)
+    except KeyboardInterrupt as e:
+        _interrupted(_signal_of(e))
     finally:
         started()  # a command that ended before it took the signals over gives them back too
 
+
+
+def _signal_of(e: BaseException | None) -> int | None:
+    """The signal of the KeyboardInterrupt that `e` is or wraps (typer's exit of 130 wraps it): kiln's interrupts of
+    SIGTERM and SIGHUP carry theirs (kiln.data.prepare.bpe, kiln.state.preempt); None for a plain Ctrl-C."""
+    for _ in range(4):
+        if e is None or isinstance(e, KeyboardInterrupt):
+            return getattr(e, "signum", None)
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _interrupted(signum: int | None) -> None:
+    """Say so and exit as a shell does for the signal: 128 + its number (130 for Ctrl-C, 143 SIGTERM, 129 SIGHUP)."""
+    import signal
+
+    signum = int(signum or signal.SIGINT)
+    err_console.print("interrupted" + (f" ({signal.Signals(signum).name})" if signum != signal.SIGINT else ""))
+    sys.exit(128 + signum)
