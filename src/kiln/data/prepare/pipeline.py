@@ -54,7 +54,7 @@ from kiln.data.prepare.keys import dataset_settings, digest, read_forms, train_c
 from kiln.data.prepare.progress import PrepareBar
 from kiln.data.prepare.report import build_report, print_report
 from kiln.data.prepare.tokenizer import Tokenizer, describe_specials, load_or_train
-from kiln.data.prepare.trained_on import same_files_earlier_reader
+from kiln.data.prepare.trained_on import same_files_earlier_reader, trained_tokenizer
 from kiln.data.prepare.writer import ShardWriter, completed_shards
 from kiln.data.read.records import Deduplicator, RecordChecker, is_val
 from kiln.data.read.sources import SourceFile, expand, file_sha256, iter_documents
@@ -181,7 +181,9 @@ def _prepare(cfg, cache: Path, console, progress: bool, tokenizer: Tokenizer | N
     hashes = SourceHashes(files, cache)
     if tokenizer is None and cfg.tokenizer:
         tokenizer = Tokenizer.load(cfg.tokenizer, cfg.eos_token, cfg.bos_token)
-    elif tokenizer is None:  # a BPE trained on the sources is cached under their hashes
+    elif tokenizer is None and trained_on is not None:  # the BPE a resumed run's own dataset was made with
+        tokenizer = trained_tokenizer(cfg, cache / "datasets" / trained_on, hashes.all(), files)
+    if tokenizer is None:  # a BPE trained on the sources is cached under their hashes
         content = [[s["sha256"], form] for s, form in zip(hashes.all(), read_forms(files))]
         tokenizer = load_or_train(cfg, _train_texts(cfg, files), content, cache,
                                   console if progress else None)

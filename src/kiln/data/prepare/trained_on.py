@@ -4,6 +4,8 @@ documents: a run resumed after such an upgrade prepared its files again under an
 refused (`prepared dataset: A -> B`), with --resume force too (the saved loader position counts rows of A). Its
 own dataset, still in the cache, is what it trained on and what exact resume needs: it is reused where only the
 reader version differs, made from these very files (their sha256), with the same tokenizer and other settings.
+Where Kiln trained that tokenizer (no data.tokenizer), the dataset's own is used, not one trained anew on what the
+new readers give (`trained_tokenizer`).
 
 A data.mixture run is recorded by its entries' datasets, in order (a checkpoint's `datasets` fingerprint), and by
 `mixture_id` of them (its `dataset`); for a checkpoint with the latter alone, `mixture_entries` finds the datasets
@@ -33,6 +35,23 @@ def same_files_earlier_reader(path: Path, sources: list[dict], tokenizer, settin
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     return path if same else None
+
+
+def trained_tokenizer(cfg, path: Path, sources: list[dict], files):
+    """The tokenizer of `path` (a resumed run's dataset, for a DataConfig `cfg` without data.tokenizer) if the
+    dataset was made from `sources` with it and `cfg`'s settings but for the reader version: the BPE Kiln trained
+    for the run, which a Kiln whose readers give other documents would train anew (another tokenizer, which the
+    checkpoint refuses). Else None."""
+    from kiln.data.prepare.keys import dataset_settings, special_tokens
+    from kiln.data.prepare.tokenizer import Tokenizer
+    from kiln.errors import DataError
+
+    eos, bos, _ = special_tokens(cfg)
+    try:
+        tok = Tokenizer.load(path / "tokenizer.json", eos, bos)
+    except (DataError, OSError, ValueError):
+        return None
+    return tok if same_files_earlier_reader(path, sources, tok, dataset_settings(cfg, tok, files)) else None
 
 
 def mixture_id(ids: list[str]) -> str:

@@ -61,3 +61,23 @@ def test_a_resumed_mixture_run_keeps_each_entrys_dataset(tmp_path, monkeypatch):
         kept = RunData(None, None, None, prepare_all(cfg, trained_on=trained_on))
         assert kept.manifest["id"] == saved["dataset"]
         assert [ds.path for ds in kept.datasets] == [ds.path for ds in old.datasets]
+
+
+def test_a_resumed_run_keeps_the_tokenizer_kiln_trained_for_it(tmp_path, monkeypatch):
+    """A BPE trained by `kiln prepare` is cached under the readers' version too: after an upgrade whose readers
+    give other documents, it was trained anew, another tokenizer, so the run's own dataset (made with the old one)
+    was not found and the checkpoint was refused for its tokenizer."""
+    from kiln.data.prepare import pipeline
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for n in ("textwrap.py", "shlex.py"):
+        (tmp_path / n).write_text((stdlib / n).read_text())
+    cfg = DataConfig(sources=[str(tmp_path / "textwrap.py"), str(tmp_path / "shlex.py")], vocab_size=300,
+                     cache_dir=str(tmp_path / "cache"), val_fraction=0.2, workers=1)
+    old = prepare(cfg)
+    monkeypatch.setattr(keys, "READERS_VERSION", keys.READERS_VERSION + 1)
+    real = pipeline._train_texts
+    monkeypatch.setattr(pipeline, "_train_texts", lambda *a: (t.upper() for t in real(*a)))  # the new readers' text
+    assert prepare(cfg).tokenizer.hash != old.tokenizer.hash  # a new run trains its own
+    kept = prepare(cfg, trained_on=old.id)
+    assert kept.path == old.path and kept.tokenizer.hash == old.tokenizer.hash
