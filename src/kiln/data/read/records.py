@@ -75,7 +75,7 @@ class RecordChecker:
         record is a whole text file (data.text_unit=file)."""
         if isinstance(value, bytes):
             if len(value) > self.limit:  # CSV fields and binary columns: the readers do not bound them
-                return self._bad("too_long", f"{len(value)} bytes", sf, index, line)
+                return self._bad("too_long", f"{len(value)} bytes", sf, index, line, whole=whole_file)
             try:
                 text = value.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -92,9 +92,9 @@ class RecordChecker:
                         f"it holds a lone surrogate \\u{c:04x}"
                     return self._bad("invalid_utf8", f"character {e.start + 1}: {why}", sf, index, line)
                 if size > self.limit:
-                    return self._bad("too_long", f"{size} bytes", sf, index, line)
+                    return self._bad("too_long", f"{size} bytes", sf, index, line, whole=whole_file)
         elif value is readers.TOO_LONG:
-            return self._bad("too_long", f"over {self.limit} bytes", sf, index, line)
+            return self._bad("too_long", f"over {self.limit} bytes", sf, index, line, whole=whole_file)
         elif isinstance(value, readers.InvalidUTF8):
             return self._bad("invalid_utf8", value.why, sf, index, line)
         elif isinstance(value, readers.Null):
@@ -150,12 +150,13 @@ class RecordChecker:
         return self.drop("empty", sf.url, None, None)
 
     def _bad(self, reason: str, detail: str, sf: Source, index: int, line: int | None,
-             what: str | None = None) -> None:
+             what: str | None = None, whole: bool = False) -> None:
+        """`whole`: the record is a whole text file (data.text_unit=file), which a line or paragraph unit splits."""
         if self.policy == "error" and not sf.lenient:
             place = where(sf.url, index, line) if index >= 0 else f"{sf.url}:{line}"
             detail = f" ({detail})" if detail else ""
-            fix = {"too_long": "raise data.max_record_bytes (or read big text files with data.text_unit=line or "
-                               "paragraph), ",
+            split = " (or read big text files with data.text_unit=line or paragraph)" if whole else ""
+            fix = {"too_long": f"raise data.max_record_bytes{split}, ",
                    "missing_field": "set data.field, "}.get(reason, "")
             raise DataError(f"{place}: the record {what or REASONS[reason]}{detail}. Fix the data, {fix}or set "
                             f"data.on_bad_record=skip to skip such records (they are counted in the report).")

@@ -114,3 +114,14 @@ def test_a_null_text_is_said_to_be_null_not_missing(tmp_path):
     with pytest.raises(DataError, match=r"a\.jsonl:1: the record has no text field \('meta.text' is absent; "
                                         r"it has: text\)"):
         list(iter_documents(DataConfig(sources=[str(tmp_path / "a.jsonl")], field="meta.text")))
+
+
+def test_a_record_too_long_suggests_splitting_only_a_whole_file(tmp_path):
+    """A line over data.max_record_bytes, read with data.text_unit=line, was told to read big files by line."""
+    (tmp_path / "a.txt").write_text("short\n" + "y" * 2000 + "\n")
+    cfg = DataConfig(sources=[str(tmp_path / "a.txt")], max_record_bytes=1024)
+    with pytest.raises(DataError, match=r"a\.txt:1: .*raise data\.max_record_bytes \(or read big text files with "
+                                        r"data\.text_unit=line or paragraph\), or set"):
+        list(iter_documents(cfg))
+    with pytest.raises(DataError, match=r"a\.txt:2: .*raise data\.max_record_bytes, or set"):
+        list(iter_documents(cfg.model_copy(update={"text_unit": "line"})))
