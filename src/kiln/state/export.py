@@ -325,6 +325,9 @@ def _export(src: str | Path, to: str | Path, dtype: str | None, tokenizer: str |
     _check_destination(p, Path(to).expanduser())
     if adapters:
         return _export_adapters(p, to, dtype)
+    if tokenizer is not None and not Path(tokenizer).expanduser().exists():  # not data.tokenizer's words
+        raise StateError(f"--tokenizer {tokenizer} does not exist; give a tokenizer.json or a directory holding one, "
+                         "or leave it out to ship the run's")
     tok = Tokenizer.load(tokenizer) if tokenizer is not None else None
     data = _run_section(p)
     tok_dir = tokenizer_dir(tokenizer if tokenizer is not None else data.get("tokenizer"))

@@ -195,6 +195,8 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tokenizer, tmp_path)
     wide.save(tmp_path / "wide.json")
     with pytest.raises(StateError, match="ids up to 399, but the model embeds only 320"):
         export_from(tmp_path / "run", tmp_path / "out", tokenizer=tmp_path / "wide.json")
+    with pytest.raises(StateError, match=r"--tokenizer .*missing\.json does not exist"):  # not 'set data.tokenizer'
+        export_from(tmp_path / "run", tmp_path / "out", tokenizer=tmp_path / "missing.json")
     assert not (tmp_path / "out").exists()
     tokenizer.save(tmp_path / "own.json")  # its own tokenizer, given explicitly: accepted
     export_from(tmp_path / "run", tmp_path / "out", tokenizer=tmp_path / "own.json")
