@@ -114,7 +114,9 @@ def read_metrics(run_dir: str | Path, name: str | None = None) -> RunMetrics:
             by_step[rec["event"]][rec["step"]] = rec
         elif isinstance(rec, dict) and rec.get("event") in MARKED and isinstance(rec.get("step"), int):
             events.append(rec)
-    return RunMetrics(name or (path.name if path.is_dir() else path.parent.name),
+    if name is None:  # the run's directory; a file of another name (a copy: old.jsonl) is named itself
+        name = path.name if path.is_dir() else path.resolve().parent.name if path.name == "metrics.jsonl" else path.name
+    return RunMetrics(name,
                       [by_step["train"][s] for s in sorted(by_step["train"])],
                       [by_step["eval"][s] for s in sorted(by_step["eval"])], events)
 

@@ -82,6 +82,17 @@ def test_the_last_record_of_a_step_wins_and_eval_tokens_come_from_train_records(
     assert m.series("eval", "val_loss", "tokens") == ([64], [4.5])
 
 
+def test_a_metrics_file_given_itself_is_named_for_its_run_or_itself(tmp_path, monkeypatch):
+    """`kiln plot metrics.jsonl` inside the run, or a copy of other name, was named '' (the parent of a relative
+    path), or for the folder it was copied into: 'no metrics to plot in : ...'."""
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"event": "train", "step": 1, "loss": 4.0}) + "\n")
+    (run / "old.jsonl").write_text((run / "metrics.jsonl").read_text())
+    monkeypatch.chdir(run)
+    assert read_metrics("metrics.jsonl").name == "r" and read_metrics("old.jsonl").name == "old.jsonl"
+
+
 def test_without_matplotlib_a_config_error_names_the_extra(tmp_path, monkeypatch):
     run = fake_run(tmp_path / "a")
     monkeypatch.setitem(sys.modules, "matplotlib", None)
