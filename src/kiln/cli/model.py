@@ -45,7 +45,7 @@ def generate(
     from kiln.model.generate import start_ids
     from kiln.model.stop_strings import StopStrings
     from kiln.plan.threads import apply_threads
-    from kiln.state.stop_tokens import named_stops, saved_model_stop_strings, saved_model_stops
+    from kiln.state.stop_tokens import Stops, named_stops, saved_model_stops
     from kiln.state.weights import load_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -64,8 +64,8 @@ def generate(
     except ValueError as e:
         raise ConfigError(f"--prompt: {e}; give a prompt") from None
     stop_ids, stop_texts = named_stops(tok, stop)
-    stops = stop_ids + ([] if ignore_eos else saved_model_stops(run_dir, tok))
-    texts = StopStrings(stop_texts + ([] if ignore_eos else saved_model_stop_strings(run_dir, tok)), tok.decode)
+    saved = Stops([], []) if ignore_eos else saved_model_stops(run_dir, tok)
+    stops, texts = stop_ids + saved.ids, StopStrings(stop_texts + saved.strings, tok.decode)
     try:
         out = sample(model, ids, max_new_tokens, temperature, top_k or None, seed, stops, vocab_size=tok.vocab_size,
                      stop_strings=texts)

@@ -47,12 +47,11 @@ class TasksAtEval(Callback):
             return
         from kiln.eval.harness import KilnLM
         from kiln.eval.tasks import run_tasks
-        from kiln.state.stop_tokens import run_stop_strings, run_stops
+        from kiln.state.stop_tokens import run_stops
 
         lm = KilnLM(trainer.model, self.tokenizer, batch_size=self.cfg.batch_size,
                     max_length=trainer.cfg.train.seq_len, autocast=trainer.autocast,
-                    stop_ids=run_stops(trainer.cfg, self.tokenizer),
-                    stop_strings=run_stop_strings(trainer.cfg, self.tokenizer))
+                    stop_ids=(stops := run_stops(trainer.cfg, self.tokenizer)).ids, stop_strings=stops.strings)
         was_training = trainer.model.training
         trainer.model.eval()
         try:

@@ -31,7 +31,7 @@ def score_target(target: str | Path, tasks: Sequence[str], *, include_path: Sequ
     from kiln.eval.harness import KilnLM
     from kiln.eval.tasks import check_tasks, manager_for, run_tasks
     from kiln.evaluate import _device, load_target
-    from kiln.state.stop_tokens import saved_model_stop_strings, saved_model_stops
+    from kiln.state.stop_tokens import saved_model_stops
 
     if not tasks:
         raise ConfigError("--tasks: name at least one lm-eval task, e.g. --tasks hellaswag,arc_easy")
@@ -47,8 +47,8 @@ def score_target(target: str | Path, tasks: Sequence[str], *, include_path: Sequ
     bf16 = dev.type == "cuda" and (t.run_cfg is None or t.run_cfg.train.precision != "fp32")
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     lm = KilnLM(model, t.tokenizer, batch_size=batch_size, max_length=max_length, autocast=autocast,
-                data_parallel=joined is not None, stop_ids=saved_model_stops(t.path, t.tokenizer),
-                stop_strings=saved_model_stop_strings(t.path, t.tokenizer))
+                data_parallel=joined is not None, stop_ids=(stops := saved_model_stops(t.path, t.tokenizer)).ids,
+                stop_strings=stops.strings)
     try:
         out = run_tasks(lm, tasks, limit=limit, num_fewshot=num_fewshot, manager=manager, stderr=True)
     finally:

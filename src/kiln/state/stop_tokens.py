@@ -11,37 +11,39 @@ stop_strings, texts that end sampling even where they span several tokens (kiln.
     stops = model_stops(tok, [model_dir, source_dir(cfg.model), tokenizer_dir(cfg.data.tokenizer)])
     stops = run_stops(cfg, tok)                         # the sample at the end of a run
     stops = saved_model_stops("runs/X", tok)            # what `kiln generate runs/X` stops at
+    stops.ids, stops.strings                            # token ids; generation_config.json's stop_strings, as text
     ids, texts = named_stops(tok, ["<|im_end|>", "\\n\\nUser:"])  # `kiln generate --stop`: tokens, and texts
-    texts = run_stop_strings(cfg, tok)                  # generation_config.json's stop_strings, as text
-    texts = saved_model_stop_strings("runs/X", tok)
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 from kiln.errors import ConfigError
 
 
-def model_stops(tok, folders: Iterable[Path | None]) -> list[int]:
-    """`tok`'s EOS, then the stop tokens of each Hugging Face directory of `folders` (None: none) that ships this very
-    tokenizer (another tokenizer's ids would name other tokens); each id once, in that order."""
-    from kiln.state.hf_source import stop_ids
+class Stops(NamedTuple):
+    """Where a model's sampling ends: at any of `ids`, and once the text ends with any of `strings`."""
 
-    found = [tok.eos_id]
-    for folder in _own_folders(tok, folders):
+    ids: list[int]
+    strings: list[str]
+
+
+def model_stops(tok, folders: Iterable[Path | None], ids: Iterable[int] = ()) -> Stops:
+    """`ids`, `tok`'s EOS, then the stop tokens of each Hugging Face directory of `folders` (None: none) that ships
+    this very tokenizer (another tokenizer's ids would name other tokens), each id once, in that order; and the
+    stop_strings of those directories' generation_config.json, each text once."""
+    from kiln.state.hf_source import stop_ids, stop_strings
+
+    own = _own_folders(tok, folders)
+    found = [*ids, tok.eos_id]
+    for folder in own:
         listed = stop_ids(folder, tok, {})["eos_token_id"]
         found += listed if isinstance(listed, list) else [listed]
-    return list(dict.fromkeys(i for i in found if isinstance(i, int)))
-
-
-def model_stop_strings(tok, folders: Iterable[Path | None]) -> list[str]:
-    """The stop_strings of the generation_config.json of each Hugging Face directory of `folders` that ships `tok`
-    (those whose stop tokens count: model_stops); each text once, in that order."""
-    from kiln.state.hf_source import stop_strings
-
-    return list(dict.fromkeys(t for folder in _own_folders(tok, folders) for t in stop_strings(folder)))
+    return Stops(list(dict.fromkeys(i for i in found if isinstance(i, int))),
+                 list(dict.fromkeys(t for folder in own for t in stop_strings(folder))))
 
 
 def _own_folders(tok, folders: Iterable[Path | None]) -> list[Path]:
@@ -52,39 +54,18 @@ def _own_folders(tok, folders: Iterable[Path | None]) -> list[Path]:
     return [f for f in found if f.is_dir() and same_tokenizer(f, tok)]
 
 
-def run_stops(cfg, tok) -> list[int]:
-    """The stop tokens of the model a run (RunConfig `cfg`, its tokenizer `tok`) trains: its EOS, and those of its
-    model.init_from and data.tokenizer directories (the sample at the end of a run)."""
-    return model_stops(tok, _run_folders(cfg))
-
-
-def run_stop_strings(cfg, tok) -> list[str]:
-    """The stop strings of the model a run trains (those of the directories run_stops reads)."""
-    return model_stop_strings(tok, _run_folders(cfg))
-
-
-def _run_folders(cfg) -> list[Path | None]:
+def run_stops(cfg, tok) -> Stops:
+    """The stops of the model a run (RunConfig `cfg`, its tokenizer `tok`) trains: its EOS, and those of its
+    model.init_from and data.tokenizer directories (the sample at the end of a run, lm-eval tasks during it)."""
     from kiln.state.hf_source import source_dir, tokenizer_dir
 
-    return [source_dir(cfg.model), tokenizer_dir(cfg.data.tokenizer)]
+    return model_stops(tok, [source_dir(cfg.model), tokenizer_dir(cfg.data.tokenizer)])
 
 
-def saved_model_stops(path: str | Path, tok) -> list[int]:
-    """The stop tokens of the model `kiln generate PATH` samples from: a run directory or its model/ folder (with
-    its model.init_from and data.tokenizer directories, where they are still there, and its data.eos_token), or a
+def saved_model_stops(path: str | Path, tok) -> Stops:
+    """The stops of the model `kiln generate PATH` samples from: a run directory or its model/ folder (with its
+    model.init_from and data.tokenizer directories, where they are still there, and its data.eos_token), or a
     Hugging Face model directory (a Kiln export)."""
-    folders, stops = _saved_model_folders(path, tok)
-    return list(dict.fromkeys(stops + model_stops(tok, folders)))
-
-
-def saved_model_stop_strings(path: str | Path, tok) -> list[str]:
-    """The stop strings of the model `kiln generate PATH` samples from (those of the directories saved_model_stops
-    reads)."""
-    return model_stop_strings(tok, _saved_model_folders(path, tok)[0])
-
-
-def _saved_model_folders(path: str | Path, tok) -> tuple[list[Path | None], list[int]]:
-    """(the Hugging Face directories of the saved model at `path`, the id of its run's data.eos_token if any)."""
     from kiln.state.hf_source import read_json, tokenizer_dir
 
     p = Path(path).expanduser()
@@ -93,14 +74,14 @@ def _saved_model_folders(path: str | Path, tok) -> tuple[list[Path | None], list
     init_from = read_json(model_dir / "model_config.json").get("init_from")
     if isinstance(init_from, str) and init_from:
         folders.append(Path(init_from))
-    stops = []
+    ids = []
     run_cfg = _run_config(model_dir.parent if model_dir.name == "model" else model_dir)
     if run_cfg is not None:
         folders.append(tokenizer_dir(run_cfg.data.tokenizer))
         eos = run_cfg.data.eos_token
         if eos not in ("auto", None) and tok.tk.token_to_id(eos) is not None:  # the run's own document end
-            stops.append(tok.tk.token_to_id(eos))
-    return folders, stops
+            ids.append(tok.tk.token_to_id(eos))
+    return model_stops(tok, folders, ids)
 
 
 def named_stops(tok, names: Iterable[str]) -> tuple[list[int], list[str]]:

@@ -47,7 +47,7 @@ from kiln.state.parts import KEYS
 from kiln.state.preempt import SignalGuard, StopSignals, resume_command, train_guarded
 from kiln.state.resume import check_compatible, choose_checkpoint, fingerprints, run_directory
 from kiln.state.rundir import config_while_starting, hold_run_dir, model_saved, process_rank, write_config
-from kiln.state.stop_tokens import run_stop_strings, run_stops
+from kiln.state.stop_tokens import Stops, run_stops
 from kiln.state.verify import read_meta
 from kiln.state.weights import final_model_errors, save_model
 from kiln.train.early_stop import EarlyStop
@@ -431,10 +431,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     if tcfg.sample_tokens:  # a signal cuts the sample short (and exits 0: all is written)
         stops.defer, stops.during = False, "while sampling"
         stops.then = "the sample is cut short; training and the model save are complete"
-        ignore = tcfg.sample_ignore_eos
+        until = Stops([], []) if tcfg.sample_ignore_eos else run_stops(cfg, tok)
         ids = generate(model, start_ids(tok, tcfg.sample_prompt), tcfg.sample_tokens, seed=tcfg.seed,
-                       stop_ids=() if ignore else run_stops(cfg, tok), vocab_size=tok.vocab_size,
-                       stop_strings=StopStrings([] if ignore else run_stop_strings(cfg, tok), tok.decode))
+                       stop_ids=until.ids, vocab_size=tok.vocab_size,
+                       stop_strings=StopStrings(until.strings, tok.decode))
         console.rule("sample")
         text = tcfg.sample_prompt + tok.decode(ids)
         console.print(text, markup=False, highlight=False)

@@ -13,7 +13,7 @@ from kiln.data.prepare.tokenizer import Tokenizer, train_bpe
 from kiln.errors import ConfigError
 from kiln.model.generate import generate
 from kiln.model.llama import Transformer
-from kiln.state.stop_tokens import model_stops, named_stops, run_stop_strings, saved_model_stops
+from kiln.state.stop_tokens import model_stops, named_stops, run_stops, saved_model_stops
 from kiln.state.weights import save_model
 
 EOT = "<|eot_id|>"
@@ -51,15 +51,15 @@ def hf_dir(path, tok, eos_token_id, **generation) -> str:
 
 def test_sampling_stops_at_a_second_stop_token_only_where_the_model_lists_it(tmp_path, tok, eot_model):
     eos, eot = tok.eos_id, tok.tk.token_to_id(EOT)
-    listed = model_stops(tok, [hf_dir(tmp_path / "llama3", tok, [eos, eot])])
+    listed = model_stops(tok, [hf_dir(tmp_path / "llama3", tok, [eos, eot])]).ids
     assert listed == [eos, eot]
     assert generate(eot_model, [5, 6], 6, temperature=0, stop_ids=listed) == [eot]
-    single = model_stops(tok, [hf_dir(tmp_path / "one", tok, eos)])  # one int, as most models write it
+    single = model_stops(tok, [hf_dir(tmp_path / "one", tok, eos)]).ids  # one int, as most models write it
     assert single == [eos]
     assert generate(eot_model, [5, 6], 6, temperature=0, stop_ids=single) == [eot] * 6
-    assert model_stops(tok, [tmp_path / "absent", None]) == [eos]  # from scratch: its EOS alone
+    assert model_stops(tok, [tmp_path / "absent", None]).ids == [eos]  # from scratch: its EOS alone
     other = train_bpe(["completely different text\n"] * 30, 280, specials=["<|endoftext|>", EOT])
-    assert model_stops(other, [tmp_path / "llama3"]) == [other.eos_id]  # another tokenizer's ids are not its
+    assert model_stops(other, [tmp_path / "llama3"]).ids == [other.eos_id]  # another tokenizer's ids are not its
 
 
 def test_kiln_generate_stops_at_the_stop_tokens_of_the_model_and_at_stop(tmp_path, tok, eot_model, capsys):
@@ -70,7 +70,7 @@ def test_kiln_generate_stops_at_the_stop_tokens_of_the_model_and_at_stop(tmp_pat
     run, scratch = tmp_path / "run", tmp_path / "scratch"
     save_model(eot_model, eot_model.cfg.model_copy(update={"init_from": source}), tok, run / "model")
     save_model(eot_model, eot_model.cfg, tok, scratch / "model")
-    assert saved_model_stops(run, tok) == [eos, eot] and saved_model_stops(scratch, tok) == [eos]
+    assert saved_model_stops(run, tok).ids == [eos, eot] and saved_model_stops(scratch, tok).ids == [eos]
 
     def sample(path, stop=(), ignore_eos=False) -> str:
         kiln_generate(str(path), "def", 5, 0.0, 0, 0, list(stop), ignore_eos, threads=torch.get_num_threads())
@@ -151,4 +151,4 @@ def test_sampling_and_exports_keep_the_stop_strings_of_the_generation_config(tmp
         assert sample(path) == f"def{twice}\n"  # the stop string kept, as transformers' generate keeps it
     assert sample(run, ignore_eos=True) == f"def{EOT * 5}\n"
     cfg = load_config(None, [f"model.init_from={rebuilt}", "model.size=null"])  # the sample at the end of a run
-    assert run_stop_strings(cfg, tok) == [twice, "never here"]
+    assert run_stops(cfg, tok).strings == [twice, "never here"]
