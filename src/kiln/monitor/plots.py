@@ -105,7 +105,7 @@ def read_metrics(run_dir: str | Path, name: str | None = None) -> RunMetrics:
         raise StateError(f"{file} does not exist; give a run directory of `kiln train` (with logging.jsonl on)")
     by_step: dict[str, dict[int, dict]] = {"train": {}, "eval": {}}
     events = []
-    for line in file.read_text().splitlines():
+    for line in file.read_text(errors="replace").splitlines():  # a damaged byte costs its line
         try:
             rec = json.loads(line)
         except ValueError:  # a line cut short by a kill

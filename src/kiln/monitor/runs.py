@@ -74,7 +74,7 @@ def _metrics(run_dir: Path) -> tuple[dict | None, float | None, float | None, st
     none, None when the file has no `start` record."""
     last, best, spans, span, ended = None, None, [], None, None
     try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        lines = (run_dir / "metrics.jsonl").read_text(errors="replace").splitlines()  # a damaged byte: its line
     except OSError:
         return None, None, None, None
     for line in lines:

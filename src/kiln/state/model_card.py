@@ -43,7 +43,7 @@ def _training(run: Path, step: int | None) -> dict[str, Any]:
     """The last train record's step, tokens and loss, and the last validation loss, up to `step`."""
     out: dict[str, Any] = {}
     try:
-        lines = (run / "metrics.jsonl").read_text().splitlines()
+        lines = (run / "metrics.jsonl").read_text(errors="replace").splitlines()  # a damaged byte: its line
     except OSError:
         return out
     for line in lines:

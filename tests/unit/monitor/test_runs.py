@@ -77,7 +77,9 @@ def test_damaged_metrics_records_are_passed_over(tmp_path):
     with open(run / "metrics.jsonl", "a") as f:
         f.write('[1, 2]\n{"event": "train", "step": null, "loss": 1}\n{"event": "train", "step": 9, "tokens": "x"}\n'
                 '{"event": "eval", "step": 9, "val_loss": "nan", "time": "late"}\n{"event": "eval", "step": 9, '
-                '"val_loss": true}\n{"event": "train", "st')
+                '"val_loss": true}\n')
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(b'\xff\xfe not UTF-8\n{"event": "train", "st')  # a damaged byte: a UnicodeDecodeError traceback
     [r] = list_runs(tmp_path)
     assert (r.steps, r.tokens, r.best_val_loss, r.wall_s) == (5, 320, 2.5, 10.0)
 

@@ -52,6 +52,26 @@ def test_resume_drops_replayed_records_and_a_cut_line(tmp_path):
         ("start", 0, None), ("end", 8, "killed"), ("start", 4, None)]
 
 
+def test_resume_and_plots_pass_over_damaged_lines(tmp_path):
+    """A resumed run rewrites metrics.jsonl without its replayed records: a damaged byte (UnicodeDecodeError), a
+    line that parses as a number (AttributeError) or a step that is no number (TypeError) stopped the run's start
+    with a traceback, and `kiln plot` with the first."""
+    from kiln.monitor.plots import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    first, t = JsonlSink(path), SimpleNamespace(step=1)
+    first.on_step_end(t, {"step": 1, "loss": 3.0})
+    first.file.close()
+    with open(path, "ab") as f:
+        f.write(b'7\n{"event": "train", "step": "x"}\n\xff\xfe damaged\n')
+    assert read_metrics(tmp_path).series("train", "loss", "step") == ([1], [3.0])
+    again = JsonlSink(path)
+    again.on_train_start(SimpleNamespace(step=1))
+    again.on_step_end(SimpleNamespace(step=2), {"step": 2, "loss": 2.0})
+    again.file.close()
+    assert read_metrics(tmp_path).series("train", "loss", "step") == ([1, 2], [3.0, 2.0])
+
+
 def test_fresh_run_keeps_everything(tmp_path):
     sink = JsonlSink(tmp_path / "m.jsonl")
     t = SimpleNamespace(step=0)

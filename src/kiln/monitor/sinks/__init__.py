@@ -101,12 +101,15 @@ class JsonlSink(Sink):
         if not self.path.is_file():
             return
         keep, last, began = [], None, False  # last: the latest (time, step) of the process before this one
-        for line in self.path.read_text().splitlines():
+        for line in self.path.read_text(errors="replace").splitlines():  # a damaged byte costs its line alone
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if not isinstance(rec, dict):  # a line of damage that happens to parse (a number)
+                continue
             event, s, t = rec.get("event"), rec.get("step", -1), rec.get("time")
+            s = s if isinstance(s, int | float) else -1
             began |= event == "start"
             if event in ("start", "end"):
                 last = (t, s) if event == "start" else None
