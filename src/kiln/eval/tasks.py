@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, DataError
 
 
 @contextlib.contextmanager
@@ -118,9 +118,15 @@ def run_tasks(lm, tasks: Sequence[str], *, include_path: Sequence[str | Path] = 
     manager = manager or task_manager(include_path, include_defaults)
     check_tasks(manager, tasks)
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    with kept_rng(), _no_machine_report():
-        res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
-                                      num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=100 if stderr else 0)
+    try:
+        with kept_rng(), _no_machine_report():
+            res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
+                                          num_fewshot=num_fewshot, log_samples=False,
+                                          bootstrap_iters=100 if stderr else 0)
+    except ConnectionError as e:  # `datasets`' words for a Hub it cannot reach (no network, HF_HUB_OFFLINE=1)
+        raise DataError(f"lm-eval could not load the data of {', '.join(tasks)}: {e}. Run it once where the Hugging "
+                        "Face Hub is reachable (the datasets are then cached), or give tasks over local files in a "
+                        "directory of task YAMLs (--include-path, eval.include_path)") from None
     if res is None:  # a rank other than 0 under lm-eval's own distribution
         return {"scores": {}, "results": {}, "n_samples": {}}
     scores = scores_of(res)

@@ -96,3 +96,23 @@ def test_offline_tasks_of_each_kind(tiny, manager):
                            "tiny_gen/exact_match"}
     assert 0 <= scores["tiny_mc/acc"] <= 1 and scores["tiny_ppl/bits_per_byte"] > 0
     assert out["n_samples"] == {"tiny_mc": 5, "tiny_ppl": 5, "tiny_gen": 5}  # the budget
+
+
+def test_a_task_whose_data_the_hub_cannot_give_is_a_data_error(tiny, tmp_path, monkeypatch):
+    """Offline (or HF_HUB_OFFLINE=1), a task over a Hub dataset (hellaswag) ended `kiln eval --tasks` and a run's
+    evaluation with datasets' ConnectionError traceback."""
+    import datasets
+    import huggingface_hub
+
+    from kiln.errors import DataError
+    from kiln.eval.tasks import run_tasks, task_manager
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # as without network, at once
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    (tmp_path / "hub.yaml").write_text("task: tiny_hub\ndataset_path: kiln-test/no-such-dataset\ntest_split: test\n"
+                                       "output_type: loglikelihood_rolling\ndoc_to_text: ''\n"
+                                       "doc_to_target: '{{text}}'\nmetric_list:\n  - metric: bits_per_byte\n")
+    model, tok, _, _ = tiny
+    with pytest.raises(DataError, match=r"lm-eval could not load the data of tiny_hub: .*--include-path"):
+        run_tasks(KilnLM(model, tok), ["tiny_hub"], manager=task_manager([tmp_path], include_defaults=False),
+                  limit=1)
