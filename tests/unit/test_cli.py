@@ -168,3 +168,18 @@ def test_a_sighup_that_stops_a_command_exits_with_its_status(model_dir, tmp_path
         cli.main()
     assert done.value.code == 128 + signal.SIGHUP
     assert "interrupted (SIGHUP)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given", ["file", "directory"])
+def test_train_keeps_the_users_config_file_in_its_run_directory(tmp_path, monkeypatch, capsys, given):
+    """`kiln train exp/config.yaml train.run_dir=exp` and `kiln train exp/` wrote the run's resolved config over
+    the user's exp/config.yaml."""
+    from kiln import cli
+
+    (tmp_path / "config.yaml").write_text("# my experiment\ntrain: {max_steps: 3}\n")
+    args = [str(tmp_path / "config.yaml"), f"train.run_dir={tmp_path}"] if given == "file" else [str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", ["kiln", "train", *args])
+    with pytest.raises(SystemExit) as done:
+        cli.main()
+    assert done.value.code == 2 and "is your config file" in capsys.readouterr().err
+    assert (tmp_path / "config.yaml").read_text() == "# my experiment\ntrain: {max_steps: 3}\n"

@@ -69,6 +69,10 @@ def train(
                 cfg = derive(cfg, {"train.run_dir": str(run_dir)})
         else:
             cfg = load_config(config, overrides)
+        if cfg.train.run_dir:
+            from kiln.state.rundir import check_config_is_a_runs
+
+            check_config_is_a_runs(Path(cfg.train.run_dir).expanduser())
     except KilnError:
         if job_rank() is not None and env_number("LOCAL_RANK", 0) > 0:
             # kiln.parallel: every process of a node reads the same config and fails alike: its first one says so

@@ -71,6 +71,26 @@ def check_outside_sources(run_dir: Path, cfg: RunConfig) -> None:
                               "outside it (a run already there can be moved out whole, then resumed from there)")
 
 
+def check_config_is_a_runs(run_dir: Path) -> None:
+    """ConfigError where `run_dir`, before any run there (no checkpoints, no metrics.jsonl), holds a config.yaml that
+    no start of Kiln wrote: the user's own config file (`kiln train exp/` or `kiln train exp/config.yaml
+    train.run_dir=exp`), which the run wrote its resolved config over, its comments and layout lost."""
+    from kiln.config import load_config
+    from kiln.errors import KilnError
+
+    path = run_dir / CONFIG
+    if not path.is_file() or (run_dir / CHECKPOINTS).exists() or (run_dir / "metrics.jsonl").exists():
+        return
+    try:
+        if path.read_text() == load_config(path).to_yaml():  # as a start wrote it (one killed in its first seconds)
+            return
+    except (KilnError, OSError, ValueError):
+        return  # loading the config says what is wrong with it
+    raise ConfigError(f"{path} is your config file, not one a run wrote (no run has started in {run_dir}), and the "
+                      "run writes its resolved config there as config.yaml, over it. Keep your file elsewhere or "
+                      f"under another name and give it: kiln train FILE train.run_dir={run_dir}")
+
+
 def write_config(run_dir: str | Path, cfg: RunConfig) -> None:
     """Write `cfg` as the run's config.yaml, whole or not at all (a reader or a crash never sees half)."""
     try:

@@ -153,3 +153,23 @@ def test_a_run_directory_inside_a_data_source_is_refused(tmp_path, monkeypatch):
     assert list(data.iterdir()) == list(other.iterdir()) == []  # nothing made there
     cfg = load_config(None, [f"data.sources=[{data}/*.txt]", f"train.run_dir={data / 'run'}"])  # a glob: some files
     assert run_directory(cfg, "auto", print)[0] == data / "run"
+
+
+def test_a_users_config_file_in_the_run_directory_is_not_written_over(tmp_path):
+    """`kiln train exp/config.yaml train.run_dir=exp` (or `kiln train exp/`) wrote the resolved config over the
+    user's file, its comments and layout lost; a config.yaml a start wrote (one killed at once) is resumed."""
+    from kiln.config import load_config
+    from kiln.errors import ConfigError
+    from kiln.state.rundir import check_config_is_a_runs, write_config
+
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    (exp / "config.yaml").write_text("# my experiment\ntrain: {max_steps: 3}\n")
+    with pytest.raises(ConfigError, match=r"exp/config\.yaml is your config file, not one a run wrote"):
+        check_config_is_a_runs(exp)
+    (exp / "checkpoints").mkdir()  # a run's directory: its config.yaml is the run's to write
+    check_config_is_a_runs(exp)
+    started = tmp_path / "started"
+    started.mkdir()
+    write_config(started, load_config(None, ["train.max_steps=3", f"data.cache_dir={tmp_path / 'c'}"]))
+    check_config_is_a_runs(started)
