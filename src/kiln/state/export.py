@@ -252,6 +252,7 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
 
     dest = Path(to).expanduser()
     before = {name: _stamp(dest / name) for name in MARKERS}
+    made = not dest.exists()
     try:
         with sigterm_interrupts():  # SIGTERM and SIGHUP as Ctrl-C: the partial export below goes with any of them
             out = _export(src, to, dtype, tokenizer, max_shard_bytes, adapters)
@@ -266,6 +267,9 @@ def export_from(src: str | Path, to: str | Path, dtype: str | None = None, token
             if _stamp(dest / name) != stamp:
                 with contextlib.suppress(OSError):
                     (dest / name).unlink()
+        if made:  # a directory this export made, left empty: not left behind
+            with contextlib.suppress(OSError):
+                dest.rmdir()
         raise
     except Exception as e:  # a full or read-only disk: said, with what to do, instead of the writer's traceback
         reason = write_failure(e)

@@ -385,5 +385,5 @@ def test_a_signal_during_an_export_leaves_nothing_that_loads(tokenizer, tmp_path
     with pytest.raises(Interrupted) as stopped:
         export_from(tmp_path / "run", tmp_path / "out")
     assert stopped.value.signum == signum
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []  # config.json was written before the weights
+    assert not (tmp_path / "out").exists()  # config.json, written before the weights, too; the folder it made
     assert signal.getsignal(signum) is before  # given back
