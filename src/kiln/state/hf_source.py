@@ -158,13 +158,15 @@ def tokenizer_dir(given: str | Path | None) -> Path | None:
 def stop_ids(folder: Path, tokenizer, specials: dict[str, Any]) -> dict[str, Any]:
     """`specials` (Kiln's bos/eos ids) with the stop tokens of the tokenizer directory `folder` after Kiln's EOS:
     its tokenizer_config.json's eos_token (a chat model's end of turn) and its generation_config.json's
-    eos_token_id (one id or a list); one id stays an int, several become a list, as transformers writes them."""
+    eos_token_id (one id or a list; without that file, config.json's, which transformers' generate then takes);
+    one id stays an int, several become a list, as transformers writes them."""
     found = [specials.get("eos_token_id")]
     eos = read_json(folder / "tokenizer_config.json").get("eos_token")
     eos = eos.get("content") if isinstance(eos, dict) else eos
     if isinstance(eos, str):
         found.append(tokenizer.tk.token_to_id(eos))
-    listed = read_json(folder / "generation_config.json").get("eos_token_id")
+    generation = folder / "generation_config.json"
+    listed = read_json(generation if generation.is_file() else folder / "config.json").get("eos_token_id")
     found += listed if isinstance(listed, list) else [listed]
     ids = list(dict.fromkeys(i for i in found if isinstance(i, int) and 0 <= i < tokenizer.vocab_size))
     return {**specials, "eos_token_id": ids[0] if len(ids) == 1 else ids or None}

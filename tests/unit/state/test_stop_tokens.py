@@ -152,3 +152,17 @@ def test_sampling_and_exports_keep_the_stop_strings_of_the_generation_config(tmp
     assert sample(run, ignore_eos=True) == f"def{EOT * 5}\n"
     cfg = load_config(None, [f"model.init_from={rebuilt}", "model.size=null"])  # the sample at the end of a run
     assert run_stops(cfg, tok).strings == [twice, "never here"]
+
+
+def test_a_model_without_a_generation_config_stops_at_the_eos_ids_of_its_config(tmp_path, tok, eot_model):
+    """Without generation_config.json, transformers' generate takes config.json's eos_token_id (a list in Llama 3.1's):
+    Kiln's sampling stopped at the tokenizer's EOS alone, running past <|eot_id|>; a generation_config.json still
+    wins over config.json, as in transformers."""
+    eos, eot = tok.eos_id, tok.tk.token_to_id(EOT)
+    folder = Path(hf_dir(tmp_path / "model", tok, None))
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": [eos, eot]}))
+    listed = model_stops(tok, [folder]).ids
+    assert listed == [eos, eot]
+    assert generate(eot_model, [5, 6], 6, temperature=0, stop_ids=listed) == [eot]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    assert model_stops(tok, [folder]).ids == [eos]
