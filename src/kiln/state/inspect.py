@@ -118,8 +118,14 @@ def describe_run(run_dir: Path, compare: dict[str, Any] | None = None, check: bo
     lines.append(f"on disk ({run_dir / CHECKPOINTS}, keep_last={ccfg.get('keep_last', '?')}): "
                  f"{len(found)} checkpoint(s)" + ("" if found else " - nothing to resume from"))
     status = {p: _status(p, check) for p in found}
+    readable = []
     for p in found:
-        meta = read_meta(p)
+        try:
+            meta = read_meta(p)
+        except StateError as e:  # listed as what it is: the others, and the newest readable one, still shown
+            lines.append(f"  {p.name}  DAMAGED: {e}")
+            continue
+        readable.append(p)
         val = f"val {meta['val_loss']:.4f}" if meta.get("val_loss") is not None else "val      -"
         lines.append(f"  {p.name}  step {meta['step']:>8,}  {meta['tokens_seen']:>14,} tokens  {val}  "
                      f"{_size(meta['bytes']):>9}  {meta['reason']:<9}  {status[p]}")
@@ -148,9 +154,10 @@ def describe_run(run_dir: Path, compare: dict[str, Any] | None = None, check: bo
     lines.append(f"final model: {model}" if model_saved(model) else
                  f"final model: {model} is incomplete (its save did not finish; `kiln train {run_dir}` writes it "
                  "from the final checkpoint)" if model.is_dir() else "final model: none yet")
-    if found:
-        lines += ["", "newest checkpoint:", describe_checkpoint(found[-1], compare, show_config=False,
-                                                               status=status[found[-1]])]
+    if readable:
+        newest = "newest checkpoint:" if readable[-1] == found[-1] else "newest readable checkpoint:"
+        lines += ["", newest, describe_checkpoint(readable[-1], compare, show_config=False,
+                                                  status=status[readable[-1]])]
     return "\n".join(lines)
 
 

@@ -33,6 +33,13 @@ def test_inspect_run_and_checkpoint(trainer_factory, tmp_path):
     assert "2 checkpoint(s)" in out and "step_00000002" not in out.split("archive")[0]
     assert "step_00000006" in out and "DAMAGED" in out and "state.json" in out
     assert "archive (" in out and "kept for best" in out
+    newest = tmp_path / "run" / "checkpoints" / "step_00000006" / "meta.json"
+    kept = newest.read_text()
+    newest.write_text("{cut")  # the newest one's meta.json damaged: `kiln inspect RUN` was that error alone
+    out = describe(run_dir)
+    assert "step_00000006  DAMAGED: " in out and "unreadable or corrupted" in out
+    assert "newest readable checkpoint:\ncheckpoint " in out and "step_00000004\nstep 4," in out
+    newest.write_text(kept)
 
     changed = derive(t.cfg, {"train.lr": 0.5, "logging.every": 3})
     one = describe(tmp_path / "run" / "checkpoints" / "step_00000006", changed.model_dump(mode="json"))
