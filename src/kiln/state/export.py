@@ -299,7 +299,7 @@ def _base_tokenizer(src: Path, out: Path) -> None:
     none first (data.bos_token=null)."""
     import shutil
 
-    from kiln.state.hf_source import TOKENIZER_FILES
+    from kiln.state.hf_source import TOKENIZER_FILES, copy_chat_templates
 
     base = _run_section(src, "model").get("init_from")
     if not isinstance(base, str) or not (Path(base).expanduser() / "config.json").is_file():
@@ -308,6 +308,7 @@ def _base_tokenizer(src: Path, out: Path) -> None:
     for name in sorted(TOKENIZER_FILES):
         if (base_dir / name).is_file():
             shutil.copyfile(base_dir / name, out / name)
+    copy_chat_templates(base_dir, out)
     data = _run_section(src)
     if data and data.get("bos_token") is None:
         _drop_bos(out)

@@ -34,6 +34,8 @@ NOT_CARRIED = {"config.json", "model.safetensors.index.json", "pytorch_model.bin
 TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "spiece.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
                    "chat_template.json"}
+# the folder where transformers saves a tokenizer's named chat templates (tool_use, rag) beside chat_template.jinja
+CHAT_TEMPLATES = "additional_chat_templates"
 # what the tokenizer decides in config.json and generation_config.json
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 DTYPE_KEYS = ("dtype", "torch_dtype")  # transformers 5 writes the first, 4.x the second
@@ -71,7 +73,15 @@ def carry_files(src: Path, out: Path, tokenizer: bool) -> list[str]:
             continue
         shutil.copyfile(f, out / f.name)
         copied.append(f.name)
-    return copied
+    return copied + (copy_chat_templates(src, out) if tokenizer else [])
+
+
+def copy_chat_templates(folder: Path, out: Path) -> list[str]:
+    """The named chat templates of the tokenizer directory `folder` (CHAT_TEMPLATES) into `out`: [its name], or []."""
+    if not (folder / CHAT_TEMPLATES).is_dir():
+        return []
+    shutil.copytree(folder / CHAT_TEMPLATES, out / CHAT_TEMPLATES, dirs_exist_ok=True)
+    return [CHAT_TEMPLATES]
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -187,6 +197,7 @@ def carry_tokenizer_files(folder: Path, out: Path, max_len: int) -> list[str]:
         if (folder / name).is_file():
             shutil.copyfile(folder / name, out / name)
             copied.append(name)
+    copied += copy_chat_templates(folder, out)
     data = read_json(out / "tokenizer_config.json")
     data["model_max_length"] = max_len
     (out / "tokenizer_config.json").write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")

@@ -84,3 +84,30 @@ def test_an_extended_context_is_the_tokenizers_limit_where_that_held_the_old_one
         got = (json.loads((tmp_path / "tokenizer_config.json").read_text())["model_max_length"],
                json.loads((tmp_path / "generation_config.json").read_text())["max_length"])
         assert got == want, (limit, cap)
+
+
+def test_named_chat_templates_are_carried_with_the_tokenizer(tmp_path):
+    """transformers saves a tokenizer's named chat templates (tool_use, rag) in additional_chat_templates/ beside
+    chat_template.jinja: an export, and the tokenizer files carried from a tokenizer directory, dropped that folder,
+    and the exported tokenizer had its default template alone."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    from kiln.data.prepare.tokenizer import train_bpe
+    from kiln.state.hf_source import carry_tokenizer_files
+
+    src = tmp_path / "src"
+    train_bpe(["def f(x):\n    return x\n"] * 20, 280).save(tmp_path / "tokenizer.json")
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), eos_token="<|endoftext|>")
+    tok.chat_template = {"default": "{{ 'chat' }}", "tool_use": "{{ 'tools' }}"}
+    tok.save_pretrained(src)
+    for carry in (lambda out: carry_files(src, out, tokenizer=True), lambda out: carry_tokenizer_files(src, out, 64)):
+        out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
+        out.mkdir()
+        carry(out)
+        loaded = transformers.AutoTokenizer.from_pretrained(out)
+        assert loaded.chat_template == {"default": "{{ 'chat' }}", "tool_use": "{{ 'tools' }}"}
+    other = tmp_path / "other"
+    other.mkdir()
+    carry_files(src, other, tokenizer=False)  # another tokenizer is written: none of this one's files
+    assert list(other.iterdir()) == []
