@@ -98,7 +98,8 @@ def test_named_chat_templates_are_carried_with_the_tokenizer(tmp_path):
 
     src = tmp_path / "src"
     train_bpe(["def f(x):\n    return x\n"] * 20, 280).save(tmp_path / "tokenizer.json")
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), eos_token="<|endoftext|>")
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"),
+                                               eos_token="<|endoftext|>")
     tok.chat_template = {"default": "{{ 'chat' }}", "tool_use": "{{ 'tools' }}"}
     tok.save_pretrained(src)
     for carry in (lambda out: carry_files(src, out, tokenizer=True), lambda out: carry_tokenizer_files(src, out, 64)):
