@@ -181,6 +181,11 @@ def _from_transformers(directory: Path):
     except ImportError:
         raise DataError(f"{directory} has no tokenizer.json; converting its other tokenizer files needs "
                         "transformers: pip install 'kiln[hf]'") from None
+    spm = _unreadable_sentencepiece(directory)
+    if spm is not None:
+        raise DataError(f"{directory} has no tokenizer.json and its tokenizer is a SentencePiece model ({spm}); "
+                        "converting it needs the sentencepiece package: pip install sentencepiece protobuf (or give "
+                        "a directory that holds the model's tokenizer.json)")
     try:
         hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, use_fast=True)
     except Exception as e:
@@ -188,6 +193,27 @@ def _from_transformers(directory: Path):
     if not getattr(hf, "is_fast", False):
         raise DataError(f"{directory}: no fast tokenizer could be built from it; give a tokenizer.json")
     return hf.backend_tokenizer
+
+
+def _unreadable_sentencepiece(directory: Path) -> str | None:
+    """The name of `directory`'s SentencePiece model (tokenizer.model, spiece.model) where the sentencepiece package
+    that converts it is missing (transformers would then try it as tiktoken's and advise installing that); else None.
+    A tokenizer.model of tiktoken's (text lines of base64 and a rank, as Llama 3 ships) is not one."""
+    import re
+
+    for name in ("tokenizer.model", "spiece.model"):
+        try:
+            with open(directory / name, "rb") as f:
+                head = f.read(256)
+        except OSError:  # not there
+            continue
+        if re.match(rb"[A-Za-z0-9+/=]+ \d+\r?\n", head):
+            continue
+        try:
+            import sentencepiece  # noqa: F401
+        except ImportError:
+            return name
+    return None
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, specials: list[str] | None = None) -> Tokenizer:

@@ -83,6 +83,21 @@ def test_hf_directory_without_tokenizer_json(tok_file, tmp_path):
     assert tok.encode("def add(a, b): return a") == ref.encode("def add(a, b): return a")
 
 
+def test_a_sentencepiece_model_alone_without_sentencepiece_says_to_install_it(tmp_path, monkeypatch):
+    """A Llama-2 style directory whose tokenizer is tokenizer.model (SentencePiece) alone, where the sentencepiece
+    package is missing: the error said to install tiktoken (transformers' last fallback), which cannot read it."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)  # not installed
+    d = tmp_path / "llama2"
+    d.mkdir()
+    (d / "tokenizer.model").write_bytes(bytes(range(256)) * 4)  # a protobuf, not tiktoken's text lines
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer", "eos_token": "</s>"}))
+    with pytest.raises(DataError, match=r"SentencePiece model \(tokenizer.model\).*pip install sentencepiece") as e:
+        Tokenizer.load(d)
+    assert "tiktoken" not in str(e.value)
+
+
 def test_trained_tokenizer_is_cached(tmp_path):
     cfg = DataConfig(vocab_size=280, bos_token="auto", cache_dir=str(tmp_path))
     a = load_or_train(cfg, iter(CORPUS), "key1", tmp_path)
