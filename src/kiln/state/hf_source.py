@@ -26,10 +26,11 @@ from typing import Any
 from kiln.config import ModelConfig
 
 # files of a model directory an export never copies: its weights (written anew), their indexes, the model card
-# of another model, and config.json (merged: source_config)
+# of another model, config.json (merged: source_config), and the state of the Hugging Face Trainer run that saved a
+# checkpoint (its step and logs, which would tell a Trainer resuming from the export to skip as many steps)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt", ".pkl")
 NOT_CARRIED = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", "README.md",
-               "model_config.json", "adapter_config.json", "adapter_model.safetensors"}
+               "model_config.json", "adapter_config.json", "adapter_model.safetensors", "trainer_state.json"}
 # the tokenizer's files (Kiln writes its own instead when the run's tokenizer is another)
 TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "spiece.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",

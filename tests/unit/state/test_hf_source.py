@@ -19,7 +19,8 @@ def test_only_what_is_not_the_weights_is_carried(tmp_path):
     names = ["config.json", "model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
              "pytorch_model.bin", "model.gguf", "README.md", ".gitattributes", "tokenizer.json",
              "tokenizer_config.json", "tokenizer.model", "chat_template.jinja", "generation_config.json",
-             "LICENSE", "preprocessor_config.json"]
+             "LICENSE", "preprocessor_config.json", "trainer_state.json", "training_args.bin", "optimizer.pt",
+             "rng_state.pth"]  # the last four: a Hugging Face Trainer checkpoint's state of its own run
     for name in names:
         (src / name).write_text(name)
     (src / "original").mkdir()  # another format's folder
