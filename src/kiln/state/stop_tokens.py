@@ -3,10 +3,11 @@ stops on every id of generation_config.eos_token_id.
 
 A model trained from scratch stops at its EOS. A model from a Hugging Face directory (model.init_from, a Kiln
 export, or a run trained on a tokenizer directory: data.tokenizer=DIR) has more: its generation_config.json's
-eos_token_id (one id or a list) and its tokenizer_config.json's eos_token, read as an export reads them
-(kiln.state.hf_source.stop_ids): Llama 3 stops at <|end_of_text|> and at <|eot_id|>, the end of a chat turn;
-Qwen's chat models at <|endoftext|> and <|im_end|>. The same directories' generation_config.json may list
-stop_strings, texts that end sampling even where they span several tokens (kiln.model.stop_strings).
+eos_token_id (one id or a list; without that file, config.json's, as transformers reads it) and its
+tokenizer_config.json's eos_token, read as an export reads them (kiln.state.hf_source.stop_ids): Llama 3 stops at
+<|end_of_text|> and at <|eot_id|>, the end of a chat turn; Qwen's chat models at <|endoftext|> and <|im_end|>. The
+same directories' generation_config.json may list stop_strings, texts that end sampling even where they span several
+tokens (kiln.model.stop_strings).
 
     stops = model_stops(tok, [model_dir, source_dir(cfg.model), tokenizer_dir(cfg.data.tokenizer)])
     stops = run_stops(cfg, tok)                         # the sample at the end of a run
