@@ -102,6 +102,20 @@ def check_model_tokenizer(cfg: RunConfig, tok) -> None:
                         "Leave data.tokenizer unset (it then defaults to the model's) and prepare the data again")
 
 
+def check_vocab(cfg: RunConfig, tok) -> None:
+    """ConfigError where the model has fewer token embeddings than the tokenizer has tokens."""
+    have = cfg.model.vocab_size
+    if have is None or have >= tok.vocab_size:
+        return
+    if cfg.model.init_from:  # the size is the directory's, not the user's to raise: the tokenizer is the wrong one
+        raise ConfigError(f"model.init_from={cfg.model.init_from} has vocab_size={have} (its config.json), fewer than "
+                          f"the {tok.vocab_size} tokens of data.tokenizer={cfg.data.tokenizer}: ids from {have} on "
+                          "would have no embedding. That tokenizer is not the model's: set data.tokenizer to the one "
+                          "the model was trained with (its tokenizer.json)")
+    raise ConfigError(f"model.vocab_size={have} is smaller than the tokenizer's {tok.vocab_size}; raise it or leave "
+                      "it null")
+
+
 def run(cfg: RunConfig, console: Console | None = None, resume: str = "auto", callbacks: list = ()) -> Path:
     """Train per `cfg`; `resume` is auto, never or force (see kiln.state.resume); `callbacks` join the run's.
 
@@ -206,13 +220,11 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
                       trained_on=_trained_on((meta or {}).get("fingerprints", {})))
     tok = data.tokenizer
     console.print(data.summary)
-    if cfg.model.vocab_size is None:
-        cfg = derive(cfg, {"model.vocab_size": -(-tok.vocab_size // 64) * 64})
-    elif cfg.model.vocab_size < tok.vocab_size:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                          f"{tok.vocab_size}; raise it or leave it null")
     if cfg.model.init_from:
         check_model_tokenizer(cfg, tok)
+    if cfg.model.vocab_size is None:
+        cfg = derive(cfg, {"model.vocab_size": -(-tok.vocab_size // 64) * 64})
+    check_vocab(cfg, tok)
     prints = fingerprints(cfg, data)
     if cfg.lora.rank:  # the frozen base is referenced by its hash, not saved in the checkpoints
         prints[BASE_KEY] = base_hash(cfg.model.init_from, cfg.model.allow_pickle)

@@ -24,3 +24,31 @@ def test_a_shape_export_cannot_write_is_said_before_training(tmp_path):
     with pytest.raises(ConfigError, match="model.hf_model_type=llama: .*LlamaForCausalLM cannot have model.mlp=relu2"):
         run(load_config(None, [*args, "model.hf_model_type=llama", f"train.run_dir={tmp_path / 'b'}"]))
     assert not (tmp_path / "b").exists()  # refused before the run directory was made
+
+
+def test_a_model_directory_with_fewer_embeddings_than_its_tokenizer_says_so_of_the_directory(tmp_path):
+    """model.init_from's vocab_size comes from its config.json: the error told to raise model.vocab_size (or leave it
+    null), which init_from does not take; it now names the directory and the tokenizer that does not fit it."""
+    import json
+    import sysconfig
+    from pathlib import Path
+
+    from kiln.data.prepare.tokenizer import train_bpe
+    from kiln.model.hf import to_hf_config_dict
+
+    model = tmp_path / "model"  # its tokenizer.json is another model's: 271 tokens for 256 embeddings
+    model.mkdir()
+    tok = train_bpe(["def f(x):\n    return x\n"] * 20, 280)
+    tok.save(model / "tokenizer.json")
+    (model / "config.json").write_text(json.dumps(to_hf_config_dict(load_config(None, ["model.vocab_size=256",
+                                                                                 "model.size=tiny"]).model)))
+    corpus = Path(sysconfig.get_paths()["stdlib"]) / "this.py"
+    args = [f"data.sources=[{corpus}]", f"data.cache_dir={tmp_path / 'cache'}", "data.val_fraction=0",
+            "train.device=cpu", "train.seq_len=32", "logging.console=false"]
+    with pytest.raises(ConfigError, match=f"model.init_from={model} has vocab_size=256 .*fewer than the "
+                                          f"{tok.vocab_size} tokens of data.tokenizer={model}.*not the model's") as e:
+        run(load_config(None, [*args, f"model.init_from={model}", f"train.run_dir={tmp_path / 'a'}"]))
+    assert "leave it null" not in str(e.value)
+    with pytest.raises(ConfigError, match=f"model.vocab_size=256 is smaller than the tokenizer's {tok.vocab_size}"):
+        run(load_config(None, [*args, "model.vocab_size=256", f"data.tokenizer={model}",
+                               f"train.run_dir={tmp_path / 'b'}"]))
