@@ -52,3 +52,27 @@ def test_a_model_directory_with_fewer_embeddings_than_its_tokenizer_says_so_of_t
     with pytest.raises(ConfigError, match=f"model.vocab_size=256 is smaller than the tokenizer's {tok.vocab_size}"):
         run(load_config(None, [*args, "model.vocab_size=256", f"data.tokenizer={model}",
                                f"train.run_dir={tmp_path / 'b'}"]))
+
+
+def test_a_model_directory_without_a_tokenizer_asks_for_the_models_tokenizer(tmp_path):
+    """model.init_from of a directory with weights but no tokenizer files: the error advised data.tokenizer=null (train
+    one on the sources), which init_from replaces with the directory again (and a new tokenizer's ids would mean other
+    text to the model): the same error came back. It now asks for the tokenizer the model was trained with."""
+    import json
+    import sysconfig
+    from pathlib import Path
+
+    from kiln.model.hf import to_hf_config_dict
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(to_hf_config_dict(load_config(None, ["model.size=tiny",
+                                                                                 "model.vocab_size=256"]).model)))
+    corpus = Path(sysconfig.get_paths()["stdlib"]) / "this.py"
+    for given in ([], ["data.tokenizer=null"]):
+        with pytest.raises(ConfigError, match=f"model.init_from={model} holds no tokenizer files.*set data.tokenizer "
+                                              "to the tokenizer the model was trained with") as e:
+            run(load_config(None, [f"model.init_from={model}", *given, f"data.sources=[{corpus}]",
+                                   f"data.cache_dir={tmp_path / 'cache'}", "train.device=cpu", "train.seq_len=32",
+                                   f"train.run_dir={tmp_path / 'run'}", "logging.console=false"]))
+        assert "null" not in str(e.value)
