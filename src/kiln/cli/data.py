@@ -48,7 +48,11 @@ def prepare(
     if config is not None and "=" in config:
         overrides.insert(0, config)
         config = None
-    data = load_config(config, overrides).data
+    cfg = load_config(config, overrides)
+    data = cfg.data
+    from kiln.data.prepare.tokenizer import check_own_tokenizer
+
+    check_own_tokenizer(cfg.model.init_from, data.tokenizer)
     try:
         if data.mixture:  # each entry with sources is prepared, with the first entry's tokenizer
             from kiln.data.build import prepare_all

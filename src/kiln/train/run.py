@@ -61,6 +61,7 @@ from kiln.train.trainer import Trainer
 def with_init_from(cfg: RunConfig, log=print) -> RunConfig:
     """A copy of `cfg` whose model section is the architecture of model.init_from (a Hub id read into the local
     cache first: kiln.model.hub, and the run records the snapshot's directory)."""
+    from kiln.data.prepare.tokenizer import check_own_tokenizer
     from kiln.model.hub import local_model_dir
 
     spec = cfg.model.init_from
@@ -81,25 +82,12 @@ def with_init_from(cfg: RunConfig, log=print) -> RunConfig:
         model = resolve_init_from(cfg.model)
         if cfg.lora.rank:
             target_layers(model, cfg.lora.targets)
-    _check_has_tokenizer(cfg)
+    check_own_tokenizer(cfg.model.init_from, cfg.data.tokenizer)
     if cfg.train.seq_len > model.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} is longer than the {model.max_seq_len} positions of "
                           f"{cfg.model.init_from}; shorten train.seq_len, or extend the model's context on purpose "
                           "(model.max_seq_len with model.rope_scaling)")
     return cfg.model_copy(update={"model": model})  # a new config; the given one is unchanged
-
-
-def _check_has_tokenizer(cfg: RunConfig) -> None:
-    """ConfigError where the data would be tokenized with model.init_from's own tokenizer (data.tokenizer's default,
-    which null does not turn off) and the directory holds none."""
-    from kiln.data.prepare.tokenizer import TOKENIZER_FILES, has_tokenizer
-
-    if cfg.data.tokenizer != cfg.model.init_from or has_tokenizer(cfg.model.init_from):
-        return
-    raise ConfigError(f"model.init_from={cfg.model.init_from} holds no tokenizer files ({', '.join(TOKENIZER_FILES)})"
-                      ", and the data must be tokenized as the model was trained: set data.tokenizer to the tokenizer "
-                      "the model was trained with (a tokenizer.json, or a Hugging Face directory that holds it, such "
-                      "as the model's original repository), or copy its tokenizer files into the directory")
 
 
 def check_model_tokenizer(cfg: RunConfig, tok) -> None:

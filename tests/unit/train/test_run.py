@@ -76,3 +76,11 @@ def test_a_model_directory_without_a_tokenizer_asks_for_the_models_tokenizer(tmp
                                    f"data.cache_dir={tmp_path / 'cache'}", "train.device=cpu", "train.seq_len=32",
                                    f"train.run_dir={tmp_path / 'run'}", "logging.console=false"]))
         assert "null" not in str(e.value)
+    from typer.testing import CliRunner
+
+    from kiln.cli import app
+
+    said = CliRunner().invoke(app, ["prepare", f"model.init_from={model}", f"data.sources=[{corpus}]",
+                                    f"data.cache_dir={tmp_path / 'cache'}"])
+    assert isinstance(said.exception, ConfigError)  # kiln prepare too (the CLI prints it without a traceback)
+    assert "set data.tokenizer to the tokenizer the model was trained with" in str(said.exception)

@@ -169,6 +169,19 @@ def has_tokenizer(directory: str | Path) -> bool:
     return any((Path(directory).expanduser() / name).is_file() for name in TOKENIZER_FILES)
 
 
+def check_own_tokenizer(model_dir: str | None, tokenizer: str | None) -> None:
+    """ConfigError where the data is to be tokenized with the tokenizer of the local model directory `model_dir`
+    (model.init_from; data.tokenizer's default with it, which null does not turn off) and that directory holds none."""
+    from kiln.errors import ConfigError
+
+    if not model_dir or tokenizer != model_dir or not Path(model_dir).expanduser().is_dir() or has_tokenizer(model_dir):
+        return
+    raise ConfigError(f"model.init_from={model_dir} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}), and the "
+                      "data must be tokenized as the model was trained: set data.tokenizer to the tokenizer the model "
+                      "was trained with (a tokenizer.json, or a Hugging Face directory that holds it, such as the "
+                      "model's original repository), or copy its tokenizer files into the directory")
+
+
 def _from_transformers(directory: Path):
     """The fast tokenizer of a local Hugging Face tokenizer directory without tokenizer.json."""
     known = TOKENIZER_FILES[1:]
