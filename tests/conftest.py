@@ -61,3 +61,22 @@ def _restore_signal_handlers():
     for sig, handler in saved.items():
         if signal.getsignal(sig) is not handler and handler is not None:
             signal.signal(sig, handler)
+
+
+@pytest.fixture
+def repeating_model():
+    """A function: token id -> a tiny eval-mode Transformer (vocabulary 320) whose most likely next token is always
+    that one (the layers add nothing to the embedding and the output layer sees only that token's row)."""
+    from kiln.config import ModelConfig
+    from kiln.model.llama import Transformer
+
+    def make(token: int) -> Transformer:
+        model = Transformer(ModelConfig(size="tiny", vocab_size=320, tie_embeddings=False)).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.fill_(1.0 if name == "embed_tokens.weight" else 0.0)
+            model.norm.weight.fill_(1.0)
+            model.lm_head.weight[token] = 1.0
+        return model
+
+    return make

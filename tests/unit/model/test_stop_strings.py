@@ -4,10 +4,8 @@ tokens, with an overhang, inside one token, or begun in the prompt; never for on
 import pytest
 import torch
 
-from kiln.config import ModelConfig
 from kiln.data.prepare.tokenizer import train_bpe
 from kiln.model.generate import generate
-from kiln.model.llama import Transformer
 from kiln.model.stop_strings import StopStrings
 
 TEXT = "xstop and stopper\n\nUser: hi <|im_end|> then def return aaa\n"
@@ -32,15 +30,10 @@ def test_where_sampling_stops_is_where_transformers_stops(tok, stop):
     assert any(expected)  # each stop string is in the text: its completing token is found
 
 
-def test_sampling_ends_with_the_token_that_completes_a_stop_string_and_keeps_it(tok):
+def test_sampling_ends_with_the_token_that_completes_a_stop_string_and_keeps_it(tok, repeating_model):
     ret = tok.encode(" return")
     assert len(ret) == 1
-    model = Transformer(ModelConfig(size="tiny", vocab_size=320, tie_embeddings=False)).eval()
-    with torch.no_grad():  # every step's most likely token is " return": the layers add nothing to the embedding
-        for name, p in model.named_parameters():
-            p.fill_(1.0 if name == "embed_tokens.weight" else 0.0)
-        model.norm.weight.fill_(1.0)
-        model.lm_head.weight[ret[0]] = 1.0
+    model = repeating_model(ret[0])  # every step's most likely token is " return"
     prompt = tok.encode("def\n")
 
     def sample(*stops: str) -> str:

@@ -90,19 +90,14 @@ def test_stop_names_a_token_a_text_of_one_token_or_any_other_text(tok):
         named_stops(tok, [""])
 
 
-def test_kiln_generate_stops_at_a_text_of_several_tokens(tmp_path, tok, capsys):
+def test_kiln_generate_stops_at_a_text_of_several_tokens(tmp_path, tok, capsys, repeating_model):
     """--stop refused a text the tokenizer encodes as several tokens ("is not a token of the model's tokenizer"):
     now sampling ends at the token that completes it, as at a stop string, with --ignore-eos too."""
     from kiln.cli.model import generate as kiln_generate
 
     ret = tok.encode(" return")
     assert len(ret) == 1 and len(tok.encode("rn ret")) > 1
-    model = Transformer(ModelConfig(size="tiny", vocab_size=320, tie_embeddings=False)).eval()
-    with torch.no_grad():  # every step's most likely token is " return": the layers add nothing to the embedding
-        for name, p in model.named_parameters():
-            p.fill_(1.0 if name == "embed_tokens.weight" else 0.0)
-        model.norm.weight.fill_(1.0)
-        model.lm_head.weight[ret[0]] = 1.0
+    model = repeating_model(ret[0])  # every step's most likely token is " return"
     save_model(model, model.cfg, tok, tmp_path / "run" / "model")
     for ignore_eos in (False, True):
         kiln_generate(str(tmp_path / "run"), "def", 6, 0.0, 0, 0, ["rn ret"], ignore_eos,
