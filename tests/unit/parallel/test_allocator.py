@@ -9,8 +9,9 @@ from kiln.parallel.mesh import init_mesh
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in allocator.USER:
-        monkeypatch.delenv(name, raising=False)
+    for name in allocator.USER:  # set first, so that what a test sets is undone after it, as the values were
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     return monkeypatch
 
 
