@@ -125,6 +125,29 @@ def test_generate_at_a_vanishing_temperature_is_greedy_and_nan_is_refused(model_
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--temperature" in r.stderr
 
 
+def test_generate_samples_as_the_models_generation_config_says_unless_told(model_dir, tmp_path):
+    """Its generation_config.json's do_sample false and max_new_tokens 4: greedy, 4 tokens, whatever the seed; an
+    option given wins. Before, Kiln's own defaults (temperature 0.8, 100 tokens) ignored the file."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from kiln.cli.app import app
+
+    run = tmp_path / "run"
+    shutil.copytree(model_dir, run)
+    (run / "model" / "generation_config.json").write_text('{"do_sample": false, "max_new_tokens": 4}')
+
+    def out(*args):
+        r = CliRunner().invoke(app, ["generate", str(run), "--prompt", "def ", *args])
+        assert r.exit_code == 0, r.output
+        return r.stdout
+
+    assert out("--seed", "1") == out("--seed", "2") == out("--temperature", "0", "-n", "4")
+    assert out("--seed", "1", "--temperature", "1", "-n", "12") != out("--seed", "2", "--temperature", "1", "-n", "12")
+    assert "generation_config.json" in CliRunner().invoke(app, ["generate", "--help"]).stdout
+
+
 def test_generate_help_says_zero_is_greedy():
     r = kiln("generate", "--help")
     assert r.returncode == 0 and "greedy" in r.stdout and "--threads" in r.stdout

@@ -13,11 +13,13 @@ def generate(
     run_dir: str = typer.Argument(..., help="Run directory of a finished `kiln train` (or its model/ folder), or a "
                                             "Hugging Face model directory (a `kiln export`)."),
     prompt: str = typer.Option("", "--prompt", "-p", help="Text to continue."),
-    max_new_tokens: int = typer.Option(100, "--max-new-tokens", "-n", min=1, help="Tokens to generate."),
-    temperature: float = typer.Option(0.8, "--temperature", "-t", min=0.0,
-                                      help="Sampling temperature: higher is more varied; 0 is greedy (always the "
-                                           "most likely token)."),
-    top_k: int = typer.Option(50, "--top-k", min=0, help="Sample among the k most likely tokens (0: all)."),
+    max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", "-n", min=1, help="Tokens to generate "
+                                              "(default: the model's, else 100)."),
+    temperature: float | None = typer.Option(None, "--temperature", "-t", min=0.0,
+                                             help="Sampling temperature: higher is more varied; 0 is greedy (always "
+                                                  "the most likely token). Default: the model's, else 0.8."),
+    top_k: int | None = typer.Option(None, "--top-k", min=0, help="Sample among the k most likely tokens (0: all; "
+                                     "default: the model's, else 50)."),
     seed: int | None = typer.Option(None, "--seed", min=0, help="Seed for reproducible samples."),
     stop: list[str] = typer.Option([], "--stop", help="Also stop at this token (its text, e.g. <|im_end|>) or "
                                    "text (e.g. 'Question:', however many tokens it takes: sampling ends at the "
@@ -30,21 +32,37 @@ def generate(
                                           help="CPU threads of PyTorch (on the CPU only); default: 1 for a model "
                                                "under 20M parameters (one token at a time is too little to "
                                                "split), else PyTorch's."),
+    top_p: float | None = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Sample among the most likely "
+                                       "tokens whose probabilities add up to p (1: all; default: the model's, "
+                                       "else 1)."),
+    repetition_penalty: float | None = typer.Option(None, "--repetition-penalty", min=0.0, help="Above 1: the "
+                                                    "tokens already in the text are less likely (default: the "
+                                                    "model's, else 1: none)."),
 ) -> None:
     """Sample text from a trained model, up to its first stop token (its EOS, and those its Hugging Face
     generation_config.json lists, and --stop tokens), the token that completes one of that file's stop_strings or
     a --stop text (kept in the text, as transformers keeps it), or --max-new-tokens.
 
+    The sampling settings you leave out are the model's own, as transformers' generate reads them: those of its
+    generation_config.json (a Hugging Face model directory's, else that of the run's model.init_from directory;
+    do_sample false there is greedy), else Kiln's (temperature 0.8, top-k 50, 100 tokens).
+
     Example: kiln generate runs/20261126-101500 --prompt "def main(" -n 64 --seed 0
     """
-    if not temperature >= 0:  # NaN, which the range check of typer before 0.17 lets through
-        raise ConfigError(f"--temperature {temperature}: give 0 (greedy) or a positive number")
+    for name, value in (("--temperature", temperature), ("--top-p", top_p), ("--repetition-penalty",
+                                                                              repetition_penalty)):
+        if value is not None and not value >= 0:  # NaN, which the range check of typer before 0.17 lets through
+            raise ConfigError(f"{name} {value}: give 0 or a positive number")
+    if top_p == 0 or repetition_penalty == 0:
+        raise ConfigError(f"{'--top-p' if top_p == 0 else '--repetition-penalty'} 0 leaves no token to sample: "
+                          "give a number above 0")
     import torch
 
     from kiln.model.generate import generate as sample
     from kiln.model.generate import start_ids
     from kiln.model.stop_strings import StopStrings
     from kiln.plan.threads import apply_threads
+    from kiln.state.sampling import sampling_settings
     from kiln.state.stop_tokens import Stops, named_stops, saved_model_stops
     from kiln.state.weights import load_model
 
@@ -63,12 +81,20 @@ def generate(
         ids = start_ids(tok, prompt)
     except ValueError as e:
         raise ConfigError(f"--prompt: {e}; give a prompt") from None
+    settings = sampling_settings(run_dir, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens)
+    if settings.source is not None:
+        err_console.print(f"sampling: temperature {settings.temperature:g}, top-k {settings.top_k}, top-p "
+                          f"{settings.top_p:g}, repetition penalty {settings.repetition_penalty:g}, at most "
+                          f"{settings.max_new_tokens} tokens (options given, else {settings.source})",
+                          style="dim", markup=False, highlight=False)
     stop_ids, stop_texts = named_stops(tok, stop)
     saved = Stops([], []) if ignore_eos else saved_model_stops(run_dir, tok)
     stops, texts = stop_ids + saved.ids, StopStrings(stop_texts + saved.strings, tok.decode)
     try:
-        out = sample(model, ids, max_new_tokens, temperature, top_k or None, seed, stops, vocab_size=tok.vocab_size,
-                     stop_strings=texts)
+        out = sample(model, ids, settings.max_new_tokens, settings.temperature, settings.top_k or None, seed, stops,
+                     vocab_size=tok.vocab_size, stop_strings=texts, top_p=settings.top_p,
+                     repetition_penalty=settings.repetition_penalty)
     except ValueError as e:
         raise ConfigError(f"kiln generate {run_dir}: {e}") from None
     print(prompt + tok.decode(out))

@@ -59,3 +59,17 @@ def test_an_empty_prompt_starts_from_eos_or_bos():
     bare = Tokenizer(tok.tk, eos_token=None)
     with pytest.raises(ValueError, match="the tokenizer has none"):
         start_ids(bare, "")
+
+
+def test_top_p_keeps_the_most_likely_tokens_and_a_repetition_penalty_turns_greedy_away(repeating_model):
+    """A model that always favours token 7: a small top_p samples it alone; a strong repetition penalty (as
+    generation_config.json's repetition_penalty) makes greedy decoding leave it once it is in the text."""
+    model = repeating_model(7)  # its logits: 64 for token 7, 0 for the 319 others; at temperature 11, 7 has p ~ 1/2
+    assert generate(model, [1], 8, temperature=11.0, top_k=None, top_p=0.4, seed=0) == [7] * 8
+    assert generate(model, [1], 8, temperature=11.0, top_k=None, seed=0) != [7] * 8  # without: others too
+    with torch.no_grad():
+        model.lm_head.weight[9] = 0.5  # the runner-up: logit 32
+    assert generate(model, [1], 3, temperature=0) == [7, 7, 7]
+    assert generate(model, [1], 3, temperature=0, repetition_penalty=3.0) == [7, 9, 7]  # 64/3 < 32, 32/3 < 64/3
+    with pytest.raises(ValueError, match="top_p must be above 0"):
+        generate(model, [1], 2, top_p=0)

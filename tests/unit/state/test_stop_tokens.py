@@ -73,7 +73,8 @@ def test_kiln_generate_stops_at_the_stop_tokens_of_the_model_and_at_stop(tmp_pat
     assert saved_model_stops(run, tok).ids == [eos, eot] and saved_model_stops(scratch, tok).ids == [eos]
 
     def sample(path, stop=(), ignore_eos=False) -> str:
-        kiln_generate(str(path), "def", 5, 0.0, 0, 0, list(stop), ignore_eos, threads=torch.get_num_threads())
+        kiln_generate(str(path), "def", 5, 0.0, 0, 0, list(stop), ignore_eos, threads=torch.get_num_threads(),
+                      top_p=None, repetition_penalty=None)
         return capsys.readouterr().out
 
     assert sample(run) == f"def{EOT}\n"
@@ -101,7 +102,8 @@ def test_kiln_generate_stops_at_a_text_of_several_tokens(tmp_path, tok, capsys, 
     save_model(model, model.cfg, tok, tmp_path / "run" / "model")
     for ignore_eos in (False, True):
         kiln_generate(str(tmp_path / "run"), "def", 6, 0.0, 0, 0, ["rn ret"], ignore_eos,
-                      threads=torch.get_num_threads())
+                      threads=torch.get_num_threads(),
+                      top_p=None, repetition_penalty=None)
         assert capsys.readouterr().out == "def return return\n"  # across two tokens, the second kept whole
 
 
@@ -112,11 +114,13 @@ def test_kiln_generate_on_an_export_stops_at_its_generation_configs_stop_tokens(
     out = export_hf(eot_model, eot_model.cfg, tok, tmp_path / "export")
     config = json.loads((out / "generation_config.json").read_text())
     assert config["eos_token_id"] == tok.eos_id
-    kiln_generate(str(out), "def", 4, 0.0, 0, 0, [], False, threads=torch.get_num_threads())
+    kiln_generate(str(out), "def", 4, 0.0, 0, 0, [], False, threads=torch.get_num_threads(),
+                      top_p=None, repetition_penalty=None)
     assert capsys.readouterr().out == f"def{EOT * 4}\n"  # the export's one stop token is not <|eot_id|>
     config["eos_token_id"] = [tok.eos_id, tok.tk.token_to_id(EOT)]  # as Llama 3's lists both
     (out / "generation_config.json").write_text(json.dumps(config))
-    kiln_generate(str(out), "def", 4, 0.0, 0, 0, [], False, threads=torch.get_num_threads())
+    kiln_generate(str(out), "def", 4, 0.0, 0, 0, [], False, threads=torch.get_num_threads(),
+                      top_p=None, repetition_penalty=None)
     assert capsys.readouterr().out == f"def{EOT}\n"
 
 
@@ -139,7 +143,8 @@ def test_sampling_and_exports_keep_the_stop_strings_of_the_generation_config(tmp
         assert GenerationConfig.from_pretrained(out).stop_strings == [twice, "never here"]
 
     def sample(path, ignore_eos=False) -> str:
-        kiln_generate(str(path), "def", 5, 0.0, 0, 0, [], ignore_eos, threads=torch.get_num_threads())
+        kiln_generate(str(path), "def", 5, 0.0, 0, 0, [], ignore_eos, threads=torch.get_num_threads(),
+                      top_p=None, repetition_penalty=None)
         return capsys.readouterr().out
 
     for path in (run, carried):
