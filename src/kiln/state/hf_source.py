@@ -101,7 +101,7 @@ def source_config(src: Path, cfg: ModelConfig | None, dtype: str | None, written
     auto-path model, whose architecture is the source's by construction), the result is checked to describe it."""
     from kiln.model.hf import from_hf_config_dict
 
-    config = read_json(src / "config.json")
+    config = current_rope(read_json(src / "config.json"))
     if dtype is not None:
         keys = [k for k in DTYPE_KEYS if k in config] or ["torch_dtype"]
         config.update({k: dtype for k in keys})
@@ -124,6 +124,22 @@ def source_config(src: Path, cfg: ModelConfig | None, dtype: str | None, written
     except Exception:  # a config Kiln's native model cannot read (an auto-path model): nothing to compare
         same = True
     return config if same else {**config, **written}  # never an architecture that is not the model's
+
+
+LEGACY_ROPE = {"phi3": ("su", "yarn")}  # older Phi-3 128K checkpoints' names of longrope
+
+
+def current_rope(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` (a config.json) with a rotary scaling named as older checkpoints name it (Phi-3's `su` or `yarn`, which
+    Kiln imports as longrope) renamed longrope, in the key it uses (`type` or `rope_type`), every other field kept:
+    transformers 5 refuses `su` (it reads it as longrope without the original context it then requires)."""
+    legacy = LEGACY_ROPE.get(config.get("model_type"), ())
+    out = dict(config)
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = out.get(key)
+        if isinstance(rope, dict) and any(rope.get(name) in legacy for name in ("type", "rope_type")):
+            out[key] = {k: "longrope" if k in ("type", "rope_type") and v in legacy else v for k, v in rope.items()}
+    return out
 
 
 def _architecture(cfg: ModelConfig, context: Any = None) -> dict[str, Any]:

@@ -387,3 +387,30 @@ def test_a_signal_during_an_export_leaves_nothing_that_loads(tokenizer, tmp_path
     assert stopped.value.signum == signum
     assert not (tmp_path / "out").exists()  # config.json, written before the weights, too; the folder it made
     assert signal.getsignal(signum) is before  # given back
+
+
+@torch.no_grad()
+def test_a_phi3_whose_config_names_its_longrope_su_exports_one_transformers_loads(tokenizer, tmp_path):
+    """Older Phi-3 128K checkpoints name their longrope `su` (rope_scaling.type), which transformers 5 refuses: Kiln
+    imports it as longrope, and its export names it longrope, the factors kept, with the logits of Kiln's import on
+    either side of the original context (32)."""
+    model = random_model("phi3")
+    export_hf(model, model.cfg, tokenizer, tmp_path / "su")
+    config = json.loads((tmp_path / "su" / "config.json").read_text())
+    config.pop("rope_parameters")
+    factors = {k: config["rope_scaling"][k] for k in ("short_factor", "long_factor")}
+    config["rope_scaling"] = {"type": "su", **factors}
+    (tmp_path / "su" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(KeyError, match="original_max_position_embeddings"):  # what the source does in transformers
+        transformers.AutoConfig.from_pretrained(tmp_path / "su")
+    cfg, state = import_hf(tmp_path / "su")
+    assert cfg.rope_scaling.type == "longrope" and cfg.rope_scaling.long_factor == factors["long_factor"]
+    kiln = Transformer(cfg).eval()
+    kiln.load_state_dict(state)
+    export_from(tmp_path / "su", tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["rope_scaling"] == {"type": "longrope",
+                                                                                          **factors}
+    hf, _, _ = load_quietly(tmp_path / "out")
+    for T in (12, 40):
+        x = torch.randint(0, 320, (1, T), generator=torch.Generator().manual_seed(T))
+        torch.testing.assert_close(hf(input_ids=x).logits, kiln(x), rtol=0, atol=1e-4)
