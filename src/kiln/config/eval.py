@@ -11,7 +11,8 @@ class EvalConfig(Section):
     tasks: list[str] = []
     """lm-evaluation-harness tasks run at the run's evaluations (train.eval_every, and the last), e.g.
     [hellaswag, arc_easy]; their scores (hellaswag/acc, ...) join val_loss in metrics.jsonl and every sink.
-    Needs the lm-eval extra (pip install 'kiln[lm-eval]') and a validation split; empty: none."""
+    Needs the lm-eval extra (pip install 'kiln[lm-eval]') and a validation split; empty: none. Tasks that fail
+    at an evaluation (their data out of reach) are skipped there with a warning; training goes on."""
     include_path: list[str] = []
     """Directories of task YAML files: your own tasks, or a local copy of lm-eval's tasks whose data sets
     are on disk (offline)."""

@@ -4,6 +4,10 @@ At every `eval.every`-th evaluation, and at the last, each task runs on the mode
 most `eval.limit` examples each) and its scores (hellaswag/acc, ...) join the evaluation's metrics,
 before the sinks see them: metrics.jsonl, the console, TensorBoard, W&B, MLflow. Every process runs
 the same requests, so a model sharded over them (FSDP) takes part whole; rank 0's sinks write.
+
+A run never dies for an evaluation: tasks that fail (the Hub out of reach, a task's data file gone or
+damaged) are skipped at that evaluation, with a warning the first time (what failed, what to do) and a
+"warning" notice in metrics.jsonl each time, and training goes on.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kiln.config import EvalConfig
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, KilnError
 from kiln.events import Callback
 
 
@@ -33,7 +37,7 @@ class TasksAtEval(Callback):
         self.cfg, self.tokenizer, self.log = cfg, tokenizer, log
         self.manager = manager_for(cfg.tasks, cfg.include_path)
         check_tasks(self.manager, cfg.tasks)  # before training starts: a typo costs nothing
-        self.evals = 0
+        self.evals, self.failures = 0, 0
 
     def on_train_start(self, trainer) -> None:
         if trainer.val_loader is None and self.log is not None:
@@ -58,9 +62,25 @@ class TasksAtEval(Callback):
             with trainer.meter.paused():  # not counted in training tokens/s
                 scores = run_tasks(lm, self.cfg.tasks, limit=self.cfg.limit, num_fewshot=self.cfg.num_fewshot,
                                    manager=self.manager)["scores"]
+        except Exception as e:  # the data of a task (network, files), lm-eval's own: the run goes on without them
+            self._skipped(trainer, e)
+            return
         finally:
             trainer.model.train(was_training)
         metrics.update(scores)
         if self.log is not None and scores:
             self.log(f"tasks step {metrics.get('step', trainer.step)}: "
                      + "  ".join(f"{k} {v:.4f}" for k, v in scores.items()))
+
+    def _skipped(self, trainer, error: Exception) -> None:
+        """Say (the first time) and record (each time) that this evaluation's tasks failed with `error`."""
+        self.failures += 1
+        what = str(error) if isinstance(error, KilnError) else f"{type(error).__name__}: {error}"
+        message = (f"eval.tasks ({', '.join(self.cfg.tasks)}) failed at step {trainer.step} and were skipped; "
+                   f"training goes on. {what}. Check that their data can be read (the Hugging Face Hub reachable, "
+                   "or the files of eval.include_path's tasks there), or score a checkpoint after the run with "
+                   f"kiln eval RUN_DIR --tasks {','.join(self.cfg.tasks)}")
+        if self.failures == 1 and self.log is not None:
+            self.log(f"warning: {message} (a later failure is recorded in metrics.jsonl, not said again)")
+        trainer.events.emit("on_notice", trainer, "warning", {"step": trainer.step, "condition": "eval_tasks",
+                                                              "message": message, "failures": self.failures})
