@@ -25,6 +25,7 @@ from kiln.state.rundir import (
     fresh_sibling,
     from_rank0,
     make_run_dir,
+    missing_dirs,
     process_rank,
     remove_unfinished,
     step_of,
@@ -153,16 +154,19 @@ def resume_target(cfg: RunConfig, mode: str, log: Callable[[str], None]) -> tupl
     never: start fresh; when train.run_dir holds checkpoints, in a new directory beside it.
     `kiln train` holds the directory (`hold_run_dir`) between the two steps, before anything is tidied.
     """
-    run_dir, may_resume = run_directory(cfg, mode, log)
+    run_dir, may_resume, _ = run_directory(cfg, mode, log)
     return run_dir, (choose_checkpoint(run_dir, log, cfg.checkpoint.archive_url) if may_resume else None)
 
 
-def run_directory(cfg: RunConfig, mode: str, log: Callable[[str], None]) -> tuple[Path, bool]:
-    """The run directory (created; rank 0's choice on every rank) and whether it may hold a run to resume."""
+def run_directory(cfg: RunConfig, mode: str, log: Callable[[str], None]) -> tuple[Path, bool, list[Path]]:
+    """The run directory (created; rank 0's choice on every rank), whether it may hold a run to resume, and the
+    directories this call made for it (the run directory and parents that were not there, deepest first; on rank 0
+    only, which alone takes them away again: `kiln.state.rundir.unmade_if_empty`)."""
     if mode not in MODES:
         raise StateError(f"--resume {mode!r}: expected one of {', '.join(MODES)}")
     rank, shared = process_rank()
     found: tuple[Path | None, bool, str | None] = (None, False, None)
+    made: list[Path] = []
     if rank == 0 or not shared:
         run_dir = Path(cfg.train.run_dir).expanduser() if cfg.train.run_dir else None
         if run_dir and mode == "never" and (checkpoints(run_dir) or unfinished(run_dir)):
@@ -172,13 +176,16 @@ def run_directory(cfg: RunConfig, mode: str, log: Callable[[str], None]) -> tupl
         may_resume = bool(run_dir) and mode != "never" and (run_dir.is_dir() or bool(cfg.checkpoint.archive_url))
         try:
             check_outside_sources(run_dir or Path("runs"), cfg)  # runs/: where a run without one goes
-            found = (make_run_dir(run_dir), may_resume, None)
+            before = missing_dirs(run_dir or Path("runs"))
+            new = make_run_dir(run_dir)
+            made = before if run_dir else [new, *before]  # without one: a new runs/<timestamp> (and runs/)
+            found = (new, may_resume, None)
         except (StateError, ConfigError) as e:
             found = (None, False, str(e))
     run_dir, may_resume, error = from_rank0(found)
     if error:
         raise StateError(error)
-    return make_run_dir(run_dir), may_resume
+    return make_run_dir(run_dir), may_resume, made if rank == 0 else []
 
 
 def choose_checkpoint(run_dir: Path, log: Callable[[str], None], archive_url: str | None = None) -> Path | None:

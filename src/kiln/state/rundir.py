@@ -55,6 +55,32 @@ def make_run_dir(path: str | Path | None, root: str | Path = "runs") -> Path:
     return path
 
 
+def missing_dirs(path: str | Path) -> list[Path]:
+    """`path` and those of its parents that are not there (yet), deepest first."""
+    out, p = [], Path(path).expanduser()
+    while not p.exists() and p != p.parent:
+        out.append(p)
+        p = p.parent
+    return out
+
+
+@contextmanager
+def unmade_if_empty(made: list[Path]) -> Iterator[None]:
+    """Directories a `kiln train` made for its run (`made`, deepest first: kiln.state.resume.run_directory) are
+    taken away again if its start fails or is stopped and they are still empty: an empty run directory is no run,
+    and the next `kiln train` on it took it for one (`kiln train DIR` refused it as a directory without
+    config.yaml). Anything written there, and any directory the user had, stays."""
+    try:
+        yield
+    except BaseException:
+        for d in made:
+            try:
+                d.rmdir()  # only an empty one
+            except OSError:
+                break
+        raise
+
+
 def check_outside_sources(run_dir: Path, cfg: RunConfig) -> None:
     """ConfigError when the run directory is, or lies within, a local directory named in data.sources (or a
     mixture entry's): the run's own files (config.yaml, metrics.jsonl, checkpoints' JSON) would be read as data by

@@ -46,7 +46,14 @@ from kiln.state.lora_base import base_hash, check_base, merged_model
 from kiln.state.parts import KEYS
 from kiln.state.preempt import SignalGuard, StopSignals, resume_command, train_guarded
 from kiln.state.resume import check_compatible, choose_checkpoint, fingerprints, run_directory
-from kiln.state.rundir import config_while_starting, hold_run_dir, model_saved, process_rank, write_config
+from kiln.state.rundir import (
+    config_while_starting,
+    hold_run_dir,
+    model_saved,
+    process_rank,
+    unmade_if_empty,
+    write_config,
+)
 from kiln.state.stop_tokens import Stops, run_stops
 from kiln.state.verify import read_meta
 from kiln.state.weights import final_model_errors, save_model
@@ -174,11 +181,11 @@ def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: M
         check_exportable(cfg.model, console.print)
     if (unmeant := schedule_warning(cfg.train)) is not None:
         console.print(f"warning: {unmeant}", highlight=False)
-    run_dir, may_resume = run_directory(cfg, resume, console.print)
+    run_dir, may_resume, made = run_directory(cfg, resume, console.print)
     cfg = derive(cfg, {"train.run_dir": str(run_dir)})
     stops = StopSignals("during start-up", f"stopped before training; nothing in {run_dir} changed. Run the "
                                            "same command again to go on (prepared data shards are kept)")
-    with hold_run_dir(run_dir), stops, config_while_starting(run_dir, cfg, mesh.rank == 0):
+    with unmade_if_empty(made), hold_run_dir(run_dir), stops, config_while_starting(run_dir, cfg, mesh.rank == 0):
         resume_from = choose_checkpoint(run_dir, console.print, cfg.checkpoint.archive_url) if may_resume else None
         console.print(f"[bold]kiln[/] run directory: {run_dir}")
         meta = read_meta(resume_from) if resume_from is not None else None

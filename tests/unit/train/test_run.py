@@ -84,3 +84,22 @@ def test_a_model_directory_without_a_tokenizer_asks_for_the_models_tokenizer(tmp
                                     f"data.cache_dir={tmp_path / 'cache'}"])
     assert isinstance(said.exception, ConfigError)  # kiln prepare too (the CLI prints it without a traceback)
     assert "set data.tokenizer to the tokenizer the model was trained with" in str(said.exception)
+
+
+def test_a_failed_start_takes_away_the_run_directory_it_made_and_nothing_the_user_had(tmp_path, monkeypatch):
+    """Data missing: the start fails after its run directory is made. The directories it made (a/b/run; runs/ and
+    runs/<timestamp> without train.run_dir) go, empty: the next `kiln train a/b/run` took the empty one for a
+    directory without config.yaml. A directory the user made, or anything in it, stays."""
+    monkeypatch.chdir(tmp_path)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    args = ["model.size=tiny", "train.device=cpu", "data.sources=[nowhere]", f"data.cache_dir={tmp_path / 'c'}"]
+    for run_dir in (tmp_path / "a" / "b" / "run", None, mine, tmp_path / "empty"):
+        if run_dir == tmp_path / "empty":
+            run_dir.mkdir()
+        with pytest.raises(DataError, match="nowhere"):
+            run(load_config(None, [*args, *([f"train.run_dir={run_dir}"] if run_dir else [])]),
+                console=Console(file=io.StringIO()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "empty", "mine"]
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
