@@ -45,17 +45,32 @@ def pin_ranges(start: int, nbytes: int, chunk: int = PIN_CHUNK, page: int = PAGE
     return out
 
 
+def own_pages(t: torch.Tensor) -> torch.Tensor:
+    """Move the CPU tensor `t` (its contents are not kept) into memory of its own whole pages, in place: a
+    buffer the allocator placed beside another shares a page with it, and the driver locks whole pages, so
+    locking the second fails (or leaves it half locked, which a copy then refuses) once the first is locked."""
+    nbytes = t.untyped_storage().nbytes()
+    raw = torch.empty(nbytes + 2 * PAGE, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % PAGE
+    with torch.no_grad():
+        t.set_(raw.untyped_storage(), start // t.element_size(), t.shape, t.stride())
+    return t
+
+
 def _pin(t: torch.Tensor) -> None:
     """Page-lock the memory of a CPU tensor (what `pin_memory=True` allocation does, for one we have).
 
-    Its pages are touched first (plain CPU work), then locked a piece of PIN_CHUNK bytes at a time, yielding
-    between pieces: one call for a whole tensor of the state held the driver for up to a second while training
-    went on in the other thread."""
+    It is moved to pages of its own first (`own_pages`), they are touched (plain CPU work), then locked a piece
+    of PIN_CHUNK bytes at a time, yielding between pieces: one call for a whole tensor of the state held the
+    driver for up to a second while training went on in the other thread."""
     cudart = torch.cuda.cudart()
+    own_pages(t)
     t.zero_()  # the pages exist before the driver locks them
     for ptr, size in pin_ranges(t.data_ptr(), t.numel() * t.element_size()):
-        if int(cudart.cudaHostRegister(ptr, size, 1)) != 0:
-            raise RuntimeError("cudaHostRegister failed")
+        code = int(cudart.cudaHostRegister(ptr, size, 1))
+        if code != 0:
+            cudart.cudaGetLastError()  # not left for the next CUDA call of this thread to report as its own
+            raise RuntimeError(f"cudaHostRegister of {size} bytes failed with CUDA error {code}")
         weakref.finalize(t.untyped_storage(), cudart.cudaHostUnregister, ptr).atexit = False
         time.sleep(0)  # let the training thread run its next call
 

@@ -78,3 +78,40 @@ def test_allocating_the_buffers_reads_nothing_of_the_state(one_process):
     assert staging.buffers["w"].to_local().data_ptr() != live["w"].to_local().data_ptr()
     staged = staging.stage(live)  # and the buffers it made take the copy
     assert torch.equal(staged["w"].to_local(), live["w"].to_local()) and staged["w"] is staging.buffers["w"]
+
+
+class _Driver:
+    """cudaHostRegister as the driver does it: whole pages, and a page locked twice is refused."""
+
+    def __init__(self):
+        from kiln.state.staging import PAGE
+
+        self.page, self.locked = PAGE, set()
+
+    def cudaHostRegister(self, ptr, size, flags):
+        pages = set(range(ptr // self.page, (ptr + size - 1) // self.page + 1))
+        if pages & self.locked:
+            return 712  # cudaErrorHostMemoryAlreadyRegistered
+        self.locked |= pages
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        return 0
+
+    def cudaGetLastError(self):
+        return 0
+
+
+def test_pinned_buffers_of_small_tensors_side_by_side_each_lock_their_own_pages(one_process, monkeypatch):
+    """A state holds many small tensors (norm weights, step counters) that the allocator puts side by side: each
+    pinned buffer must be locked on pages of its own, or the second one's lock fails and the save falls back to
+    slow plain memory (seen on an H200 as 'could not pin CPU memory for checkpoint staging')."""
+    monkeypatch.setattr(torch.cuda, "cudart", lambda driver=_Driver(): driver)
+    live = {f"t{i}": torch.randn(i + 1) for i in range(40)}
+    live["w"] = distribute_tensor(torch.randn(8, 4), one_process, [Shard(0)])
+    staging = CpuStaging(pin=True)
+    staged = staging.stage(live)
+    for k, v in live.items():
+        got = staged[k].to_local() if k == "w" else staged[k]
+        assert torch.equal(got, v.to_local() if k == "w" else v)
+        assert got.data_ptr() % 4096 == 0
