@@ -106,7 +106,8 @@ def test_pinned_buffers_of_small_tensors_side_by_side_each_lock_their_own_pages(
     """A state holds many small tensors (norm weights, step counters) that the allocator puts side by side: each
     pinned buffer must be locked on pages of its own, or the second one's lock fails and the save falls back to
     slow plain memory (seen on an H200 as 'could not pin CPU memory for checkpoint staging')."""
-    monkeypatch.setattr(torch.cuda, "cudart", lambda driver=_Driver(): driver)
+    driver = _Driver()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: driver)
     live = {f"t{i}": torch.randn(i + 1) for i in range(40)}
     live["w"] = distribute_tensor(torch.randn(8, 4), one_process, [Shard(0)])
     staging = CpuStaging(pin=True)
