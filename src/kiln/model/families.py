@@ -100,7 +100,8 @@ FAMILIES: list[Family] = [
                  "(benchmarks/results/families.md)"),
     Family("Qwen3-MoE", ("qwen3_moe",), _matrix("qwen3_moe", LoRA=f"{MOE_LORA}[qwen3_moe]"), note=MOE_NOTE,
            speed=("124m (32 experts) on one H200: 320K tokens/s, the generic path 0.18x "
-                  "(benchmarks/results/families.md); small shape on one H200: 3.01x the HF Trainer; 13B (Qwen3-30B-A3B, 20 layers) on 4 H100s: 1.60x "
+                  "(benchmarks/results/families.md); small shape on one H200: 3.01x the HF Trainer; 13B "
+                  "(Qwen3-30B-A3B, 20 layers) on 4 H100s: 1.60x "
                   "(benchmarks/results/moe.md)"),
            featured=True),
     Family("Nemotron-H", ("nemotron_h",), _matrix("nemotron_h", **{
