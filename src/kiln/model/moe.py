@@ -30,7 +30,7 @@ from kiln.model.grouped_mm import grouped_mm, grouped_mm_loop, hopper_or_newer, 
 from kiln.model.hf_moe import RouterAux
 
 __all__ = ["GroupedExperts", "Router", "RouterAux", "SparseMoE", "grouped_mm", "grouped_mm_loop", "hopper_or_newer",
-           "kernel_refusal", "router_losses"]
+           "kernel_refusal", "router_losses", "swiglu_experts"]
 
 
 def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
@@ -38,6 +38,13 @@ def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
+
+
+def swiglu_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x (N, d) sorted by expert, gate_up (E, 2h, d), down (E, d, h), offs (E,) int32 ends -> (N, d): each row
+    through its own expert's SwiGLU (kiln.parallel.experts runs it on a process's own experts too)."""
+    gate, up = grouped_mm(x, gate_up, offs).chunk(2, dim=-1)  # (N, h) each
+    return grouped_mm(F.silu(gate) * up, down, offs)  # (N, d)
 
 
 class GroupedExperts(nn.Module):
@@ -52,9 +59,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x (N, d): rows sorted by expert, offs (E,) int32 the end of each expert's rows -> (N, d)."""
         dtype = _compute_dtype(x, self.gate_up_proj)
-        x = x.to(dtype)
-        gate, up = grouped_mm(x, self.gate_up_proj.to(dtype), offs).chunk(2, dim=-1)  # (N, h) each
-        return grouped_mm(F.silu(gate) * up, self.down_proj.to(dtype), offs)  # (N, d)
+        return swiglu_experts(x.to(dtype), self.gate_up_proj.to(dtype), self.down_proj.to(dtype), offs)
 
     def extra_repr(self) -> str:
         return f"experts={self.n_experts}, d={self.down_proj.shape[1]}, hidden={self.hidden}"
