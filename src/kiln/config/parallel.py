@@ -24,6 +24,14 @@ class DistConfig(Section):
     replicas: int | None = None
     """With sharding 'hybrid': the number of replica groups (null: one per node); the processes of a group
     shard the model between them, the groups all-reduce gradients."""
+    expert_parallel: int = Field(1, ge=1)
+    """Expert parallelism for a native mixture of experts (model.moe) under fsdp: each of the processes keeps
+    n_experts / expert_parallel whole experts of every layer, and each layer sends its tokens to the processes
+    holding their experts and back (two all-to-alls each way, one small exchange of counts and a host read per layer
+    and pass), instead of FSDP gathering and reducing every expert's weights every step. 1: off. Must equal the
+    number of processes and divide model.moe.n_experts; not with sharding 'hybrid', cpu_offload or LoRA. The rest
+    of the model is sharded by FSDP as without it; checkpoints and the export are the same. See
+    docs/guides/moe.md for when it is faster."""
     cpu_offload: bool = False
     """With fsdp: keep parameters, gradients and optimizer state in CPU memory and run the optimizer step
     on the CPU (FSDP2's CPUOffloadPolicy): fits a model too large for the GPUs, at a cost in speed."""

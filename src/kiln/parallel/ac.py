@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from kiln.model import grouped_mm
+from kiln.parallel import experts
 from kiln.streams import drop_log_lines
 
 MODES = ("none", "selective", "full")
@@ -28,6 +29,7 @@ _SAVED_OPS = {
     _aten._scaled_mm.default,  # float8 linear layers (train.fp8)
     *([_aten._grouped_mm.default] if hasattr(_aten, "_grouped_mm") else []),  # a mixture of experts' (kiln.model.moe)
     grouped_mm.ROWS_OP,  # the same products as a loop over the experts' rows, off Hopper or bf16
+    experts.DISPATCH_OP,  # expert parallelism's all-to-alls and experts (kiln.parallel.experts): not redone
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,

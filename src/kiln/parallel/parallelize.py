@@ -63,6 +63,9 @@ def choose_strategy(cfg: RunConfig, m: Mesh, n_params: int, log: Callable[[str],
         return "single"
     if d.strategy != "auto":
         return d.strategy
+    if d.expert_parallel > 1:
+        log(f"dist.strategy auto: fsdp, because dist.expert_parallel={d.expert_parallel} is set")
+        return "fsdp"
     if d.cpu_offload or d.sharding != "full":
         log(f"dist.strategy auto: fsdp, because dist.{'cpu_offload' if d.cpu_offload else 'sharding'} is set")
         return "fsdp"
@@ -87,6 +90,10 @@ def parallelize(model: nn.Module, cfg: RunConfig, m: Mesh, n_params: int | None 
         raise ConfigError(f"train.offload={tcfg.offload} runs in one process on one GPU; this run has {m.world} "
                           f"processes ({strategy}): start one process, or remove train.offload and let FSDP shard "
                           "the state (dist.cpu_offload offloads it under FSDP)")
+    if d.expert_parallel > 1:
+        from kiln.parallel.experts import check
+
+        check(cfg, m, strategy)
     if tcfg.fp8.enabled:  # the blocks' linear layers in float8 (kiln.parallel.float8), before AC wraps them
         from kiln.parallel.float8 import convert
 
@@ -147,11 +154,18 @@ def _shard(model: nn.Module, cfg: RunConfig, m: Mesh) -> nn.Module:
                                   reduce_dtype=torch.float32 if d.reduce_fp32 else torch.bfloat16)
     offload = CPUOffloadPolicy(pin_memory=m.device.type == "cuda") if d.cpu_offload else OffloadPolicy()
     reshard = d.sharding != "grad_op"
+    experts = None  # expert parallelism: each process's own experts, which FSDP leaves alone
+    if d.expert_parallel > 1:
+        from kiln.parallel.experts import shard_experts
+
+        experts = shard_experts(model, m)
     n = len(model.layers)
     for i, block in enumerate(model.layers):
         # the last block's backward comes right after its forward: resharding it would only regather it
-        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard and i < n - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard and i < n - 1,
+                    ignored_params=experts)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard,
+                ignored_params=experts)
     return model
 
 

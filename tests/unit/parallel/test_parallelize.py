@@ -17,6 +17,8 @@ from kiln.config import RunConfig
 from kiln.parallel.mesh import Mesh
 from kiln.parallel.parallelize import choose_strategy, grad_sync, parallelize, strategy_of
 
+from .experts_worker import MOE, SAVE_AT
+from .experts_worker import STEPS as EP_STEPS
 from .workers import STEPS, config, train_losses
 
 HERE = Path(__file__).parent
@@ -69,8 +71,11 @@ def two_processes(tmp_path_factory) -> tuple[dict, Path]:
     compiled = {"ddp_model": {"batch_size": 1, "grad_accum": 2, "model": WIDE,
                               "dist": {"strategy": "ddp", "bucket_mb": 1},
                               "train": {"compile": True, "compile_scope": "model", "max_steps": COMPILED_STEPS}}}
+    # a mixture of experts under FSDP, and with expert parallelism (each rank 2 of the 4 experts) resumed mid-run
+    experts = {f"moe_ep{ep}": {"worker": "experts", "expert_parallel": ep, "dir": str(tmp / f"moe_ep{ep}"),
+                               "resume": ep > 1} for ep in (1, 2)}
     out = tmp / "out.json"
-    done = torchrun([str(HERE / "workers.py"), str(out), json.dumps({**CASES, **reduce, **compiled})])
+    done = torchrun([str(HERE / "workers.py"), str(out), json.dumps({**CASES, **reduce, **experts, **compiled})])
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text()), tmp
 
@@ -243,3 +248,23 @@ def test_reducing_every_micro_batch_trains_as_reducing_once_a_step(two_processes
         assert a.keys() == b.keys()
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=2e-6, msg=f"{sharding} {k}")
+
+
+@pytest.mark.slow
+def test_expert_parallelism_trains_as_fsdp_resumes_exactly_and_exports_the_whole_experts(two_processes):
+    """dist.expert_parallel=2 over 2 gloo processes, the tiny mixture of experts: each rank holds 2 of the 4 experts
+    and the tokens travel to them, with the losses and gradient norms (clipped: the experts counted once) of FSDP
+    gathering every expert, to fp32 rounding; a checkpoint saved mid-run resumes to the very losses of the run that
+    went on; the export gathers every expert of every layer, equal to FSDP's."""
+    results, tmp = two_processes
+    fsdp, ep = results["moe_ep1"], results["moe_ep2"]
+    assert (fsdp["experts"], ep["experts"]) == ("GroupedExperts", "ExpertParallelExperts")
+    assert ep["local_experts"] == MOE["moe"]["n_experts"] // 2
+    assert len(ep["losses"]) == EP_STEPS and max(ep["norms"]) > 1  # the clipping acted
+    assert ep["losses"] == pytest.approx(fsdp["losses"], rel=1e-5)
+    assert ep["norms"] == pytest.approx(fsdp["norms"], rel=1e-5)
+    assert ep["resumed"] == ep["losses"][SAVE_AT:]  # exact: the same sums in the same order
+    a, b = (torch.load(Path(tmp) / f"moe_ep{n}" / "export.pt") for n in (1, 2))
+    assert a.keys() == b.keys() and b["layers.1.mlp.experts.gate_up_proj"].shape[0] == MOE["moe"]["n_experts"]
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=2e-6, msg=k)

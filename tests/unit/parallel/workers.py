@@ -101,10 +101,18 @@ def run_cases(run) -> None:
     mesh.close(clean=True)
 
 
-def main() -> None:
-    run_cases(lambda case, mesh: train_losses(
+def run_case(case: dict, mesh):
+    if case.get("worker") == "experts":  # expert parallelism's checkpoint and export (experts_worker.py)
+        from experts_worker import ep_run
+
+        return ep_run(case, mesh)
+    return train_losses(
         config(case["batch_size"], case["grad_accum"], case.get("train"), case.get("model"), **case.get("dist", {})),
-        mesh, case.get("save")))
+        mesh, case.get("save"))
+
+
+def main() -> None:
+    run_cases(run_case)
 
 if __name__ == "__main__":
     main()

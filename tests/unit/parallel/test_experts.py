@@ -1,0 +1,86 @@
+"""Expert parallelism's parts in one process: the experts' written-out backward equals autograd's, the dispatch
+operator over a one-process group computes and differentiates as the experts do (its gradient scale applied to
+the weights alone), and the settings it cannot serve are refused with what to change. Two processes training,
+resuming and exporting with it: tests/unit/parallel/test_parallelize.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kiln.config import RunConfig
+from kiln.errors import ConfigError
+from kiln.model.moe import swiglu_experts
+from kiln.parallel import experts
+from kiln.parallel.mesh import Mesh
+from kiln.parallel.parallelize import choose_strategy
+
+E, D, H = 4, 16, 8
+OFFS = torch.tensor([5, 5, 12, 20], dtype=torch.int32)  # expert 1 has no rows
+
+
+def _operands():
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(20, D, generator=g, requires_grad=True), torch.randn(E, 2 * H, D, generator=g) / 4,
+            torch.randn(E, D, H, generator=g) / 3)
+
+
+def test_the_experts_written_out_backward_is_autograds():
+    x, gate_up, down = _operands()
+    gate_up.requires_grad_(), down.requires_grad_()
+    out = swiglu_experts(x, gate_up, down, OFFS)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    got = experts.swiglu_backward(grad, x.detach(), gate_up.detach(), down.detach(), OFFS)
+    for mine, ref in zip(got, (x.grad, gate_up.grad, down.grad), strict=True):
+        torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
+    assert got[1][1].abs().max() == 0 and got[2][1].abs().max() == 0  # the expert without rows
+
+
+def test_the_dispatch_operator_over_one_process_is_the_experts():
+    x, gate_up, down = _operands()
+    gate_up.requires_grad_(), down.requires_grad_()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD.group_name
+        out = torch.ops.kiln.expert_parallel(x, OFFS, gate_up, down, group, 0.5)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        got = (out.detach(), x.grad.clone(), gate_up.grad.clone(), down.grad.clone())
+    finally:
+        dist.destroy_process_group()
+    x.grad = gate_up.grad = down.grad = None
+    ref = swiglu_experts(x, gate_up, down, OFFS)
+    ref.backward(grad)
+    torch.testing.assert_close(got[0], ref.detach())
+    torch.testing.assert_close(got[1], x.grad, rtol=1e-5, atol=1e-5)  # the rows' gradients unscaled
+    torch.testing.assert_close(got[2], 0.5 * gate_up.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[3], 0.5 * down.grad, rtol=1e-5, atol=1e-5)
+
+
+def _cfg(model: dict | None = None, lora: dict | None = None, **dist_cfg) -> RunConfig:
+    moe = {"moe": {"n_experts": 4, "top_k": 2, "expert_hidden": 16}}
+    return RunConfig.model_validate({"model": {"size": "tiny", **(moe if model is None else model)},
+                                     "dist": {"expert_parallel": 2, **dist_cfg}, "lora": lora or {}})
+
+
+@pytest.mark.parametrize("cfg,world,strategy,said", [
+    (_cfg(), 1, "single", "this run has one: start it with --nproc 2"),
+    (_cfg(), 4, "fsdp", "must equal the number of processes \\(4\\)"),
+    (_cfg(model={}), 2, "fsdp", "no native mixture of experts"),
+    (_cfg(model={"moe": {"n_experts": 3, "top_k": 2}}), 2, "fsdp", "must divide model.moe.n_experts=3"),
+    (_cfg(strategy="ddp"), 2, "ddp", "dist.strategy=ddp: it needs fsdp"),
+    (_cfg(sharding="hybrid"), 2, "fsdp", "dist.sharding=hybrid is not supported"),
+    (_cfg(cpu_offload=True), 2, "fsdp", "dist.cpu_offload is not supported"),
+    (_cfg(lora={"rank": 4}), 2, "fsdp", "LoRA"),
+])
+def test_settings_expert_parallelism_cannot_serve_are_refused_with_what_to_change(cfg, world, strategy, said):
+    with pytest.raises(ConfigError, match=said):
+        experts.check(cfg, Mesh(world=world, local_world=world), strategy)
+
+
+def test_auto_picks_fsdp_for_expert_parallelism():
+    said: list[str] = []
+    assert choose_strategy(_cfg(), Mesh(world=2, local_world=2), 1000, said.append) == "fsdp"
+    assert "dist.expert_parallel=2" in said[0]
