@@ -45,10 +45,9 @@ class Target:
 
 
 def _run_config(path: Path) -> RunConfig | None:
-    from kiln.config import load_config
+    from kiln.state.rundir import run_config
 
-    file = path / "config.yaml"
-    return load_config(file) if file.is_file() else None
+    return run_config(path) if (path / "config.yaml").is_file() else None
 
 
 def _transformer(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> torch.nn.Module:

@@ -64,7 +64,9 @@ def train(
                                       "again")
                 raise ConfigError(f"{run_dir} is a directory without config.yaml, so not a run directory; give a "
                                   "config file, or the directory of an earlier `kiln train`")
-            cfg = load_config(run_dir / "config.yaml", overrides)
+            from kiln.state.rundir import run_config
+
+            cfg = run_config(run_dir, overrides)
             if not any(o.strip().startswith("train.run_dir=") for o in overrides):
                 cfg = derive(cfg, {"train.run_dir": str(run_dir)})
         else:

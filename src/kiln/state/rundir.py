@@ -25,6 +25,8 @@ from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from kiln.config import RunConfig
 from kiln.errors import ConfigError, StateError
 from kiln.files import atomic_write, atomic_write_json, try_lock
@@ -115,6 +117,44 @@ def check_config_is_a_runs(run_dir: Path) -> None:
     raise ConfigError(f"{path} is your config file, not one a run wrote (no run has started in {run_dir}), and the "
                       "run writes its resolved config there as config.yaml, over it. Keep your file elsewhere or "
                       f"under another name and give it: kiln train FILE train.run_dir={run_dir}")
+
+
+def run_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """The config of the run in `run_dir` (its config.yaml, then `overrides`), a relative data.cache_dir in it taken
+    from the directory the run started in (`started_in`), not the current one: older versions of Kiln wrote it as
+    given (they write it absolute now), and a resume from elsewhere prepared the data again into a new cache there.
+    Where that directory cannot be told, the current directory, as those versions read it."""
+    from kiln.config import load_config
+
+    file = Path(run_dir) / CONFIG
+    try:
+        saved = yaml.safe_load(file.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        saved = None  # load_config says what is wrong
+    data = saved.get("data") if isinstance(saved, dict) else None
+    train = saved.get("train") if isinstance(saved, dict) else None
+    cache = data.get("cache_dir") if isinstance(data, dict) else None
+    start = started_in(Path(run_dir), train.get("run_dir") if isinstance(train, dict) else None)
+    given = any(o.strip().startswith("data.cache_dir=") for o in overrides)
+    if isinstance(cache, str) and cache.strip() and not cache.startswith("~") and not os.path.isabs(cache) \
+            and start is not None and not given:
+        overrides = [f"data.cache_dir={start / cache}", *overrides]
+    return load_config(file, overrides)
+
+
+def started_in(run_dir: Path, saved: Any) -> Path | None:
+    """The directory a run started in, as the relative train.run_dir its config.yaml names (`saved`) tells: the
+    path of `run_dir` less that one ('runs/20261127-1200' of /home/me/proj/runs/20261127-1200: /home/me/proj); None
+    where it cannot tell (`saved` absolute or none, or the directory moved since)."""
+    if not isinstance(saved, str) or not saved.strip():
+        return None
+    rel = Path(os.path.normpath(saved))
+    here = run_dir.expanduser().absolute()
+    n = len(rel.parts)
+    if rel.is_absolute() or saved.startswith("~") or ".." in rel.parts or rel.parts == (".",) or \
+            here.parts[-n:] != rel.parts:
+        return None
+    return Path(*here.parts[:-n])
 
 
 def write_config(run_dir: str | Path, cfg: RunConfig) -> None:

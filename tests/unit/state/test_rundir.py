@@ -173,3 +173,24 @@ def test_a_users_config_file_in_the_run_directory_is_not_written_over(tmp_path):
     started.mkdir()
     write_config(started, load_config(None, ["train.max_steps=3", f"data.cache_dir={tmp_path / 'c'}"]))
     check_config_is_a_runs(started)
+
+
+def test_an_older_runs_relative_cache_dir_is_read_from_where_the_run_started(tmp_path, monkeypatch):
+    """Kiln wrote data.cache_dir as given ('cache') before it wrote it absolute: `kiln train RUN_DIR` from another
+    directory read it from there, and prepared the data again into a new cache. It is read from the directory the
+    run started in (the run directory's path less its relative train.run_dir), an override still winning."""
+    from kiln.state.rundir import run_config
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    old = project / "runs" / "20261101-120000"
+    old.mkdir(parents=True)
+    saved = yaml.safe_load(RunConfig().to_yaml())
+    saved["data"]["cache_dir"], saved["train"]["run_dir"] = "cache", "runs/20261101-120000"
+    (old / "config.yaml").write_text(yaml.safe_dump(saved))
+    monkeypatch.chdir(elsewhere)
+    assert run_config(old).data.cache_dir == str(project / "cache")
+    assert run_config(old, ["data.cache_dir=mine"]).data.cache_dir == str(elsewhere / "mine")
+    saved["train"]["run_dir"] = str(old)  # absolute: where it started is not known; read as those versions did
+    (old / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert run_config(old).data.cache_dir == str(elsewhere / "cache")
