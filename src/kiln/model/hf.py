@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from kiln.config import ModelConfig, RopeScaling
-from kiln.errors import StateError
+from kiln.errors import ConfigError, StateError
 from kiln.model import hf_experts, hf_gemma, hf_nemotron_h
 
 _TOP_LEVEL = ("lm_head.",)  # keys HF keeps outside its `model.` submodule
@@ -232,7 +232,19 @@ def _longrope(hf: dict[str, Any], rope: dict[str, Any]) -> RopeScaling:
 
 
 def from_hf_config_dict(hf: dict[str, Any]) -> ModelConfig:
-    """A ModelConfig from a `config.json` dict; raises StateError for what Kiln cannot represent."""
+    """A ModelConfig from a `config.json` dict; raises StateError for what Kiln cannot represent, ConfigError for a
+    config.json that lacks a field its model type needs or holds one of the wrong kind (a damaged or partial one)."""
+    try:
+        return _from_hf_config_dict(hf)
+    except (KeyError, TypeError, ValueError) as e:
+        said = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()) if hasattr(e, "errors") \
+            else str(e)  # pydantic's, of the ModelConfig it makes
+        what = f"lacks {e}" if isinstance(e, KeyError) else f"holds a value Kiln cannot read ({said})"
+        raise ConfigError(f"this {hf.get('model_type', 'llama')} config.json {what}: it is not a complete Hugging "
+                          "Face model config; copy the model directory again from its source") from None
+
+
+def _from_hf_config_dict(hf: dict[str, Any]) -> ModelConfig:
     kind = hf.get("model_type", "llama")
     if kind not in ARCHITECTURES:
         raise StateError(f"model_type '{kind}' is not one Kiln's native model imports (it imports "

@@ -110,3 +110,16 @@ def test_unsupported_model_type_names_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "jamba", "hidden_size": 8}))
     with pytest.raises(StateError, match="'jamba'.*llama, mistral, qwen2, nemotron"):
         resolve_init_from(ModelConfig(init_from=str(tmp_path)))
+
+
+@pytest.mark.parametrize("config,said", [({"model_type": "llama"}, "lacks 'hidden_size'"),
+                                         ({"hidden_size": -64, "num_attention_heads": 4, "vocab_size": 10,
+                                           "num_hidden_layers": 2, "intermediate_size": 8}, "d_model: Input should")])
+def test_a_partial_or_damaged_config_json_is_said_not_a_traceback(tmp_path, config, said):
+    """A config.json without hidden_size (or with a value out of range) gave `kiln export` and model.init_from a
+    KeyError (or pydantic's ValidationError) traceback; it is no architecture for the auto path either."""
+    from kiln.model.hf_import import native_architecture
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=f"this llama config.json .*{said}"):
+        native_architecture(tmp_path)
