@@ -63,7 +63,8 @@ class Peak(Callback):
         self.peak, self.pinned = 0, None
 
     def on_train_start(self, trainer):
-        self.pinned = trainer.offload._flat.is_pinned()  # page-locked: the copies out are asynchronous
+        o = trainer.offload  # page-locked sums and masters: the copies both ways are asynchronous
+        self.pinned = o.sums[0].is_pinned() and o.masters[0].is_pinned()
 
     def on_step_end(self, trainer, metrics):
         self.peak = max(self.peak, torch.cuda.max_memory_allocated())

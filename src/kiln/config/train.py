@@ -101,9 +101,9 @@ class TrainConfig(Section):
     (3b on an H100 at batch 8: 61 GiB and 54% MFU selective, 46 GiB and 45% MFU full)."""
     offload: Literal["none", "optimizer"] = "none"
     """'optimizer': one GPU trains a model whose fp32 weights and AdamW state do not fit beside it (ZeRO-Offload
-    class): the device keeps the weights in the compute dtype (bf16: 2 bytes a parameter), each gradient goes to
-    pinned host memory as soon as the backward pass makes it, and fp32 master weights, AdamW moments and the
-    step's gradient sums stay in host memory (18 bytes a parameter; checked before the run starts), where a
+    class): the device keeps the weights in the compute dtype (bf16: 2 bytes a parameter), each gradient is added
+    to the step's fp32 sum in pinned host memory as soon as the backward pass makes it, and fp32 master weights,
+    AdamW moments and those sums stay in host memory (16 bytes a parameter; checked before the run starts), where a
     multi-threaded AdamW steps them and the new weights are copied back. Exact: the same updates as 'none'
     (clipping, accumulation), to the rounding of the compute dtype. One process only, no LoRA, the native model,
     a fixed train.batch_size. 'none': everything on the device."""

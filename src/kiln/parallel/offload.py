@@ -7,26 +7,29 @@
 
 Where the bytes are (N parameters, bf16 compute):
 
-    device   the weights in the compute dtype (2 N), one parameter's gradient at a time, activations
-    host     fp32 master weights (4 N), AdamW's two moments (8 N), the step's gradients summed in fp32
-             (4 N), and one pinned buffer per parameter in the compute dtype (2 N): 18 N in all
+    device   the weights in the compute dtype (2 N), one parameter's gradient at a time, two fp32 transfer
+             slices (SLICE elements each), activations
+    host     fp32 master weights (4 N) and the step's gradients summed in fp32 (4 N), both page-locked, and
+             AdamW's two moments (8 N): 16 N in all
 
-The backward pass: as soon as a parameter's gradient is complete (a post-accumulate-grad hook), a side
-CUDA stream copies it into that parameter's pinned buffer (non-blocking) and the gradient is freed on the
-device; a host thread waits for each copy and adds it, in fp32, to the step's sum (the first micro-batch
-of a step copies instead of adding). The copies and the sums run while the backward pass goes on. A
-parameter's next copy waits until its buffer is summed, so the buffers are reused without a race.
+The host does no arithmetic during the backward pass; the GPU does it, and the host memory only holds. As
+soon as a parameter's gradient is complete (a post-accumulate-grad hook), it is freed from the training
+and, on two side CUDA streams, a slice at a time: the first micro-batch of a step converts it to fp32 and
+copies it to its fp32 sum on the host; a later one copies the sum up, adds the gradient to it on the GPU
+(in fp32, the same sum the host would make) and copies it back. Consecutive slices take turns on the two
+streams, so one slice's copy up runs beside the other's copy down; a slice always takes the same stream,
+so its copies of successive micro-batches are in order.
 
-The step, after the last micro-batch: the global gradient norm over the fp32 sums, clipping, then
-torch's AdamW (the fused, vectorised and multi-threaded CPU kernel by default) on the master weights,
-a chunk of parameters at a time in the order the forward pass uses them; each stepped chunk is rounded to
-the compute dtype into the pinned buffers and copied to the device on the side stream while the next
-chunk steps. Clipping needs the global norm, so no parameter steps before the last gradient of the step
-is summed: the update is exactly that of the plain path (the same clipping and AdamW code on the same fp32
-sums), whatever the accumulation. The next forward pass waits for the copies on the device.
+The step, after the last micro-batch: the global gradient norm over the fp32 sums, clipping, then torch's
+AdamW (the fused, vectorised and multi-threaded CPU kernel by default) on the master weights, a chunk of
+parameters at a time in the order the forward pass uses them; each stepped chunk's fp32 masters are copied
+up and rounded to the compute dtype on the GPU, on the side streams, while the next chunk steps. Clipping
+needs the global norm, so no parameter steps before the last gradient of the step is summed: the update
+is exactly that of the plain path (the same clipping and AdamW code on the same fp32 sums), whatever the
+accumulation. The next forward pass waits for the copies on the device.
 
-On the CPU (tests) the "device" weights are a second copy in host memory and the copies are synchronous;
-the hooks, the host thread, the sums and the chunked step are the same code.
+On the CPU (tests) the "device" weights are a second copy in host memory and the sums are made there; the
+hooks and the chunked step are the same code.
 
 Checkpoints: `parts()` gives the model part (the fp32 master weights under the model's own names) and the
 optimizer part (the moments in the layout of torch.distributed.checkpoint's optimizer state dict, keyed by
@@ -36,9 +39,8 @@ parameter names), so a checkpoint of an offloaded run resumes a plain one and th
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -47,14 +49,14 @@ from torch import nn
 from kiln.errors import ResourceError
 
 CHUNK = 1 << 26  # elements of master weights stepped together before their copy to the device starts
-SUM_SLICE = 1 << 26  # elements of a gradient converted to fp32 at a time (a 256 MB scratch) to be summed
+SLICE = 1 << 24  # elements of a sum or a master weight moved at a time: two fp32 slices (64 MB each) on the GPU
 MASTERS = "_kiln_offload_masters"  # the model's attribute holding its fp32 master weights (place_model)
 
 
-def host_bytes(n_params: int, compute_bytes: int = 2) -> int:
-    """Host memory the offloaded state of `n_params` parameters takes: fp32 masters, two fp32 AdamW moments,
-    the fp32 gradient sums and one pinned buffer in the compute dtype."""
-    return (4 + 8 + 4 + compute_bytes) * n_params
+def host_bytes(n_params: int) -> int:
+    """Host memory the offloaded state of `n_params` parameters takes: fp32 masters, two fp32 AdamW moments and
+    the fp32 gradient sums."""
+    return (4 + 8 + 4) * n_params
 
 
 def host_available() -> int:
@@ -74,36 +76,40 @@ def check_host_memory(n_params: int, compute_bytes: int, on_cpu: bool = False, a
     and moments an asynchronous checkpoint writes from) fits the host's available memory. Returns the bytes it
     needs."""
     staging = 12 * n_params if async_save else 0
-    need = host_bytes(n_params, compute_bytes) + (compute_bytes * n_params if on_cpu else 0) + staging
+    need = host_bytes(n_params) + (compute_bytes * n_params if on_cpu else 0) + staging
     have = host_available() if available is None else available
     if need > have:
         more = (f" and the async checkpoint's staging copy (checkpoint.async_save: {staging / 1e9:.1f} GB; false "
                 "writes checkpoints from host memory as they are)") if staging else ""
         raise ResourceError(
             f"train.offload=optimizer keeps the training state of {n_params / 1e9:.2f}B parameters in host memory: "
-            f"{need / 1e9:.1f} GB (fp32 master weights 4, AdamW moments 8, gradient sums 4 and pinned transfer "
-            f"buffers {compute_bytes} bytes a parameter{more}), and this machine has {have / 1e9:.1f} GB available. "
+            f"{need / 1e9:.1f} GB (fp32 master weights 4, AdamW moments 8 and gradient sums 4 bytes a "
+            f"parameter{more}), and this machine has {have / 1e9:.1f} GB available. "
             "Free host memory, use a machine with more (`kiln plan` states the need), or train with LoRA (lora.rank) "
             "or with several GPUs under FSDP instead")
     return need
 
 
-def rollback_room(n_params: int, copies: int, available: int, compute_bytes: int = 2,
-                  share: float = 0.75) -> tuple[bool, int]:
+def rollback_room(n_params: int, copies: int, available: int, share: float = 0.75) -> tuple[bool, int]:
     """(fits, bytes) of `copies` host copies of an offloaded run's state for rollbacks (kiln.train.rollback): fp32
     weights and two moments, 12 bytes a parameter each. `available` was read once the fp32 masters existed: the
-    offload's moments, gradient sums and pinned buffers are still to come out of `share` of it."""
+    offload's moments and gradient sums are still to come out of `share` of it."""
     need = 12 * n_params * copies
-    return need + host_bytes(n_params, compute_bytes) - 4 * n_params <= share * available, need
+    return need + host_bytes(n_params) - 4 * n_params <= share * available, need
 
 
 @torch.no_grad()
 def place_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """Keep `model`'s fp32 weights (built on the CPU) as its master weights in host memory and give the model
-    copies in `dtype` on `device` (buffers keep their dtype). Returns the model."""
+    """Keep `model`'s fp32 weights (built on the CPU) as its master weights in host memory, all in one buffer (page-
+    locked once by the offload), and give the model copies in `dtype` on `device` (buffers keep their dtype).
+    Returns the model."""
+    named = list(model.named_parameters())  # a tied weight once
+    flat = torch.empty(sum(p.numel() for _, p in named), dtype=torch.float32)
     masters: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():  # a tied weight once
-        masters[name] = p.detach().to("cpu", torch.float32)
+    at = 0
+    for name, p in named:
+        masters[name] = flat[at:at + p.numel()].view(p.shape).copy_(p.detach())
+        at += p.numel()
         p.data = p.data.to(device, dtype, copy=True)  # a copy even on the CPU: the masters stay apart
     for module in model.modules():
         for key, buf in module._buffers.items():
@@ -113,23 +119,18 @@ def place_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> n
     return model
 
 
-def _pinned_views(params: list[torch.Tensor], cuda: bool) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
-    """One host buffer for every parameter, in their dtype (one dtype: the compute dtype), and a view of it for
-    each. On CUDA it is page-locked where it lies (cudaHostRegister): the caching host allocator would round a
-    pinned allocation up to a power of two (a 16 GB buffer to 32 GB). The flag: whether it was registered (and is
-    to be unregistered before it is freed)."""
-    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
-    registered = False
-    if cuda and flat.numel():
-        code = int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel() * flat.element_size(), 0))
-        registered = code == 0
-        if not registered:  # registering failed (a kernel limit on locked memory, say): the allocator's pinned memory
-            flat = flat.pin_memory()
-    views, at = [], 0
-    for p in params:
-        views.append(flat[at:at + p.numel()].view(p.shape))
-        at += p.numel()
-    return flat, views, registered
+def _lock(t: torch.Tensor) -> bool:
+    """Page-lock the whole storage of host tensor `t` where it lies (cudaHostRegister; the caching host allocator
+    would round a pinned allocation up to a power of two, a 32 GB buffer to 64 GB). Whether it was locked: a
+    kernel limit on locked memory, say, leaves it pageable, and its copies synchronous."""
+    storage = t.untyped_storage()
+    if not storage.nbytes():
+        return False
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0)) != 0:
+        cudart.cudaGetLastError()  # not left for the next CUDA call to report as its own
+        return False
+    return True
 
 
 class OptimizerOffload:
@@ -151,91 +152,86 @@ class OptimizerOffload:
         self.masters = [masters[n].requires_grad_(True) for n in self.names]
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.device = self.params[0].device
-        cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if cuda else None
-        # per parameter: the pinned buffer its gradient comes through (and its new weights go back through), and
-        # the fp32 sum of its gradients over the step's micro-batches
-        self._flat, self.buffers, self._registered = _pinned_views(self.params, cuda)
-        self.sums = [torch.empty(p.shape, dtype=torch.float32) for p in self.params]
-        self._scratch = torch.empty(min(SUM_SLICE, max(p.numel() for p in self.params)), dtype=torch.float32)
+        # the fp32 sum of each parameter's gradients over the step's micro-batches, views of one buffer
+        flat = torch.empty(sum(p.numel() for p in self.params), dtype=torch.float32)
+        self.sums, self.offsets, at = [], [], 0
+        for p in self.params:
+            self.sums.append(flat[at:at + p.numel()].view(p.shape))
+            self.offsets.append(at)
+            at += p.numel()
         self.summed = [False] * len(self.params)  # whether the step has a gradient of each parameter yet
-        self.free = [threading.Event() for _ in self.params]  # its buffer may take the next gradient
-        for e in self.free:
-            e.set()
+        self._locked: list[torch.Tensor] = []
+        self.streams: list[torch.cuda.Stream] = []
+        if self.device.type == "cuda":
+            self.streams = [torch.cuda.Stream(self.device) for _ in range(2)]
+            self._slices = [torch.empty(SLICE, dtype=torch.float32, device=self.device) for _ in self.streams]
+            self._locked = [t for t in (flat, self.masters[0]) if _lock(t)]
+        # gradients handed to the streams and not yet summed: (their streams' events, elements); the backward pass
+        # waits while more than the largest parameter's are, so the device holds few gradients whatever PCIe's pace
+        self._pending: deque = deque()
+        self._pending_n, self._pending_max = 0, max(p.numel() for p in self.params)
         master_of = {id(p): m for p, m in zip(self.params, self.masters)}
         host_groups = [{**{k: v for k, v in g.items() if k != "params"},
                         "params": [master_of[id(p)] for p in g["params"]]} for g in groups]
         self.optimizer = HostAdamW(host_groups, self, lr=lr, betas=betas, eps=eps,
                                    fused=True if fused is None else fused)
         self.chunks = _chunks(self.masters)
-        self._work: queue.Queue = queue.Queue()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._sum_gradients, name="kiln-offload-sum", daemon=True)
-        self._thread.start()
         self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready) for p in self.params]
         # where a step's host time goes, summed over `steps` steps: waiting after the backward pass for the last
         # gradients to be summed, and the step itself (norm, clipping, AdamW, copies back issued)
         self.seconds, self.steps = {"sums": 0.0, "step": 0.0}, 0
 
-    # the backward pass: each gradient to the host as soon as it is complete
+    def _slices_of(self, i: int):
+        """(stream, its fp32 slice on the device, lo, hi) for each slice of parameter i: a slice takes its turn by
+        its place in the sums, so the same slice always takes the same stream."""
+        n = self.params[i].numel()
+        for lo in range(0, n, SLICE):
+            k = (self.offsets[i] + lo) // SLICE % 2
+            yield self.streams[k], self._slices[k], lo, min(n, lo + SLICE)
+
+    # the backward pass: each gradient into its fp32 sum on the host as soon as it is complete
     def _gradient_ready(self, p: torch.Tensor) -> None:
         i = self.index[id(p)]
         grad, p.grad = p.grad, None
-        self.free[i].wait()  # its buffer's previous gradient is summed
-        self.free[i].clear()
-        if self.stream is None:
-            self.buffers[i].copy_(grad)
-            self._work.put((i, None))
+        first, self.summed[i] = not self.summed[i], True
+        total = self.sums[i].view(-1)
+        if not self.streams:
+            if first:
+                total.copy_(grad.view(-1))
+            else:
+                total.add_(grad.view(-1))
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            self.buffers[i].copy_(grad, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        grad.record_stream(self.stream)  # its memory is reused only once the copy is done
-        self._work.put((i, done))
-
-    def _sum_gradients(self) -> None:
-        """The host thread: each gradient copied, added to its parameter's fp32 sum."""
-        while True:
-            i, done = self._work.get()
-            try:
-                if i is None:
-                    return
-                if self._error is None:
-                    if done is not None:
-                        done.synchronize()
-                    if self.summed[i]:
-                        self._add(self.sums[i].view(-1), self.buffers[i].view(-1))
-                    else:
-                        self.sums[i].copy_(self.buffers[i])
-                        self.summed[i] = True
-            except BaseException as e:  # noqa: BLE001 - raised in the training thread at the step
-                self._error = e
-            finally:
-                if i is not None:
-                    self.free[i].set()
-                self._work.task_done()
-
-    def _add(self, total: torch.Tensor, part: torch.Tensor) -> None:
-        """total (fp32) += part (the compute dtype), through an fp32 scratch a slice at a time: torch's add of a
-        bf16 tensor into an fp32 one runs about 4x slower than a conversion and an fp32 add (measured on the CPU);
-        the result is the same (a bf16 value converts to fp32 exactly)."""
-        if part.dtype == total.dtype:
-            total.add_(part)
-            return
-        for lo in range(0, part.numel(), SUM_SLICE):
-            piece = part[lo:lo + SUM_SLICE]
-            scratch = self._scratch[:piece.numel()]
-            scratch.copy_(piece)
-            total[lo:lo + SUM_SLICE].add_(scratch)
+        g = grad.view(-1)
+        for stream in self.streams:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        for stream, work, lo, hi in self._slices_of(i):
+            with torch.cuda.stream(stream):
+                w = work[:hi - lo]
+                if first:
+                    w.copy_(g[lo:hi])
+                else:
+                    w.copy_(total[lo:hi], non_blocking=True)
+                    w.add_(g[lo:hi])
+                total[lo:hi].copy_(w, non_blocking=True)
+        events = []
+        for stream in self.streams:
+            grad.record_stream(stream)  # its memory is reused only once the streams are done with it
+            events.append(stream.record_event())
+        self._pending.append((events, g.numel()))
+        self._pending_n += g.numel()
+        while self._pending_n > self._pending_max:
+            done, n = self._pending.popleft()
+            for e in done:
+                e.synchronize()
+            self._pending_n -= n
 
     def wait(self) -> None:
-        """Until every gradient of the backward passes so far is summed (raises what the host thread raised)."""
-        self._work.join()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        """Until every gradient of the backward passes so far is in its sum on the host."""
+        for stream in self.streams:
+            stream.synchronize()
+        if self.streams:
+            self._pending.clear()
+            self._pending_n = 0
 
     def discard(self) -> None:
         """Forget the gradients summed so far (a step run again after an out-of-memory error)."""
@@ -258,8 +254,8 @@ class OptimizerOffload:
         # bound, which leaves the gradients as they are, so that pass over them (a read and a write) is skipped
         if not float(max_norm / (norm + 1e-6)) >= 1.0:  # NaN too, as torch would
             nn.utils.clip_grads_with_norm_([self.masters[i] for i in have], max_norm, norm)
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the backward pass is done with them
+        for stream in self.streams:
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # the backward pass is done with the weights
         for chunk in self.chunks:
             stepped = [i for i in chunk if self.summed[i]]
             if not stepped:
@@ -269,32 +265,34 @@ class OptimizerOffload:
                 self.masters[i].grad = None
             self._send(stepped)
         self.summed = [False] * len(self.params)
-        if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)  # the next forward pass waits for them
+        for stream in self.streams:
+            torch.cuda.current_stream(self.device).wait_stream(stream)  # the next forward pass waits for them
         self.seconds["sums"] += t1 - t0
         self.seconds["step"] += time.perf_counter() - t1
         self.steps += 1
         return norm
 
     def _send(self, indices: list[int]) -> None:
-        """The master weights `indices`, rounded to the compute dtype, to the device (on the side stream)."""
+        """The master weights `indices` to the device, rounded there to the compute dtype (on the side streams)."""
         for i in indices:
-            self.buffers[i].copy_(self.masters[i])
-            if self.stream is None:
-                self.params[i].detach().copy_(self.buffers[i])
+            weights, master = self.params[i].detach().view(-1), self.masters[i].detach().view(-1)
+            if not self.streams:
+                weights.copy_(master)
                 continue
-            with torch.cuda.stream(self.stream):
-                self.params[i].detach().copy_(self.buffers[i], non_blocking=True)
+            for stream, work, lo, hi in self._slices_of(i):
+                with torch.cuda.stream(stream):
+                    w = work[:hi - lo]
+                    w.copy_(master[lo:hi], non_blocking=True)
+                    weights[lo:hi].copy_(w)
 
     @torch.no_grad()
     def send_all(self) -> None:
         """Every master weight to the device, and wait for it (after a load)."""
         self.wait()
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        for stream in self.streams:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         self._send(list(range(len(self.params))))
-        if self.stream is not None:
-            self.stream.synchronize()
+        self.wait()
 
     def host_model(self, mcfg) -> nn.Module:
         """The model with the fp32 master weights, on the CPU and sharing their memory (what model/ is written from,
@@ -312,20 +310,18 @@ class OptimizerOffload:
         return {"model": MasterWeights(self), "optim": HostOptimizerState(self)}
 
     def close(self) -> None:
-        """After training: stop the host thread (which holds this object), remove the hooks and unlock the transfer
-        buffers. The masters stay (model/ is written from them); a later `send_all` copies synchronously."""
-        if not self._thread.is_alive():
+        """After training: remove the hooks and unlock the host buffers. The masters stay (model/ is written from
+        them); a later `send_all` copies synchronously."""
+        if not self._hooks:
             return
-        self._work.join()  # (an error of the host thread is not raised here: the run is over)
+        self.wait()
         for h in self._hooks:
             h.remove()
-        self._work.put((None, None))
-        self._thread.join()
-        if self._registered:
-            if self.stream is not None:
-                self.stream.synchronize()
-            torch.cuda.cudart().cudaHostUnregister(self._flat.data_ptr())
-            self._registered = False
+        self._hooks = []
+        for t in self._locked:
+            torch.cuda.cudart().cudaHostUnregister(t.untyped_storage().data_ptr())
+        self._locked = []
+        self.streams = []
 
 
 def _chunks(masters: list[torch.Tensor]) -> list[list[int]]:

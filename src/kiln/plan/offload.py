@@ -3,8 +3,8 @@
 On the device: the weights in the compute dtype (2 bytes a parameter under bf16, no fp32 copy and no autocast
 casts), the activations and loss buffers of the plain path, and the gradients in flight: each leaves for the
 host as soon as the backward pass makes it, so at most the largest parameter's gradient and the next one exist
-at once. No AdamW state. On the host: fp32 master weights (4), AdamW's moments (8), the step's fp32 gradient
-sums (4) and one pinned buffer in the compute dtype (2): 18 bytes a parameter under bf16.
+at once, beside the two fp32 slices the sums move through. No AdamW state. On the host: fp32 master weights
+(4), AdamW's moments (8) and the step's fp32 gradient sums (4): 16 bytes a parameter.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from kiln.config import ModelConfig
 from kiln.model.registry import param_count
 from kiln.plan.memory import Layout, Memory, layer_params, peak_memory
 
-HOST_BYTES = 4 + 8 + 4  # fp32 masters, two fp32 moments, fp32 gradient sums; plus the compute dtype's buffer
+HOST_BYTES = 4 + 8 + 4  # fp32 masters, two fp32 moments, fp32 gradient sums
+TRANSFER_SLICES = 2 * 4 * (1 << 24)  # bytes: kiln.parallel.offload's two fp32 slices of SLICE elements
 
 
 def largest_param(m: ModelConfig) -> int:
@@ -26,7 +27,8 @@ def offload_memory(m: ModelConfig, seq_len: int, batch: int, ac: str, compiled: 
     n, e = param_count(m), (2 if bf16 else 4)
     plain = peak_memory(m, seq_len, batch, ac, compiled, bf16, Layout("single"), None)
     weights = e * n
-    grads = e * (largest_param(m) + m.d_model * m.mlp_hidden)  # one being copied out while the next is made
+    # one being summed on the host while the next is made, and the two fp32 slices the sums move through
+    grads = e * (largest_param(m) + m.d_model * m.mlp_hidden) + TRANSFER_SLICES
     # the weights are already in the compute dtype: the plain path's casts of them (compute copies, the output
     # projection's copy in the loss) do not exist
     loss = plain.loss - ((m.vocab_size or 0) * m.d_model * e if bf16 else 0)
@@ -34,12 +36,12 @@ def offload_memory(m: ModelConfig, seq_len: int, batch: int, ac: str, compiled: 
     backward_end = weights + grads + plain.backward - (2 * layer_params(m) if bf16 and ac == "full" else 0)
     peak, phase = max((forward_end, "forward"), (backward_end, "backward"))
     return Memory(weights, grads, 0, 0, plain.activations, loss, plain.backward, peak, phase,
-                  host_bytes(n, e))
+                  host_bytes(n))
 
 
-def host_bytes(n: int, compute_bytes: int = 2) -> int:
+def host_bytes(n: int) -> int:
     """kiln.parallel.offload.host_bytes, without torch."""
-    return (HOST_BYTES + compute_bytes) * n
+    return HOST_BYTES * n
 
 
 def offload_rows(mem: Memory, ac: str, compute: str) -> list[tuple[str, int]]:

@@ -345,7 +345,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         if tcfg.offload != "none":  # the state is the host's fp32 masters and moments, not the device's bf16 weights
             from kiln.parallel.offload import rollback_room
 
-            fits, need = rollback_room(n_params, 2 if cfg.checkpoint.async_save else 1, have, e)
+            fits, need = rollback_room(n_params, 2 if cfg.checkpoint.async_save else 1, have)
         if fits:
             callbacks.insert(0, Rollback(cfg.recovery, checkpointer.snapshots, cfg.checkpoint.snapshot_every,
                                          checkpointer, loss_bound(cfg.recovery, cfg.model.vocab_size)))
