@@ -56,6 +56,11 @@ SMOKE = {
                  r"qwen2_moe: native .*; first losses (\d\.\d{4})\d* and \2\d* [\s\S]*"
                  r"qwen3: auto / native \d.*\nphi3: auto / native \d.*\ngemma2: auto / native \d.*\n"
                  r"nemotron: auto / native \d.*\nqwen2_moe: auto / native \d"),
+    # two generic-only families (learned positions; ALiBi on its own attention) beside the native Llama
+    "generic_families": (["--families", "gpt2,bloom", "--batch", "2", "--seq", "32", "--steps", "1", "--warmup", "1",
+                          "--json", "{tmp}/out.json"],
+                         r"gpt2: [1-9][\d,]* tokens/s, \d[\s\S]*bloom: [1-9][\d,]* tokens/s, \d[\s\S]*"
+                         r"llama +native +[1-9][\s\S]*bloom +generic +[1-9]"),
     "fp8": (["--size", "tiny", "--batch", "2", "--seq", "32", "--warmup", "1", "--steps", "1", "--compile", "0",
              "--vocab", "512", "--device", "cpu", "--json", "{tmp}/out.json"], r"bf16 +tiny +32 +2 +[1-9][\d,]* +"),
     "fp8_quality": (["--config", "quickstart", "--gpus", "cpu", "--sides", "fp32,bf16", "--steps", "4", "--seq", "32",
