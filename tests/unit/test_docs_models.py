@@ -5,6 +5,7 @@ and the committed tables are current."""
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shutil
 from pathlib import Path
@@ -71,3 +72,32 @@ def test_check_fails_on_a_stale_table_and_passes_once_written(tmp_path, capsys):
     assert main([str(tmp_path)]) == 0 and (tmp_path / README).read_text() == readme
     assert (tmp_path / PAGE).read_text() == models_page()
     assert main(["--oops"]) == 2
+
+
+def test_generic_rows_take_their_speed_from_a_committed_gpu_result_and_only_from_one(tmp_path):
+    """benchmarks/generic_families.py's JSON on a GPU fills the speed cells of the families it measured (tokens/s
+    and the ratio to the native Llama, or the error of a family that failed); a CPU smoke run's JSON does not;
+    a family in no result stays "not measured"; a row's own speed is kept."""
+    shutil.copyfile(REPO / README, tmp_path / README)
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    rows = [{"family": "llama", "name": "native", "tokens_per_s": 500_000.0, "over_llama": 1.0},
+            {"family": "gpt2", "name": "generic", "tokens_per_s": 412_345.0, "over_llama": 0.82469},
+            {"family": "bloom", "name": "generic", "error": "TypeError: a | b"},
+            {"family": "phi3", "name": "generic", "tokens_per_s": 7_777_000.0, "over_llama": 9.0}]  # its own
+    (results / "generic_families_124m_h100.json").write_text(json.dumps({
+        "device": "NVIDIA H100 80GB HBM3", "args": {"size": "124m", "device": "cuda"}, "rows": rows}))
+    (results / "generic_families_cpu.json").write_text(json.dumps({  # a smoke run: not a measurement
+        "device": "x86_64", "args": {"size": "tiny", "device": "cpu"},
+        "rows": [{"family": "opt", "name": "generic", "tokens_per_s": 9.0, "over_llama": 2.0}]}))
+    assert main([str(tmp_path)]) == 0
+    page = (tmp_path / PAGE).read_text()
+    where = "benchmarks/results/generic_families_124m_h100.json"
+    assert (f"| GPT-2 | `gpt2` | generic (`hf_class=auto`) | yes | - | - | yes | 124m on one H100: 412K tokens/s, "
+            f"0.82x the native Llama of its size ({where}) |") in page
+    assert f"| 124m on one H100: failed to train (TypeError: a \\| b; {where}) |" in page
+    assert [line for line in page.splitlines() if line.startswith("| OPT |")][0].count("| not measured |") == 1
+    phi3 = next(f for f in FAMILIES if "phi3" in f.model_types)
+    assert f"| {phi3.speed} |" in page and "7777K" not in page
+    (results / "generic_families_124m_h100.json").write_text("{")
+    assert main([str(tmp_path)]) == 2  # a damaged result is said, not read as no result
