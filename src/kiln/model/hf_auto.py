@@ -169,12 +169,13 @@ def check_loaded(path: str | Path, info: dict[str, Any]) -> None:
                          "weights match its config.json")
 
 
-def _takes(fn, name: str) -> bool:
+def _takes(fn, name: str, named: bool = False) -> bool:
+    """Whether `fn` takes the keyword `name`: as a parameter of that name, or (unless `named`) through **kwargs."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return name in params or (not named and any(p.kind is p.VAR_KEYWORD for p in params.values()))
 
 
 class HFCausalLM(nn.Module):
@@ -188,7 +189,8 @@ class HFCausalLM(nn.Module):
     def __init__(self, hf: nn.Module, cfg: ModelConfig):
         super().__init__()
         self.hf, self.cfg = hf, cfg
-        self.takes_positions = _takes(self.base.forward, "position_ids")
+        # named: a forward that only passes **kwargs on (BLOOM's) builds its masks without the positions
+        self.takes_positions = _takes(self.base.forward, "position_ids", named=True)
         # documents of a packed row each run alone where positions cannot keep them apart (kiln.model.hf_packing)
         self.recurrent = recurrent_layers(self.base)
         self.split_documents = bool(self.recurrent) or not self.takes_positions
