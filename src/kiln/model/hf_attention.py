@@ -133,6 +133,8 @@ def install(model: nn.Module, split_documents: bool) -> str | None:
         model.set_attn_implementation(NAME)
     except (ValueError, ImportError, AttributeError, TypeError) as e:
         return f"transformers does not take it ({type(e).__name__}: {e})"
+    if config._attn_implementation != NAME:  # refused with a warning alone (BLOOM, Falcon: no AttentionInterface)
+        return "transformers cannot change its attention (it does not use AttentionInterface)"
     try:
         why = probe(model, own, split_documents)
     except NotPlain as e:

@@ -89,6 +89,16 @@ def test_a_layer_that_keeps_the_keywords_is_refused_not_run_without_its_mask(tmp
         llama.hf(input_ids=torch.randint(0, 64, (1, 5)))
 
 
+def test_a_model_whose_attention_transformers_cannot_switch_says_it_keeps_its_own(tmp_path):
+    torch.manual_seed(0)  # FalconAttention has no AttentionInterface: the switch only warns
+    config = transformers.AutoConfig.for_model("falcon", vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                               num_attention_heads=2, max_position_embeddings=48)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "falcon")
+    model = build_auto(auto_config(ModelConfig(init_from=str(tmp_path / "falcon"), hf_class="auto")))
+    assert "cannot change its attention" in model.own_attention
+    assert model.describe_fast_path().startswith("attention: the model's own")
+
+
 @pytest.mark.slow
 def test_a_llama_decoder_layer_compiles_in_one_graph(tmp_path):
     model = auto_model(tmp_path, "llama")
