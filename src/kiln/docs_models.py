@@ -119,9 +119,11 @@ def models_page(speeds: dict[str, str] | None = None) -> str:
         "- **LoRA**: adapters on its projections train, and merged (or exported in PEFT's format, loaded onto "
         "transformers' class) they give the adapted model's logits;",
         "- **FSDP**: two processes with FSDP2 train to the losses of one with the same global batch;",
-        "- **document masks**: a document packed after another in a row gives the logits it gives alone.", "",
-        "On the generic path LoRA, FSDP and document masks run one code for every family; LoRA and FSDP are "
-        f"tested there on a Llama-shaped model (`{AUTO_LORA}`, `{AUTO_FSDP}`). Speed is measured on GPUs by "
+        "- **document masks**: a document packed after another in a row gives the logits it gives alone (where "
+        "a family's masks cannot follow the documents' positions, each document runs as a row of its own: "
+        "`data.document_mask=split`, said in its notes).", "",
+        "On the generic path LoRA and FSDP run one code for every family and are tested there on a Llama-shaped "
+        f"model (`{AUTO_LORA}`, `{AUTO_FSDP}`). Speed is measured on GPUs by "
         "the benchmarks in `benchmarks/`, beside a baseline in the same run (`benchmarks/families.py`: each native "
         "family against the same model on the generic path; `benchmarks/generic_families.py`: each generic family "
         "against the native Llama of the same width, depth and heads, its cell read from the committed "

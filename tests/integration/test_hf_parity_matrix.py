@@ -1,9 +1,9 @@
 """The parity matrix: the families of causal LM Kiln trains, natively (the model_types of
 kiln.model.hf.ARCHITECTURES: Llama, Mistral, Qwen2, Qwen3, Phi-3, Nemotron, ...) or through transformers
 (`model.hf_class=auto`: dense, mixture-of-experts, Mamba and hybrid models; see hf_dirs.MATRIX), each as a tiny
-random model in fp32 on the CPU. Imported, Kiln's logits are transformers'; trained a step and exported,
-transformers' logits and greedy generation are Kiln's (within 1e-5), and every JSON file of the source directory
-survives the export unchanged."""
+random model in fp32 on the CPU. Imported, Kiln's logits are transformers', and two documents packed in a row
+give the logits each gives alone; trained a step and exported, transformers' logits and greedy generation are
+Kiln's (within 1e-5), and every JSON file of the source directory survives the export unchanged."""
 
 from __future__ import annotations
 
@@ -57,6 +57,17 @@ def greedy(hf, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def apart(model, x: torch.Tensor) -> None:
+    """Two documents packed in one row (doc_ids) give the logits each gives alone; without doc_ids the second
+    sees the first."""
+    a, b = x[:1, :10], x[1:, :14]
+    row, docs = torch.cat([a, b], 1), torch.tensor([[0] * 10 + [1] * 14])
+    packed = model(row, doc_ids=docs)
+    torch.testing.assert_close(packed[:, :10], model(a), rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed[:, 10:], model(b), rtol=0, atol=1e-5)
+    assert not torch.allclose(model(row)[:, 10:], model(b), rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", list(MATRIX))
 def test_parity(root, kind, tmp_path):
     native = kind in NATIVE
@@ -64,7 +75,9 @@ def test_parity(root, kind, tmp_path):
     x = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
     source = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     with torch.no_grad():
-        torch.testing.assert_close(imported(src, native)(x), source(input_ids=x).logits, rtol=0, atol=1e-5)
+        model = imported(src, native)
+        torch.testing.assert_close(model(x), source(input_ids=x).logits, rtol=0, atol=1e-5)
+        apart(model, x)
 
     run_dir = run(load_config(None, [
         f"model.init_from={src}", *([] if native else ["model.hf_class=auto", "data.document_mask=split"]),

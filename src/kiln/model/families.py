@@ -17,7 +17,8 @@ ASPECTS = ("parity", "LoRA", "FSDP", "document masks")
 NOT_MEASURED = "not measured"
 
 # the tests that show an aspect for many families (a family's model_type in brackets)
-MATRIX = "tests/integration/test_hf_parity_matrix.py::test_parity"  # import, train a step, export, generate
+# import, packed documents apart (on the imported model, as `kiln train` builds it), train a step, export, generate
+MATRIX = "tests/integration/test_hf_parity_matrix.py::test_parity"
 PEFT = "tests/unit/model/test_lora.py::test_peft_loads_the_adapters_onto_the_base_with_equal_logits"
 FSDP = "tests/unit/parallel/test_parallelize.py::test_two_processes_match_one_with_the_same_global_batch"
 PHI3_LORA = ("tests/unit/model/test_lora.py::test_phi3_targets_as_users_write_them_adapt_its_fused_layers_and_load_"
@@ -50,7 +51,10 @@ class Family:
 
 
 def _matrix(kind: str, **more: str) -> dict[str, str]:
-    return {"parity": f"{MATRIX}[{kind}]", **more}
+    return {"parity": f"{MATRIX}[{kind}]", "document masks": f"{MATRIX}[{kind}]", **more}
+
+
+SPLIT = "each document of a packed row runs as a row of its own (data.document_mask=split)"
 
 
 FAMILIES: list[Family] = [
@@ -143,16 +147,18 @@ FAMILIES: list[Family] = [
     Family("EXAONE 4", ("exaone4",), _matrix("exaone4")),
     Family("GPT-BigCode (StarCoder)", ("gpt_bigcode",), _matrix("gpt_bigcode")),
     Family("GPT-J", ("gptj",), _matrix("gptj")),
-    Family("BLOOM", ("bloom",), _matrix("bloom")),
+    Family("BLOOM", ("bloom",), _matrix("bloom", **{"document masks": f"{AUTO_DOCS}[bloom]"}),
+           note=f"ALiBi, on its own attention; {SPLIT}: its masks ignore position ids"),
     Family("OPT", ("opt",), _matrix("opt")),
     Family("CodeGen", ("codegen",), _matrix("codegen")),
     Family("OLMoE", ("olmoe",), _matrix("olmoe")),
     Family("PhiMoE", ("phimoe",), _matrix("phimoe")),
     Family("DeepSeek-V3", ("deepseek_v3",), _matrix("deepseek_v3")),
-    Family("GPT-OSS", ("gpt_oss",), _matrix("gpt_oss")),
-    Family("Mamba 2", ("mamba2",), _matrix("mamba2")),
-    Family("Jamba", ("jamba",), _matrix("jamba")),
-    Family("Falcon-H1", ("falcon_h1",), _matrix("falcon_h1")),
+    Family("GPT-OSS", ("gpt_oss",), _matrix("gpt_oss"),
+           note=f"attention sinks, on its own attention; {SPLIT}: its masks ignore position ids"),
+    Family("Mamba 2", ("mamba2",), _matrix("mamba2"), note=f"recurrent layers: {SPLIT}"),
+    Family("Jamba", ("jamba",), _matrix("jamba"), note=f"recurrent layers: {SPLIT}"),
+    Family("Falcon-H1", ("falcon_h1",), _matrix("falcon_h1"), note=f"recurrent layers: {SPLIT}"),
 ]
 
 

@@ -48,6 +48,7 @@ from kiln.model.hf_blocks import decoder_layers, transformers_module
 from kiln.model.hf_head import decoder_of, logit_cap, plain_head
 from kiln.model.hf_moe import RouterAux, router_aux_coef
 from kiln.model.hf_packing import doc_positions, merge_documents, recurrent_layers, split_documents
+from kiln.model.hf_packing import positions_keep_documents_apart as keeps_documents_apart
 from kiln.model.hf_precision import match_native
 from kiln.model.loss import IGNORE_INDEX
 from kiln.versions import require
@@ -201,6 +202,8 @@ class HFCausalLM(nn.Module):
         self.router_aux = RouterAux()
         # the native model's attention, loss and precision where the model allows: each is None, or why not
         self.own_attention = install_attention(self.base, self.split_documents)
+        if self.own_attention is not None and not self.split_documents:  # its masks must see the documents
+            self.split_documents = not keeps_documents_apart(self.base)
         self.window = sliding_window(self.base) if self.own_attention is None else None  # its layers' masks
         self.capped = self.own_attention is None and capped(self.base)  # soft-capped scores: a mask on every layer
         self.own_head = plain_head(self.base, None if self.own_attention else self._mask_argument)

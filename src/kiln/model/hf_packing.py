@@ -69,10 +69,35 @@ def merge_documents(logits: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor) 
     return logits[seg, pos]
 
 
+@torch.no_grad()
+def positions_keep_documents_apart(model: nn.Module) -> bool:
+    """Whether `model` (a transformers causal LM on its own attention) given position ids that restart at the
+    second of two documents packed in a row gives each the logits it has alone: transformers' mask builders
+    (masking_utils) find the documents in the positions, but a model that builds its masks without them
+    (GPT-OSS) lets the second attend to the first. A model whose forward fails so is taken as not keeping them."""
+    training, device = model.training, next(model.parameters()).device
+    vocab = model.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(0, vocab, (1, n), generator=g).to(device) for n in (6, 5))
+    docs = torch.tensor([[0] * 6 + [1] * 5], device=device)
+    model.eval()
+    try:
+        got = model(input_ids=torch.cat([a, b], 1), position_ids=doc_positions(docs), use_cache=False).logits.float()
+        want = torch.cat([model(input_ids=p, use_cache=False).logits.float() for p in (a, b)], 1)
+    except Exception:  # noqa: BLE001  (any model code: it cannot be shown to keep them apart)
+        return False
+    finally:
+        model.train(training)
+    tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 3e-2
+    return (got - want).abs().max().item() <= tol * (1 + want.abs().max().item())
+
+
 def check_packing(model, data) -> str:
     """Why `model` (an HFCausalLM whose documents must run as rows of their own) cannot keep the documents of a
     packed row apart; ConfigError unless data.document_mask is 'split'."""
-    why = f"recurrent layers: {', '.join(model.recurrent)}" if model.recurrent else "its forward takes no position_ids"
+    why = (f"recurrent layers: {', '.join(model.recurrent)}" if model.recurrent else
+           "its forward takes no position_ids" if not model.takes_positions else
+           "its attention masks do not follow the position ids")
     if data.document_mask != "split":
         raise ConfigError(f"data.document_mask=true: {type(model.base).__name__} cannot keep the documents of a packed "
                           f"row apart ({why}). Set data.document_mask=split to run each document as a row of its own "
