@@ -3,6 +3,7 @@
     python benchmarks/moe.py --nproc 4                                  # the 4-GPU measurement (20 layers, below)
     python benchmarks/moe.py --nproc 1 --shape small --seq 2048          # one GPU, a small MoE
     python benchmarks/moe.py --shape tiny --device cpu --nproc 1 --steps 3 --seq 32   # a smoke test
+    python benchmarks/moe.py --nproc 4 --skip-hf --variant dist.expert_parallel=4   # expert parallelism beside FSDP
 
 Shapes (per layer as Qwen3-30B-A3B: d 2048, 32 query / 4 key-value heads of 128 with q/k norms, 128 experts of
 hidden 768, top 8 renormalised, vocab 151936, untied):
@@ -20,6 +21,10 @@ hidden 768, top 8 renormalised, vocab 151936, untied):
     implementation, grouped_mm where it dispatches; output_router_logits on, so it trains on the same
     load-balancing term), random init, bf16, fused AdamW, batch 1 per GPU, FSDP2 through accelerate wrapping each
     Qwen3MoeDecoderLayer, its own activation checkpointing; random token ids; steps timed by a callback.
+
+(c) --variant KEY=VALUE[;KEY=VALUE...] (repeatable): another Kiln job, (a) with these overrides, a row of its own and
+    its speed over (a)'s: `dist.expert_parallel=4` keeps 32 whole experts on each of 4 GPUs and sends the tokens to
+    them (kiln.parallel.experts) where (a) gathers all 128 experts of each layer on every GPU.
 
 Gradient reduction: Kiln runs its default, reduce-scatter in fp32 (dist.reduce_fp32=true, exact sums), while
 accelerate's FSDP2 reduces in bf16 (the table says which each side used: twice the traffic on Kiln's side). The
@@ -76,7 +81,7 @@ def model_config(s: dict, seq: int):
                        moe=MoEConfig(n_experts=s["experts"], top_k=s["top_k"], expert_hidden=s["hidden"]))
 
 
-def kiln_command(args, s: dict, run_dir: Path) -> list[str]:
+def kiln_command(args, s: dict, run_dir: Path, variant: tuple[str, ...] = ()) -> list[str]:
     cuda = args.device == "cuda"
     return [sys.executable, "-m", "kiln.cli", "train", f"model.vocab_size={s['vocab']}", f"model.d_model={s['d']}",
             f"model.n_layers={s['layers']}", f"model.n_heads={s['heads']}", f"model.n_kv_heads={s['kv']}",
@@ -93,23 +98,24 @@ def kiln_command(args, s: dict, run_dir: Path) -> list[str]:
             "checkpoint.at_end=false", "checkpoint.every=0", "dist.strategy=fsdp", "dist.sharding=full",
             f"data.vocab_size={min(s['vocab'], 32000)}", f"data.cache_dir={args.cache_dir}",
             f"data.max_bytes={args.data_bytes}",
-            f"train.run_dir={run_dir}", *args.set, "--nproc", str(args.nproc)]
+            f"train.run_dir={run_dir}", *args.set, *variant, "--nproc", str(args.nproc)]
 
 
-def run_kiln(args, s: dict, root: Path) -> dict:
-    """Kiln's job; where it fails compiled, once more without compile (the row says so), so that one call on the
-    GPUs still measures the model."""
-    out = _kiln_job(args, s, root, "kiln")
+def run_kiln(args, s: dict, root: Path, variant: tuple[str, ...] = (), name: str = "kiln") -> dict:
+    """Kiln's job (with a variant's overrides); where it fails compiled, once more without compile (the row says
+    so), so that one call on the GPUs still measures the model."""
+    out = _kiln_job(args, s, root, name, variant)
     if "error" in out and args.device == "cuda" and not args.no_compile:
         print(f"kiln failed compiled; again without compile:\n{out['error'][-1500:]}", flush=True)
-        args.no_compile = True
-        out = {**_kiln_job(args, s, root, "kiln-eager"), "compile_failed": out["error"][-1500:]}
+        no_compile, args.no_compile = args.no_compile, True
+        out = {**_kiln_job(args, s, root, f"{name}-eager", variant), "compile_failed": out["error"][-1500:]}
+        args.no_compile = no_compile
     return out
 
 
-def _kiln_job(args, s: dict, root: Path, name: str) -> dict:
+def _kiln_job(args, s: dict, root: Path, name: str, variant: tuple[str, ...] = ()) -> dict:
     run_dir = root / name
-    job = Job(kiln_command(args, s, run_dir), root / f"{name}.log")
+    job = Job(kiln_command(args, s, run_dir, variant), root / f"{name}.log")
     code = job.wait()
     recs = {r["step"]: r for r in train_records(run_dir)}
     if max(recs, default=0) < args.steps:
@@ -165,11 +171,13 @@ def count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
-def table(kiln: dict, hf: dict) -> list[str]:
+def table(kiln: dict, hf: dict, variants: dict[str, dict] | None = None) -> list[str]:
     from benchmarks.common import table as markdown
 
+    variants = variants or {}
     named = [("Kiln (native MoE)" + (", not compiled" if "compile_failed" in kiln else ""), kiln),
-             ("HF Trainer", hf)]
+             ("HF Trainer", hf),
+             *((f"Kiln, `{v}`" + (", not compiled" if "compile_failed" in r else ""), r) for v, r in variants.items())]
     rows = [{**r, "trainer": name, "tokens": r.get("skipped") or ("failed" if "error" in r else
                                                                    r.get("tokens_per_s_per_gpu"))}
             for name, r in named]
@@ -181,6 +189,16 @@ def table(kiln: dict, hf: dict) -> list[str]:
     if "tokens_per_s_per_gpu" in hf and "tokens_per_s_per_gpu" in kiln:
         lines.append(f"\nKiln / HF Trainer: **{kiln['tokens_per_s_per_gpu'] / hf['tokens_per_s_per_gpu']:.2f}x** "
                      "tokens/s per GPU")
+    for v, r in variants.items():  # each variant against the first Kiln job (and the HF Trainer where it ran)
+        if "tokens_per_s_per_gpu" in r and "tokens_per_s_per_gpu" in kiln:
+            lines.append(f"\nKiln, `{v}` / Kiln: **{r['tokens_per_s_per_gpu'] / kiln['tokens_per_s_per_gpu']:.2f}x** "
+                         f"tokens/s per GPU, peak memory {fmt(r.get('peak_gib'), '.1f')} against "
+                         f"{fmt(kiln.get('peak_gib'), '.1f')} GiB")
+        if "tokens_per_s_per_gpu" in r and "tokens_per_s_per_gpu" in hf:
+            ratio = r["tokens_per_s_per_gpu"] / hf["tokens_per_s_per_gpu"]
+            lines.append(f"\nKiln, `{v}` / HF Trainer: **{ratio:.2f}x** tokens/s per GPU")
+        for why in r.get("experts_loop") or []:
+            lines.append(f"\nKiln, `{v}`: its experts did not run torch's grouped GEMM: `{why}`")
     for why in kiln.get("experts_loop") or []:
         lines.append(f"\nKiln's experts did not run torch's grouped GEMM: `{why}`")
     if kiln.get("alloc_retries"):
@@ -210,6 +228,9 @@ def main() -> None:
     ap.add_argument("--data-bytes", type=int, default=4_000_000, help="bytes of the standard library corpus Kiln "
                     "tokenizes (about a million tokens: more than the steps read)")
     ap.add_argument("--set", action="append", default=[], help="extra Kiln KEY=VALUE override (repeatable)")
+    ap.add_argument("--variant", action="append", default=[], help="another Kiln job with these overrides (KEY=VALUE, "
+                    "';' between several; e.g. dist.expert_parallel=4), a row of its own and its ratio to the first "
+                    "Kiln job (repeatable)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--keep", default=None, help="keep the runs (logs, metrics, profiler traces) in this new folder")
     ap.add_argument("--no-append", action="store_true", help=f"do not append to {RESULTS}")
@@ -244,16 +265,23 @@ def main() -> None:
         print("hf", json.dumps(hf), flush=True)
         if "phases" in hf:
             print_phases("HF Trainer", hf["phases"])
+        variants = {}
+        for i, v in enumerate(args.variant):  # the compile cache is warm now
+            variants[v] = run_kiln(args, s, root, tuple(o.strip() for o in v.split(";") if o.strip()), f"variant{i}")
+            print("kiln variant", v, json.dumps(variants[v]), flush=True)
+            if "phases" in variants[v]:
+                print_phases(f"kiln {v}", variants[v]["phases"])
     lines = [f"\n## {info['date']}: Qwen3-MoE shape {args.shape}, {s['layers']} layers ({count(total)} parameters, "
              f"{count(active)} active: {s['experts']} experts, top {s['top_k']}), {args.nproc} x {card}, "
              f"seq {args.seq}, batch 1/GPU, AC {args.ac}, {args.steps} steps (median after {args.warmup})", "",
-             *table(kiln, hf)]
+             *table(kiln, hf, variants)]
     if "compile_failed" in kiln:
         lines.append(f"\nKiln compiled failed, so its row ran without compile: `{kiln['compile_failed'][-400:]!r}`")
-    for name, r in (("Kiln", kiln), ("HF Trainer", hf)):
+    for name, r in (("Kiln", kiln), ("HF Trainer", hf), *((f"Kiln, `{v}`", r) for v, r in variants.items())):
         if "error" in r:
             lines.append(f"\n{name} failed: `{r['error'][-400:]!r}`")
-    publish("\n".join(lines), RESULTS, not args.no_append, args.json, {**info, "kiln": kiln, "hf": hf})
+    publish("\n".join(lines), RESULTS, not args.no_append, args.json,
+            {**info, "kiln": kiln, "hf": hf, "variants": variants})
     if "error" in kiln:
         sys.exit(1)
 
