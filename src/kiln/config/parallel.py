@@ -30,8 +30,8 @@ class DistConfig(Section):
     holding their experts and back (two all-to-alls each way, one small exchange of counts and a host read per layer
     and pass), instead of FSDP gathering and reducing every expert's weights every step. 1: off. Must equal the
     number of processes and divide model.moe.n_experts; not with sharding 'hybrid', cpu_offload or LoRA. The rest
-    of the model is sharded by FSDP as without it; checkpoints and the export are the same. See
-    docs/guides/moe.md for when it is faster."""
+    of the model is sharded by FSDP as without it; checkpoints (which resume with or without it) and the export are
+    the same. docs/distributed.md says what it does and when it is faster."""
     cpu_offload: bool = False
     """With fsdp: keep parameters, gradients and optimizer state in CPU memory and run the optimizer step
     on the CPU (FSDP2's CPUOffloadPolicy): fits a model too large for the GPUs, at a cost in speed."""

@@ -28,8 +28,8 @@ compiled block keeps it whole (fullgraph) and never recompiles for it. The numbe
 known only at run time: each layer first exchanges its per-expert row counts (one small all-to-all) and reads
 them on the host (one sync per layer and pass), as every expert-parallel implementation must to size the rows'
 all-to-all. Its backward operator repeats the rows' all-to-all and the gate/up products instead of keeping
-tensors of run-time shapes between the two operators: one all-to-all and a third of the experts' forward work
-more per layer, which activation checkpointing (full) pays anyway for the rest of the block.
+tensors of run-time shapes between the two operators: one all-to-all more per layer, and the gate/up products
+(two thirds of the experts' forward FLOPs) twice: a sixth more expert work under full activation checkpointing.
 """
 
 from __future__ import annotations
