@@ -52,11 +52,13 @@ def _trainer(cfg, mesh: Mesh, callbacks: list) -> Trainer:
 
 
 def ep_run(case: dict, mesh: Mesh) -> dict:
-    """Train STEPS steps (a checkpoint at SAVE_AT); with `resume`, train again from that checkpoint. Returns the
-    losses, gradient norms, the resumed losses, the experts' layout on this rank and the export (rank 0, a file)."""
+    """Train STEPS steps of 2 sequences a rank (in `grad_accum` micro-batches), a checkpoint at SAVE_AT; with
+    `resume`, train again from that checkpoint. Returns the losses, gradient norms, the resumed losses, the experts'
+    layout on this rank and the compiled graphs; rank 0 writes the export (export.pt)."""
     from torch._dynamo.utils import counters
 
-    cfg = config(2, 1, train={"max_steps": STEPS, **case.get("train", {})}, model=MOE, strategy="fsdp",
+    accum = case.get("grad_accum", 1)
+    cfg = config(2 // accum, accum, train={"max_steps": STEPS, **case.get("train", {})}, model=MOE, strategy="fsdp",
                  expert_parallel=case["expert_parallel"])
     root = Path(case["dir"])
     ck = Checkpointer(root / "run", cfg, {}, lambda _: None)

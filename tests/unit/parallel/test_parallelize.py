@@ -71,9 +71,10 @@ def two_processes(tmp_path_factory) -> tuple[dict, Path]:
     compiled = {"ddp_model": {"batch_size": 1, "grad_accum": 2, "model": WIDE,
                               "dist": {"strategy": "ddp", "bucket_mb": 1},
                               "train": {"compile": True, "compile_scope": "model", "max_steps": COMPILED_STEPS}}}
-    # a mixture of experts under FSDP, and with expert parallelism (each rank 2 of the 4 experts) resumed mid-run
+    # a mixture of experts under FSDP, and with expert parallelism (each rank 2 of the 4 experts) resumed mid-run;
+    # 2 micro-batches a step: the experts' gradients accumulate as the others do
     experts = {f"moe_ep{ep}": {"worker": "experts", "expert_parallel": ep, "dir": str(tmp / f"moe_ep{ep}"),
-                               "resume": ep > 1} for ep in (1, 2)}
+                               "resume": ep > 1, "grad_accum": 2} for ep in (1, 2)}
     out = tmp / "out.json"
     done = torchrun([str(HERE / "workers.py"), str(out), json.dumps({**CASES, **reduce, **experts, **compiled})])
     assert done.returncode == 0, done.stderr[-3000:]
@@ -252,10 +253,10 @@ def test_reducing_every_micro_batch_trains_as_reducing_once_a_step(two_processes
 
 @pytest.mark.slow
 def test_expert_parallelism_trains_as_fsdp_resumes_exactly_and_exports_the_whole_experts(two_processes):
-    """dist.expert_parallel=2 over 2 gloo processes, the tiny mixture of experts: each rank holds 2 of the 4 experts
-    and the tokens travel to them, with the losses and gradient norms (clipped: the experts counted once) of FSDP
-    gathering every expert, to fp32 rounding; a checkpoint saved mid-run resumes to the very losses of the run that
-    went on; the export gathers every expert of every layer, equal to FSDP's."""
+    """dist.expert_parallel=2 over 2 gloo processes, the tiny mixture of experts, 2 micro-batches a step: each rank
+    holds 2 of the 4 experts and the tokens travel to them, with the losses and gradient norms (clipped: the
+    experts counted once) of FSDP gathering every expert, to fp32 rounding; a checkpoint saved mid-run resumes to
+    the very losses of the run that went on; the export gathers every expert of every layer, equal to FSDP's."""
     results, tmp = two_processes
     fsdp, ep = results["moe_ep1"], results["moe_ep2"]
     assert (fsdp["experts"], ep["experts"]) == ("GroupedExperts", "ExpertParallelExperts")
