@@ -96,7 +96,8 @@ def short_table(speeds: dict[str, str] | None = None) -> str:
     rows += [f"| {f.name} | {_path(f)} | {_tested(f)} | {_cell(_speed(f, speeds))} |" for f in shown]
     rest = len(FAMILIES) - len(shown)
     return "\n".join(rows) + (f"\n\nand {rest} more families on the generic path, each with import, export and "
-                              "generation parity: the whole table is in [Models](docs/models.md).\n")
+                              "generation parity and its packed documents kept apart: the whole table, with their "
+                              "speed where measured, is in [Models](docs/models.md).\n")
 
 
 def models_page(speeds: dict[str, str] | None = None) -> str:
