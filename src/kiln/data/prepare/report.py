@@ -68,7 +68,7 @@ def build_report(root: Path, splits: dict[str, list[dict]], checker: RecordCheck
 def passed_over_text(count: int, examples: list[str]) -> str:
     """What `kiln prepare` (and a streaming run) says of the files of source directories it did not read."""
     return (f"{count:,} file(s) in source directories not read: of unknown type, text in a folder of record "
-            f"files, or a folder a glob matched (e.g. {', '.join(examples[:EXAMPLES])}); name a file or folder to "
+            f"files, no regular file (a pipe, a socket), or a folder a glob matched (e.g. {', '.join(examples[:EXAMPLES])}); name a file or folder to "
             "read it")
 
 

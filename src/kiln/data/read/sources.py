@@ -299,8 +299,10 @@ def expand(sources: list[str], fmt: str = "auto", dataset_split: str = "train") 
                               if not any(part.startswith(".") for part in p[len(path):].split("/"))]
                     own = _kiln_folders(inside, path)  # a data cache or a run directory among the sources
                     out.passed_over.extend(url(d) + "/" for d in sorted(own))
-                    kinds = {p: _detect(p, fmt, False)[0] for p in inside
-                             if not any(p.startswith(d + "/") for d in own)}
+                    inside = [p for p in inside if not any(p.startswith(d + "/") for d in own)]
+                    special = [p for p in inside if not prefix and os.path.exists(p) and not os.path.isfile(p)]
+                    out.passed_over.extend(special)  # a pipe, a socket or a device: a read could never end
+                    kinds = {p: _detect(p, fmt, False)[0] for p in inside if p not in special}
                     # in a folder of records (jsonl, parquet, ...) a text file is documentation (README.md)
                     documentation = _record_folders(kinds) if fmt == "auto" else set()
                     for p, kind in kinds.items():
