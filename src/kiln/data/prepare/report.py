@@ -68,8 +68,8 @@ def build_report(root: Path, splits: dict[str, list[dict]], checker: RecordCheck
 def passed_over_text(count: int, examples: list[str]) -> str:
     """What `kiln prepare` (and a streaming run) says of the files of source directories it did not read."""
     return (f"{count:,} file(s) in source directories not read: of unknown type, text in a folder of record "
-            f"files, no regular file (a pipe, a socket), or a folder a glob matched (e.g. {', '.join(examples[:EXAMPLES])}); name a file or folder to "
-            "read it")
+            f"files, no regular file (a pipe, a socket), or a folder a glob matched (e.g. "
+            f"{', '.join(examples[:EXAMPLES])}); name a file or folder to read it")
 
 
 def print_report(report: dict, console, path: Path, reused: bool | str = False) -> None:
