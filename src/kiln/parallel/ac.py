@@ -41,9 +41,18 @@ def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _checkpointed(forward, mode: str, preserve_rng: bool = False):
-    context_fn = (functools.partial(create_selective_checkpoint_contexts, _selective_policy)
-                  if mode == "selective" else None)
+def _keep_policy(ops: frozenset):
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def _checkpointed(forward, mode: str, preserve_rng: bool = False, keep: frozenset = frozenset()):
+    context_fn = None
+    if mode == "selective":
+        context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+    elif keep:  # full, but these ops' outputs kept: everything else is recomputed
+        context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_policy(keep))
 
     @functools.wraps(forward)
     def wrapped(*args, **kwargs):
@@ -54,19 +63,22 @@ def _checkpointed(forward, mode: str, preserve_rng: bool = False):
     return wrapped
 
 
-def apply_ac(model: nn.Module, mode: str) -> nn.Module:
-    """Checkpoint every block of `model.layers` in `mode` (none, selective, full). Returns the model."""
+def apply_ac(model: nn.Module, mode: str, keep: frozenset = frozenset()) -> nn.Module:
+    """Checkpoint every block of `model.layers` in `mode` (none, selective, full). Returns the model. `keep`: ops
+    whose outputs full checkpointing keeps rather than recomputes (expert parallelism's dispatch, whose
+    recomputation would repeat its all-to-alls)."""
     if mode not in MODES:
         raise ValueError(f"activation checkpointing mode '{mode}' is not one of {', '.join(MODES)}")
     if mode == "none":
         return model
-    if mode == "selective":  # torch.compile warns that the policy's regions must hold no in-place ops, on every
-        # rank: the blocks' regions hold none (tests/unit/parallel/test_ac_compile.py checks the compiled gradients)
+    if mode == "selective" or keep:  # torch.compile warns that the policy's regions must hold no in-place ops, on
+        # every rank: the blocks' regions hold none (tests/unit/parallel/test_ac_compile.py checks the compiled
+        # gradients)
         drop_log_lines("torch._higher_order_ops.wrap", "context_fn is passed to torch.utils.checkpoint")
     for block in model.layers:
         if getattr(block, "_kiln_ac", None):
             raise RuntimeError("activation checkpointing is already applied to this model")
         dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in block.modules())
-        block.forward = _checkpointed(block.forward, mode, preserve_rng=dropout)
+        block.forward = _checkpointed(block.forward, mode, preserve_rng=dropout, keep=keep)
         block._kiln_ac = mode
     return model

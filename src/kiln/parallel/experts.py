@@ -29,7 +29,8 @@ known only at run time: each layer first exchanges its per-expert row counts (on
 them on the host (one sync per layer and pass), as every expert-parallel implementation must to size the rows'
 all-to-all. Its backward operator repeats the rows' all-to-all and the gate/up products instead of keeping
 tensors of run-time shapes between the two operators: one all-to-all more per layer, and the gate/up products
-(two thirds of the experts' forward FLOPs) twice: a sixth more expert work under full activation checkpointing.
+(two thirds of the experts' forward FLOPs) twice. Full activation checkpointing keeps this operator's output
+(kiln.parallel.ac's `keep`) rather than repeating its all-to-alls in the recomputed block.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from kiln.errors import ConfigError
 from kiln.parallel import compile_cache, loss_kernel
 from kiln.parallel.ac import apply_ac
 from kiln.parallel.compile import apply_compile
+from kiln.parallel.experts import DISPATCH_OP
 from kiln.parallel.mesh import Mesh
 
 BYTES_PER_PARAM = 16  # fp32 weights (4) + fp32 gradients (4) + AdamW's two fp32 moments (8)
@@ -98,7 +99,10 @@ def parallelize(model: nn.Module, cfg: RunConfig, m: Mesh, n_params: int | None 
         from kiln.parallel.float8 import convert
 
         convert(model, tcfg.fp8, fsdp=strategy == "fsdp", log=log)
-    apply_ac(model, tcfg.activation_checkpointing)
+    # expert parallelism under full checkpointing keeps its dispatch's output (the layer's expert rows, 2 bytes a
+    # routed row's element in bf16): recomputing it would repeat the layer's all-to-alls and host read
+    apply_ac(model, tcfg.activation_checkpointing,
+             keep=frozenset({DISPATCH_OP}) if d.expert_parallel > 1 and strategy == "fsdp" else frozenset())
     if tcfg.compile:
         compile_cache.use(tcfg.compile_cache)
         # under DDP a whole-model graph is split by torch's compiler at DDP's bucket boundaries (of 1 MB at

@@ -1,7 +1,8 @@
 """Expert parallelism's parts in one process: the experts' written-out backward equals autograd's, the dispatch
 operator over a one-process group computes and differentiates as the experts do (its gradient scale applied to
-the weights alone), and the settings it cannot serve are refused with what to change. Two processes training,
-resuming and exporting with it: tests/unit/parallel/test_parallelize.py."""
+the weights alone), full checkpointing keeps its output instead of repeating it, and the settings it cannot
+serve are refused with what to change. Two processes training, resuming and exporting with it:
+tests/unit/parallel/test_parallelize.py."""
 
 from __future__ import annotations
 
@@ -57,6 +58,31 @@ def test_the_dispatch_operator_over_one_process_is_the_experts():
     torch.testing.assert_close(got[1], x.grad, rtol=1e-5, atol=1e-5)  # the rows' gradients unscaled
     torch.testing.assert_close(got[2], 0.5 * gate_up.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[3], 0.5 * down.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_full_checkpointing_keeps_the_dispatch_rather_than_repeating_its_all_to_alls(monkeypatch):
+    """A block checkpointed in full recomputes everything in its backward pass, the dispatch too (its all-to-alls
+    and host read once more) unless it is kept, as parallelize asks under expert parallelism; the gradients are the
+    same either way."""
+    from kiln.parallel.ac import _checkpointed
+
+    x, gate_up, down = _operands()
+    plans, plan = [], experts._plan
+    monkeypatch.setattr(experts, "_plan", lambda *a: plans.append(1) or plan(*a))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group, grads = dist.group.WORLD.group_name, []
+        for keep in (frozenset(), frozenset({experts.DISPATCH_OP})):
+            plans.clear()
+            x.grad = None
+            block = _checkpointed(lambda t: torch.ops.kiln.expert_parallel(t * 2, OFFS, gate_up, down, group, 1.0),
+                                  "full", keep=keep)
+            block(x).square().sum().backward()
+            grads.append((len(plans), x.grad.clone()))
+    finally:
+        dist.destroy_process_group()
+    assert [n for n, _ in grads] == [3, 2]  # forward, (recomputation,) backward
+    torch.testing.assert_close(grads[0][1], grads[1][1])
 
 
 def _cfg(model: dict | None = None, lora: dict | None = None, **dist_cfg) -> RunConfig:
