@@ -145,7 +145,8 @@ def _dispatch_backward(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, 
     else:  # no row of any process chose my experts
         grad_gate_up, grad_down = torch.zeros_like(gate_up), torch.zeros_like(down)
     grad_x = _exchange(_unsort(grad_rows, plan.order), plan.send, plan.recv, g)
-    return grad_x, grad_gate_up * grad_scale, grad_down * grad_scale
+    # contiguous, as the fake implementation says (the grouped GEMM may lay a weight gradient out otherwise)
+    return grad_x, (grad_gate_up * grad_scale).contiguous(), (grad_down * grad_scale).contiguous()
 
 
 @_dispatch_backward.register_fake
