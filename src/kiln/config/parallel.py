@@ -67,7 +67,15 @@ class DistConfig(Section):
         return self
 
     def problems(self) -> list[Problem]:
+        out: list[Problem] = []
         if self.replicas is not None and self.sharding != "hybrid":
-            return [(("replicas",), f"dist.replicas={self.replicas} applies to dist.sharding=hybrid only (it is "
-                                    f"{self.sharding}); remove dist.replicas or set dist.sharding=hybrid")]
-        return []
+            out.append((("replicas",), f"dist.replicas={self.replicas} applies to dist.sharding=hybrid only (it is "
+                                       f"{self.sharding}); remove dist.replicas or set dist.sharding=hybrid"))
+        if self.expert_parallel > 1:  # the rest, against the model and the processes: kiln.parallel.experts.check
+            for key, refused, why in (("strategy", self.strategy == "ddp", "needs dist.strategy=fsdp (or auto)"),
+                                      ("sharding", self.sharding == "hybrid", "does not support dist.sharding=hybrid"),
+                                      ("cpu_offload", self.cpu_offload, "does not support dist.cpu_offload")):
+                if refused:
+                    out.append((("expert_parallel", key), f"dist.expert_parallel={self.expert_parallel} {why}: "
+                                                          "change one of the two"))
+        return out

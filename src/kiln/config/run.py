@@ -88,6 +88,15 @@ class RunConfig(Section):
                         f"lora.quantize_base={self.lora.quantize_base} quantizes Kiln's native model; with "
                         "model.hf_class=auto it is not supported: use model.hf_class=native (Llama, Mistral, Qwen2 "
                         "and Nemotron shapes), or lora.quantize_base=none"))
+        ep = self.dist.expert_parallel
+        if ep > 1 and (self.lora.rank or m.hf_class == "auto" or (not from_model and m.moe is None)):
+            what = ("lora.rank", "LoRA") if self.lora.rank else ("model.hf_class", "model.hf_class=auto") \
+                if m.hf_class == "auto" else ("model.moe", "a model without experts (model.moe)")
+            out.append((("dist.expert_parallel", what[0]), f"dist.expert_parallel={ep} spreads a native mixture of "
+                        f"experts over the processes; {what[1]} is not supported with it: set dist.expert_parallel=1"))
+        elif ep > 1 and m.moe is not None and m.moe.n_experts % ep:
+            out.append((("dist.expert_parallel", "model.moe.n_experts"), f"dist.expert_parallel={ep} must divide "
+                        f"model.moe.n_experts={m.moe.n_experts} (each process keeps whole experts): choose a divisor"))
         es = t.early_stop
         if es.patience and es.metric not in ("val_loss", "val_ppl", "val_bpb") and \
                 es.metric.split("/", 1)[0] not in self.eval.tasks:

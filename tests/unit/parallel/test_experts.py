@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.config import RunConfig
+from kiln.config.load import load_config
 from kiln.errors import ConfigError
 from kiln.model.moe import swiglu_experts
 from kiln.parallel import experts
@@ -85,25 +86,38 @@ def test_full_checkpointing_keeps_the_dispatch_rather_than_repeating_its_all_to_
     torch.testing.assert_close(grads[0][1], grads[1][1])
 
 
-def _cfg(model: dict | None = None, lora: dict | None = None, **dist_cfg) -> RunConfig:
-    moe = {"moe": {"n_experts": 4, "top_k": 2, "expert_hidden": 16}}
-    return RunConfig.model_validate({"model": {"size": "tiny", **(moe if model is None else model)},
-                                     "dist": {"expert_parallel": 2, **dist_cfg}, "lora": lora or {}})
+def _cfg() -> RunConfig:
+    moe = {"n_experts": 4, "top_k": 2, "expert_hidden": 16}
+    return RunConfig.model_validate({"model": {"size": "tiny", "moe": moe}, "dist": {"expert_parallel": 2}})
 
 
-@pytest.mark.parametrize("cfg,world,strategy,said", [
-    (_cfg(), 1, "single", "this run has one: start it with --nproc 2"),
-    (_cfg(), 4, "fsdp", "must equal the number of processes \\(4\\)"),
-    (_cfg(model={}), 2, "fsdp", "no native mixture of experts"),
-    (_cfg(model={"moe": {"n_experts": 3, "top_k": 2}}), 2, "fsdp", "must divide model.moe.n_experts=3"),
-    (_cfg(strategy="ddp"), 2, "ddp", "dist.strategy=ddp: it needs fsdp"),
-    (_cfg(sharding="hybrid"), 2, "fsdp", "dist.sharding=hybrid is not supported"),
-    (_cfg(cpu_offload=True), 2, "fsdp", "dist.cpu_offload is not supported"),
-    (_cfg(lora={"rank": 4}), 2, "fsdp", "LoRA"),
+@pytest.mark.parametrize("overrides,said", [
+    ([], "a model without experts \\(model.moe\\) is not supported with it"),
+    (["model.moe.n_experts=3", "model.moe.top_k=1"], "must divide model.moe.n_experts=3"),
+    (["model.moe.n_experts=4", "dist.strategy=ddp"], "needs dist.strategy=fsdp"),
+    (["model.moe.n_experts=4", "dist.sharding=hybrid"], "does not support dist.sharding=hybrid"),
+    (["model.moe.n_experts=4", "dist.cpu_offload=true"], "does not support dist.cpu_offload"),
+    (["model.moe.n_experts=4", "lora.rank=4"], "LoRA is not supported"),
+    (["model.moe.n_experts=4", "model.hf_class=auto"], "model.hf_class=auto is not supported"),
 ])
-def test_settings_expert_parallelism_cannot_serve_are_refused_with_what_to_change(cfg, world, strategy, said):
+def test_settings_expert_parallelism_cannot_serve_are_config_errors(overrides, said):
     with pytest.raises(ConfigError, match=said):
-        experts.check(cfg, Mesh(world=world, local_world=world), strategy)
+        load_config(None, ["dist.expert_parallel=2", *overrides])
+
+
+@pytest.mark.parametrize("world,moe,said", [
+    (1, {}, "this run has one: start it with --nproc 2"),
+    (4, {}, "must equal the number of processes \\(4\\)"),
+    (2, None, "no native mixture of experts"),  # as model.init_from's config.json may say
+    (2, {"n_experts": 5}, "must divide model.moe.n_experts=5"),
+])
+def test_at_build_expert_parallelism_needs_as_many_processes_and_the_experts_to_divide(world, moe, said):
+    cfg = _cfg()
+    if moe != {}:
+        model = cfg.model.model_copy(update={"moe": moe if moe is None else cfg.model.moe.model_copy(update=moe)})
+        cfg = cfg.model_copy(update={"model": model})
+    with pytest.raises(ConfigError, match=said):
+        experts.check(cfg, Mesh(world=world, local_world=world), "fsdp" if world > 1 else "single")
 
 
 def test_auto_picks_fsdp_for_expert_parallelism():
