@@ -21,7 +21,7 @@ from kiln.train.events import Callback  # noqa: E402
 from kiln.train.trainer import Trainer  # noqa: E402
 
 MOE = {"d_model": 32, "n_heads": 4, "n_kv_heads": 2, "moe": {"n_experts": 4, "top_k": 2, "expert_hidden": 16}}
-STEPS, SAVE_AT = 6, 3
+STEPS, SAVE_AT = 4, 2
 
 
 class Norms(Losses):
