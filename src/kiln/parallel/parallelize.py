@@ -95,6 +95,9 @@ def parallelize(model: nn.Module, cfg: RunConfig, m: Mesh, n_params: int | None 
         from kiln.parallel.experts import check
 
         check(cfg, m, strategy)
+        e = cfg.model.moe.n_experts
+        log(f"expert parallelism: each of the {m.world} processes keeps {e // m.world} of the {e} experts of every "
+            "mixture-of-experts layer, and the tokens go to them by all-to-all (dist.expert_parallel)")
     if tcfg.fp8.enabled:  # the blocks' linear layers in float8 (kiln.parallel.float8), before AC wraps them
         from kiln.parallel.float8 import convert
 
