@@ -16,6 +16,7 @@ own thread, writes the staged copy (checkpointer.py says why not `dcp.async_save
 from __future__ import annotations
 
 import json
+import mmap
 import time
 import weakref
 from typing import Any
@@ -48,12 +49,12 @@ def pin_ranges(start: int, nbytes: int, chunk: int = PIN_CHUNK, page: int = PAGE
 def own_pages(t: torch.Tensor) -> torch.Tensor:
     """Move the CPU tensor `t` (its contents are not kept) into memory of its own whole pages, in place: a
     buffer the allocator placed beside another shares a page with it, and the driver locks whole pages, so
-    locking the second fails (or leaves it half locked, which a copy then refuses) once the first is locked."""
-    nbytes = t.untyped_storage().nbytes()
-    raw = torch.empty(nbytes + 2 * PAGE, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % PAGE
+    locking the second fails (or leaves it half locked, which a copy then refuses) once the first is locked.
+    The pages are an anonymous mapping of their own, so the storage starts on one (`is_pinned` looks there)."""
+    nbytes = max(t.untyped_storage().nbytes(), 1)
+    pages = torch.frombuffer(mmap.mmap(-1, -(-nbytes // PAGE) * PAGE), dtype=torch.uint8)
     with torch.no_grad():
-        t.set_(raw.untyped_storage(), start // t.element_size(), t.shape, t.stride())
+        t.set_(pages.untyped_storage(), 0, t.shape, t.stride())
     return t
 
 

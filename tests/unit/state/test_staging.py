@@ -115,4 +115,4 @@ def test_pinned_buffers_of_small_tensors_side_by_side_each_lock_their_own_pages(
     for k, v in live.items():
         got = staged[k].to_local() if k == "w" else staged[k]
         assert torch.equal(got, v.to_local() if k == "w" else v)
-        assert got.data_ptr() % 4096 == 0
+        assert got.data_ptr() % 4096 == 0 and got.untyped_storage().data_ptr() == got.data_ptr()
