@@ -116,7 +116,8 @@ class TrainConfig(Section):
     sample_tokens: int = Field(80, ge=0)
     """Tokens generated for that sample (0: no sample), at most: it ends at the model's first stop token (its EOS,
     and the eos_token_id of model.init_from's generation_config.json) or stop string (that file's stop_strings), as
-    `kiln generate` does."""
+    `kiln generate` does; sampled with that file's temperature, top_k, top_p and repetition_penalty (do_sample
+    false: greedy), else temperature 0.8 and top-k 50."""
     sample_ignore_eos: bool = False
     """Sample all sample_tokens, past the model's stop tokens and stop strings (as `kiln generate --ignore-eos`)."""
     early_stop: EarlyStopConfig = EarlyStopConfig()

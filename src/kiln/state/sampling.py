@@ -44,6 +44,22 @@ def sampling_settings(path: str | Path, **given: Any) -> Sampling:
     return Sampling(**{k: chosen[k] for k in SETTINGS}, source=source if found else None)
 
 
+def run_sampling(cfg) -> dict[str, Any]:
+    """The temperature, top_k, top_p and repetition_penalty of the sample at the end of a run (RunConfig `cfg`), as
+    `kiln generate RUN_DIR` samples it: its model.init_from's generation_config.json over Kiln's defaults (its
+    length stays train.sample_tokens). A setting there that transformers would refuse leaves Kiln's: the run has
+    trained by then, and `kiln generate` says what is wrong with the file."""
+    from kiln.state.hf_source import source_dir
+
+    src = source_dir(cfg.model)
+    try:
+        found = model_settings(src)[0] if src is not None else {}
+    except ConfigError:
+        found = {}
+    chosen = {**KILN_DEFAULTS, **found}
+    return {k: chosen[k] for k in ("temperature", "top_k", "top_p", "repetition_penalty")}
+
+
 def model_settings(path: str | Path, given: set[str] = frozenset()) -> tuple[dict[str, Any], Path | None]:
     """The sampling settings the model at `path` ships (a dict of SETTINGS, empty where its generation_config.json
     names none), and that file (None: there is none). ConfigError for a setting it names with a value transformers

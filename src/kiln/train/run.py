@@ -54,6 +54,7 @@ from kiln.state.rundir import (
     unmade_if_empty,
     write_config,
 )
+from kiln.state.sampling import run_sampling
 from kiln.state.stop_tokens import Stops, run_stops
 from kiln.state.verify import read_meta
 from kiln.state.weights import final_model_errors, save_model
@@ -455,7 +456,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         until = Stops([], []) if tcfg.sample_ignore_eos else run_stops(cfg, tok)
         ids = generate(model, start_ids(tok, tcfg.sample_prompt), tcfg.sample_tokens, seed=tcfg.seed,
                        stop_ids=until.ids, vocab_size=tok.vocab_size,
-                       stop_strings=StopStrings(until.strings, tok.decode))
+                       stop_strings=StopStrings(until.strings, tok.decode), **run_sampling(cfg))
         console.rule("sample")
         text = tcfg.sample_prompt + tok.decode(ids)
         console.print(text, markup=False, highlight=False)

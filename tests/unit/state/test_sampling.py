@@ -44,3 +44,14 @@ def test_a_setting_transformers_would_refuse_names_the_file(tmp_path):
     with pytest.raises(ConfigError, match=r"generation_config.json: top_p 1.5 .*--top-p"):
         sampling_settings(path, **NONE)
     assert sampling_settings(path, **{**NONE, "top_p": 0.5}).top_p == 0.5  # the option given replaces it
+
+
+def test_the_sample_at_the_end_of_a_run_samples_as_its_init_froms_generation_config(tmp_path):
+    from kiln.config import RunConfig
+    from kiln.state.sampling import run_sampling
+
+    source = model(tmp_path / "src", do_sample=False, top_k=20, max_new_tokens=5)
+    cfg = RunConfig.model_validate({"model": {"init_from": str(source)}})
+    assert run_sampling(cfg) == {"temperature": 0.0, "top_k": 20, "top_p": 1.0, "repetition_penalty": 1.0}
+    (source / "generation_config.json").write_text('{"top_p": 7}')  # refused by kiln generate; here Kiln's
+    assert run_sampling(cfg)["temperature"] == 0.8 and run_sampling(RunConfig())["top_k"] == 50
