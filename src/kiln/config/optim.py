@@ -17,5 +17,5 @@ class OptimConfig(Section):
     eps: float = Field(1e-8, gt=0)
     """AdamW epsilon."""
     fused: bool | None = None
-    """Use the fused AdamW kernel; null: on CUDA only. train.offload=optimizer always steps with it, on the GPU
-    (its state streamed from host memory)."""
+    """Use the fused AdamW kernel; null: on CUDA only, and on the host with train.offload (torch's fused CPU
+    kernel: vectorised, multi-threaded)."""

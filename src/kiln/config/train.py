@@ -103,8 +103,8 @@ class TrainConfig(Section):
     """'optimizer': one GPU trains a model whose fp32 weights and AdamW state do not fit beside it (ZeRO-Offload
     class): the device keeps the weights in the compute dtype (bf16: 2 bytes a parameter), each gradient is added
     to the step's fp32 sum in pinned host memory as soon as the backward pass makes it, and fp32 master weights,
-    AdamW moments and those sums stay in host memory (16 bytes a parameter; checked before the run starts), and
-    each step streams them through the GPU, where AdamW's fused kernel steps them. Exact: the same updates as 'none'
+    AdamW moments and those sums stay in host memory (16 bytes a parameter; checked before the run starts), where a
+    multi-threaded AdamW steps them and the new weights are copied back. Exact: the same updates as 'none'
     (clipping, accumulation), to the rounding of the compute dtype. One process only, no LoRA, the native model,
     a fixed train.batch_size. 'none': everything on the device."""
     peak_tflops: float | None = Field(None, gt=0)

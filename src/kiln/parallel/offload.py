@@ -7,12 +7,12 @@
 
 Where the bytes are (N parameters, bf16 compute):
 
-    device   the weights in the compute dtype (2 N), one parameter's gradient at a time, the transfer slices
-             (two streams' four fp32 slices of SLICE elements), activations
-    host     fp32 master weights (4 N), the step's gradients summed in fp32 (4 N) and AdamW's two moments
-             (8 N), all page-locked: 16 N in all
+    device   the weights in the compute dtype (2 N), one parameter's gradient at a time, two fp32 transfer
+             slices (SLICE elements each), activations
+    host     fp32 master weights (4 N) and the step's gradients summed in fp32 (4 N), both page-locked, and
+             AdamW's two moments (8 N): 16 N in all
 
-The host does no arithmetic; the GPU does it all, and the host memory holds the state between. As
+The host does no arithmetic during the backward pass; the GPU does it, and the host memory only holds. As
 soon as a parameter's gradient is complete (a post-accumulate-grad hook), it is freed from the training
 and, on two side CUDA streams, a slice at a time: the first micro-batch of a step converts it to fp32 and
 copies it to its fp32 sum on the host; a later one copies the sum up, adds the gradient to it on the GPU
@@ -20,16 +20,16 @@ copies it to its fp32 sum on the host; a later one copies the sum up, adds the g
 streams, so one slice's copy up runs beside the other's copy down; a slice always takes the same stream,
 so its copies of successive micro-batches are in order.
 
-The step, after the last micro-batch: the global gradient norm over the fp32 sums (on the host), then, a
-slice at a time on the side streams, each parameter's fp32 master, sum and two moments go up, the sum is
-clipped, torch's fused AdamW kernel steps them on the GPU (the plain path's kernel), the master and moments
-come back down and the weights are rounded to the compute dtype in place. The copies up of one slice run
-beside the copies down of the other stream's. Clipping needs the global norm, so no parameter steps before
-the last gradient of the step is summed: the update is that of the plain path (the same clipping and AdamW
-kernel on the same fp32 sums), whatever the accumulation. The next forward pass waits for the streams.
+The step, after the last micro-batch: the global gradient norm over the fp32 sums, clipping, then torch's
+AdamW (the fused, vectorised and multi-threaded CPU kernel by default) on the master weights, a chunk of
+parameters at a time in the order the forward pass uses them; each stepped chunk's fp32 masters are copied
+up and rounded to the compute dtype on the GPU, on the side streams, while the next chunk steps. Clipping
+needs the global norm, so no parameter steps before the last gradient of the step is summed: the update
+is exactly that of the plain path (the same clipping and AdamW code on the same fp32 sums), whatever the
+accumulation. The next forward pass waits for the copies on the device.
 
-On the CPU (tests) the "device" weights are a second copy in host memory, and the sums and the step are
-made where the state lies, with the same kernels; the hooks and the step are the same code.
+On the CPU (tests) the "device" weights are a second copy in host memory and the sums are made there; the
+hooks and the chunked step are the same code.
 
 Checkpoints: `parts()` gives the model part (the fp32 master weights under the model's own names) and the
 optimizer part (the moments in the layout of torch.distributed.checkpoint's optimizer state dict, keyed by
@@ -48,7 +48,8 @@ from torch import nn
 
 from kiln.errors import ResourceError
 
-SLICE = 1 << 23  # elements moved at a time: four fp32 slices (32 MB each) a stream on the GPU, two streams
+CHUNK = 1 << 26  # elements of master weights stepped together before their copy to the device starts
+SLICE = 1 << 24  # elements of a sum or a master weight moved at a time: two fp32 slices (64 MB each) on the GPU
 MASTERS = "_kiln_offload_masters"  # the model's attribute holding its fp32 master weights (place_model)
 
 
@@ -137,7 +138,8 @@ class OptimizerOffload:
     torch param-group form (weight decay per group); `optimizer` is a torch AdamW over their fp32 masters, which
     the learning-rate schedule drives as usual."""
 
-    def __init__(self, model: nn.Module, groups: list[dict], lr: float, betas: tuple[float, float], eps: float):
+    def __init__(self, model: nn.Module, groups: list[dict], lr: float, betas: tuple[float, float], eps: float,
+                 fused: bool | None = None):
         masters = getattr(model, MASTERS, None)
         if masters is None:
             raise RuntimeError("the model was not placed for offload (kiln.parallel.offload.place_model)")
@@ -150,17 +152,11 @@ class OptimizerOffload:
         self.masters = [masters[n].requires_grad_(True) for n in self.names]
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.device = self.params[0].device
-        # the fp32 sum of each parameter's gradients over the step's micro-batches and its AdamW moments, views of
-        # two buffers
-        total = sum(p.numel() for p in self.params)
-        flat, moments = torch.empty(total, dtype=torch.float32), torch.zeros(2 * total, dtype=torch.float32)
+        # the fp32 sum of each parameter's gradients over the step's micro-batches, views of one buffer
+        flat = torch.empty(sum(p.numel() for p in self.params), dtype=torch.float32)
         self.sums, self.offsets, at = [], [], 0
-        state = {}
-        for p, m in zip(self.params, self.masters):
+        for p in self.params:
             self.sums.append(flat[at:at + p.numel()].view(p.shape))
-            state[m] = {"step": torch.zeros((), dtype=torch.float32),
-                        "exp_avg": moments[at:at + p.numel()].view(p.shape),
-                        "exp_avg_sq": moments[total + at:total + at + p.numel()].view(p.shape)}
             self.offsets.append(at)
             at += p.numel()
         self.summed = [False] * len(self.params)  # whether the step has a gradient of each parameter yet
@@ -168,9 +164,8 @@ class OptimizerOffload:
         self.streams: list[torch.cuda.Stream] = []
         if self.device.type == "cuda":
             self.streams = [torch.cuda.Stream(self.device) for _ in range(2)]
-            # each stream's four slices: a master weight, a sum (or a gradient on its way), two moments
-            self._slices = [torch.empty(4, SLICE, dtype=torch.float32, device=self.device) for _ in self.streams]
-            self._locked = [t for t in (flat, moments, self.masters[0]) if _lock(t)]
+            self._slices = [torch.empty(SLICE, dtype=torch.float32, device=self.device) for _ in self.streams]
+            self._locked = [t for t in (flat, self.masters[0]) if _lock(t)]
         # gradients handed to the streams and not yet summed: (their streams' events, elements); the backward pass
         # waits while more than the largest parameter's are, so the device holds few gradients whatever PCIe's pace
         self._pending: deque = deque()
@@ -178,18 +173,17 @@ class OptimizerOffload:
         master_of = {id(p): m for p, m in zip(self.params, self.masters)}
         host_groups = [{**{k: v for k, v in g.items() if k != "params"},
                         "params": [master_of[id(p)] for p in g["params"]]} for g in groups]
-        self.optimizer = HostAdamW(host_groups, self, lr=lr, betas=betas, eps=eps, fused=True)
-        self.optimizer.state.update(state)
-        self._group = [next(g for g in self.optimizer.param_groups if any(m is q for q in g["params"]))
-                       for m in self.masters]
+        self.optimizer = HostAdamW(host_groups, self, lr=lr, betas=betas, eps=eps,
+                                   fused=True if fused is None else fused)
+        self.chunks = _chunks(self.masters)
         self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready) for p in self.params]
         # where a step's host time goes, summed over `steps` steps: waiting after the backward pass for the last
-        # gradients to be summed, and the step itself (the norm, then clipping and AdamW issued on the streams)
+        # gradients to be summed, and the step itself (norm, clipping, AdamW, copies back issued)
         self.seconds, self.steps = {"sums": 0.0, "step": 0.0}, 0
 
     def _slices_of(self, i: int):
-        """(stream, its four fp32 slices on the device, lo, hi) for each slice of parameter i: a slice takes its turn
-        by its place in the sums, so the same slice always takes the same stream."""
+        """(stream, its fp32 slice on the device, lo, hi) for each slice of parameter i: a slice takes its turn by
+        its place in the sums, so the same slice always takes the same stream."""
         n = self.params[i].numel()
         for lo in range(0, n, SLICE):
             k = (self.offsets[i] + lo) // SLICE % 2
@@ -212,7 +206,7 @@ class OptimizerOffload:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         for stream, work, lo, hi in self._slices_of(i):
             with torch.cuda.stream(stream):
-                w = work[1, :hi - lo]
+                w = work[:hi - lo]
                 if first:
                     w.copy_(g[lo:hi])
                 else:
@@ -244,7 +238,7 @@ class OptimizerOffload:
         self.wait()
         self.summed = [False] * len(self.params)
 
-    # the step: the norm on the host; clipping, AdamW and the new weights in the compute dtype on the device
+    # the step: norm, clipping, AdamW on the host, the new weights back to the device
     @torch.no_grad()
     def step(self, max_norm: float) -> torch.Tensor:
         """Clip the step's summed gradients to `max_norm` (inf: only measure) and step. Returns the norm."""
@@ -252,21 +246,24 @@ class OptimizerOffload:
         self.wait()
         t1 = time.perf_counter()
         have = [i for i, s in enumerate(self.summed) if s]  # a parameter the step did not use has no gradient
-        norm = nn.utils.get_total_norm([self.sums[i] for i in have], 2.0)
-        # torch's clipping multiplies by min(1, max_norm / (norm + 1e-6)): by exactly 1 when the norm is within the
-        # bound, which leaves the gradients as they are, so that product is skipped
-        coef = None
-        if not float(max_norm / (norm + 1e-6)) >= 1.0:  # NaN too, as torch would
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(self.device)
-        steps: dict[float, torch.Tensor] = {}
         for i in have:
-            count = self.optimizer.state[self.masters[i]]["step"]
-            count += 1
-            steps.setdefault(float(count), count.to(self.device))
+            self.masters[i].grad = self.sums[i]
+        grads = [self.sums[i] for i in have]
+        norm = nn.utils.get_total_norm(grads, 2.0)
+        # torch's clipping multiplies by min(1, max_norm / (norm + 1e-6)): by exactly 1 when the norm is within the
+        # bound, which leaves the gradients as they are, so that pass over them (a read and a write) is skipped
+        if not float(max_norm / (norm + 1e-6)) >= 1.0:  # NaN too, as torch would
+            nn.utils.clip_grads_with_norm_([self.masters[i] for i in have], max_norm, norm)
         for stream in self.streams:
             stream.wait_stream(torch.cuda.current_stream(self.device))  # the backward pass is done with the weights
-        for i in have:
-            self._adamw(i, coef, steps[float(self.optimizer.state[self.masters[i]]["step"])])
+        for chunk in self.chunks:
+            stepped = [i for i in chunk if self.summed[i]]
+            if not stepped:
+                continue
+            self.optimizer.step_only(stepped)
+            for i in stepped:
+                self.masters[i].grad = None
+            self._send(stepped)
         self.summed = [False] * len(self.params)
         for stream in self.streams:
             torch.cuda.current_stream(self.device).wait_stream(stream)  # the next forward pass waits for them
@@ -274,34 +271,6 @@ class OptimizerOffload:
         self.seconds["step"] += time.perf_counter() - t1
         self.steps += 1
         return norm
-
-    def _adamw(self, i: int, coef: torch.Tensor | None, count: torch.Tensor) -> None:
-        """Clip and step parameter i with torch's fused AdamW kernel where its `count`-th step runs, and give the
-        device its new weights in the compute dtype."""
-        group, state = self._group[i], self.optimizer.state[self.masters[i]]
-        beta1, beta2 = group["betas"]
-        hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-                     eps=group["eps"], amsgrad=False, maximize=False)
-        host = [t.view(-1) for t in (self.masters[i], self.sums[i], state["exp_avg"], state["exp_avg_sq"])]
-        weights = self.params[i].detach().view(-1)
-        if not self.streams:
-            master, grad, m, v = host
-            if coef is not None:
-                grad.mul_(coef)
-            torch._fused_adamw_([master], [grad], [m], [v], [], [count], **hyper)
-            weights.copy_(master)
-            return
-        for stream, work, lo, hi in self._slices_of(i):
-            with torch.cuda.stream(stream):
-                master, grad, m, v = work[:, :hi - lo]
-                for dst, src in zip((master, grad, m, v), host):
-                    dst.copy_(src[lo:hi], non_blocking=True)
-                if coef is not None:
-                    grad.mul_(coef)
-                torch._fused_adamw_([master], [grad], [m], [v], [], [count], **hyper)
-                for src, dst in zip((master, m, v), (host[0], host[2], host[3])):
-                    dst[lo:hi].copy_(src, non_blocking=True)
-                weights[lo:hi].copy_(master)
 
     def _send(self, indices: list[int]) -> None:
         """The master weights `indices` to the device, rounded there to the compute dtype (on the side streams)."""
@@ -312,7 +281,7 @@ class OptimizerOffload:
                 continue
             for stream, work, lo, hi in self._slices_of(i):
                 with torch.cuda.stream(stream):
-                    w = work[0, :hi - lo]
+                    w = work[:hi - lo]
                     w.copy_(master[lo:hi], non_blocking=True)
                     weights[lo:hi].copy_(w)
 
@@ -355,14 +324,42 @@ class OptimizerOffload:
         self.streams = []
 
 
+def _chunks(masters: list[torch.Tensor]) -> list[list[int]]:
+    """Consecutive indices of `masters` in runs of about CHUNK elements (a larger parameter alone)."""
+    out: list[list[int]] = [[]]
+    size = 0
+    for i, m in enumerate(masters):
+        if out[-1] and size + m.numel() > CHUNK:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += m.numel()
+    return out
+
+
 class HostAdamW(torch.optim.AdamW):
-    """torch's AdamW over the master weights: its param groups (which the learning-rate schedule drives) and state
-    (the moments in host memory) are what the offload steps with; `zero_grad` also forgets the gradients the
-    offload has summed (an out-of-memory retry of a step starts its sums again)."""
+    """torch's AdamW over the master weights, which can step some of them only; `zero_grad` also forgets the
+    gradients the offload has summed (an out-of-memory retry of a step starts its sums again)."""
 
     def __init__(self, groups: list[dict], offload: OptimizerOffload, **kw: Any):
         super().__init__(groups, **kw)
         self._offload = offload
+
+    def step_only(self, indices: list[int]) -> None:
+        """Step the masters `indices` (those with a .grad; AdamW passes over parameters without one)."""
+        masters = self._offload.masters
+        chosen = {id(masters[i]) for i in indices}
+        saved = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and id(p) not in chosen:
+                    saved.append((p, p.grad))
+                    p.grad = None
+        try:
+            self.step()
+        finally:
+            for p, g in saved:
+                p.grad = g
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)

@@ -3,8 +3,8 @@
 On the device: the weights in the compute dtype (2 bytes a parameter under bf16, no fp32 copy and no autocast
 casts), the activations and loss buffers of the plain path, and the gradients in flight: each leaves for the
 host as soon as the backward pass makes it, so at most the largest parameter's gradient and the next one exist
-at once, beside the fp32 slices the sums, masters and moments move through. No AdamW state. On the host: fp32
-master weights (4), AdamW's moments (8) and the step's fp32 gradient sums (4): 16 bytes a parameter.
+at once, beside the two fp32 slices the sums move through. No AdamW state. On the host: fp32 master weights
+(4), AdamW's moments (8) and the step's fp32 gradient sums (4): 16 bytes a parameter.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kiln.model.registry import param_count
 from kiln.plan.memory import Layout, Memory, layer_params, peak_memory
 
 HOST_BYTES = 4 + 8 + 4  # fp32 masters, two fp32 moments, fp32 gradient sums
-TRANSFER_SLICES = 2 * 4 * 4 * (1 << 23)  # bytes: kiln.parallel.offload's two streams' four fp32 slices of SLICE
+TRANSFER_SLICES = 2 * 4 * (1 << 24)  # bytes: kiln.parallel.offload's two fp32 slices of SLICE elements
 
 
 def largest_param(m: ModelConfig) -> int:

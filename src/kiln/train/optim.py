@@ -29,11 +29,12 @@ def build_optimizer(model: nn.Module, ocfg: OptimConfig, lr: float, device: torc
 
 
 def offload_optimizer(model: nn.Module, ocfg: OptimConfig, lr: float):
-    """AdamW over the fp32 masters of a model placed for offload (kiln.parallel.offload): state in host memory,
-    stepped with torch's fused kernel on the device."""
+    """AdamW on the host over the fp32 masters of a model placed for offload (kiln.parallel.offload); optim.fused
+    null takes torch's fused CPU kernel (vectorised, multi-threaded)."""
     from kiln.parallel.offload import OptimizerOffload
 
-    return OptimizerOffload(model, param_groups(model, ocfg.weight_decay), lr, (ocfg.beta1, ocfg.beta2), ocfg.eps)
+    return OptimizerOffload(model, param_groups(model, ocfg.weight_decay), lr, (ocfg.beta1, ocfg.beta2), ocfg.eps,
+                            ocfg.fused)
 
 
 def lr_factor(step: int, tcfg: TrainConfig) -> float:
