@@ -148,6 +148,29 @@ def test_generate_samples_as_the_models_generation_config_says_unless_told(model
     assert "generation_config.json" in CliRunner().invoke(app, ["generate", "--help"]).stdout
 
 
+def test_generate_stopped_by_ctrl_c_prints_what_it_sampled(model_dir, monkeypatch):
+    """Ctrl-C in a long `kiln generate` lost every token sampled so far: they are printed, and it exits 130."""
+    from typer.testing import CliRunner
+
+    from kiln.cli.app import app
+    from kiln.model.llama import Transformer
+
+    greedy = CliRunner().invoke(app, ["generate", str(model_dir), "-p", "def ", "-n", "3", "--temperature", "0",
+                                      "--ignore-eos"])
+    forward, calls = Transformer.forward, []
+
+    def interrupted(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > 3:  # Ctrl-C as the fourth token is sampled
+            raise KeyboardInterrupt
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(Transformer, "forward", interrupted)
+    r = CliRunner().invoke(app, ["generate", str(model_dir), "-p", "def ", "-n", "50", "--temperature", "0",
+                                 "--ignore-eos"])
+    assert r.exit_code == 130 and r.stdout == greedy.stdout  # the three tokens sampled before it
+
+
 def test_generate_help_says_zero_is_greedy():
     r = kiln("generate", "--help")
     assert r.returncode == 0 and "greedy" in r.stdout and "--threads" in r.stdout

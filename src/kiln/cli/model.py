@@ -97,6 +97,9 @@ def generate(
                      repetition_penalty=settings.repetition_penalty)
     except ValueError as e:
         raise ConfigError(f"kiln generate {run_dir}: {e}") from None
+    except KeyboardInterrupt as e:  # Ctrl-C: the text sampled so far is printed, then the exit status of the signal
+        print(prompt + tok.decode(getattr(e, "sampled", [])), flush=True)
+        raise
     print(prompt + tok.decode(out))
 
 

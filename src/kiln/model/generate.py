@@ -54,29 +54,34 @@ def generate(model: nn.Module, ids: list[int], max_new_tokens: int, temperature:
     stops = set(stop_ids)
     was_training = model.training
     model.eval()
-    for _ in range(max_new_tokens):
-        logits = model(tokens[:, -ctx_len:])[:, -1, :].float()  # (1, V)
-        if vocab_size is not None and vocab_size < logits.shape[-1]:
-            logits = logits[:, :vocab_size]  # (1, V_tok): the padding rows are no tokens
-        if not bool(torch.isfinite(logits).all()):
-            raise ValueError("the model's logits are not finite (NaN or infinite weights): it diverged or its file "
-                             "is damaged")
-        if repetition_penalty not in (None, 1):
-            logits = _penalize(logits, tokens, repetition_penalty)
-        if temperature == 0:
-            nxt = logits.argmax(dim=-1, keepdim=True)
-        else:  # shifted so the largest is 0: a tiny temperature gives 0 and -inf (greedy), never inf - inf = NaN
-            logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            if top_p is not None and top_p < 1:
-                logits = _nucleus(logits, top_p)
-            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
-        tokens = torch.cat([tokens, nxt], dim=1)
-        if int(nxt) in stops or (stop_strings and stop_strings.ends(tokens[0, -stop_strings.window:].tolist())):
-            break
-    model.train(was_training)
+    try:
+        for _ in range(max_new_tokens):
+            logits = model(tokens[:, -ctx_len:])[:, -1, :].float()  # (1, V)
+            if vocab_size is not None and vocab_size < logits.shape[-1]:
+                logits = logits[:, :vocab_size]  # (1, V_tok): the padding rows are no tokens
+            if not bool(torch.isfinite(logits).all()):
+                raise ValueError("the model's logits are not finite (NaN or infinite weights): it diverged or its file "
+                                 "is damaged")
+            if repetition_penalty not in (None, 1):
+                logits = _penalize(logits, tokens, repetition_penalty)
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:  # shifted so the largest is 0: a tiny temperature gives 0 and -inf (greedy), never inf - inf = NaN
+                logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
+                if top_k:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                if top_p is not None and top_p < 1:
+                    logits = _nucleus(logits, top_p)
+                nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
+            tokens = torch.cat([tokens, nxt], dim=1)
+            if int(nxt) in stops or (stop_strings and stop_strings.ends(tokens[0, -stop_strings.window:].tolist())):
+                break
+    except KeyboardInterrupt as e:  # Ctrl-C: the ids sampled so far go with it (`kiln generate` prints them)
+        e.sampled = tokens[0, len(ids):].tolist()
+        raise
+    finally:
+        model.train(was_training)
     return tokens[0, len(ids):].tolist()
 
 
