@@ -215,7 +215,7 @@ def test_a_signal_during_start_up_exits_cleanly_and_releases_the_run_dir(base, t
     assert starting.returncode == 128 + sig, err[-3000:]
     assert f"{signal.Signals(sig).name} during start-up: stopped before training" in err
     assert "Traceback" not in err + out
-    assert sorted(p.name for p in run_dir.iterdir()) == []  # no lock left, no config.yaml of a run never started
+    assert not run_dir.exists()  # no lock left, no config.yaml of a run never started: the directory it made, gone
 
 
 def test_a_start_killed_in_its_first_seconds_is_resumed_by_kiln_train_run_dir(base, tmp_path):

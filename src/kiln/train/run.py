@@ -184,8 +184,9 @@ def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: M
         console.print(f"warning: {unmeant}", highlight=False)
     run_dir, may_resume, made = run_directory(cfg, resume, console.print)
     cfg = derive(cfg, {"train.run_dir": str(run_dir)})
-    stops = StopSignals("during start-up", f"stopped before training; nothing in {run_dir} changed. Run the "
-                                           "same command again to go on (prepared data shards are kept)")
+    left = f"{run_dir}, made by this start, is taken away" if made else f"nothing in {run_dir} changed"
+    stops = StopSignals("during start-up", f"stopped before training; {left}. Run the same command again to go on "
+                                           "(prepared data shards are kept)")
     with unmade_if_empty(made), hold_run_dir(run_dir), stops, config_while_starting(run_dir, cfg, mesh.rank == 0):
         resume_from = choose_checkpoint(run_dir, console.print, cfg.checkpoint.archive_url) if may_resume else None
         console.print(f"[bold]kiln[/] run directory: {run_dir}")
