@@ -18,9 +18,11 @@ model's own code, and `describe_fast_path` says which and why (the run's model l
 
 Documents in a packed row: with `doc_ids` the model gets `position_ids` that restart at every
 document, and Kiln's attention a block-diagonal mask; a model on its own attention whose masks come from
-transformers' `masking_utils` attends inside each document through the position ids. A model with recurrent
-layers (Mamba, ...) or whose forward takes no `position_ids` can run each document as its own sequence
-instead (kiln.model.hf_packing), which a run chooses with data.document_mask=split.
+transformers' `masking_utils` attends inside each document through the position ids, and one on SDPA whose
+masks ignore the positions (transformers 5.17's Falcon) through a (B, 1, T, T) document mask as its
+`attention_mask`. A model with recurrent layers (Mamba, ...) or whose forward takes no `position_ids` can run
+each document as its own sequence instead (kiln.model.hf_packing), which a run chooses with
+data.document_mask=split.
 
 Remote code: a directory whose config.json has `auto_map` ships Python that transformers would import
 and run. It is refused unless `model.trust_remote_code` is true.
@@ -47,7 +49,14 @@ from kiln.model.hf_attention import install as install_attention
 from kiln.model.hf_blocks import decoder_layers, transformers_module
 from kiln.model.hf_head import decoder_of, logit_cap, plain_head
 from kiln.model.hf_moe import RouterAux, router_aux_coef
-from kiln.model.hf_packing import doc_positions, merge_documents, recurrent_layers, split_documents
+from kiln.model.hf_packing import (
+    doc_positions,
+    document_attention_mask,
+    merge_documents,
+    recurrent_layers,
+    split_documents,
+    takes_document_masks,
+)
 from kiln.model.hf_packing import positions_keep_documents_apart as keeps_documents_apart
 from kiln.model.hf_precision import match_native
 from kiln.model.loss import IGNORE_INDEX
@@ -202,8 +211,12 @@ class HFCausalLM(nn.Module):
         self.router_aux = RouterAux()
         # the native model's attention, loss and precision where the model allows: each is None, or why not
         self.own_attention = install_attention(self.base, self.split_documents)
+        self.document_masks = False  # its own attention keeps documents apart by Kiln's (B, 1, T, T) mask
         if self.own_attention is not None and not self.split_documents:  # its masks must see the documents
             self.split_documents = not keeps_documents_apart(self.base)
+            if self.split_documents and sliding_window(self.base) is None and not capped(self.base) \
+                    and takes_document_masks(self.base):  # a mask of the documents replaces the model's own
+                self.split_documents, self.document_masks = False, True
         self.window = sliding_window(self.base) if self.own_attention is None else None  # its layers' masks
         self.capped = self.own_attention is None and capped(self.base)  # soft-capped scores: a mask on every layer
         self.own_head = plain_head(self.base, None if self.own_attention else self._mask_argument)
@@ -245,6 +258,8 @@ class HFCausalLM(nn.Module):
                  "loss: " + ("chunked on the hidden states" + (", soft-capped" if self.logit_cap else "")
                              if self.own_head is None
                              else f"on the full logits ({self.own_head})")]
+        if self.document_masks:
+            parts.append("documents: a (B, 1, T, T) mask as its attention_mask (its masks ignore the positions)")
         return "; ".join(parts)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
@@ -264,6 +279,8 @@ class HFCausalLM(nn.Module):
             if doc_ids is not None:
                 doc_ids = doc_ids.to(tokens.device)
                 kwargs["position_ids"] = doc_positions(doc_ids)
+                if self.document_masks:
+                    kwargs["attention_mask"] = document_attention_mask(doc_ids)
         if self.own_attention is None:  # built once, for every layer (None: plain causal attention)
             kwargs[MASK_KEY] = layer_masks(doc_ids, tokens.device, kwargs["input_ids"].shape[1], self.window,
                                            self.capped)

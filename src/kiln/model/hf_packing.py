@@ -2,6 +2,8 @@
 
 Attention keeps documents apart through `position_ids` that restart at each document (`doc_positions`):
 transformers' models that build their masks through `masking_utils` then attend inside each document.
+A model on SDPA whose masks ignore the positions (transformers 5.17's Falcon) is given a (B, 1, T, T) mask of
+the documents as its `attention_mask` instead (`takes_document_masks`, `document_attention_mask`).
 A recurrent layer (Mamba's selective scan, a gated delta net, a short convolution) carries its state from
 one position to the next whatever the positions say, so the second document of a row would start from the
 first's state. transformers' PyTorch scans take no document boundaries (their kernels' `seq_idx` is
@@ -69,20 +71,45 @@ def merge_documents(logits: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor) 
     return logits[seg, pos]
 
 
+def document_attention_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """doc_ids (B, T) -> (B, 1, T, T) bool: True where a position may attend to another, an earlier one (or
+    itself) of its own document (the `attention_mask` of an SDPA model whose masks do not follow the positions)."""
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
+
+
+def takes_document_masks(model: nn.Module) -> bool:
+    """Whether `model` (a transformers causal LM on its own attention, whose masks do not follow the position ids,
+    with neither sliding windows nor soft-capped scores: the caller checks) keeps the documents of a packed row
+    apart given `document_attention_mask` as its `attention_mask`: a model on SDPA where two packed documents then
+    get the logits each has alone. transformers 5.17's Falcon builds its mask without the position ids but takes a
+    4D mask as it is: so its packed rows stay packed, instead of each document running as a row of its own padded
+    to the longest (several times the tokens, and the attention scores of each)."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    if getattr(config, "_attn_implementation", None) != "sdpa":  # eager attention adds its mask: not a boolean one
+        return False
+    return positions_keep_documents_apart(model, masked=True)
+
+
 @torch.no_grad()
-def positions_keep_documents_apart(model: nn.Module) -> bool:
+def positions_keep_documents_apart(model: nn.Module, masked: bool = False) -> bool:
     """Whether `model` (a transformers causal LM on its own attention) given position ids that restart at the
     second of two documents packed in a row gives each the logits it has alone: transformers' mask builders
     (masking_utils) find the documents in the positions, but a model that builds its masks without them
-    (GPT-OSS) lets the second attend to the first. A model whose forward fails so is taken as not keeping them."""
+    (GPT-OSS) lets the second attend to the first. `masked`: with `document_attention_mask` as the attention mask
+    too. A model whose forward fails so is taken as not keeping them."""
     training, device = model.training, next(model.parameters()).device
     vocab = model.get_input_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randint(0, vocab, (1, n), generator=g).to(device) for n in (6, 5))
     docs = torch.tensor([[0] * 6 + [1] * 5], device=device)
+    extra = {"attention_mask": document_attention_mask(docs)} if masked else {}
     model.eval()
     try:
-        got = model(input_ids=torch.cat([a, b], 1), position_ids=doc_positions(docs), use_cache=False).logits.float()
+        got = model(input_ids=torch.cat([a, b], 1), position_ids=doc_positions(docs), use_cache=False,
+                    **extra).logits.float()
         want = torch.cat([model(input_ids=p, use_cache=False).logits.float() for p in (a, b)], 1)
     except Exception:  # noqa: BLE001  (any model code: it cannot be shown to keep them apart)
         return False
