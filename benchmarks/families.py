@@ -34,7 +34,7 @@ import time
 import torch
 
 from benchmarks.common import device_name, free, run_info, table, write_json
-from benchmarks.hf_auto import run
+from benchmarks.hf_auto import add_run_args, run
 
 # each family's layout on top of a named size: the ModelConfig fields that make it that family (`layout` adds those
 # that depend on the size or the row)
@@ -131,15 +131,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default="llama,qwen3,phi3", help=f"Comma-separated, of {', '.join(LAYOUTS)}.")
     ap.add_argument("--size", default="tiny", help="Kiln model size (tiny, 124m, 350m, 1b, ...).")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda.")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=5, help="Timed steps.")
-    ap.add_argument("--warmup", type=int, default=2, help="Untimed steps first (compilation included).")
-    ap.add_argument("--vocab", type=int, default=None, help="Vocabulary (default: the size's, else 512).")
-    ap.add_argument("--compile", action="store_true", help="Per-block torch.compile on both (kiln.parallel.compile).")
-    ap.add_argument("--ac", default="none", choices=["none", "selective", "full"], help="Activation checkpointing.")
-    ap.add_argument("--no-doc-mask", dest="doc_mask", action="store_false", help="One sequence per row.")
+    add_run_args(ap)
     ap.add_argument("--json", default=None, help="Write the rows and the machine to this file.")
     args = ap.parse_args()
     kinds = [k for k in args.families.split(",") if k]

@@ -120,6 +120,19 @@ def compare(size: str, batch: int, args, device: torch.device) -> list[dict]:
     return results
 
 
+def add_run_args(ap) -> None:
+    """The options of a step-timing run that families.py and generic_families.py share with this script's."""
+    ap.add_argument("--device", default="cpu", help="cpu or cuda.")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=5, help="Timed steps.")
+    ap.add_argument("--warmup", type=int, default=2, help="Untimed steps first (compilation included).")
+    ap.add_argument("--vocab", type=int, default=None, help="Vocabulary (default: the size's, else 512).")
+    ap.add_argument("--compile", action="store_true", help="Per-block torch.compile (kiln.parallel.compile).")
+    ap.add_argument("--ac", default="none", choices=["none", "selective", "full"], help="Activation checkpointing.")
+    ap.add_argument("--no-doc-mask", dest="doc_mask", action="store_false", help="One sequence per row.")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", default=None, help="Comma-separated size:batch, e.g. 124m:16,1b:8 "
