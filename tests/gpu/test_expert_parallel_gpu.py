@@ -38,8 +38,14 @@ def test_written_out_backward_through_the_grouped_gemm_is_autograds():
     grad = torch.randn_like(out)
     out.backward(grad)
     got = swiglu_backward(grad, x.detach(), gate_up.detach(), down.detach(), offs)
-    for name, mine, ref in zip(("x", "gate_up", "down"), got, (x.grad, gate_up.grad, down.grad), strict=True):
-        torch.testing.assert_close(mine.float(), ref.float(), rtol=2e-2, atol=2e-2, msg=name)
+    # both are bf16 roundings of one exact gradient (weight gradients sum up to 300 rows: elementwise they differ by
+    # about 0.25 where they reach 57), so each is measured against it, in fp64 on the CPU from the same bf16 inputs
+    ref = [t.detach().cpu().double().requires_grad_() for t in (x, gate_up, down)]
+    swiglu_experts(*ref, offs.cpu()).backward(grad.cpu().double())
+    for name, mine, auto, exact in zip(("x", "gate_up", "down"), got, (x.grad, gate_up.grad, down.grad), ref,
+                                       strict=True):
+        err = [float((t.cpu().double() - exact.grad).norm() / exact.grad.norm()) for t in (mine, auto)]
+        assert err[0] < 1e-2 and err[0] <= 1.5 * err[1], (name, err)
 
 
 def _train(root: Path, name: str, *extra: str) -> tuple[dict[int, float], str]:
