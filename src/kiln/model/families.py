@@ -139,8 +139,8 @@ FAMILIES: list[Family] = [
     Family("StableLM", ("stablelm",), _matrix("stablelm")),
     Family("StarCoder2", ("starcoder2",), _matrix("starcoder2")),
     Family("Falcon", ("falcon",), _matrix("falcon"),
-           note="its own attention (SDPA's math path in fp32: one key/value head); the speed was measured while "
-                "its packed documents ran as rows of their own, before Kiln gave it a document mask: not re-measured"),
+           note="its own attention (SDPA's math path in fp32: one key/value head); on transformers 5.17 its masks "
+                "ignore position ids, so its packed documents are kept apart by a (B, 1, T, T) mask"),
     Family("GPT-NeoX, Pythia", ("gpt_neox",), _matrix("gpt_neox")),
     Family("Granite", ("granite",), _matrix("granite")),
     Family("Cohere (Command R)", ("cohere",), _matrix("cohere")),
@@ -152,7 +152,7 @@ FAMILIES: list[Family] = [
     Family("BLOOM", ("bloom",), _matrix("bloom", **{"document masks": f"{AUTO_DOCS}[bloom]"}),
            note=f"ALiBi, on its own attention; {SPLIT}: its masks ignore position ids, and a packed row split into "
                 "its documents is padded to the longest (4-6x the tokens at 124m x 1024, with eager fp32 attention "
-                "scores: 0.02x)"),
+                "scores: 0.02x-0.03x)"),
     Family("OPT", ("opt",), _matrix("opt")),
     Family("CodeGen", ("codegen",), _matrix("codegen")),
     Family("OLMoE", ("olmoe",), _matrix("olmoe")),
