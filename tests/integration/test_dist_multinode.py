@@ -31,7 +31,8 @@ from .conftest import losses, stdlib_corpus, tiny_cpu_run
 
 STEPS, EVERY = 40, 5
 ENV = {**os.environ, **TORCHRUN_ENV, "COLUMNS": "400", "OMP_NUM_THREADS": "1"}
-RUN_FILES = {".lock", ".lock-holder.json", "config.yaml", "checkpoints", "metrics.jsonl", "train.log", "model"}
+RUN_FILES = {".lock", ".lock-holder.json", "config.yaml", "started_in.json", "checkpoints", "metrics.jsonl",
+             "train.log", "model"}
 
 
 def free_port() -> int:

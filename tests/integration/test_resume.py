@@ -63,14 +63,14 @@ def base(tmp_path_factory) -> list[str]:
     return tiny_cpu_run(cache, corpus, 2 * N, N, "checkpoint.save_final=false", batch_size=4)
 
 
-def train(args: list[str], action: str = "none", at: int = 0) -> subprocess.CompletedProcess:
+def train(args: list[str], action: str = "none", at: int = 0, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", CHILD, action, str(at), *args], capture_output=True, text=True,
-                          timeout=300, env=ENV)
+                          timeout=300, env=ENV, cwd=cwd)
 
 
-def resume(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+def resume(run_dir: Path, *extra: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kiln.cli", "train", str(run_dir), *extra], capture_output=True,
-                          text=True, timeout=300, env=ENV)
+                          text=True, timeout=300, env=ENV, cwd=cwd)
 
 
 def losses(run_dir: Path) -> tuple[dict[int, float], dict[int, int]]:
@@ -98,11 +98,15 @@ def reference(base, tmp_path_factory) -> dict[int, float]:
 
 
 def test_sigkill_between_checkpoints_resumes_bit_for_bit(base, reference, tmp_path):
+    """Started with its data.sources relative to the directory it ran in, resumed from another directory: the
+    sources are read from the first (it stopped on the files missing, or could read others of the same name)."""
     run_dir = tmp_path / "run"
-    killed = train([*base, f"train.run_dir={run_dir}"], "kill", N + K)
+    corpus = Path(next(a for a in base if a.startswith("data.sources=")).partition("=")[2].strip("[]"))
+    killed = train([*base, f"train.run_dir={run_dir}", f"data.sources=[{corpus.name}]"], "kill", N + K,
+                   cwd=corpus.parent)
     assert killed.returncode == -signal.SIGKILL
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step_{N:08d}"]
-    again = resume(run_dir)
+    again = resume(run_dir, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{N:08d}'}" in again.stdout
     got, count = losses(run_dir)

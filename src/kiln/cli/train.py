@@ -66,7 +66,7 @@ def train(
                                   "config file, or the directory of an earlier `kiln train`")
             from kiln.state.rundir import run_config
 
-            cfg = run_config(run_dir, overrides)
+            cfg = run_config(run_dir, overrides, strict=True)
             if not any(o.strip().startswith("train.run_dir=") for o in overrides):
                 cfg = derive(cfg, {"train.run_dir": str(run_dir)})
         else:

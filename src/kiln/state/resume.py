@@ -54,9 +54,22 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], all_keys:
         if not all_keys and key.startswith(FREE):
             continue
         old = a.get(key, defaults.get(key))
+        if key == "data.mixture" and not all_keys:  # where each entry's data lives is free, as data.sources
+            old, now = _weights_of(old), _weights_of(b[key])
+            if old != now:
+                out.append(f"{key}: {old!r} -> {now!r}")
+            continue
         if old != b[key]:
             out.append(f"{key}: {old!r} -> {b[key]!r}")
     return out
+
+
+def _weights_of(mixture: Any) -> Any:
+    """A data.mixture without its entries' places (sources, dataset): what identifies them is their data."""
+    if not isinstance(mixture, list):
+        return mixture
+    return [{k: v for k, v in e.items() if k not in ("sources", "dataset")} if isinstance(e, dict) else e
+            for e in mixture]
 
 
 def fingerprints(cfg: RunConfig, dataset) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
     <run_dir>/config.yaml                the resolved config of the latest start or resume (written once
                                          the run has started or its checkpoint has loaded)
+    <run_dir>/started_in.json            the directory config.yaml's relative paths are read from (its writer's)
     <run_dir>/.lock, .lock-holder.json   while a `kiln train` runs in it: its lock, and who holds it
     <run_dir>/metrics.jsonl              metrics, appended across resumes
     <run_dir>/train.log                  the progress as time-stamped lines, appended across resumes
@@ -30,6 +31,7 @@ import yaml
 from kiln.config import RunConfig
 from kiln.errors import ConfigError, StateError
 from kiln.files import atomic_write, atomic_write_json, try_lock
+from kiln.state.start_dir import RECORD, from_start, missing_error, record_start, start_of
 from kiln.state.verify import META
 
 CHECKPOINTS = "checkpoints"
@@ -119,48 +121,42 @@ def check_config_is_a_runs(run_dir: Path) -> None:
                       f"under another name and give it: kiln train FILE train.run_dir={run_dir}")
 
 
-def run_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """The config of the run in `run_dir` (its config.yaml, then `overrides`), a relative data.cache_dir in it taken
-    from the directory the run started in (`started_in`), not the current one: older versions of Kiln wrote it as
-    given (they write it absolute now), and a resume from elsewhere prepared the data again into a new cache there.
-    Where that directory cannot be told, the current directory, as those versions read it."""
-    from kiln.config import load_config
+def run_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), strict: bool = False) -> RunConfig:
+    """The config of the run in `run_dir` (its config.yaml, then `overrides`), its relative input paths (data.sources,
+    ...) and data.cache_dir read from the directory the run started in, not the current one (kiln.state.start_dir);
+    an override still wins. Where that directory cannot be told, the current one. `strict` (a resume that trains):
+    a DataError naming both places where data the config names is found in neither."""
+    from kiln.config import derive, load_config
 
     file = Path(run_dir) / CONFIG
     try:
         saved = yaml.safe_load(file.read_text())
     except (OSError, ValueError, yaml.YAMLError):
         saved = None  # load_config says what is wrong
-    data = saved.get("data") if isinstance(saved, dict) else None
-    train = saved.get("train") if isinstance(saved, dict) else None
-    cache = data.get("cache_dir") if isinstance(data, dict) else None
-    start = started_in(Path(run_dir), train.get("run_dir") if isinstance(train, dict) else None)
-    given = any(o.strip().startswith("data.cache_dir=") for o in overrides)
-    if isinstance(cache, str) and cache.strip() and not cache.startswith("~") and not os.path.isabs(cache) \
-            and start is not None and not given:
-        overrides = [f"data.cache_dir={start / cache}", *overrides]
-    return load_config(file, overrides)
-
-
-def started_in(run_dir: Path, saved: Any) -> Path | None:
-    """The directory a run started in, as the relative train.run_dir its config.yaml names (`saved`) tells: the
-    path of `run_dir` less that one ('runs/20261127-1200' of /home/me/proj/runs/20261127-1200: /home/me/proj); None
-    where it cannot tell (`saved` absolute or none, or the directory moved since)."""
-    if not isinstance(saved, str) or not saved.strip():
-        return None
-    rel = Path(os.path.normpath(saved))
-    here = run_dir.expanduser().absolute()
-    n = len(rel.parts)
-    if rel.is_absolute() or saved.startswith("~") or ".." in rel.parts or rel.parts == (".",) or \
-            here.parts[-n:] != rel.parts:
-        return None
-    return Path(*here.parts[:-n])
+    cfg = load_config(file, overrides)
+    if not isinstance(saved, dict):
+        return cfg
+    train = saved.get("train")
+    start, here = start_of(run_dir, train.get("run_dir") if isinstance(train, dict) else None), Path.cwd()
+    if start is None or start == here:
+        return cfg
+    given = {o.partition("=")[0].strip() for o in overrides}
+    changes, missing = from_start(saved, start, here)
+    if {"data.sources", "data.mixture"} & given:  # the data given anew: the saved one is not read
+        given |= {"data.sources", "data.mixture"}
+    changes = {k: v for k, v in changes.items() if k not in given}
+    missing = [(k, spec) for k, spec in missing if k not in given]
+    if strict and missing:
+        raise missing_error(missing, start, here, file)
+    return derive(cfg, changes) if changes else cfg
 
 
 def write_config(run_dir: str | Path, cfg: RunConfig) -> None:
-    """Write `cfg` as the run's config.yaml, whole or not at all (a reader or a crash never sees half)."""
+    """Write `cfg` as the run's config.yaml, whole or not at all (a reader or a crash never sees half), and beside it
+    the current directory, the one its relative paths are read from (kiln.state.start_dir)."""
     try:
         atomic_write(Path(run_dir) / CONFIG, cfg.to_yaml())
+        record_start(run_dir)
     except OSError as e:
         raise StateError(f"cannot write {Path(run_dir) / CONFIG}: {e.strerror}. Check the run directory's "
                          "permissions and free space.") from None
@@ -183,6 +179,7 @@ def config_while_starting(run_dir: str | Path, cfg: RunConfig, writes: bool) -> 
         with suppress(OSError):
             if first is not None and path.stat().st_ino == first:  # the start never got as far as its own
                 path.unlink()
+                (Path(run_dir) / RECORD).unlink(missing_ok=True)
         raise
 
 

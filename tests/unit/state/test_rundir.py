@@ -109,7 +109,7 @@ def test_write_config_replaces_the_file_whole(tmp_path):
     cfg = RunConfig.model_validate({"train": {"lr": 1e-4}})
     write_config(tmp_path, cfg)
     assert RunConfig.model_validate(yaml.safe_load((tmp_path / "config.yaml").read_text())) == cfg
-    assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"]  # no temporaries left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "started_in.json"]  # no temporaries left
 
 
 def test_a_new_run_has_its_config_from_the_start_and_a_clean_failure_takes_it_away(tmp_path):
