@@ -35,14 +35,25 @@ from kiln.model.llama import Transformer
 Request = tuple[Any, list[int], list[int]]  # (the request's strings, context tokens, continuation tokens)
 
 
+def _sharded(model: torch.nn.Module) -> bool:
+    """Whether `model`'s weights are sharded over processes (DTensors: FSDP2, tensor parallelism)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 class KilnLM(TemplateLM):
     """lm-eval model over a Kiln `Transformer` (or any module whose forward(tokens) gives logits, such as
     a wrapped one in training) and its `kiln` Tokenizer."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, batch_size: int = 16, max_length: int | None = None,
                  max_gen_toks: int = 256, autocast: Callable[[], Any] | None = None, data_parallel: bool = False,
-                 stop_ids: Sequence[int] = (), stop_strings: Sequence[str] = ()):
+                 stop_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
+                 before_forward: Callable[[], None] | None = None):
         super().__init__()
+        # called before each forward of the model: the processes of a training job check they are all still in
+        # the task (kiln.eval.agree), whose forwards are collectives on a sharded model
+        self.before_forward = before_forward or (lambda: None)
         if data_parallel:
             import torch.distributed as dist
 
@@ -63,8 +74,9 @@ class KilnLM(TemplateLM):
         self.stop_strings = [s for s in stop_strings if s]
         self.autocast = autocast or contextlib.nullcontext
         self._device = next(model.parameters()).device
-        # only a plain native model is asked for its hidden states (a wrapped one runs its own forward)
-        self._hidden = model.hidden if isinstance(model, Transformer) else None
+        # only a plain native model is asked for its hidden states (a wrapped one runs its own forward, and a sharded
+        # one, FSDP's, gathers its weights in its forward's hooks, which `hidden` passes by)
+        self._hidden = model.hidden if isinstance(model, Transformer) and not _sharded(model) else None
 
     # ------------------------------------------------------------------------------------------ processes
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -125,6 +137,7 @@ class KilnLM(TemplateLM):
     @torch.no_grad()
     def _scored_logits(self, tokens: torch.Tensor, picks: list[tuple[int, int]]) -> list[torch.Tensor]:
         """fp32 log-probabilities (n, V) at positions [lo, hi) of each row of `tokens` (B, T)."""
+        self.before_forward()
         with self.autocast():
             if self._hidden is not None:
                 h = self._hidden(tokens, None)  # (B, T, C)
@@ -228,6 +241,7 @@ class KilnLM(TemplateLM):
         vocab = self.tok.vocab_size
         gen = torch.Generator(device=self.device).manual_seed(1234)
         for _ in range(max(steps)):
+            self.before_forward()
             with self.autocast():
                 logits = self.model(tokens, None, docs)[:, -1, :vocab].float()  # (B, V_tok)
             nxt = logits.argmax(-1)
