@@ -8,11 +8,12 @@ No torch: it reads the config, the model's closed forms (kiln.model.registry), t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kiln.config import ModelConfig, RunConfig
 from kiln.model.registry import flops_per_token, param_count
+from kiln.plan import experts
 from kiln.plan.fp8 import FP8_GPUS, converted_params, converted_share
 from kiln.plan.fp8 import speedup as fp8_speedup
 from kiln.plan.gpus import CPU_STEP_SHARE, FULL_AC_FACTOR, GIB, Gpu, MfuEstimate, cpu_matmul_flops, estimate_mfu
@@ -125,7 +126,15 @@ def layout_for(cfg: RunConfig, gpus: int, n_params: int, memory: int, strategy: 
     if d.sharding == "hybrid":
         replicas = d.replicas or max(1, -(-gpus // 8))
         shard = max(1, gpus // replicas)
-    return Layout("fsdp", shard, d.sharding, offload)
+    # dist.expert_parallel where kiln train takes it: every process, a native MoE, no hybrid sharding or offload
+    experts = d.expert_parallel if expert_parallel_applies(cfg, gpus) and d.sharding != "hybrid" and not offload else 1
+    return Layout("fsdp", shard, d.sharding, offload, experts)
+
+
+def expert_parallel_applies(cfg: RunConfig, gpus: int) -> bool:
+    """Whether dist.expert_parallel (above 1) spreads the experts of this run over its `gpus` processes."""
+    ep, moe = cfg.dist.expert_parallel, cfg.model.moe
+    return ep > 1 and ep == gpus and moe is not None and moe.n_experts % ep == 0 and cfg.model.hf_class != "auto"
 
 
 def capacity_of(gpu: Gpu, gpus: int = 1) -> int:
@@ -195,7 +204,13 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
                         if nf4 else ""))
     lora_speed = (LORA_SPEEDUP * (QLORA_FACTOR if nf4 else 1.0)) if lora else 1.0
     layout = layout_for(cfg, gpus, trained if lora else n, gpu.memory)
-
+    if layout.experts > 1:
+        notes.append(experts.note(m, layout.experts, gpu.key))
+    elif cfg.dist.expert_parallel > 1:
+        notes.append(f"dist.expert_parallel={cfg.dist.expert_parallel} is not planned: kiln train takes it only with "
+                     "as many processes (here "
+                     f"{gpus}), FSDP, a native model.moe whose experts it divides, no hybrid sharding or CPU offload; "
+                     "planned as FSDP alone")
     fp8 = converted_params(m) if t.fp8.enabled else 0  # kiln.plan.fp8: per block, in float8 layers
     if t.fp8.enabled and gpu.key not in FP8_GPUS:
         notes.append(f"train.fp8: {gpu.name} has no float8 tensor cores (compute capability 8.9+: H100, H200, "
@@ -233,6 +248,12 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
         if gpu.peak_flops is None:
             return None, None
         est = estimate_mfu(gpu.key, n, ac, compiled and gpu.key != "cpu", gpus, lay.offload)
+        if lay.experts > 1:  # kiln.plan.experts: the all-to-alls and the experts' FLOPs redone, per process
+            tokens, rate = t.seq_len, est.mfu * gpu.peak_flops  # a row's: both times grow with the tokens
+            alone = tokens * fpt / rate
+            more = experts.extra_seconds(m, tokens, lay.experts, ac, 2 if bf16 else 4, gpu.key, rate)
+            est = MfuEstimate(est.mfu * alone / (alone + more), f"{est.basis}; x{alone / (alone + more):.2f} for "
+                                                                 "expert parallelism's all-to-alls (kiln.plan.experts)")
         if fp8:  # kiln.plan.fp8: the converted products' share of the step, faster
             x = fp8_speedup(m, t.seq_len, est.mfu)
             est = MfuEstimate(est.mfu * x, f"{est.basis}; x{x:.2f} for float8 (kiln.plan.fp8: "
@@ -271,6 +292,8 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
     layouts = [layout, Layout("single", offload=not layout.offload)] if gpus <= 1 and not lora else \
         [layout] if gpus <= 1 else [layout_for(cfg, gpus, n, gpu.memory, s, o) for s, o in
                                           (("ddp", False), ("fsdp", False), ("fsdp", True))]
+    if layout.experts > 1:  # FSDP alone beside expert parallelism
+        layouts.insert(1, replace(layout, experts=1))
     for lay in dict.fromkeys(layouts):
         for ac in ("none", "selective", "full"):
             mm = mem(batch, ac, lay)
@@ -282,7 +305,8 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
 
 def _option_name(lay: Layout) -> str:
     return lay.strategy + ("+offload" if lay.offload else "") + \
-        (f" {lay.sharding}" if lay.strategy == "fsdp" and lay.sharding != "full" else "")
+        (f" {lay.sharding}" if lay.strategy == "fsdp" and lay.sharding != "full" else "") + \
+        (f" ep={lay.experts}" if lay.experts > 1 else "")
 
 
 def _advise(plan: Plan) -> None:

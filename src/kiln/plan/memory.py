@@ -47,6 +47,9 @@ benchmarks/results/plan.md) peaked higher by the gradients kept between micro-ba
 micro-batch 8 and 12 alike; 3b within 4% with it); the 8B FSDP runs (fsdp_8b.md: 2 and 4 GPUs, sequence 8192, batch 1
 with selective, full or no AC; batch 4 x accumulation 4 with full AC, 71.2 GiB) are predicted within 3%.
 A gateless MLP (relu2) keeps one h less in each mode.
+
+Expert parallelism (dist.expert_parallel, `Layout.experts`) changes the compute copies, the activations and the end
+of the backward pass of a mixture of experts: each term is in kiln.plan.experts.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from dataclasses import dataclass
 
 from kiln.config import ModelConfig
 from kiln.model.registry import param_count
+from kiln.plan import experts as ep
 
 LOGIT_CHUNK = 2**28  # kiln.model.loss.CHUNK_ELEMENTS: logits of one chunk of rows
 
@@ -67,6 +71,7 @@ class Layout:
     shard: int = 1  # processes one copy of the state is split over (FSDP), else 1
     sharding: str = "full"  # FSDP: full, grad_op or hybrid
     offload: bool = False  # FSDP: parameters, gradients and optimizer state in CPU memory
+    experts: int = 1  # FSDP: dist.expert_parallel, processes the routed experts are spread over (kiln.plan.experts)
 
 
 @dataclass(frozen=True)
@@ -134,14 +139,15 @@ def layer_params(m: ModelConfig) -> int:
     return (param_count(m) - param_count(no_layers)) // m.n_layers
 
 
-def act_per_layer_token(m: ModelConfig, ac: str, compiled: bool, e: int) -> int:
-    """Activation bytes one block keeps per token for the backward pass (see the module doc)."""
+def act_per_layer_token(m: ModelConfig, ac: str, compiled: bool, e: int, experts: int = 1) -> int:
+    """Activation bytes one block keeps per token for the backward pass (see the module doc). Expert parallelism
+    (`experts` > 1) keeps none of the routed experts' hidden activations (kiln.plan.experts)."""
     d, q, kv, h, H = m.d_model, m.n_heads * m.head_dim, m.kv_heads * m.head_dim, m.mlp_hidden, m.n_heads
     gated = m.mlp != "relu2"  # swiglu, geglu
     if ac == "full":
         return e * d
     if m.moe is not None:  # a token's experts' hidden widths, and its rows sorted to them and weighted back
-        h = m.moe.top_k * m.moe.expert_hidden + (m.moe.shared_expert_hidden or 0)
+        h = (m.moe.top_k * m.moe.expert_hidden if experts == 1 else 0) + (m.moe.shared_expert_hidden or 0)
         d += m.moe.top_k * d
     if ac == "selective":
         return e * ((2 if compiled else 3) * d + 2 * q + 2 * kv + (2 if gated else 1) * h) + 4 * H
@@ -167,8 +173,9 @@ def loss_chunk_bytes(m: ModelConfig, tokens: int, compiled: bool, e: int, bf16: 
     return rows * v * per_logit + v * m.d_model * (4 + e)
 
 
-def activation_bytes(m: ModelConfig, tokens: int, ac: str, compiled: bool, e: int) -> int:
-    return tokens * (m.n_layers * act_per_layer_token(m, ac, compiled, e) + loss_rest_per_token(m, e))
+def activation_bytes(m: ModelConfig, tokens: int, ac: str, compiled: bool, e: int, experts: int = 1) -> int:
+    out = tokens * (m.n_layers * act_per_layer_token(m, ac, compiled, e, experts) + loss_rest_per_token(m, e))
+    return out + (ep.activations(m, tokens, ac, e) if experts > 1 else 0)
 
 
 def state_bytes(n: int, layout: Layout) -> tuple[int, int, int]:
@@ -200,10 +207,14 @@ def compute_weight_bytes(m: ModelConfig, n: int, ac: str, bf16: bool, layout: La
     p, w = layer_params(m), (2 if bf16 else 4)
     fewer = fp8 * (w - 1) if fp8_gather else 0  # bytes a block's float8 gather saves
     if layout.strategy == "fsdp":
-        if layout.sharding == "grad_op" and not layout.offload:
-            return w * n - m.n_layers * fewer  # gathered from forward to backward
+        grad_op = layout.sharding == "grad_op" and not layout.offload
+        experts = ep.compute_weights(m, layout.experts, w, ac, compiled, m.n_layers if grad_op else 2) \
+            if layout.experts > 1 else 0
+        if grad_op:
+            return w * n - m.n_layers * fewer + experts  # gathered from forward to backward
         root = (m.vocab_size or 0) * m.d_model * (1 if m.tie_embeddings else 2)
-        return w * (root + 2 * p) - 2 * fewer  # the root unit (embeddings) and a block with the next one prefetched
+        # the root unit (embeddings) and a block with the next one prefetched
+        return w * (root + 2 * p) - 2 * fewer + experts
     return 2 * m.n_layers * (p - fp8) if bf16 and (ac == "none" or not compiled) else 0  # autocast's bf16 casts
 
 
@@ -213,13 +224,15 @@ def backward_bytes(m: ModelConfig, tokens: int, ac: str, compiled: bool, e: int,
     stream, the block being recomputed (AC), FSDP's unsharded gradients of a block or two."""
     p = layer_params(m)
     out = 2 * e * m.d_model * tokens
+    x = layout.experts
     if ac == "full":
-        out += tokens * act_per_layer_token(m, "none", compiled, e) + (2 * p if bf16 else 0)
+        out += tokens * act_per_layer_token(m, "none", compiled, e, x) + (2 * p if bf16 else 0)
     elif ac == "selective":
-        out += tokens * (act_per_layer_token(m, "none", compiled, e) - act_per_layer_token(m, "selective", compiled, e))
+        out += tokens * (act_per_layer_token(m, "none", compiled, e, x) - act_per_layer_token(m, "selective", compiled,
+                                                                                              e, x))
     if layout.strategy == "fsdp":
         out += 2 * p * ((2 if bf16 else 4) + 4)
-    return out
+    return out + (ep.backward(m, tokens, x, ac, e, 2 if bf16 else 4) if x > 1 else 0)
 
 
 def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", compiled: bool = True,
@@ -240,7 +253,7 @@ def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", comp
     e = 2 if bf16 else 4
     weights, grads, optim = state_bytes(n, layout)
     compute = compute_weight_bytes(m, n, ac, bf16, layout, compiled, fp8, fp8_gather)
-    acts = activation_bytes(m, tokens, ac, compiled, e)
+    acts = activation_bytes(m, tokens, ac, compiled, e, layout.experts)
     if lora is not None:
         s, trained = max(1, layout.shard), lora_params(m, lora)
         _, grads, optim = state_bytes(trained, layout)
@@ -267,7 +280,8 @@ def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", comp
     # with checkpointing, the start of the backward pass: every block's checkpointed activations still alive and
     # the last block recomputed beside them, with the output projection's gradient the loss made (not its chunk
     # of logits); at a large micro-batch this is the peak (an 8B block at 32K tokens recomputes 4.3 GiB)
-    recompute = tokens * (act_per_layer_token(m, "none", compiled, e) - act_per_layer_token(m, ac, compiled, e))
+    recompute = tokens * (act_per_layer_token(m, "none", compiled, e, layout.experts)
+                          - act_per_layer_token(m, ac, compiled, e, layout.experts))
     head = min(loss, (m.vocab_size or 0) * m.d_model * (4 + e))
     backward_start = weights + optim + compute + acts + head + recompute + held if ac != "none" else 0
     peak, phase = max((forward_end, "forward"), (backward_start, "recompute"), (backward_end, "backward"))

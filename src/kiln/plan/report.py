@@ -55,7 +55,8 @@ def _layout(plan: Plan) -> str:
     if lay.strategy == "ddp":
         return f"DDP over {plan.gpus} processes"
     how = {"full": "full sharding", "grad_op": "grad_op sharding", "hybrid": "hybrid sharding"}[lay.sharding]
-    return f"FSDP, {how} over {lay.shard} processes" + (", CPU offload" if lay.offload else "")
+    return f"FSDP, {how} over {lay.shard} processes" + (", CPU offload" if lay.offload else "") + \
+        (f", the experts spread over them (dist.expert_parallel={lay.experts})" if lay.experts > 1 else "")
 
 
 def render(plan: Plan, console: Console) -> None:
