@@ -9,7 +9,8 @@ process sends, and on average receives, in each all-to-all), per process and lay
     weights, gradients, moments     unchanged: 1/N of the experts (whole ones) as FSDP's 1/N of every tensor
     compute copies                  - 2 w P   FSDP's gathered block and its prefetched next hold no experts
                                     + w P / N the local experts cast for the dispatch, one layer's (bf16 only);
-                                              eager autograd keeps every layer's casts without full AC
+                                              every layer's without AC: the dispatch saves its weight inputs
+                                              for its backward, and torch's compiler keeps the casts too
     activations, full AC            + R       the dispatch's output, kept rather than recomputed (its all-to-alls
                                               are not repeated)
     activations, none / selective   - the routed experts' hidden activations (gate, up and their product):
@@ -52,11 +53,13 @@ def rows_bytes(m: ModelConfig, tokens: int, e: int) -> int:
     return e * tokens * m.moe.top_k * m.d_model if m.moe else 0
 
 
-def compute_weights(m: ModelConfig, ways: int, w: int, ac: str, compiled: bool, gathered: int) -> int:
+def compute_weights(m: ModelConfig, ways: int, w: int, ac: str, gathered: int) -> int:
     """The change in compute copies of the weights: the `gathered` FSDP blocks hold no experts (2, or every layer
-    with sharding grad_op), and the local experts' casts for the dispatch (none in fp32, where no cast is made)."""
+    with sharding grad_op), and the local experts' casts for the dispatch (none in fp32, where no cast is made):
+    every layer's without AC, compiled or not (checked: torch's partitioner saves a custom operator's cast weight
+    inputs rather than casting again in the backward), one layer's at a time with AC, which recomputes them."""
     p = routed_params(m)
-    casts = (1 if compiled or ac == "full" else m.n_layers) * p // ways if w == 2 else 0
+    casts = (m.n_layers if ac == "none" else 1) * p // ways if w == 2 else 0
     return w * (casts - gathered * p)
 
 

@@ -208,7 +208,7 @@ def compute_weight_bytes(m: ModelConfig, n: int, ac: str, bf16: bool, layout: La
     fewer = fp8 * (w - 1) if fp8_gather else 0  # bytes a block's float8 gather saves
     if layout.strategy == "fsdp":
         grad_op = layout.sharding == "grad_op" and not layout.offload
-        experts = ep.compute_weights(m, layout.experts, w, ac, compiled, m.n_layers if grad_op else 2) \
+        experts = ep.compute_weights(m, layout.experts, w, ac, m.n_layers if grad_op else 2) \
             if layout.experts > 1 else 0
         if grad_op:
             return w * n - m.n_layers * fewer + experts  # gathered from forward to backward

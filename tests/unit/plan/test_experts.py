@@ -59,12 +59,17 @@ def test_expert_parallel_peak_drops_the_gathered_experts_and_adds_the_dispatch_r
 def test_without_full_ac_the_dispatch_keeps_no_routed_hidden_activations(ac):
     """The dispatch saves its input rows and redoes the gate/up products in its backward: each layer keeps
     top_k x expert_hidden fewer activations a token (gate, up and their product without AC; the products'
-    outputs with selective AC) than FSDP alone's grouped experts."""
+    outputs with selective AC) than FSDP alone's grouped experts; without AC it keeps every layer's casts of the
+    local experts for its backward pass."""
     m = qwen3_moe(2)
     fsdp = peak_memory(m, SEQ, 1, ac, layout=Layout("fsdp", 2))
     ep = peak_memory(m, SEQ, 1, ac, layout=Layout("fsdp", 2, experts=2))
     kept = 3 if ac == "none" else 2
     assert fsdp.activations - ep.activations == m.n_layers * SEQ * 2 * kept * K * H
+    # the local experts' bf16 casts the dispatch saves: every layer's without AC, else the one running
+    p = E * 3 * D * H
+    casts = (m.n_layers if ac == "none" else 1) * 2 * p // 2
+    assert ep.compute_weights - fsdp.compute_weights == casts - 2 * 2 * p
 
 
 # peak GiB (max_memory_allocated, rank 0) measured on 2 H200s: Qwen3-30B-A3B layers, 8 layers, sequence 4096,
