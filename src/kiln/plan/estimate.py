@@ -111,8 +111,9 @@ def _tokenizer_vocab(path: str | None) -> int | None:
 
 
 def layout_for(cfg: RunConfig, gpus: int, n_params: int, memory: int, strategy: str | None = None,
-               offload: bool | None = None) -> Layout:
-    """The layout `kiln train` picks for `gpus` processes (kiln.parallel.parallelize.choose_strategy)."""
+               offload: bool | None = None, model: ModelConfig | None = None) -> Layout:
+    """The layout `kiln train` picks for `gpus` processes (kiln.parallel.parallelize.choose_strategy); `model`: the
+    model section resolved (resolve_model: a model.init_from's mixture of experts is in its config.json)."""
     d = cfg.dist
     if gpus <= 1:  # offload here: train.offload's optimizer in host memory (kiln.plan.offload)
         return Layout("single", offload=cfg.train.offload != "none" and not cfg.lora.rank)
@@ -127,14 +128,17 @@ def layout_for(cfg: RunConfig, gpus: int, n_params: int, memory: int, strategy: 
         replicas = d.replicas or max(1, -(-gpus // 8))
         shard = max(1, gpus // replicas)
     # dist.expert_parallel where kiln train takes it: every process, a native MoE, no hybrid sharding or offload
-    experts = d.expert_parallel if expert_parallel_applies(cfg, gpus) and d.sharding != "hybrid" and not offload else 1
+    ep = expert_parallel_applies(cfg, gpus, model)
+    experts = d.expert_parallel if ep and d.sharding != "hybrid" and not offload else 1
     return Layout("fsdp", shard, d.sharding, offload, experts)
 
 
-def expert_parallel_applies(cfg: RunConfig, gpus: int) -> bool:
-    """Whether dist.expert_parallel (above 1) spreads the experts of this run over its `gpus` processes."""
-    ep, moe = cfg.dist.expert_parallel, cfg.model.moe
-    return ep > 1 and ep == gpus and moe is not None and moe.n_experts % ep == 0 and cfg.model.hf_class != "auto"
+def expert_parallel_applies(cfg: RunConfig, gpus: int, model: ModelConfig | None = None) -> bool:
+    """Whether dist.expert_parallel (above 1) spreads the experts of this run over its `gpus` processes; `model`:
+    the model section resolved, else the config's."""
+    m = model or cfg.model
+    ep, moe = cfg.dist.expert_parallel, m.moe
+    return ep > 1 and ep == gpus and moe is not None and moe.n_experts % ep == 0 and m.hf_class != "auto"
 
 
 def capacity_of(gpu: Gpu, gpus: int = 1) -> int:
@@ -203,7 +207,7 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
                      + (f", x{QLORA_FACTOR} for dequantizing the base (a guess until benchmarks/qlora.py is run)"
                         if nf4 else ""))
     lora_speed = (LORA_SPEEDUP * (QLORA_FACTOR if nf4 else 1.0)) if lora else 1.0
-    layout = layout_for(cfg, gpus, trained if lora else n, gpu.memory)
+    layout = layout_for(cfg, gpus, trained if lora else n, gpu.memory, model=m)
     if layout.experts > 1:
         notes.append(experts.note(m, layout.experts, gpu.key))
     elif cfg.dist.expert_parallel > 1:
@@ -290,7 +294,7 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
                 host_parts=[k for k, v in parts.items() if v], lora=lora, accumulation=-(-rows // batch), notes=notes)
 
     layouts = [layout, Layout("single", offload=not layout.offload)] if gpus <= 1 and not lora else \
-        [layout] if gpus <= 1 else [layout_for(cfg, gpus, n, gpu.memory, s, o) for s, o in
+        [layout] if gpus <= 1 else [layout_for(cfg, gpus, n, gpu.memory, s, o, m) for s, o in
                                           (("ddp", False), ("fsdp", False), ("fsdp", True))]
     if layout.experts > 1:  # FSDP alone beside expert parallelism
         layouts.insert(1, replace(layout, experts=1))
@@ -378,7 +382,7 @@ def _advise(plan: Plan) -> None:
             if more <= plan.gpus:
                 continue
             for ac in ("selective", "full"):
-                lay = layout_for(plan.cfg, more, plan.n_params, gpu.memory, "fsdp", False)
+                lay = layout_for(plan.cfg, more, plan.n_params, gpu.memory, "fsdp", False, plan.model)
                 if fit_more(plan, more, ac, lay):
                     plan.warnings.append(f"the smallest that fits: {more} x {gpu.key} with FSDP and activation_"
                                          f"checkpointing={ac} (kiln train --nproc {more} dist.strategy=fsdp)")

@@ -115,3 +115,25 @@ def test_expert_parallel_unlike_the_process_count_is_planned_as_fsdp_alone_and_s
     plan = make_plan(run_config(2), 4, GPUS["h100"])
     assert plan.layout.experts == 1
     assert any("dist.expert_parallel=2 is not planned" in n for n in plan.notes)
+
+
+def test_an_init_from_mixture_of_experts_is_planned_with_expert_parallelism(tmp_path):
+    """model.init_from names a Hugging Face directory whose config.json holds the experts (the config itself has no
+    model.moe): the plan reads it before choosing the layout, as kiln train does, so dist.expert_parallel=2 on 2
+    processes divides its experts rather than being planned as FSDP alone."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1e6)))
+    cfg = RunConfig.model_validate({"model": {"init_from": str(tmp_path)},
+                                    "train": dict(seq_len=32, batch_size=1, grad_accum=1, device="cuda"),
+                                    "dist": dict(strategy="fsdp", expert_parallel=2)})
+    assert cfg.model.moe is None
+    plan = make_plan(cfg, 2, GPUS["h100"])
+    assert plan.model.moe is not None and plan.model.moe.n_experts == 4
+    assert plan.layout.experts == 2
+    assert any(n.startswith("dist.expert_parallel=2: 2 whole experts") for n in plan.notes)
+    assert [o.strategy for o in plan.options if o.ac == "full"] == ["ddp", "fsdp", "fsdp ep=2", "fsdp+offload"]
