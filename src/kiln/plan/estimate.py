@@ -3,7 +3,8 @@
     plan = make_plan(cfg, gpus=4, gpu=GPUS["a100"])
 
 No torch: it reads the config, the model's closed forms (kiln.model.registry), the memory model
-(memory.py) and the tables of gpus.py. Numbers are estimates; `basis` fields say what each rests on.
+(memory.py) and the tables of gpus.py (a mixture of experts' speed: moe_speed.py). Numbers are estimates; `basis`
+fields say what each rests on.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kiln.config import ModelConfig, RunConfig
-from kiln.model.registry import flops_per_token, param_count
-from kiln.plan import experts
+from kiln.model.registry import active_param_count, flops_per_token, param_count
+from kiln.plan import experts, moe_speed
 from kiln.plan.fp8 import FP8_GPUS, converted_params, converted_share
 from kiln.plan.fp8 import speedup as fp8_speedup
 from kiln.plan.gpus import CPU_STEP_SHARE, FULL_AC_FACTOR, GIB, Gpu, MfuEstimate, cpu_matmul_flops, estimate_mfu
@@ -251,13 +252,18 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
             return est, share * cpu_rate[0] / fpt * lora_speed
         if gpu.peak_flops is None:
             return None, None
-        est = estimate_mfu(gpu.key, n, ac, compiled and gpu.key != "cpu", gpus, lay.offload)
+        # a mixture of experts: the dense MFU at its active parameters, times the measured MoE factor (moe_speed)
+        est = estimate_mfu(gpu.key, active_param_count(m) if m.moe else n, ac, compiled and gpu.key != "cpu", gpus,
+                           lay.offload)
+        if m.moe:
+            est = moe_speed.scale(est, m, batch * t.seq_len)
         if lay.experts > 1:  # kiln.plan.experts: the all-to-alls and the experts' FLOPs redone, per process
-            tokens, rate = t.seq_len, est.mfu * gpu.peak_flops  # a row's: both times grow with the tokens
+            tokens, rate = batch * t.seq_len, est.mfu * gpu.peak_flops  # a micro-batch's (the dispatch: a fixed part)
             alone = tokens * fpt / rate
             more = experts.extra_seconds(m, tokens, lay.experts, ac, 2 if bf16 else 4, gpu.key, rate)
             est = MfuEstimate(est.mfu * alone / (alone + more), f"{est.basis}; x{alone / (alone + more):.2f} for "
-                                                                 "expert parallelism's all-to-alls (kiln.plan.experts)")
+                                                                 "expert parallelism's all-to-alls and dispatch "
+                                                                 "(kiln.plan.experts)")
         if fp8:  # kiln.plan.fp8: the converted products' share of the step, faster
             x = fp8_speedup(m, t.seq_len, est.mfu)
             est = MfuEstimate(est.mfu * x, f"{est.basis}; x{x:.2f} for float8 (kiln.plan.fp8: "

@@ -29,7 +29,11 @@ redoes the rows' gate/up products, 4 T k h d FLOPs a layer, where FSDP without A
 under full AC FSDP instead recomputes the whole expert forward (6 T k h d), so expert parallelism makes 2 T k h d
 fewer. The expert weights' all-gathers and reduce-scatters disappear, but the plan's FSDP speed has no time of its
 own for them (its measured data-parallel factor, with the collectives overlapped with the compute), so nothing is
-taken off for them here. The per-layer host read of the row counts (one a layer and pass) is not counted.
+taken off for them here. The rest of the dispatch's cost, its host read of the row counts (one a layer in the
+forward pass and one in the backward, none in the recomputation: each stops the host queueing work until the GPU
+gets there) and the regrouping of the rows, is `DISPATCH_SECONDS` a layer and pass: what the one measurement leaves
+unexplained (moe.md, 2 x H200, 8 layers of the Qwen3-30B-A3B shape, 4096 tokens, full AC: 9,650 tokens/s a GPU
+against FSDP alone's 11,359, a step 64 ms longer where the all-to-alls and the FLOPs above make it 4 ms shorter).
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ from kiln.config import ModelConfig
 LINK_BYTES_PER_S = {"h100": 360e9, "h200": 360e9, "a100": 240e9, "a100-40": 240e9, "l40s": 25e9, "rtx4090": 25e9,
                     "rtx4080": 25e9, "rtx3090": 25e9, "a10g": 25e9}
 ALL_TO_ALLS = 5  # per layer and step: dispatch and combine forward; rows, output and input gradients backward
+# seconds a layer and pass (forward, backward) of the dispatch beyond its all-to-alls and FLOPs: fitted to the one
+# measurement (moe.md 2026-11-28 04:51 UTC: 4.26 ms), so good at that shape and card only
+DISPATCH_SECONDS = 4.3e-3
 
 
 def routed_params(m: ModelConfig) -> int:
@@ -81,12 +88,12 @@ def backward(m: ModelConfig, tokens: int, ways: int, ac: str, e: int, w: int) ->
 def extra_seconds(m: ModelConfig, tokens: int, ways: int, ac: str, e: int, gpu_key: str,
                   flops_per_s: float) -> float:
     """Seconds a process's step takes beyond FSDP alone's, at `flops_per_s` model FLOPs a second: the
-    all-to-alls over the link (an H100's where the card is not in the table) and the experts' FLOPs redone (or,
-    under full AC, not recomputed)."""
+    all-to-alls over the link (an H100's where the card is not in the table), the experts' FLOPs redone (or,
+    under full AC, not recomputed) and the rest of the dispatch (`DISPATCH_SECONDS`, measured)."""
     link = LINK_BYTES_PER_S.get(gpu_key, LINK_BYTES_PER_S["h100"])
     moved = m.n_layers * ALL_TO_ALLS * rows_bytes(m, tokens, e) * (ways - 1) / ways
     flops = m.n_layers * tokens * m.moe.top_k * m.moe.expert_hidden * m.d_model * (-2 if ac == "full" else 4)
-    return moved / link + flops / flops_per_s
+    return moved / link + flops / flops_per_s + 2 * m.n_layers * DISPATCH_SECONDS
 
 
 def note(m: ModelConfig, ways: int, gpu_key: str) -> str:
@@ -96,5 +103,6 @@ def note(m: ModelConfig, ways: int, gpu_key: str) -> str:
     return (f"dist.expert_parallel={ways}: {m.moe.n_experts // ways} whole experts of every layer on each process, "
             f"never gathered; the rest FSDP-sharded; each layer's routed rows sent to their experts and back by "
             f"{ALL_TO_ALLS} all-to-alls a step at {where} a process (not overlapped), the expert gathers' time not "
-            "taken off (the plan's FSDP speed counts none of its own), the host read of the row counts not counted "
+            "taken off (the plan's FSDP speed counts none of its own), and the rest of the dispatch (its host read "
+            f"of the row counts) at {DISPATCH_SECONDS * 1e3:.1f} ms a layer and pass, measured once on 2 H200s "
             "(kiln.plan.experts)")
