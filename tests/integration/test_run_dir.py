@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import stdlib_corpus, tiny_cpu_run
+from .conftest import kiln_here, stdlib_corpus, tiny_cpu_run
 
 pytestmark = pytest.mark.slow
 
@@ -111,7 +111,7 @@ def test_a_second_run_is_refused_and_a_killed_holder_blocks_no_resume(base, tmp_
     holder = child("hold", tmp_path / "go", [*base, f"train.run_dir={run_dir}"])
     try:
         wait_for(holder.stdout, "held")
-        second = kiln(str(run_dir))
+        second = kiln_here("train", str(run_dir))  # refused before it trains: in this process
         assert second.returncode == 2, second.stderr[-3000:]
         assert f"is in use by process {holder.pid} on host" in second.stderr
         assert "Traceback" not in second.stderr
@@ -149,15 +149,16 @@ def test_a_finished_run_is_left_as_it_is_and_a_failed_force_keeps_the_config(bas
     before = files(run_dir)
     assert "config.yaml" in before and "model/model.safetensors" in before and "metrics.jsonl" in before
 
-    again = kiln(str(run_dir))  # finished: says so, changes nothing (no second eval record, no new save)
+    # the calls that end before training run in this process (kiln_here): a new interpreter adds nothing to them
+    again = kiln_here("train", str(run_dir))  # finished: says so, changes nothing (no second eval record, no new save)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "this run has finished" in again.stdout and "train.max_steps" in again.stdout
     assert files(run_dir) == before
 
-    forced = kiln(str(run_dir), "model.n_layers=3", "train.max_steps=6", "--resume", "force")
+    forced = kiln_here("train", str(run_dir), "model.n_layers=3", "train.max_steps=6", "--resume", "force")
     assert forced.returncode == 2 and "does not fit this model" in forced.stderr, forced.stderr[-3000:]
     assert files(run_dir) == before  # config.yaml still the one the checkpoints were written with
-    plain = kiln(str(run_dir))
+    plain = kiln_here("train", str(run_dir))
     assert plain.returncode == 0 and "this run has finished" in plain.stdout, plain.stderr[-3000:]
 
     longer = kiln(str(run_dir), "train.max_steps=6", "--resume", "force")
