@@ -242,7 +242,7 @@ def test_checkpoints_that_missed_the_archive_as_the_run_ended_are_archived_by_ki
     assert first.returncode == 0, first.stderr[-3000:]
     assert f"archived when `kiln train {run_dir}` is run again" in first.stdout + first.stderr
     archive.unlink()  # the archive works again
-    again = kiln(str(run_dir))
+    again = kiln_here("train", str(run_dir))  # finished: archives and ends before training, in this process
     assert again.returncode == 0, again.stderr[-3000:]
     assert "this run has finished" in again.stdout
     assert f"archived 2 checkpoint(s) that missed the archive {archive} when this run ended: step_00000002, " \
