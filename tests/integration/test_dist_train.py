@@ -17,7 +17,7 @@ import torch
 
 from kiln.errors import StateError
 
-from .conftest import losses, stdlib_corpus, tiny_cpu_run
+from .conftest import kiln_here, losses, stdlib_corpus, tiny_cpu_run
 
 STEPS, EVERY = 12, 6
 ENV = {**os.environ, "COLUMNS": "400", "OMP_NUM_THREADS": "1"}
@@ -136,8 +136,7 @@ def test_a_run_whose_final_model_save_was_cut_short_is_read_from_its_final_check
     shutil.copytree(two, cut)
     (cut / "model" / "tokenizer.json").unlink()
     assert f"final model: {cut / 'model'} is incomplete" in describe(cut)
-    done = subprocess.run([sys.executable, "-m", "kiln.cli", "generate", str(cut), "-n", "4"], capture_output=True,
-                          text=True, env=ENV)
+    done = kiln_here("generate", str(cut), "-n", "4")  # refused before it loads a model: in this process
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"{cut / 'model'} is incomplete: the run's final model save did not finish. `kiln train {cut}`" in \
         " ".join(done.stderr.split())
