@@ -21,7 +21,8 @@ def test_the_end_of_training_writes_a_checkpoint_unless_at_end_is_false(trainer_
     ck = Checkpointer(t.cfg.train.run_dir, t.cfg, PRINTS, lambda m: None)
     cadence = CheckpointEvery(ck)
     log = Path(t.cfg.train.run_dir) / "train.log"
-    t.events.callbacks.append(LogFileSink(log))
+    sink = LogFileSink(log)
+    t.events.callbacks.append(sink)
     for _ in range(6):
         run_steps(t, 1)
         cadence.on_step_end(t, None)
@@ -33,6 +34,7 @@ def test_the_end_of_training_writes_a_checkpoint_unless_at_end_is_false(trainer_
     assert [s.split(" (")[0] for s in said if s.startswith("checkpoint:")] == \
         ["checkpoint: step_00000004 saved"] + (["checkpoint: step_00000006 saved"] if at_end else [])
     assert any(s.startswith("checkpoint: step_00000004 saved (periodic, ") and s.endswith(" s)") for s in said)
+    sink.on_run_end(t, "finished")  # closes train.log
     ck.close()
 
 
