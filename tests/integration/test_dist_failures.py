@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import stdlib_corpus
+from .conftest import kiln_here, stdlib_corpus
 
 CHILD = r'''
 import os, sys, threading
@@ -136,8 +136,7 @@ def test_a_signal_while_the_final_model_is_gathered_says_so_and_how_to_write_the
     assert done.returncode != 0 and not (tmp_path / "run" / "model").exists()
     assert (f"SIGTERM while gathering the final model: training is complete; `kiln train {tmp_path / 'run'}` "
             "writes model/ from its final checkpoint") in out, out[-4000:]
-    again = subprocess.run([sys.executable, "-m", "kiln.cli", "train", str(tmp_path / "run")], capture_output=True,
-                           text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})  # as it says
+    again = kiln_here("train", str(tmp_path / "run"))  # as it says; it writes model/, trains nothing: in-process
     assert again.returncode == 0 and "writing it now" in again.stdout, again.stderr[-3000:]
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
 
