@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from .conftest import stdlib_corpus, tiny_cpu_run
+from .conftest import kiln_here, stdlib_corpus, tiny_cpu_run
 
 pytestmark = pytest.mark.slow
 
@@ -49,10 +49,11 @@ def test_tiny_training_run_end_to_end(tmp_path):
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.8
     assert train[-1]["loss"] < train[0]["loss"]
 
-    g = kiln("generate", str(run_dir), "--prompt", "def ", "-n", "12", "--seed", "1", cwd=tmp_path)
+    # sampling runs in this process (kiln_here: kiln.cli.main): a new interpreter for each cost seconds of imports
+    g = kiln_here("generate", str(run_dir), "--prompt", "def ", "-n", "12", "--seed", "1")
     assert g.returncode == 0, g.stderr
     assert g.stdout.startswith("def ") and len(g.stdout) > 6
-    again = kiln("generate", str(run_dir), "--prompt", "def ", "-n", "12", "--seed", "1", cwd=tmp_path)
+    again = kiln_here("generate", str(run_dir), "--prompt", "def ", "-n", "12", "--seed", "1")
     assert again.stdout == g.stdout
 
 
