@@ -199,7 +199,7 @@ def test_ctrl_c_during_the_final_save_finishes_it_and_twice_aborts_it(base, tmp_
            f"and `kiln train {run_dir}` writes model/ from it" in err
     assert "Traceback" not in err and not (run_dir / "model" / "model.safetensors").exists()
     metrics = (run_dir / "metrics.jsonl").read_bytes()
-    written = kiln(str(run_dir))  # as the message says: the model is written from the final checkpoint
+    written = kiln_here("train", str(run_dir))  # as the message says: model/ written from the final checkpoint
     assert written.returncode == 0, written.stderr[-3000:]
     assert "its model was not saved: writing it now" in written.stdout
     assert (run_dir / "model" / "model.safetensors").is_file()
