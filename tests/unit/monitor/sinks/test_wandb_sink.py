@@ -191,9 +191,21 @@ time.sleep(600)
 """
 
 
+def logged_steps(run_dir: Path) -> list[int]:
+    """The train steps the .wandb file of the run's one offline folder holds so far ([] before it has them)."""
+    try:
+        [log] = [f for d in run_dir.glob("wandb/offline-run-*") for f in d.glob("run-*.wandb")]
+        rows = [{i.nested_key[0] if i.nested_key else i.key: json.loads(i.value_json) for i in r.history.item}
+                for r in records(log) if r.WhichOneof("record_type") == "history"]
+    except (ValueError, AssertionError, OSError):  # no file yet, or its header not written yet
+        return []
+    return [row["step"] for row in rows if "train/loss" in row]
+
+
 def kill_after_logging(run_dir: Path) -> None:
     """Run a process that logs steps 1-10 offline, then kill it and W&B's service with it (SIGKILL to its
-    process group, as a scheduler ends a job) once W&B has had the time to write them (wandb_sink.FLUSH_S)."""
+    process group, as a scheduler ends a job) once W&B has written them, or once it has had the time to
+    (wandb_sink.FLUSH_S twice, and a second)."""
     import os
     import signal
     import subprocess
@@ -206,7 +218,9 @@ def kill_after_logging(run_dir: Path) -> None:
         for line in child.stdout:
             if line.startswith("logged"):
                 break
-        time.sleep(wandb_sink.FLUSH_S * 2 + 1)
+        deadline = time.monotonic() + wandb_sink.FLUSH_S * 2 + 1
+        while time.monotonic() < deadline and len(logged_steps(run_dir)) < 10:
+            time.sleep(0.1)
     finally:
         os.killpg(child.pid, signal.SIGKILL)
         child.wait()
