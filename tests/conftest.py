@@ -4,7 +4,12 @@ installs, are put back after each test."""
 
 from __future__ import annotations
 
+import io
 import signal
+import subprocess
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from unittest import mock
 
 import pytest
 import torch
@@ -80,3 +85,21 @@ def repeating_model():
         return model
 
     return make
+
+
+def kiln_here(*args: str) -> subprocess.CompletedProcess:
+    """`kiln ARGS` through the CLI's entry point (`kiln.cli.main`: errors turned into messages and exit codes) in
+    this process, for a command that does not train (a finished run, a refusal, sampling): a new interpreter cost
+    seconds of imports and nothing more. The torch thread count the command sets is put back."""
+    from kiln.cli import main
+
+    out, err, threads, code = io.StringIO(), io.StringIO(), torch.get_num_threads(), 0
+    try:
+        with redirect_stdout(out), redirect_stderr(err), mock.patch.object(sys, "argv", ["kiln", *args]):
+            try:
+                main()
+            except SystemExit as e:
+                code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    finally:
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess(["kiln", *args], code, out.getvalue(), err.getvalue())

@@ -3,16 +3,13 @@ run on the CPU, the losses a run logged, and a random Llama in the Hugging Face 
 
 from __future__ import annotations
 
-import io
 import json
-import subprocess
-import sys
 import sysconfig
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
-from unittest import mock
 
 import pytest
+
+from ..conftest import kiln_here  # noqa: F401 - the end-to-end tests' in-process kiln
 
 
 def stdlib_corpus(directory: Path, documents: int, modules: int = 40) -> Path:
@@ -43,26 +40,6 @@ def tiny_cpu_run(cache: Path, corpus: Path, steps: int, every: int, *extra: str,
             f"data.sources=[{corpus}]", "data.val_fraction=0.1", f"data.vocab_size={vocab_size}",
             f"data.cache_dir={cache}", *([f"train.batch_size={batch_size}"] if batch_size is not None else []),
             *extra]
-
-
-def kiln_here(*args: str) -> subprocess.CompletedProcess:
-    """`kiln ARGS` through the CLI's entry point (`kiln.cli.main`: errors turned into messages and exit codes) in
-    this process, for a command that ends before it trains (a finished run, a refusal): a new interpreter cost
-    seconds of imports and nothing more. The torch thread count a run sets is put back."""
-    import torch
-
-    from kiln.cli import main
-
-    out, err, threads, code = io.StringIO(), io.StringIO(), torch.get_num_threads(), 0
-    try:
-        with redirect_stdout(out), redirect_stderr(err), mock.patch.object(sys, "argv", ["kiln", *args]):
-            try:
-                main()
-            except SystemExit as e:
-                code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-    finally:
-        torch.set_num_threads(threads)
-    return subprocess.CompletedProcess(["kiln", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,8 @@ import pytest
 
 from kiln import __version__
 
+from ..conftest import kiln_here
+
 
 def kiln(*args: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True, cwd=cwd,
@@ -38,7 +40,7 @@ def test_missing_config_file(tmp_path):
 
 
 def test_generate_on_a_dir_without_model(tmp_path):
-    r = kiln("generate", str(tmp_path), "--prompt", "x")
+    r = kiln_here("generate", str(tmp_path), "--prompt", "x")
     assert r.returncode == 2 and "no saved model" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -103,25 +105,25 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize("args,option", [(["--top-k", "-1"], "--top-k"), (["--temperature", "-0.5"], "--temperature"),
                                          (["-n", "0"], "--max-new-tokens"), (["--threads", "0"], "--threads")])
 def test_generate_refuses_bad_sampling_options(model_dir, args, option):
-    r = kiln("generate", str(model_dir), "--prompt", "def ", *args)
+    r = kiln_here("generate", str(model_dir), "--prompt", "def ", *args)
     assert r.returncode == 2 and "Traceback" not in r.stderr and option in r.stderr
 
 
 def test_generate_greedy_with_threads(model_dir):
-    r = kiln("generate", str(model_dir), "--prompt", "def ", "-n", "5", "--temperature", "0", "--top-k", "0",
-             "--threads", "1")
+    r = kiln_here("generate", str(model_dir), "--prompt", "def ", "-n", "5", "--temperature", "0", "--top-k", "0",
+                  "--threads", "1")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("def ")
-    again = kiln("generate", str(model_dir), "--prompt", "def ", "-n", "5", "--temperature", "0", "--seed", "3")
+    again = kiln_here("generate", str(model_dir), "--prompt", "def ", "-n", "5", "--temperature", "0", "--seed", "3")
     assert again.stdout == r.stdout  # greedy: the seed does not matter
 
 
 def test_generate_at_a_vanishing_temperature_is_greedy_and_nan_is_refused(model_dir):
-    greedy = kiln("generate", str(model_dir), "--prompt", "def ", "-n", "5", "--temperature", "0")
-    tiny = kiln("generate", str(model_dir), "--prompt", "def ", "-n", "5", "--temperature", "1e-40")
+    greedy = kiln_here("generate", str(model_dir), "--prompt", "def ", "-n", "5", "--temperature", "0")
+    tiny = kiln_here("generate", str(model_dir), "--prompt", "def ", "-n", "5", "--temperature", "1e-40")
     assert tiny.returncode == 0 and "Traceback" not in tiny.stderr, tiny.stderr
     assert tiny.stdout == greedy.stdout
-    r = kiln("generate", str(model_dir), "--prompt", "def ", "--temperature", "nan")
+    r = kiln_here("generate", str(model_dir), "--prompt", "def ", "--temperature", "nan")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--temperature" in r.stderr
 
 
