@@ -89,8 +89,9 @@ def repeating_model():
 
 def kiln_here(*args: str) -> subprocess.CompletedProcess:
     """`kiln ARGS` through the CLI's entry point (`kiln.cli.main`: errors turned into messages and exit codes) in
-    this process, for a command that does not train (a finished run, a refusal, sampling): a new interpreter cost
-    seconds of imports and nothing more. The torch thread count the command sets is put back."""
+    this process, where a process of its own adds nothing to what a test checks (a finished run, a refusal,
+    sampling, a run whose losses are compared with no other process's): a new interpreter cost seconds of imports
+    and nothing more. The torch thread count the command sets is put back."""
     from kiln.cli import main
 
     out, err, threads, code = io.StringIO(), io.StringIO(), torch.get_num_threads(), 0

@@ -2,21 +2,16 @@
 default rollback, and a forced resume at a rate that diverges is rolled back from its first steps."""
 
 import json
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
 
-from .conftest import losses
+from .conftest import kiln_here, losses
 
 pytestmark = pytest.mark.slow
 
 
-def kiln(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=600)
 
 
 def two_sources(directory: Path) -> Path:
@@ -45,7 +40,8 @@ def test_a_stream_that_moves_to_harder_data_trains_through_with_the_default_roll
               "data.streaming=true", "data.shuffle=false", "data.vocab_size=512", f"data.cache_dir={tmp_path / 'c'}",
               "logging.every=5", f"train.run_dir={run_dir}", "train.sample_tokens=0", "logging.plots=false",
               "train.eval_every=0", "train.device=cpu", "train.precision=fp32"]
-    r = kiln("train", *common, "train.max_steps=130", cwd=tmp_path)
+    # both runs in this process through kiln.cli.main (kiln_here): a new interpreter for each cost seconds of imports
+    r = kiln_here("train", *common, "train.max_steps=130")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert not events(run_dir, "rollback")
     [shift] = events(run_dir, "data_shift")
@@ -57,8 +53,7 @@ def test_a_stream_that_moves_to_harder_data_trains_through_with_the_default_roll
 
     # the same run trained on at a rate that diverges: rolled back from its first steps after the resume (which
     # has no batch of its own to compare with yet), until the run stops and asks for a lower rate
-    r = kiln("train", *common, "train.max_steps=160", "train.lr=1.0", "train.warmup_steps=0", "--resume", "force",
-             cwd=tmp_path)
+    r = kiln_here("train", *common, "train.max_steps=160", "train.lr=1.0", "train.warmup_steps=0", "--resume", "force")
     assert r.returncode == 2 and "lower train.lr" in r.stdout + r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
     bad = events(run_dir, "rollback")
     assert len(bad) == 4 and all(b["to_step"] == 130 for b in bad)
