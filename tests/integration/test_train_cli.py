@@ -63,10 +63,10 @@ def test_data_without_a_validation_split_trains_without_evaluation(tmp_path):
     corpus.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 20}) + "\n"
                               for i in range(40)))
     run_dir = tmp_path / "run"
-    r = kiln("train", f"data.sources=[{corpus}]", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=300",
-             "data.val_fraction=0", "model.size=tiny", "train.seq_len=32", "train.batch_size=4",
-             "train.max_steps=6", "train.eval_every=3", "logging.every=3", "train.sample_tokens=0",
-             f"train.run_dir={run_dir}", cwd=tmp_path)
+    r = kiln_here("train", f"data.sources=[{corpus}]", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=300",
+                  "data.val_fraction=0", "model.size=tiny", "train.seq_len=32", "train.batch_size=4",
+                  "train.max_steps=6", "train.eval_every=3", "logging.every=3", "train.sample_tokens=0",
+                  f"train.run_dir={run_dir}")  # in this process: a new interpreter adds nothing here
     assert r.returncode == 0, r.stderr[-3000:]
     assert "validation: none" in r.stdout and "validation loss:" not in r.stdout
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
