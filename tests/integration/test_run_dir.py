@@ -119,7 +119,7 @@ def test_a_second_run_is_refused_and_a_killed_holder_blocks_no_resume(base, tmp_
     finally:
         os.killpg(holder.pid, signal.SIGKILL)
         holder.wait()
-    again = kiln(str(run_dir))
+    again = kiln_here("train", str(run_dir))
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / 'step_00000002'}" in again.stdout
     assert not (run_dir / ".lock").exists() and not (run_dir / ".lock-holder.json").exists()
@@ -144,12 +144,12 @@ def test_a_run_stopped_by_sigterm_in_training_checkpoints_and_exits_143(base, tm
 
 def test_a_finished_run_is_left_as_it_is_and_a_failed_force_keeps_the_config(base, tmp_path):
     run_dir = tmp_path / "run"
-    first = kiln(*base, f"train.run_dir={run_dir}")
+    first = kiln_here("train", *base, f"train.run_dir={run_dir}")
     assert first.returncode == 0, first.stderr[-3000:]
     before = files(run_dir)
     assert "config.yaml" in before and "model/model.safetensors" in before and "metrics.jsonl" in before
 
-    # the calls that end before training run in this process (kiln_here): a new interpreter adds nothing to them
+    # the calls that need no process of their own run in this process (kiln_here): a new interpreter adds nothing
     again = kiln_here("train", str(run_dir))  # finished: says so, changes nothing (no second eval record, no new save)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "this run has finished" in again.stdout and "train.max_steps" in again.stdout
@@ -161,7 +161,7 @@ def test_a_finished_run_is_left_as_it_is_and_a_failed_force_keeps_the_config(bas
     plain = kiln_here("train", str(run_dir))
     assert plain.returncode == 0 and "this run has finished" in plain.stdout, plain.stderr[-3000:]
 
-    longer = kiln(str(run_dir), "train.max_steps=6", "--resume", "force")
+    longer = kiln_here("train", str(run_dir), "train.max_steps=6", "--resume", "force")
     assert longer.returncode == 0, longer.stderr[-3000:]
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["max_steps"] == 6
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -238,7 +238,8 @@ def test_checkpoints_that_missed_the_archive_as_the_run_ended_are_archived_by_ki
     archive back, `kiln train R` said 'this run has finished ... nothing to do' and archived nothing."""
     run_dir, archive = tmp_path / "run", tmp_path / "archive"
     archive.write_text("not a directory")  # the archive fails throughout (root ignores a read-only chmod)
-    first = kiln(*base, f"train.run_dir={run_dir}", f"checkpoint.archive_url={archive}", "checkpoint.archive_every=1")
+    first = kiln_here("train", *base, f"train.run_dir={run_dir}", f"checkpoint.archive_url={archive}",
+                      "checkpoint.archive_every=1")
     assert first.returncode == 0, first.stderr[-3000:]
     assert f"archived when `kiln train {run_dir}` is run again" in first.stdout + first.stderr
     archive.unlink()  # the archive works again
