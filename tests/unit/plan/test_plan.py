@@ -5,10 +5,6 @@ from __future__ import annotations
 import io
 import os
 import re
-import subprocess
-import sys
-from contextlib import redirect_stderr, redirect_stdout
-from unittest import mock
 
 import pytest
 
@@ -17,6 +13,8 @@ from kiln.errors import ConfigError
 from kiln.plan import make_plan
 from kiln.plan.estimate import largest_batch, layout_for
 from kiln.plan.gpus import GPUS, gpu_for_name, local_device
+
+from ...conftest import kiln_here
 
 
 def test_the_1b_preset_on_an_h100_matches_what_was_measured():
@@ -141,28 +139,13 @@ def test_gpu_names_and_keys():
         local_device("voodoo", "cuda")
 
 
-def kiln(*args: str) -> subprocess.CompletedProcess:
-    """`kiln ARGS` through the CLI's entry point (`kiln.cli.main`, which turns errors into messages and exit
-    codes) in this process: a new interpreter for each call cost seconds of imports and nothing more."""
-    from kiln.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with redirect_stdout(out), redirect_stderr(err), mock.patch.object(sys, "argv", ["kiln", *args]):
-        try:
-            main()
-        except SystemExit as e:
-            code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-    return subprocess.CompletedProcess(["kiln", *args], code, out.getvalue(), err.getvalue())
-
-
 def test_cli_prints_the_plan_and_warns_with_exit_0():
-    r = kiln("plan", "gpu-1b", "model.size=8b", "--gpu", "rtx4090")
+    r = kiln_here("plan", "gpu-1b", "model.size=8b", "--gpu", "rtx4090")
     assert r.returncode == 0, r.stderr
     for text in ("8.03B parameters", "AdamW moments", "activations", "largest micro-batch", "per checkpoint",
                  "does not fit", "warning:"):
         assert text in r.stdout
-    bad = kiln("plan", "gpu-1b", "--gpu", "voodoo")
+    bad = kiln_here("plan", "gpu-1b", "--gpu", "voodoo")
     assert bad.returncode == 2 and "not a card the planner knows" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -172,10 +155,10 @@ def test_cli_plans_a_run_directory_from_its_config(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text(load_config("gpu-1b", ["model.size=8b"]).to_yaml())  # as kiln train writes it
-    r = kiln("plan", str(run), "--gpu", "rtx4090")
+    r = kiln_here("plan", str(run), "--gpu", "rtx4090")
     assert r.returncode == 0, r.stderr
     assert "8.03B parameters" in r.stdout and "does not fit" in r.stdout
-    assert kiln("plan", str(tmp_path), "--gpu", "rtx4090").returncode == 2  # no config.yaml: not a run directory
+    assert kiln_here("plan", str(tmp_path), "--gpu", "rtx4090").returncode == 2  # no config.yaml: not a run directory
 
 
 def test_lora_plans_an_8b_model_on_one_rtx4090():
@@ -320,7 +303,7 @@ def test_an_auto_batch_that_fits_nowhere_is_planned_at_one_and_warned():
     (["--gpus", "0"], "--gpus"),
 ])
 def test_a_global_batch_the_run_would_refuse_is_a_config_error_of_the_plan(args, message):
-    r = kiln("plan", "train.device=cpu", *args)
+    r = kiln_here("plan", "train.device=cpu", *args)
     assert r.returncode == 2 and message in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
     assert "Traceback" not in r.stderr
 
