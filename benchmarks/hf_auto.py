@@ -138,15 +138,7 @@ def main() -> None:
     ap.add_argument("--runs", default=None, help="Comma-separated size:batch, e.g. 124m:16,1b:8 "
                                                  "(default: --size with --batch).")
     ap.add_argument("--size", default="tiny", help="Kiln model size (tiny, 124m, 350m, 1b, ...).")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--device", default="cpu", help="cpu or cuda.")
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=5, help="Timed steps.")
-    ap.add_argument("--warmup", type=int, default=2, help="Untimed steps first (compilation included).")
-    ap.add_argument("--vocab", type=int, default=None, help="Vocabulary (default: the size's, else 512).")
-    ap.add_argument("--compile", action="store_true", help="Per-block torch.compile on both (kiln.parallel.compile).")
-    ap.add_argument("--ac", default="none", choices=["none", "selective", "full"], help="Activation checkpointing.")
-    ap.add_argument("--no-doc-mask", dest="doc_mask", action="store_false", help="One sequence per row.")
+    add_run_args(ap)  # --compile and --ac apply to both paths
     ap.add_argument("--before", action="store_true", help="Also the auto path as it ran before (its own attention "
                                                           "and masks, the loss on the full logits).")
     ap.add_argument("--json", default=None, help="Write the results here.")

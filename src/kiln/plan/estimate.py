@@ -212,10 +212,9 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
     if layout.experts > 1:
         notes.append(experts.note(m, layout.experts, gpu.key))
     elif cfg.dist.expert_parallel > 1:
-        notes.append(f"dist.expert_parallel={cfg.dist.expert_parallel} is not planned: kiln train takes it only with "
-                     "as many processes (here "
-                     f"{gpus}), FSDP, a native model.moe whose experts it divides, no hybrid sharding or CPU offload; "
-                     "planned as FSDP alone")
+        notes.append(f"dist.expert_parallel={cfg.dist.expert_parallel} is not planned: kiln train refuses it (a "
+                     f"config error) unless it equals the number of processes (here {gpus}), with FSDP, a native "
+                     "model.moe whose experts it divides, no hybrid sharding or CPU offload; planned as FSDP alone")
     fp8 = converted_params(m) if t.fp8.enabled else 0  # kiln.plan.fp8: per block, in float8 layers
     if t.fp8.enabled and gpu.key not in FP8_GPUS:
         notes.append(f"train.fp8: {gpu.name} has no float8 tensor cores (compute capability 8.9+: H100, H200, "
