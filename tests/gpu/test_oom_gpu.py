@@ -153,7 +153,9 @@ def test_auto_batch_searches_with_real_steps_leaves_the_weights_and_caches(tmp_p
 def test_auto_batch_tries_an_accumulated_micro_batch_with_the_gradients_kept_between_them():
     """A micro-batch smaller than the step's rows runs as the trainer runs it: two a step, the first's gradients
     alive through the second's forward pass. Where the activations outweigh everything else (a small model, long
-    rows), the peak of such a trial is the plain one plus the model's fp32 gradients, 4 bytes a parameter."""
+    rows), the peak of such a trial is the plain one plus the model's fp32 gradients, 4 bytes a parameter, and the
+    new gradient of the largest parameter while autograd adds it into the kept one (here the tied 64K embedding,
+    70% of the parameters: 2.02x the gradients measured on an H200, where 1.5x was asserted before)."""
     from kiln.model.registry import param_count
     from kiln.train.autobatch import _Try
 
@@ -168,5 +170,6 @@ def test_auto_batch_tries_an_accumulated_micro_batch_with_the_gradients_kept_bet
     finally:
         trial.close()
     grads = 4 * param_count(cfg.model)
+    largest = 4 * max(p.numel() for p in model.parameters())
     assert alone is not None and kept is not None
-    assert 0.75 * grads <= kept - alone <= 1.5 * grads, (alone, kept, grads)
+    assert 0.75 * grads <= kept - alone <= 1.25 * (grads + largest), (alone, kept, grads, largest)
