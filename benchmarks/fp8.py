@@ -35,6 +35,7 @@ from benchmarks.common import free, run_info, table, write_json
 from benchmarks.synthetic import random_loader
 from benchmarks.throughput import VOCAB, Result, _time_kiln
 from kiln.config import RunConfig
+from kiln.config.load import _apply_override
 from kiln.model.llama import Transformer
 from kiln.model.registry import flops_per_token
 from kiln.parallel.mesh import Mesh
@@ -55,17 +56,21 @@ def fp8_problem(device: torch.device) -> str | None:
 
 
 def run(mode: str, size: str, batch: int, seq: int, warmup: int, steps: int, ac: str, compile: bool,
-        device: torch.device, vocab: int = VOCAB) -> Result:
-    """One run: mode 'bf16' or 'fp8-tensorwise' / 'fp8-rowwise'."""
+        device: torch.device, vocab: int = VOCAB, sets: tuple[str, ...] = (), profile: bool = False) -> Result:
+    """One run: mode 'bf16' or 'fp8-tensorwise' / 'fp8-rowwise'; `sets`: config overrides (KEY=VALUE, as kiln
+    train takes them) for every run; `profile`: print the GPU kernels that took the most time over three steps."""
     free()
     recipe = mode.partition("-")[2] or "tensorwise"
-    cfg = RunConfig.model_validate({
+    data = {
         "model": {"size": size, "vocab_size": vocab, "max_seq_len": max(seq, 2048)},
         "train": {"batch_size": batch, "seq_len": seq, "max_steps": warmup + steps, "warmup_steps": 2, "lr": 3e-4,
                   "precision": "bf16", "compile": compile, "activation_checkpointing": ac, "device": device.type,
                   "fp8": {"enabled": mode != "bf16", "recipe": recipe}},
         "logging": {"console": False, "jsonl": False},
-    })
+    }
+    for item in sets:
+        _apply_override(data, item)
+    cfg = RunConfig.model_validate(data)
     torch.manual_seed(0)
     said: list[str] = []
     model = parallelize(Transformer(cfg.model), cfg, Mesh(device=device), log=said.append)
@@ -76,10 +81,11 @@ def run(mode: str, size: str, batch: int, seq: int, warmup: int, steps: int, ac:
         loader = random_loader(tmp, batch, seq, vocab)
         try:
             trainer = Trainer(cfg, model, loader, None, device, [], flops_per_token=fpt)
-            res = _time_kiln(Result(mode, size, batch, seq), trainer, fpt, warmup, steps, "default", None, False)
+            res = _time_kiln(Result(mode, size, batch, seq), trainer, fpt, warmup, steps, "default", None, profile)
         finally:
             loader.close()
-    res.notes = f"compile={compile} ac={ac}" + "".join(f"; {s}" for s in said if s.startswith("train.fp8"))
+    res.notes = (f"compile={compile} ac={ac}" + "".join(f" {s}" for s in sets)
+                 + "".join(f"; {s}" for s in said if s.startswith("train.fp8")))
     return res
 
 
@@ -107,6 +113,9 @@ def main(argv: list[str] | None = None) -> list[Result]:
     p.add_argument("--recipes", default="tensorwise,rowwise", help="fp8 recipes measured beside bf16")
     p.add_argument("--vocab", type=int, default=VOCAB)
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every run, e.g. train.compile_scope=model (repeatable)")
+    p.add_argument("--profile", action="store_true", help="print each run's top GPU kernels over three more steps")
     p.add_argument("--json", help="write every result here as JSON")
     a = p.parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
@@ -118,8 +127,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
     if missing:
         print(f"fp8 runs left out: {missing}", flush=True)
         modes = ["bf16"]
-    results = [measure(m, a.size, a.batch, a.seq, a.warmup, a.steps, a.ac, bool(a.compile), device, a.vocab)
-               for m in modes]
+    results = [measure(m, a.size, a.batch, a.seq, a.warmup, a.steps, a.ac, bool(a.compile), device, a.vocab,
+                       tuple(a.set), a.profile) for m in modes]
 
     env = run_info(device, packages=["torchao"], fp8_left_out=missing)
     write_json(a.json, {"env": env, "argv": argv or sys.argv[1:], "results": [asdict(r) for r in results]})
