@@ -1,10 +1,14 @@
 """Memory of a one-GPU run with its optimizer in host memory (train.offload: optimizer; kiln.parallel.offload).
 
 On the device: the weights in the compute dtype (2 bytes a parameter under bf16, no fp32 copy and no autocast
-casts), the activations and loss buffers of the plain path, and the gradients in flight: each leaves for the
-host as soon as the backward pass makes it, so at most the largest parameter's gradient and the next one exist
-at once, beside the two fp32 slices the sums move through. No AdamW state. On the host: fp32 master weights
-(4), AdamW's moments (8) and the step's fp32 gradient sums (4): 16 bytes a parameter.
+casts), the activations and loss buffers of the plain path, the two fp32 slices the sums move through (allocated
+once, always there), and the gradients in flight: each leaves for the host as soon as the backward pass makes it,
+so at most the largest parameter's gradient and the next one exist at once. No AdamW state. On the host: fp32
+master weights (4), AdamW's moments (8) and the step's fp32 gradient sums (4): 16 bytes a parameter.
+
+The peak is the largest of three moments: the end of the forward pass (the loss's chunk of logits beside its fp32
+output-projection gradient), the loss's backward (`head_bytes`: that fp32 gradient and the compute-dtype one made
+from it, both whole) and the end of the backward pass (the gradients in flight, a block recomputed).
 """
 
 from __future__ import annotations
@@ -15,11 +19,27 @@ from kiln.plan.memory import Layout, Memory, layer_params, peak_memory
 
 HOST_BYTES = 4 + 8 + 4  # fp32 masters, two fp32 moments, fp32 gradient sums
 TRANSFER_SLICES = 2 * 4 * (1 << 24)  # bytes: kiln.parallel.offload's two fp32 slices of SLICE elements
+VOCAB_SLICE = 8192  # kiln.model.loss.VOCAB_SLICE: rows of the output projection's gradient scaled at a time
 
 
 def largest_param(m: ModelConfig) -> int:
     """Elements of the model's largest parameter: the embedding or output projection (V x d), or an MLP matrix."""
     return max((m.vocab_size or 0) * m.d_model, m.d_model * m.mlp_hidden, layer_params(m) // 3)
+
+
+def head_bytes(m: ModelConfig, e: int) -> int:
+    """The output projection's gradients at the loss's backward, the peak of an offloaded step at a large vocabulary.
+
+    The chunked loss (kiln.model.loss) sums the projection's gradient in fp32 over the forward pass, a whole (V, d)
+    buffer it keeps for its backward; there it makes the gradient autograd hands on, whole too, in the weight's dtype
+    (e bytes: bf16 here), scaling a slice of VOCAB_SLICE rows at a time through an fp32 temporary. Until that
+    backward returns, all three exist beside the weights and the checkpointed activations: V d (4 + e) bytes and a
+    slice. The offload's hook then takes the compute-dtype gradient to the host (through its fp32 slices, never a
+    whole fp32 copy) and the fp32 one is freed. Measured with torch.cuda.max_memory_allocated on an H200 under
+    `cpt-8b-24gb` (benchmarks/results/offload.md): 23.2 GiB for the Nemotron-3-8B shape (V 256K: 5.9 GiB of head
+    gradients), 19.2-19.3 GiB for Llama-3-8B (V 128K: 2.9 GiB); the end of the forward pass, which holds the fp32
+    one and a chunk of logits only, was planned at 21.9 and 19.0."""
+    return (m.vocab_size or 0) * m.d_model * (4 + e) + VOCAB_SLICE * m.d_model * 4
 
 
 def offload_memory(m: ModelConfig, seq_len: int, batch: int, ac: str, compiled: bool, bf16: bool) -> Memory:
@@ -32,9 +52,10 @@ def offload_memory(m: ModelConfig, seq_len: int, batch: int, ac: str, compiled: 
     # the weights are already in the compute dtype: the plain path's casts of them (compute copies, the output
     # projection's copy in the loss) do not exist
     loss = plain.loss - ((m.vocab_size or 0) * m.d_model * e if bf16 else 0)
-    forward_end = weights + plain.activations + loss
+    forward_end = weights + plain.activations + loss + TRANSFER_SLICES
+    loss_backward = weights + plain.activations + head_bytes(m, e) + TRANSFER_SLICES
     backward_end = weights + grads + plain.backward - (2 * layer_params(m) if bf16 and ac == "full" else 0)
-    peak, phase = max((forward_end, "forward"), (backward_end, "backward"))
+    peak, phase = max((forward_end, "forward"), (loss_backward, "loss"), (backward_end, "backward"))
     return Memory(weights, grads, 0, 0, plain.activations, loss, plain.backward, peak, phase,
                   host_bytes(n))
 

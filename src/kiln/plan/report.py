@@ -95,8 +95,9 @@ def render(plan: Plan, console: Console) -> None:
         rows = offload_rows(mem, t.activation_checkpointing, "bf16" if plan.bf16 else "fp32")
     for what, n in rows:
         table.add_row(what, gib(n))
-    when = "start of the backward pass, a block recomputed" if mem.phase == "recompute" else \
-        f"end of the {mem.phase} pass"
+    when = {"recompute": "start of the backward pass, a block recomputed",  # loss: kiln.plan.offload.head_bytes
+            "loss": "the loss's backward, the output layer's gradient twice"}.get(mem.phase,
+                                                                                 f"end of the {mem.phase} pass")
     table.add_row(f"peak ({when})", gib(mem.peak), style="bold")
     extra = f"+{FRAGMENTATION:.0%} allocator, +{CONTEXT / GIB:.0f} GiB context" if plan.gpu.key != "cpu" \
         else f"+{CPU_PROCESS / GIB:.1f} GiB the process (Python, torch, the loader)"

@@ -22,18 +22,31 @@ def test_a_full_8b_run_on_one_rtx4090_is_offered_the_offload_preset():
 
 
 @pytest.mark.parametrize("shape", [LLAMA3_8B, NEMOTRON_8B], ids=["llama3-8b", "nemotron-8b-256k-vocab"])
-def test_the_24gb_preset_fits_an_8b_model_and_states_the_host_memory(shape):
+def test_the_24gb_preset_plans_an_8b_model_and_states_the_host_memory(shape):
     plan = make_plan(load_config("cpt-8b-24gb", shape), 1, GPUS["rtx4090"])
     n = plan.n_params
     assert 7.5e9 < n < 9e9 and plan.layout.offload
-    # Llama-3-8B fits with the plan's margins (5% allocator, 1 GiB context); the 256K vocabulary's fp32 output
-    # gradient (3.9 GiB) puts the Nemotron shape's peak at 21.9 GiB, at the card's edge once they are added
-    assert plan.fits if shape is LLAMA3_8B else plan.memory.peak < 22 * 2**30
     assert plan.memory.weights == 2 * n and plan.memory.optimizer == 0 and plan.memory.compute_weights == 0
     assert plan.memory.host == 16 * n  # fp32 masters 4, moments 8, gradient sums 4
     assert plan.host_per_process == 16 * n  # the preset takes no async staging copy and no rollback snapshot
     assert "train.offload" in plan.host_parts[0]
     assert plan.tokens_per_step == 4096 * 8
+    if shape is LLAMA3_8B:
+        assert plan.fits  # with the plan's margins (5% allocator, 1 GiB context)
+    else:  # the 256K vocabulary's output gradients (5.9 GiB at the loss's backward) leave no room for the margins
+        assert not plan.fits and any("LoRA fits" in w for w in plan.warnings)
+
+
+# torch.cuda.max_memory_allocated of `python benchmarks/offload_8b.py --shape ... --cap-gib 24` on an H200
+# (benchmarks/results/offload.md): the peak comes at the loss's backward, where the output layer's gradient exists
+# whole in fp32 (the chunked loss's sum) and in bf16 (what autograd hands on); the end of the forward pass was
+# planned at 21.9 GiB for the Nemotron shape
+@pytest.mark.parametrize(("shape", "measured_gib"), [(LLAMA3_8B, 19.25), (NEMOTRON_8B, 23.2)],
+                         ids=["llama3-8b", "nemotron-8b-256k-vocab"])
+def test_the_offload_peak_is_planned_within_3_percent_of_the_measured_one(shape, measured_gib):
+    mem = make_plan(load_config("cpt-8b-24gb", shape), 1, GPUS["h200"]).memory
+    assert mem.peak / 2**30 == pytest.approx(measured_gib, rel=0.03)
+    assert mem.phase == "loss"
 
 
 def test_offload_with_several_processes_is_warned_as_the_run_refuses_it():
