@@ -153,6 +153,11 @@ def resolve_init_from(model: ModelConfig) -> ModelConfig:
     try:
         imported = from_hf_config_dict(read_hf_config(model.init_from))
     except StateError as e:
+        from kiln.model.hf_causal import not_a_causal_lm
+
+        why = not_a_causal_lm(read_hf_config(model.init_from))
+        if why is not None:
+            raise StateError(f"model.init_from={model.init_from}: {why}") from None
         raise StateError(f"model.init_from={model.init_from}: {e}. Set model.hf_class=auto to train it through "
                          "transformers' AutoModelForCausalLM instead (slower; see the README)") from None
     max_seq_len, scaling = _context(model, imported.max_seq_len, imported.rope_scaling)

@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.config import LoraConfig, ModelConfig, OptimConfig
+from kiln.config import LoraConfig, ModelConfig, OptimConfig, load_config
 from kiln.errors import ConfigError, StateError
 from kiln.model.hf_auto import auto_config, build_auto, decoder_layers, doc_positions
 from kiln.model.hf_import import resolve_init_from
 from kiln.parallel.ac import apply_ac
 from kiln.train.optim import build_optimizer
+from kiln.train.run import with_init_from
 
 transformers = pytest.importorskip("transformers")
 
@@ -293,3 +294,15 @@ def test_auto_needs_a_model_directory():
 
     with pytest.raises(ConfigError, match="model.hf_class=auto trains a Hugging Face model directory"):
         load_config(None, ["model.hf_class=auto"])
+
+
+def test_a_model_that_is_no_causal_lm_is_refused_as_such(tmp_path):
+    """An encoder-decoder (T5) was told to try model.hf_class=auto, which then asked for a context length and,
+    given one, failed after the data was prepared with transformers' list of 200 configuration classes."""
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2)
+    transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")
+    for hf_class in ("native", "auto"):
+        with pytest.raises(StateError, match="model_type 't5' is not a causal language model") as e:
+            with_init_from(load_config(None, [f"model.init_from={tmp_path / 't5'}", f"model.hf_class={hf_class}"]))
+        assert "Set model.hf_class=auto" not in str(e.value) and "Bart" not in str(e.value)
+
