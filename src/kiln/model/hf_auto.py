@@ -135,6 +135,8 @@ def build_auto(cfg: ModelConfig, lora: LoraConfig | None = None, weights: bool =
     whose weights come from its checkpoint). With lora.rank > 0 the model gets PEFT LoRA adapters and
     only they train."""
     tr = transformers_module()
+    from safetensors import SafetensorError
+
     from kiln.model.hf_import import read_hf_config, weight_files
 
     check_remote_code(cfg.init_from, read_hf_config(cfg.init_from), cfg.trust_remote_code)
@@ -154,7 +156,7 @@ def build_auto(cfg: ModelConfig, lora: LoraConfig | None = None, weights: bool =
     except (ValueError, OSError, KeyError) as e:  # unknown model_type, a config it cannot read, ...
         raise StateError(f"model.init_from={cfg.init_from}: transformers cannot build a causal LM from it "
                          f"({type(e).__name__}: {e})") from None
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:  # a damaged weight file (torch.load's errors)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, SafetensorError) as e:  # a damaged weight file
         raise StateError(f"model.init_from={cfg.init_from}: its weights cannot be read ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else 'damaged'}); copy them again from their "
                          "source") from None

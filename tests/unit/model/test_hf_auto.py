@@ -296,6 +296,16 @@ def test_auto_needs_a_model_directory():
         load_config(None, ["model.hf_class=auto"])
 
 
+def test_a_damaged_weight_file_is_a_clear_error_not_a_traceback(tmp_path):
+    """A truncated safetensors file (a copy cut short) raised safetensors' own SafetensorError out of `kiln train`
+    on this path, with a traceback; the native import already said which file to copy again."""
+    path = hf_dir(tmp_path, "llama")
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(StateError, match="its weights cannot be read .*copy them again"):
+        build_auto(model_cfg(path))
+
+
 def test_a_model_that_is_no_causal_lm_is_refused_as_such(tmp_path):
     """An encoder-decoder (T5) was told to try model.hf_class=auto, which then asked for a context length and,
     given one, failed after the data was prepared with transformers' list of 200 configuration classes."""
