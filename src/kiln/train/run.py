@@ -92,9 +92,11 @@ def with_init_from(cfg: RunConfig, log=print) -> RunConfig:
             target_layers(model, cfg.lora.targets)
     check_own_tokenizer(cfg.model.init_from, cfg.data.tokenizer)
     if cfg.train.seq_len > model.max_seq_len:
+        extend = ("edit a copy of the model's config.json (its rope scaling and context length): model.hf_class=auto "
+                  "keeps the model's context" if model.hf_class == "auto" else
+                  "extend the model's context on purpose (model.max_seq_len with model.rope_scaling)")
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} is longer than the {model.max_seq_len} positions of "
-                          f"{cfg.model.init_from}; shorten train.seq_len, or extend the model's context on purpose "
-                          "(model.max_seq_len with model.rope_scaling)")
+                          f"{cfg.model.init_from}; shorten train.seq_len, or {extend}")
     return cfg.model_copy(update={"model": model})  # a new config; the given one is unchanged
 
 

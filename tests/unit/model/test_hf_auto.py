@@ -316,3 +316,14 @@ def test_a_model_that_is_no_causal_lm_is_refused_as_such(tmp_path):
             with_init_from(load_config(None, [f"model.init_from={tmp_path / 't5'}", f"model.hf_class={hf_class}"]))
         assert "Set model.hf_class=auto" not in str(e.value) and "Bart" not in str(e.value)
 
+
+def test_a_row_longer_than_the_models_context_names_what_this_path_takes(tmp_path):
+    """The auto path keeps its model's context; the error told to extend it with model.max_seq_len and
+    model.rope_scaling, which this path then refuses."""
+    from tokenizers import Tokenizer, models
+
+    path = hf_dir(tmp_path, "llama")
+    Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")).save(str(path / "tokenizer.json"))
+    with pytest.raises(ConfigError, match="train.seq_len=64 is longer than the 48 positions") as e:
+        with_init_from(load_config(None, [f"model.init_from={path}", "model.hf_class=auto", "train.seq_len=64"]))
+    assert "rope_scaling)" not in str(e.value) and "edit a copy of the model's config.json" in str(e.value)
