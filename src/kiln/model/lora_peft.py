@@ -63,14 +63,20 @@ def peft_config(model_cfg: ModelConfig, lcfg: LoraConfig, base: str | None) -> d
 
 def peft_refusal(adapters: dict[str, torch.Tensor], model_cfg: ModelConfig | None = None) -> str | None:
     """Why these adapters have no PEFT form Kiln writes (None: they have one): a mixture of experts' per-expert
-    adapters (kiln.model.lora_experts), or a run of `model_cfg` that extended its base's context
-    (kiln.model.base_context), which the merged model holds instead."""
+    adapters (kiln.model.lora_experts), adapters on a hybrid model's Mamba out_proj (which PEFT refuses), or a run
+    of `model_cfg` that extended its base's context (kiln.model.base_context), which the merged model holds
+    instead."""
     from kiln.model.base_context import extended_context
     from kiln.model.lora_experts import stacked_adapter
 
     if any(stacked_adapter(k) is not None for k in adapters):
         return ("the adapters on the mixture of experts' stacked expert projections (lora.targets gate, up, down) "
                 "have no PEFT form Kiln writes; the merged model (kiln export without --adapters) holds them")
+    if model_cfg is not None and model_cfg.layer_pattern and any(".mixer.out_proj." in k for k in adapters):
+        return ("PEFT refuses LoRA on a Mamba layer's out_proj (transformers' fused Mamba kernels read its weight "
+                "directly), so these adapters have no PEFT form it loads; the merged model (kiln export without "
+                "--adapters) holds them, or train with lora.targets that leave out out_proj (q, k, v, o, up, down, "
+                "in_proj) for PEFT adapters")
     extended = extended_context(model_cfg) if model_cfg is not None else None
     if extended is not None:
         return (f"{extended}, and PEFT adapters load onto the base as it is stored, with its own context and rotary "

@@ -185,3 +185,35 @@ def test_lora_on_every_projection_trains_the_adapters_and_merges():
         assert (merge_lora(model)(x) - model(x)).abs().max() < 1e-5
     with pytest.raises(ConfigError, match="no layer of this model"):
         apply_lora(Transformer(hybrid_cfg(layer_pattern="M-M-")), LoraConfig(rank=4, targets=["q", "in_proj"]))
+
+
+def test_peft_adapters_are_written_only_where_peft_loads_them(pair, tmp_path):
+    """PEFT refuses LoRA on a Mamba layer's out_proj (transformers' fused Mamba kernels read its weight directly):
+    a run with lora.targets=[all] wrote PEFT adapters that PeftModel.from_pretrained then rejected. They are refused
+    with what to do; without out_proj they are written, and PEFT loads them onto the base with Kiln's logits."""
+    peft = pytest.importorskip("peft")
+    from kiln.config import LoraConfig
+    from kiln.model.lora import adapter_state_dict, apply_lora
+    from kiln.model.lora_peft import write_peft_adapters
+
+    hf, _ = pair
+    hf.save_pretrained(tmp_path / "base")
+    cfg = imported(hf)[0]
+    for targets in (["all"], ["in_proj", "q", "down"]):
+        lcfg = LoraConfig(rank=2, targets=targets, base_dtype="fp32")
+        torch.manual_seed(0)
+        model = apply_lora(imported(hf)[1], lcfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+        if "all" in targets:
+            with pytest.raises(StateError, match="PEFT refuses LoRA on a Mamba layer's out_proj.*lora.targets"):
+                write_peft_adapters(adapter_state_dict(model), cfg, lcfg, str(tmp_path / "base"), tmp_path / "all")
+            continue
+        out = write_peft_adapters(adapter_state_dict(model), cfg, lcfg, str(tmp_path / "base"), tmp_path / "some")
+        base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+        loaded = peft.PeftModel.from_pretrained(base, out).eval()
+        x = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=x).logits, model.eval()(x), rtol=0, atol=1e-5)
