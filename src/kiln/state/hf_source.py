@@ -114,9 +114,10 @@ def source_config(src: Path, cfg: ModelConfig | None, dtype: str | None, written
     before = config.get("max_position_embeddings")
     if isinstance(before, int) and written.get("max_position_embeddings", 0) > before:  # extended on purpose: the
         # new length and its rotary scaling (a run bounded below the model's context leaves it as it is)
-        for key in ("max_position_embeddings", "rope_scaling", "rope_parameters"):
-            if key in written and (key in config or key != "rope_scaling" or written[key] is not None):
+        for key in ("max_position_embeddings", "rope_parameters"):
+            if key in written:
                 config[key] = written[key]
+        config.update(_rope_scaling(config, written))
     if cfg is None:
         return config
     try:
@@ -124,6 +125,19 @@ def source_config(src: Path, cfg: ModelConfig | None, dtype: str | None, written
     except Exception:  # a config Kiln's native model cannot read (an auto-path model): nothing to compare
         same = True
     return config if same else {**config, **written}  # never an architecture that is not the model's
+
+
+def _rope_scaling(config: dict[str, Any], written: dict[str, Any]) -> dict[str, Any]:
+    """The rope_scaling key of an extended context's export of `config`: transformers 4 reads it, with the rotary
+    base beside it (top-level rope_theta), and transformers 5 reads it before rope_parameters, whole. A config
+    without a top-level rope_theta (as transformers 5 saves them) gets it only where it had one, holding the base
+    (else 5 would read the default base 10000); one with a rope_theta gets it as Kiln writes it."""
+    scaling = written.get("rope_scaling")
+    if "rope_theta" in config:
+        return {"rope_scaling": scaling} if "rope_scaling" in config or scaling is not None else {}
+    if "rope_scaling" not in config:
+        return {}
+    return {"rope_scaling": written.get("rope_parameters", scaling) if scaling is not None else None}
 
 
 LEGACY_ROPE = {"phi3": ("su", "yarn")}  # older Phi-3 128K checkpoints' names of longrope

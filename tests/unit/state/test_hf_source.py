@@ -113,3 +113,22 @@ def test_named_chat_templates_are_carried_with_the_tokenizer(tmp_path):
     other.mkdir()
     carry_files(src, other, tokenizer=False)  # another tokenizer is written: none of this one's files
     assert list(other.iterdir()) == []
+
+
+def test_an_extended_context_keeps_the_rotary_base_transformers_5_reads(tmp_path):
+    """A transformers 5 config.json holds its rotary base in rope_parameters alone (no top-level rope_theta); the
+    export of a run that extended its context added a rope_scaling without it, which transformers 5 reads first,
+    with the default base 10000 beside it: a Qwen3 (base 1e6) exported that way gave logits 0.1 off Kiln's."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    base = CFG.model_copy(update={"rope_theta": 1e6, "hf_model_type": "llama"})
+    longer = base.model_copy(update={"max_seq_len": 512, "rope_scaling": RopeScaling(type="linear", factor=2)})
+    hf = {k: v for k, v in to_hf_config_dict(base).items() if k not in ("rope_theta", "rope_scaling")}
+    for source in (hf, {**hf, "rope_scaling": {"rope_type": "linear", "factor": 1.5}}):  # a stale scaling too
+        (tmp_path / "config.json").write_text(json.dumps(source))
+        cfg = longer.model_copy(update={"init_from": str(tmp_path)})
+        extended = source_config(tmp_path, cfg, None, to_hf_config_dict(cfg), tokenizer=True)
+        rope = transformers.LlamaConfig(**extended).rope_parameters
+        assert (rope["rope_type"], rope["factor"], rope["rope_theta"]) == ("linear", 2.0, 1e6)
+        assert ("rope_scaling" in extended) == ("rope_scaling" in source)  # no 4.x key added to a 5.x config
