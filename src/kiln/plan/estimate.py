@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kiln.config import ModelConfig, RunConfig
+from kiln.errors import ConfigError, StateError
 from kiln.model.registry import active_param_count, flops_per_token, param_count
 from kiln.plan import experts, moe_speed
 from kiln.plan.fp8 import FP8_GPUS, converted_params, converted_share
@@ -87,7 +88,12 @@ def resolve_model(cfg: RunConfig, notes: list[str]) -> ModelConfig:
         from kiln.model.hub import local_model_dir
 
         local = local_model_dir(m.init_from, log=notes.append, files=["config.json"])  # a Hub id: its config only
-        m = resolve_init_from(m.model_copy(update={"init_from": local}))
+        try:
+            m = resolve_init_from(m.model_copy(update={"init_from": local}))
+        except StateError:
+            if m.hf_class != "auto":
+                raise
+            _refuse_generic(local)
     if m.vocab_size is None:
         vocab = _tokenizer_vocab(cfg.data.tokenizer)
         if vocab is None:
@@ -96,6 +102,23 @@ def resolve_model(cfg: RunConfig, notes: list[str]) -> ModelConfig:
                 notes.append(f"vocabulary of {cfg.data.tokenizer} not read; assumed data.vocab_size={vocab}")
         m = m.model_copy(update={"vocab_size": -(-vocab // 64) * 64})
     return m
+
+
+def _refuse_generic(path: str) -> None:
+    """ConfigError for a model.hf_class=auto model Kiln's native model cannot stand for (the error's first words
+    told to set model.hf_class=auto); a directory that is no causal LM is said to be one."""
+    from kiln.model.hf_causal import not_a_causal_lm
+    from kiln.model.hf_import import read_hf_config
+
+    hf = read_hf_config(path)
+    why = not_a_causal_lm(hf)
+    if why is not None:
+        raise StateError(f"model.init_from={path}: {why}")
+    raise ConfigError(f"kiln plan estimates Kiln's native model: model.init_from={path} (model_type "
+                      f"'{hf.get('model_type')}') trains through transformers' own module (model.hf_class=auto), "
+                      "which it has no estimate for. For an approximation, plan a native model of its shape without "
+                      "model.init_from (model.d_model, model.n_layers, model.n_heads, model.n_kv_heads, "
+                      "model.ffn_hidden, model.vocab_size, model.max_seq_len)")
 
 
 def _tokenizer_vocab(path: str | None) -> int | None:

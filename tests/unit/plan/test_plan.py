@@ -319,3 +319,12 @@ def test_processes_on_the_cpu_share_its_memory_and_more_of_them_are_not_advised(
     big = make_plan(load_config(None, ["model.size=8b", "train.device=cpu"]), 1, cpu)
     assert not big.fits and any("share its memory" in w for w in big.warnings)
     assert not any("--nproc" in w for w in big.warnings)
+
+
+def test_a_generic_path_model_is_refused_without_telling_to_set_what_is_set(tmp_path):
+    """kiln plan model.init_from=OLMO2 model.hf_class=auto said to set model.hf_class=auto."""
+    (tmp_path / "config.json").write_text('{"model_type": "olmo2", "vocab_size": 64, "hidden_size": 32}')
+    cfg = load_config(None, [f"model.init_from={tmp_path}", "model.hf_class=auto"])
+    with pytest.raises(ConfigError, match="kiln plan estimates Kiln's native model.*'olmo2'") as e:
+        make_plan(cfg, 1, GPUS["h100"])
+    assert "Set model.hf_class=auto" not in str(e.value)
