@@ -290,6 +290,10 @@ def test_kiln_train_nproc_checks_the_job_shape_before_starting_any_process(monke
                              "train.batch_size=3"])
     with pytest.raises(ConfigError, match="gives 4 sequences per rank per step, not a multiple of train.batch_size=3"):
         local.relaunch(2, ["train"], cfg=cut)
+    offload = load_config(None, ["train.device=cpu", "train.offload=optimizer"])  # said by rank 1 after preparing data
+    with pytest.raises(ConfigError, match="train.offload=optimizer runs in one process.*--nproc 2"):
+        local.relaunch(2, ["train"], cfg=offload)
+    local.check_world(offload, 1)  # one process under --max-restarts: the offload's own setting
 
 
 def test_more_cpu_processes_than_memory_holds_is_an_error_and_more_than_cores_a_warning(monkeypatch):

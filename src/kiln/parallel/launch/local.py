@@ -42,6 +42,10 @@ def check_world(cfg, nproc: int, log=print) -> None:
 
     cfg.lora.require_base(cfg.model)  # else said by every process, and again at every restart
     cfg.train.loader_rows(nproc)  # a train.global_batch_tokens that nproc ranks cannot share (or batch_size cut)
+    if cfg.train.offload != "none" and nproc > 1:  # kiln.parallel.offload: else refused by a rank, after its data
+        raise ConfigError(f"train.offload={cfg.train.offload} runs in one process on one GPU, and --nproc {nproc} "
+                          f"starts {nproc}: start one (kiln train without --nproc), or remove train.offload and let "
+                          "FSDP shard the state over the processes (dist.cpu_offload offloads it under FSDP)")
     d, name = cfg.dist, cfg.train.device
     cuda = name.startswith("cuda") or (name == "auto" and cuda_available())
     check_backend(d.backend, cuda, name)
