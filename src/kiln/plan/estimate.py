@@ -9,6 +9,7 @@ fields say what each rests on.
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -172,8 +173,9 @@ def capacity_of(gpu: Gpu, gpus: int = 1) -> int:
 
 
 def needs(mem: Memory, gpu: Gpu) -> int:
-    """Bytes of the device a step with this peak takes: the peak plus allocator slack and the context."""
-    return mem.peak + CPU_PROCESS if gpu.key == "cpu" else int(mem.peak * (1 + FRAGMENTATION)) + CONTEXT
+    """Bytes of the device a step with this peak takes: the peak plus allocator slack and the context; on the CPU the
+    process, and the state an offload keeps in host memory, which there is the same memory."""
+    return mem.peak + CPU_PROCESS + mem.host if gpu.key == "cpu" else int(mem.peak * (1 + FRAGMENTATION)) + CONTEXT
 
 
 def even_cut(rows: int, fit: int) -> int:
@@ -381,22 +383,22 @@ def _advise(plan: Plan) -> None:
     elif fitting:
         best = max(fitting, key=lambda o: (o.tokens_per_s or 0, o.max_batch))
         plan.warnings.append(f"fits with {best.strategy}, activation_checkpointing={best.ac}, micro-batch up to "
-                             f"{best.max_batch}")
+                             f"{best.max_batch}" + (f" (with{_no_offload(plan)})" if _no_offload(plan) else ""))
     offload = [o for o in plan.options if o.strategy == "single+offload" and o.max_batch > 0]
     if offload and not plan.layout.offload:  # one GPU, the optimizer in host memory (kiln.plan.offload)
         best = max(offload, key=lambda o: (o.tokens_per_s or 0, o.max_batch))
         plan.warnings.append(f"full training fits with train.offload=optimizer, activation_checkpointing={best.ac}, "
                              f"micro-batch up to {best.max_batch} (the optimizer in host memory: "
                              f"{best.memory.host / 1e9:.0f} GB of it); for an 8B model: the preset cpt-8b-24gb "
-                             f"(kiln plan cpt-8b-24gb --gpu {gpu.key})")
+                             f"({_preset_plan(plan, 'cpt-8b-24gb')})")
     if not plan.max_batch and plan.lora is None:
         lora = Lora(16, ("all",), 2)
-        mem = peak_memory(plan.model, t.seq_len, 1, "full", t.compile, plan.bf16, plan.layout, lora,
+        mem = peak_memory(plan.model, t.seq_len, 1, "full", t.compile, plan.bf16, _lora_layout(plan), lora,
                           accumulate=accumulates(plan, plan.gpus), reduce_fp32=cfg.dist.reduce_fp32,
                           every_microbatch=cfg.dist.reduce_every_microbatch)
         if needs(mem, gpu) <= plan.capacity:
             plan.warnings.append("LoRA fits: lora.rank=16 lora.targets=[all] train.activation_checkpointing=full "
-                                 "train.batch_size=1 (continued pretraining of a frozen bf16 base)")
+                                 f"train.batch_size=1{_no_offload(plan)} (continued pretraining of a frozen bf16 base)")
         else:
             _advise_qlora(plan)
     elif not plan.max_batch and not plan.lora.nf4:
@@ -413,7 +415,8 @@ def _advise(plan: Plan) -> None:
                 lay = layout_for(plan.cfg, more, plan.n_params, gpu.memory, "fsdp", False, plan.model)
                 if fit_more(plan, more, ac, lay):
                     plan.warnings.append(f"the smallest that fits: {more} x {gpu.key} with FSDP and activation_"
-                                         f"checkpointing={ac} (kiln train --nproc {more} dist.strategy=fsdp)")
+                                         f"checkpointing={ac} (kiln train --nproc {more} dist.strategy=fsdp"
+                                         f"{_no_offload(plan)})")
                     return
         plan.warnings.append(f"no layout of up to 1024 x {gpu.key} fits this model")
 
@@ -422,14 +425,36 @@ def _advise_qlora(plan: Plan) -> None:
     """The QLoRA hint, where a base in NF4 fits when a bf16 one does not (kiln.plan.memory.Lora.nf4)."""
     t, lora = plan.cfg.train, plan.lora or Lora(16, ("all",), 2)
     qlora = Lora(lora.rank, lora.targets, 2, nf4=True)
-    mem = peak_memory(plan.model, t.seq_len, 1, "full", t.compile, plan.bf16, plan.layout, qlora,
+    mem = peak_memory(plan.model, t.seq_len, 1, "full", t.compile, plan.bf16, _lora_layout(plan), qlora,
                       accumulate=accumulates(plan, plan.gpus), reduce_fp32=plan.cfg.dist.reduce_fp32,
                       every_microbatch=plan.cfg.dist.reduce_every_microbatch)
     if needs(mem, plan.gpu) <= plan.capacity:
+        targets = "" if plan.lora else " lora.targets=[all]"  # planned on every linear layer
         plan.warnings.append(f"QLoRA fits ({mem.peak / GIB:.1f} GiB peak): lora.quantize_base=nf4 with lora.rank="
-                             f"{lora.rank} train.activation_checkpointing=full train.batch_size=1 (the base's linear "
-                             f"layers in 4 bits; for an 8B model the preset cpt-8b-16gb: kiln plan cpt-8b-16gb --gpu "
-                             f"{plan.gpu.key})")
+                             f"{lora.rank}{targets} train.activation_checkpointing=full train.batch_size=1"
+                             f"{_no_offload(plan)} "
+                             "(the base's linear layers in 4 bits; for an 8B model the preset cpt-8b-16gb: "
+                             f"{_preset_plan(plan, 'cpt-8b-16gb')})")
+
+
+def _no_offload(plan: Plan) -> str:
+    """The override a hint for LoRA or several processes needs when the run has train.offload, which kiln train
+    refuses with either (a one-process, full-training setting)."""
+    return " train.offload=none" if plan.cfg.train.offload != "none" else ""
+
+
+def _lora_layout(plan: Plan) -> Layout:
+    """The layout a LoRA hint is planned on: one process keeps the frozen base on its device, whether or not this
+    run offloads its optimizer (train.offload, which LoRA does not take)."""
+    return Layout("single") if plan.layout.strategy == "single" else plan.layout
+
+
+def _preset_plan(plan: Plan, preset: str) -> str:
+    """`kiln plan` of an 8B preset that runs as written: the preset's model.init_from is a placeholder, so this
+    run's model directory, else the Llama-3-8B shape."""
+    init = plan.cfg.model.init_from
+    model = f"model.init_from={shlex.quote(init)}" if init else "model.init_from=null model.size=8b"
+    return f"kiln plan {preset} {model} --gpu {plan.gpu.key}"
 
 
 def accumulates(plan: Plan, gpus: int) -> bool:

@@ -8,7 +8,8 @@ from kiln.config import load_config
 from kiln.plan import make_plan
 from kiln.plan.gpus import GPUS
 
-LLAMA3_8B = ["model.init_from=null", "model.size=8b"]
+NATIVE = ["model.init_from=null"]
+LLAMA3_8B = [*NATIVE, "model.size=8b"]
 NEMOTRON_8B = [*LLAMA3_8B, "model.vocab_size=256000", "model.mlp=relu2", "model.ffn_hidden=16384",
                "model.norm=layernorm1p", "model.rotary_fraction=0.5", "model.n_kv_heads=32"]
 
@@ -17,8 +18,16 @@ def test_a_full_8b_run_on_one_rtx4090_is_offered_the_offload_preset():
     plan = make_plan(load_config("gpu-1b", ["model.size=8b"]), 1, GPUS["rtx4090"])
     assert not plan.fits
     hint = next(w for w in plan.warnings if "train.offload=optimizer" in w)
-    assert "activation_checkpointing=full" in hint and "kiln plan cpt-8b-24gb --gpu rtx4090" in hint
+    assert "activation_checkpointing=full" in hint
     assert any(o.strategy == "single+offload" and o.ac == "full" and o.max_batch >= 1 for o in plan.options)
+    # the command it gives runs: `kiln plan cpt-8b-24gb --gpu rtx4090` read the preset's placeholder model.init_from
+    preset, *overrides, gpu, key = hint.split("(kiln plan ")[1].rstrip(")").split()
+    assert (gpu, key) == ("--gpu", "rtx4090")
+    assert make_plan(load_config(preset, overrides), 1, GPUS[key]).fits
+
+
+def _overrides(hint: str) -> list[str]:
+    return [w.rstrip(",") for w in hint.split() if "=" in w and w[0].isalpha() and not w.startswith("activation")]
 
 
 @pytest.mark.parametrize("shape", [LLAMA3_8B, NEMOTRON_8B], ids=["llama3-8b", "nemotron-8b-256k-vocab"])
@@ -34,7 +43,12 @@ def test_the_24gb_preset_plans_an_8b_model_and_states_the_host_memory(shape):
     if shape is LLAMA3_8B:
         assert plan.fits  # with the plan's margins (5% allocator, 1 GiB context)
     else:  # the 256K vocabulary's output gradients (5.9 GiB at the loss's backward) leave no room for the margins
-        assert not plan.fits and any("LoRA fits" in w for w in plan.warnings)
+        assert not plan.fits
+        # a LoRA hint used to plan the frozen base as if offloaded, and said "LoRA fits" (26.7 GiB as it would run),
+        # without the train.offload=none that kiln train needs with LoRA; the one given fits when applied
+        assert not any(w.startswith("LoRA fits") for w in plan.warnings)
+        hint = next(w for w in plan.warnings if "QLoRA fits" in w)
+        assert make_plan(load_config("cpt-8b-24gb", [*shape, *_overrides(hint)]), 1, GPUS["rtx4090"]).fits
 
 
 # torch.cuda.max_memory_allocated of `python benchmarks/offload_8b.py --shape ... --cap-gib 24` on an H200
@@ -52,3 +66,21 @@ def test_the_offload_peak_is_planned_within_3_percent_of_the_measured_one(shape,
 def test_offload_with_several_processes_is_warned_as_the_run_refuses_it():
     plan = make_plan(load_config("cpt-8b-24gb", LLAMA3_8B), 2, GPUS["h100"])
     assert any("runs in one process" in w for w in plan.warnings)
+    fp32 = make_plan(load_config("cpt-8b-24gb", [*LLAMA3_8B, "train.precision=fp32"]), 1, GPUS["rtx4090"])
+    more = next(w for w in fp32.warnings if "the smallest that fits" in w)
+    assert "train.offload=none" in more  # kiln train refuses train.offload with several processes
+
+
+def test_an_offloaded_plan_on_the_cpu_counts_the_host_state_in_the_same_memory(monkeypatch):
+    """On the CPU the optimizer's offloaded state (16 bytes a parameter) is in the RAM the plan fits the step into:
+    a 3B model was planned to fit 18.8 GiB with 51 GB of it, which kiln train's host check then refused."""
+    from kiln.plan import estimate
+    from kiln.plan.gpus import cpu_gpu
+
+    monkeypatch.setattr(estimate, "cpu_matmul_flops", lambda threads: 1e11)  # the speed is not what is checked
+    cpu = cpu_gpu(8 << 30)
+    tiny = make_plan(load_config("cpt-8b-24gb", [*NATIVE, "model.size=tiny", "train.seq_len=64"]), 1, cpu)
+    assert tiny.fits and tiny.memory.host == 16 * tiny.n_params
+    plan = make_plan(load_config("cpt-8b-24gb", [*NATIVE, "model.size=1b", "train.seq_len=64"]), 1, cpu)
+    assert plan.memory.host > cpu.memory  # the state alone is more than the machine's memory: it cannot fit
+    assert plan.memory.peak < cpu.memory and not plan.fits and plan.max_batch == 0
