@@ -112,7 +112,8 @@ class DataConfig(Section):
     tokenizer_train_bytes: int = Field(200_000_000, ge=1)
     """A tokenizer trained here learns from at most this many bytes of the documents."""
     eos_token: str = "auto"
-    """Token appended after every document; 'auto': the tokenizer's <|endoftext|>, <|end_of_text|>, </s> or <eos>."""
+    """Token appended after every document; 'auto': the tokenizer's <|endoftext|>, <|end_of_text|>, </s> or <eos>,
+    else the eos_token a tokenizer directory's tokenizer_config.json names."""
     bos_token: str | None = None
     """Token put before every document (null: none; 'auto': the tokenizer's <|begin_of_text|>, <s> or <bos>;
     'tokenizer': the one the tokenizer's own post-processor puts first, if any: the default with model.init_from,

@@ -188,8 +188,9 @@ def _prepare(cfg, cache: Path, console, progress: bool, tokenizer: Tokenizer | N
         tokenizer = load_or_train(cfg, _train_texts(cfg, files), content, cache,
                                   console if progress else None)
     if tokenizer.eos_id is None:
-        raise DataError("the tokenizer has no end-of-text token (tried <|endoftext|>, <|end_of_text|>, </s>, <eos>); "
-                        "name one with data.eos_token")
+        raise DataError("the tokenizer has no end-of-text token (tried <|endoftext|>, <|end_of_text|>, </s>, <eos>, "
+                        "and the eos_token of a tokenizer directory's tokenizer_config.json); name one with "
+                        "data.eos_token")
     settings = dataset_settings(cfg, tokenizer, files)
     datasets = cache / "datasets"
     tokenizer_json = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()  # cheaper than tokenizer.hash

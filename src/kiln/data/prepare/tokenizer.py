@@ -149,15 +149,30 @@ class Tokenizer:
         p = Path(path).expanduser()
         file = p / "tokenizer.json" if p.is_dir() else p
         if p.is_dir() and not file.is_file():
-            return cls(_from_transformers(p), eos_token, bos_token)
-        if not file.is_file():
+            tk = _from_transformers(p)
+        elif not file.is_file():
             raise DataError(f"tokenizer {p} does not exist; set data.tokenizer to a tokenizer.json or a directory "
                             "holding one, or to null to train one on the sources")
-        try:
-            tk = HFTokenizer.from_file(str(file))
-        except Exception as e:  # the Rust side raises plain Exceptions on bad JSON
-            raise DataError(f"{file}: not a valid tokenizer.json ({e})") from None
+        else:
+            try:
+                tk = HFTokenizer.from_file(str(file))
+            except Exception as e:  # the Rust side raises plain Exceptions on bad JSON
+                raise DataError(f"{file}: not a valid tokenizer.json ({e})") from None
+        if eos_token == "auto" and p.is_dir() and _special(tk, "auto", EOS_NAMES, "eos") is None:
+            eos_token = _declared_eos(p, tk) or "auto"
         return cls(tk, eos_token, bos_token)
+
+
+def _declared_eos(directory: Path, tk) -> str | None:
+    """The EOS a Hugging Face tokenizer directory's tokenizer_config.json names (a string, or transformers' dict
+    with its content), where the tokenizer has it: the one for `data.eos_token: auto` where none of EOS_NAMES is
+    in the vocabulary (DeepSeek's <｜end▁of▁sentence｜>). None where it names none."""
+    try:
+        eos = json.loads((directory / "tokenizer_config.json").read_text()).get("eos_token")
+    except (OSError, ValueError, AttributeError):  # no such file, not JSON, not an object
+        return None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return eos if isinstance(eos, str) and tk.token_to_id(eos) is not None else None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",

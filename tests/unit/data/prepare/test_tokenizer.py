@@ -153,3 +153,17 @@ def test_init_from_defaults_bos_to_the_tokenizers_own(tmp_path):
     assert given.data.bos_token == "<s>"
     with pytest.raises(ConfigError, match="bos_token=tokenizer follows a given tokenizer"):
         load_config(None, ["data.bos_token=tokenizer"])
+
+
+def test_auto_eos_of_a_model_directory_is_the_one_its_tokenizer_config_names(tmp_path):
+    """A model whose EOS has none of the usual names (DeepSeek's <｜end▁of▁sentence｜>) stopped `kiln train
+    model.init_from=DIR` with 'the tokenizer has no end-of-text token', though its tokenizer_config.json names it."""
+    eos = "<｜end▁of▁sentence｜>"
+    train_bpe(CORPUS, 300, [eos, "<|im_end|>"]).save(tmp_path / "tokenizer.json")
+    assert Tokenizer.load(tmp_path).eos_id is None  # no tokenizer_config.json: nothing names it
+    for named in (eos, {"content": eos, "special": True}):  # both forms transformers writes
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": named}))
+        assert Tokenizer.load(tmp_path).eos_id == 0 and Tokenizer.load(tmp_path / "tokenizer.json").eos_id is None
+    train_bpe(CORPUS, 300, ["<|endoftext|>", "<|im_end|>"]).save(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    assert Tokenizer.load(tmp_path).eos_id == 0  # a chat model's turn end: the usual name first, as before
