@@ -81,10 +81,12 @@ def check_host_memory(n_params: int, compute_bytes: int, on_cpu: bool = False, a
     if need > have:
         more = (f" and the async checkpoint's staging copy (checkpoint.async_save: {staging / 1e9:.1f} GB; false "
                 "writes checkpoints from host memory as they are)") if staging else ""
+        cpu = (f", and the weights the CPU trains on {compute_bytes} (a second copy in host memory: on the CPU the "
+               "offload saves nothing, and train.offload=none trains without it)") if on_cpu else ""
         raise ResourceError(
             f"train.offload=optimizer keeps the training state of {n_params / 1e9:.2f}B parameters in host memory: "
             f"{need / 1e9:.1f} GB (fp32 master weights 4, AdamW moments 8 and gradient sums 4 bytes a "
-            f"parameter{more}), and this machine has {have / 1e9:.1f} GB available. "
+            f"parameter{cpu}{more}), and this machine has {have / 1e9:.1f} GB available. "
             "Free host memory, use a machine with more (`kiln plan` states the need), or train with LoRA (lora.rank) "
             "or with several GPUs under FSDP instead")
     return need

@@ -109,6 +109,9 @@ def test_the_host_memory_it_needs_is_checked_before_the_run_starts(corpus, monke
         offload.check_host_memory(8_000_000_000, 2, available=100 * 10**9)
     with pytest.raises(ResourceError, match=r"224.0 GB .*checkpoint.async_save: 96.0 GB; false .* 200.0 GB available"):
         offload.check_host_memory(8_000_000_000, 2, async_save=True, available=200 * 10**9)
+    # on the CPU the compute copy is host memory too: the total used to be said without it among the parts
+    with pytest.raises(ResourceError, match=r"144.0 GB .*weights the CPU trains on 2 .*train.offload=none"):
+        offload.check_host_memory(8_000_000_000, 2, on_cpu=True, available=130 * 10**9)
     # a rollback's snapshot of the fp32 state (96 GB), with the offload's moments and sums still to come (96 GB),
     # out of 3/4 of what is available
     assert offload.rollback_room(8_000_000_000, 1, 280 * 10**9) == (True, 96 * 10**9)
