@@ -132,7 +132,10 @@ FULL_AC_FACTOR = 0.84  # measured: 3b on an H100, full AC 45.4% MFU against sele
 EAGER_POINTS = [(109_529_856, 0.60), (1_100_048_384, 0.74)]
 # measured (scaling.md, H200): 2 GPUs 91.8-93.8%, 4 GPUs 90.3% (124m DDP) and 92.7% (1b FSDP)
 DATA_PARALLEL_FACTOR = 0.92
-OFFLOAD_FACTOR = 0.3  # estimate, not measured: the optimizer step on the CPU and the copies dominate
+# the optimizer step on the CPU and the copies dominate; one process (train.offload): Llama-3-8B at sequence 4096 on
+# one H200 capped at 24 GiB, 2,616 tokens/s measured and 2,649 planned (benchmarks/results/offload.md); several
+# (FSDP's dist.cpu_offload): not measured
+OFFLOAD_FACTOR = 0.3
 
 
 def _interp(points: list[tuple[int, float]], params: int) -> float:
@@ -175,7 +178,8 @@ def estimate_mfu(gpu_key: str, params: int, ac: str, compile: bool, gpus: int, o
         notes.append("data parallel: x0.92 measured on 2 and 4 GPUs" + ("" if gpus <= 4 else ", assumed beyond"))
     if offload:
         mfu *= OFFLOAD_FACTOR
-        notes.append("CPU offload: x0.3 (a guess, not measured)")
+        notes.append("CPU offload: x0.3, " + ("within 2% of the one run measured (8B on an H200)" if gpus <= 1
+                                               else "a guess, not measured"))
     return MfuEstimate(mfu, "; ".join(notes))
 
 
