@@ -47,7 +47,7 @@ from kiln.model import loss
 from kiln.model.hf_attention import MASK_KEY, capped, layer_masks, sliding_window
 from kiln.model.hf_attention import install as install_attention
 from kiln.model.hf_blocks import decoder_layers, transformers_module
-from kiln.model.hf_causal import not_a_causal_lm
+from kiln.model.hf_causal import unbuildable
 from kiln.model.hf_head import decoder_of, logit_cap, plain_head
 from kiln.model.hf_moe import RouterAux, router_aux_coef
 from kiln.model.hf_packing import (
@@ -84,7 +84,7 @@ def auto_config(model: ModelConfig) -> ModelConfig:
     assert model.init_from is not None
     hf = read_hf_config(model.init_from)
     check_remote_code(model.init_from, hf, model.trust_remote_code)
-    why = not_a_causal_lm(hf)
+    why = unbuildable(hf)
     if why is not None:
         raise StateError(f"model.init_from={model.init_from}: {why}")
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf

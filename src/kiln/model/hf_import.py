@@ -153,9 +153,9 @@ def resolve_init_from(model: ModelConfig) -> ModelConfig:
     try:
         imported = from_hf_config_dict(read_hf_config(model.init_from))
     except StateError as e:
-        from kiln.model.hf_causal import not_a_causal_lm
+        from kiln.model.hf_causal import unbuildable
 
-        why = not_a_causal_lm(read_hf_config(model.init_from))
+        why = unbuildable(read_hf_config(model.init_from))
         if why is not None:
             raise StateError(f"model.init_from={model.init_from}: {why}") from None
         raise StateError(f"model.init_from={model.init_from}: {e}. Set model.hf_class=auto to train it through "

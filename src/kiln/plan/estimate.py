@@ -108,11 +108,11 @@ def resolve_model(cfg: RunConfig, notes: list[str]) -> ModelConfig:
 def _refuse_generic(path: str) -> None:
     """ConfigError for a model.hf_class=auto model Kiln's native model cannot stand for (the error's first words
     told to set model.hf_class=auto); a directory that is no causal LM is said to be one."""
-    from kiln.model.hf_causal import not_a_causal_lm
+    from kiln.model.hf_causal import unbuildable
     from kiln.model.hf_import import read_hf_config
 
     hf = read_hf_config(path)
-    why = not_a_causal_lm(hf)
+    why = unbuildable(hf)
     if why is not None:
         raise StateError(f"model.init_from={path}: {why}")
     raise ConfigError(f"kiln plan estimates Kiln's native model: model.init_from={path} (model_type "

@@ -327,3 +327,15 @@ def test_a_row_longer_than_the_models_context_names_what_this_path_takes(tmp_pat
     with pytest.raises(ConfigError, match="train.seq_len=64 is longer than the 48 positions") as e:
         with_init_from(load_config(None, [f"model.init_from={path}", "model.hf_class=auto", "train.seq_len=64"]))
     assert "rope_scaling)" not in str(e.value) and "edit a copy of the model's config.json" in str(e.value)
+
+
+def test_a_model_type_transformers_does_not_know_is_refused_before_the_data(tmp_path):
+    """A model_type neither Kiln nor transformers knows was told to try model.hf_class=auto, which failed after
+    the data was prepared."""
+    path = hf_dir(tmp_path, "llama")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "foobar_lm"}))
+    for hf_class in ("native", "auto"):
+        with pytest.raises(StateError, match="'foobar_lm' is a model_type transformers .* does not know") as e:
+            with_init_from(load_config(None, [f"model.init_from={path}", f"model.hf_class={hf_class}"]))
+        assert "Set model.hf_class=auto" not in str(e.value) and "trust_remote_code" in str(e.value)
