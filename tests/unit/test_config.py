@@ -329,3 +329,11 @@ def test_a_relative_cache_dir_is_made_absolute_once_so_a_resume_elsewhere_finds_
     monkeypatch.chdir(tmp_path)
     assert load_config(str(tmp_path / "config.yaml")).data.cache_dir == str(tmp_path / "a" / "cache")
     assert load_config(None, ["data.cache_dir=~/kc"]).data.cache_dir == "~/kc"  # the same wherever it runs
+
+
+def test_lora_targets_read_mixtrals_expert_names():
+    """Mixtral's expert projections are w1 (gate), w3 (up) and w2 (down), as its PEFT and axolotl configs name
+    them; lora.targets refused them as unknown."""
+    from kiln.config import LoraConfig
+
+    assert LoraConfig(rank=4, targets=["q_proj", "w1", "w2", "w3"]).targets == ["q", "gate", "down", "up"]

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 # lora.targets may name a layer as Hugging Face models do: read as the targets it computes
 HF_TARGETS = {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("o",), "gate_proj": ("gate",),
-              "up_proj": ("up",), "down_proj": ("down",), "qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
+              "up_proj": ("up",), "down_proj": ("down",), "qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up"),
+              "w1": ("gate",), "w3": ("up",), "w2": ("down",)}  # the last three: Mixtral's experts
 
 
 class LoraConfig(Section):
@@ -30,7 +31,8 @@ class LoraConfig(Section):
     targets: list[str] = ["q", "k", "v", "o"]
     """Layers that get adapters: any of q, k, v, o (attention), gate, up, down (MLP) and in_proj, out_proj (the
     Mamba-2 layers of a hybrid model); 'all' for every one the model has. Hugging Face's layer names are read as
-    the targets they compute (q_proj as q, ..., Phi-3's qkv_proj as q, k, v and gate_up_proj as gate, up). A
+    the targets they compute (q_proj as q, ..., Phi-3's qkv_proj as q, k, v and gate_up_proj as gate, up, Mixtral's
+    w1, w3, w2 as gate, up, down). A
     target the model has no layer for is an error; a fused projection (Phi-3's qkv_proj, gate_up_proj) is adapted
     whole for any target it computes. In a mixture of experts gate, up and down give every expert an adapter of its
     own (stacked over the experts)."""
