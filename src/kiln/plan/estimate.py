@@ -89,6 +89,13 @@ def resolve_model(cfg: RunConfig, notes: list[str]) -> ModelConfig:
         from kiln.model.hub import local_model_dir
 
         local = local_model_dir(m.init_from, log=notes.append, files=["config.json"])  # a Hub id: its config only
+        if not Path(local).is_dir():  # the cpt-* presets' placeholder, say
+            from kiln.sizes import SIZES
+
+            raise ConfigError(f"model.init_from: {m.init_from} is not a directory, and kiln plan reads the model's "
+                              "shape from its config.json: give your local Hugging Face model directory, or plan a "
+                              "named shape without one: model.init_from=null model.size=8b (Llama-3-8B; sizes: "
+                              f"{', '.join(SIZES)})")
         try:
             m = resolve_init_from(m.model_copy(update={"init_from": local}))
         except StateError:

@@ -26,6 +26,16 @@ def test_a_full_8b_run_on_one_rtx4090_is_offered_the_offload_preset():
     assert make_plan(load_config(preset, overrides), 1, GPUS[key]).fits
 
 
+def test_planning_the_preset_as_written_says_how_to_plan_it_without_a_model(tmp_path, monkeypatch):
+    """`kiln plan cpt-8b-24gb --gpu rtx4090` read the preset's placeholder ./base-model and said only to give a
+    model directory."""
+    from kiln.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"base-model is not a directory.*model.init_from=null model.size=8b"):
+        make_plan(load_config("cpt-8b-24gb"), 1, GPUS["rtx4090"])
+
+
 def _overrides(hint: str) -> list[str]:
     return [w.rstrip(",") for w in hint.split() if "=" in w and w[0].isalpha() and not w.startswith("activation")]
 
