@@ -68,7 +68,7 @@ def plan(
     overrides: list[str] | None = typer.Argument(None, help="Dotted KEY=VALUE overrides, e.g. train.batch_size=16."),
     gpus: int = typer.Option(1, "--gpus", min=1, help="Processes (one per GPU) the run would use."),
     gpu: str | None = typer.Option(None, "--gpu", help="The card: h100, h200, a100, a100-40, l40s, rtx4090, "
-                                   "rtx4080, rtx3090, a10g or cpu (default: this machine's GPU; else h100 when "
+                                   "rtx4080, rtx3090, a10g, l4 or cpu (default: this machine's GPU; else h100 when "
                                    "train.device asks for CUDA, the CPU otherwise)."),
 ) -> None:
     """Estimate, before anything runs: parameters, memory per device (weights, gradients, optimizer

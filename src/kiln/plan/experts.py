@@ -43,7 +43,7 @@ from kiln.config import ModelConfig
 # bytes a second one process sends to the others of its node in an all-to-all: NVLink 4 (H100, H200: 450 GB/s each
 # way), NVLink 3 (A100: 300) and PCIe 4.0 x16 (32) at 80% of nominal; not measured by Kiln
 LINK_BYTES_PER_S = {"h100": 360e9, "h200": 360e9, "a100": 240e9, "a100-40": 240e9, "l40s": 25e9, "rtx4090": 25e9,
-                    "rtx4080": 25e9, "rtx3090": 25e9, "a10g": 25e9}
+                    "rtx4080": 25e9, "rtx3090": 25e9, "a10g": 25e9, "l4": 25e9}
 ALL_TO_ALLS = 5  # per layer and step: dispatch and combine forward; rows, output and input gradients backward
 # seconds a layer and pass (forward, backward) of the dispatch beyond its all-to-alls and FLOPs: fitted to the one
 # measurement (moe.md 2026-11-28 04:51 UTC: 4.26 ms), so good at that shape and card only

@@ -26,7 +26,7 @@ from kiln.model.registry import flops_per_token
 FP8_GEMM_SPEEDUP = 1.6  # a float8 linear layer's product with its casts, over bf16, at 1B-8B shapes (H100)
 GEMM_EFFICIENCY = 0.8  # of the bf16 peak a large bf16 product reaches on H100/H200 (the practical ceiling)
 # cards with float8 tensor cores (compute capability 8.9 or more) among kiln.plan.gpus.GPUS
-FP8_GPUS = {"h100", "h200", "l40s", "rtx4090"}
+FP8_GPUS = {"h100", "h200", "l40s", "rtx4090", "l4"}
 
 
 def converted_params(m: ModelConfig) -> int:

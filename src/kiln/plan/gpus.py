@@ -42,8 +42,10 @@ GPUS = {g.key: g for g in (
     Gpu("rtx4080", "NVIDIA GeForce RTX 4080", 16376 << 20, PEAK_FLOPS["RTX 4080"]),
     Gpu("rtx3090", "NVIDIA GeForce RTX 3090", 24576 << 20, PEAK_FLOPS["RTX 3090"]),
     Gpu("a10g", "NVIDIA A10G", 23028 << 20, PEAK_FLOPS["A10G"]),
+    Gpu("l4", "NVIDIA L4", 23034 << 20, PEAK_FLOPS["L4"]),
 )}
-ALIASES = {"a100-80": "a100", "4090": "rtx4090", "4080": "rtx4080", "3090": "rtx3090", "h100-80": "h100"}
+ALIASES = {"a100-80": "a100", "4090": "rtx4090", "4080": "rtx4080", "3090": "rtx3090", "h100-80": "h100",
+           "nvidia l4": "l4"}  # by its whole name: "l4" is a part of "l40s"
 
 
 def peak_for_name(name: str) -> float | None:

@@ -73,6 +73,16 @@ def test_the_offload_peak_is_planned_within_3_percent_of_the_measured_one(shape,
     assert mem.phase == "loss"
 
 
+@pytest.mark.parametrize("card", ["rtx4090", "l4", "a10g"])
+def test_the_24gb_cards_the_preset_names_are_planned(card):
+    """The preset is for an RTX 4090, L4 or A10G; `kiln plan --gpu l4` was not a card the planner knew."""
+    from kiln.plan.gpus import gpu_for_name
+
+    gpu = gpu_for_name(card)
+    assert gpu is not None and make_plan(load_config("cpt-8b-24gb", LLAMA3_8B), 1, gpu).fits
+    assert gpu_for_name(gpu.name) is gpu
+
+
 def test_the_offload_speed_is_planned_near_the_measured_one():
     """2,616 tokens/s measured (benchmarks/results/offload.md); the plan called its estimate a guess, not measured."""
     plan = make_plan(load_config("cpt-8b-24gb", LLAMA3_8B), 1, GPUS["h200"])
