@@ -180,7 +180,7 @@ def estimate_mfu(gpu_key: str, params: int, ac: str, compile: bool, gpus: int, o
         notes.append("data parallel: x0.92 measured on 2 and 4 GPUs" + ("" if gpus <= 4 else ", assumed beyond"))
     if offload:
         mfu *= OFFLOAD_FACTOR
-        notes.append("CPU offload: x0.3, " + ("within 2% of the one run measured (8B on an H200)" if gpus <= 1
+        notes.append("CPU offload: x0.3, " + ("fitted to the one run measured (8B on an H200)" if gpus <= 1
                                                else "a guess, not measured"))
     return MfuEstimate(mfu, "; ".join(notes))
 
