@@ -165,7 +165,12 @@ def build_auto(cfg: ModelConfig, lora: LoraConfig | None = None, weights: bool =
         config, where = _peft_config(lora, hf)
         with warnings.catch_warnings():  # PEFT asks transformers' deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            hf = peft.get_peft_model(hf, config)  # freezes the base; adapters in fp32
+            try:
+                hf = peft.get_peft_model(hf, config)  # freezes the base; adapters in fp32
+            except ValueError as e:  # a layer PEFT does not adapt in this model (a Mamba layer's out_proj)
+                raise ConfigError(f"lora.targets=[{', '.join(lora.targets)}]: PEFT cannot adapt them in "
+                                  f"{type(hf).__name__} ({e}); name the targets without those layers "
+                                  f"(they name {where})") from None
         model = HFCausalLM(hf, cfg)
         model.lora_where = where
         return model

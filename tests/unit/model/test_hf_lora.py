@@ -19,6 +19,8 @@ pytest.importorskip("peft")
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, max_position_embeddings=48, bos_token_id=1, eos_token_id=1)
 TINY = {"phi3": dict(BASE, pad_token_id=0), "phi": BASE, "nemotron": BASE,
+        "nemotron_h": dict(BASE, hybrid_override_pattern="M*", head_dim=16, mamba_num_heads=2, mamba_head_dim=16,
+                           ssm_state_size=8, n_groups=1, chunk_size=8),
         "gpt2": dict(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=48, bos_token_id=1, eos_token_id=1)}
 
 
@@ -88,3 +90,17 @@ def test_the_refusal_comes_before_any_data_is_prepared(tmp_path, hf_class):
                              "lora.targets=[q,gate]", "train.seq_len=32"])
     with pytest.raises(ConfigError, match="gate"):
         with_init_from(cfg)
+
+
+def test_targets_peft_refuses_on_a_mamba_model_are_a_config_error(tmp_path):
+    """PEFT refuses LoRA on a Mamba layer's out_proj: lora.targets=[all] on Nemotron-H ended in PEFT's ValueError,
+    with a traceback, after the data was prepared."""
+    from peft.tuners import tuners_utils
+
+    if not hasattr(tuners_utils, "_check_lora_target_modules_mamba"):
+        pytest.skip("this peft adapts a Mamba layer's out_proj")
+    path = hf_dir(tmp_path, "nemotron_h")
+    cfg = auto_config(ModelConfig(init_from=str(path), hf_class="auto"))
+    with pytest.raises(ConfigError, match=r"lora.targets=\[all\]: PEFT cannot adapt .*out_proj.*name the targets"):
+        build_auto(cfg, LoraConfig(rank=2, targets=["all"]))
+    assert build_auto(cfg, LoraConfig(rank=2, targets=["q", "v"])).lora_where
