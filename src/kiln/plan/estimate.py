@@ -389,8 +389,10 @@ def _advise(plan: Plan) -> None:
                                  f"{best.max_batch})")
     elif fitting:
         best = max(fitting, key=lambda o: (o.tokens_per_s or 0, o.max_batch))
+        how = LAYOUT_OVERRIDES.get(best.strategy)
+        how = f" ({how} train.activation_checkpointing={best.ac}{_no_offload(plan)})" if how else _no_offload(plan)
         plan.warnings.append(f"fits with {best.strategy}, activation_checkpointing={best.ac}, micro-batch up to "
-                             f"{best.max_batch}" + (f" (with{_no_offload(plan)})" if _no_offload(plan) else ""))
+                             f"{best.max_batch}{how}")
     offload = [o for o in plan.options if o.strategy == "single+offload" and o.max_batch > 0]
     if offload and not plan.layout.offload:  # one GPU, the optimizer in host memory (kiln.plan.offload)
         best = max(offload, key=lambda o: (o.tokens_per_s or 0, o.max_batch))
@@ -442,6 +444,11 @@ def _advise_qlora(plan: Plan) -> None:
                              f"{_no_offload(plan)} "
                              "(the base's linear layers in 4 bits; for an 8B model the preset cpt-8b-16gb: "
                              f"{_preset_plan(plan, 'cpt-8b-16gb')})")
+
+
+# the settings that give a layout of the options table (kiln.parallel.parallelize.choose_strategy)
+LAYOUT_OVERRIDES = {"ddp": "dist.strategy=ddp", "fsdp": "dist.strategy=fsdp",
+                    "fsdp+offload": "dist.strategy=fsdp dist.cpu_offload=true"}
 
 
 def _no_offload(plan: Plan) -> str:

@@ -37,7 +37,7 @@ def test_planning_the_preset_as_written_says_how_to_plan_it_without_a_model(tmp_
 
 
 def _overrides(hint: str) -> list[str]:
-    return [w.rstrip(",") for w in hint.split() if "=" in w and w[0].isalpha() and not w.startswith("activation")]
+    return [w.rstrip(",)") for w in hint.split() if "=" in w and w[0].isalpha() and not w.startswith("activation")]
 
 
 @pytest.mark.parametrize("shape", [LLAMA3_8B, NEMOTRON_8B], ids=["llama3-8b", "nemotron-8b-256k-vocab"])
@@ -93,6 +93,13 @@ def test_the_offload_speed_is_planned_near_the_measured_one():
 def test_offload_with_several_processes_is_warned_as_the_run_refuses_it():
     plan = make_plan(load_config("cpt-8b-24gb", LLAMA3_8B), 2, GPUS["h100"])
     assert any("runs in one process" in w for w in plan.warnings)
+    # on two 24 GB cards what fits instead says how: FSDP's own CPU offload without train.offload (it said
+    # "fsdp+offload" alone)
+    small = make_plan(load_config("cpt-8b-24gb", LLAMA3_8B), 2, GPUS["rtx4090"])
+    hint = next(w for w in small.warnings if w.startswith("fits with fsdp"))
+    assert "train.offload=none" in hint and "dist.cpu_offload=true" in hint
+    fixed = load_config("cpt-8b-24gb", [*LLAMA3_8B, *_overrides(hint.split("(")[1])])
+    assert make_plan(fixed, 2, GPUS["rtx4090"]).fits
     fp32 = make_plan(load_config("cpt-8b-24gb", [*LLAMA3_8B, "train.precision=fp32"]), 1, GPUS["rtx4090"])
     more = next(w for w in fp32.warnings if "the smallest that fits" in w)
     assert "train.offload=none" in more  # kiln train refuses train.offload with several processes
