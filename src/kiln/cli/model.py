@@ -62,6 +62,7 @@ def generate(
     from kiln.model.generate import start_ids
     from kiln.model.stop_strings import StopStrings
     from kiln.plan.threads import apply_threads
+    from kiln.state.prompt_bos import prompt_bos
     from kiln.state.sampling import sampling_settings
     from kiln.state.stop_tokens import Stops, named_stops, saved_model_stops
     from kiln.state.weights import load_model
@@ -78,7 +79,7 @@ def generate(
         raise ConfigError(f"{run_dir} holds no tokenizer.json; cannot encode the prompt")
     apply_threads(threads, device, sum(p.numel() for p in model.parameters()), sampling=True)
     try:
-        ids = start_ids(tok, prompt)
+        ids = start_ids(tok, prompt, bos=prompt_bos(run_dir, tok))
     except ValueError as e:
         raise ConfigError(f"--prompt: {e}; give a prompt") from None
     settings = sampling_settings(run_dir, temperature=temperature, top_k=top_k, top_p=top_p,

@@ -11,10 +11,13 @@ from torch import nn
 from kiln.model.stop_strings import StopStrings
 
 
-def start_ids(tok, prompt: str) -> list[int]:
-    """Token ids to start sampling from: the prompt's, or for an empty prompt the tokenizer's EOS (or BOS),
-    the token every document follows."""
+def start_ids(tok, prompt: str, bos: int | None = None) -> list[int]:
+    """Token ids to start sampling from: the prompt's, after `bos` where the model's documents started with one
+    (kiln.state.prompt_bos), or for an empty prompt the tokenizer's EOS (or BOS), the token every document
+    follows."""
     ids = tok.encode(prompt) if prompt else []
+    if ids and bos is not None:
+        ids = [bos, *ids]
     if not ids:
         start = tok.eos_id if tok.eos_id is not None else tok.bos_id
         if start is None:

@@ -457,7 +457,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         stops.defer, stops.during = False, "while sampling"
         stops.then = "the sample is cut short; training and the model save are complete"
         until = Stops([], []) if tcfg.sample_ignore_eos else run_stops(cfg, tok)
-        ids = generate(model, start_ids(tok, tcfg.sample_prompt), tcfg.sample_tokens, seed=tcfg.seed,
+        ids = generate(model, start_ids(tok, tcfg.sample_prompt, bos=tok.bos_id), tcfg.sample_tokens, seed=tcfg.seed,
                        stop_ids=until.ids, vocab_size=tok.vocab_size,
                        stop_strings=StopStrings(until.strings, tok.decode), **run_sampling(cfg))
         console.rule("sample")
