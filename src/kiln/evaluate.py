@@ -91,8 +91,8 @@ def load_target(target: str | Path, command: str = "kiln eval") -> Target:
     if (p / "config.json").is_file() and not (p / "meta.json").is_file():
         from kiln.model.hf_import import import_hf, native_architecture, weight_files
 
-        try:
-            tok = Tokenizer.load(p)
+        try:  # documents start as its tokenizer starts a text (AutoTokenizer's BOS), as its training data did
+            tok = Tokenizer.load(p, bos_token="tokenizer")
         except DataError as e:  # its message speaks of data.tokenizer, which kiln eval does not read
             raise StateError(f"{str(e).split('; ')[0]}: {command} needs the model's own tokenizer; save it beside "
                              "the model (tokenizer.save_pretrained(DIR))") from None

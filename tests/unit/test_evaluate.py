@@ -66,3 +66,28 @@ def test_cuda_without_cuda_is_a_config_error(model_dir, tmp_path):
     data = write_jsonl(tmp_path / "x.jsonl", "text")
     with pytest.raises(ConfigError, match="--device cuda"):
         evaluate(model_dir, [str(data)], seq_len=16, device="cuda")
+
+
+
+def test_a_hugging_face_directory_is_evaluated_on_documents_that_start_as_its_tokenizer_starts_a_text(tmp_path):
+    """kiln eval of an export of a Gemma or Llama run (or of the model itself) read each document without the BOS
+    the model trained on before every document and AutoTokenizer puts first: the loss of another input than the
+    run's own evaluation reads."""
+    from safetensors.torch import save_file
+    from tokenizers import processors
+
+    from kiln.evaluate import load_target, open_eval_data
+    from kiln.model.hf import to_hf_config_dict, to_hf_state_dict
+
+    tok = train_bpe(["def f(x):\n    return x\n"] * 20, 280, ["<|endoftext|>", "<s>"])
+    tok.tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    cfg = ModelConfig(vocab_size=320, d_model=32, n_layers=1, n_heads=2, max_seq_len=32)
+    state = to_hf_state_dict(Transformer(cfg).state_dict(), cfg.tie_embeddings)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(to_hf_config_dict(cfg)))
+    tok.save(tmp_path / "tokenizer.json")
+    target = load_target(tmp_path)
+    assert target.kind == "hf" and target.tokenizer.bos_id == 1
+    (tmp_path / "a.txt").write_text("def g(y):\n    return y\n" * 4)
+    ds, _ = open_eval_data([str(tmp_path / "a.txt")], target.tokenizer, None, tmp_path / "cache", None, 8)
+    assert ds.manifest["report"]["special_tokens"].startswith("<s> before")
