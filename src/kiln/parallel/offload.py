@@ -92,6 +92,15 @@ def check_host_memory(n_params: int, compute_bytes: int, on_cpu: bool = False, a
     return need
 
 
+def describe_need(need: int, on_cpu: bool) -> str:
+    """The start-up line of an offloaded run: the host memory `check_host_memory` found room for; on the CPU, that
+    the offload saves nothing there."""
+    cpu = ("; on the CPU the weights it trains on are a second copy in the same memory and the offload saves "
+           "nothing (it is for one GPU): train.offload=none trains with less") if on_cpu else ""
+    return (f"train.offload=optimizer: {need / 1e9:.1f} GB of host memory for fp32 master weights, AdamW moments, "
+            f"gradient sums and transfer buffers{cpu}")
+
+
 def rollback_room(n_params: int, copies: int, available: int, share: float = 0.75) -> tuple[bool, int]:
     """(fits, bytes) of `copies` host copies of an offloaded run's state for rollbacks (kiln.train.rollback): fp32
     weights and two moments, 12 bytes a parameter each. `available` was read once the fp32 masters existed: the

@@ -290,12 +290,11 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         return memory_params
 
     if tcfg.offload != "none":  # kiln.parallel.offload: the host holds the optimizer's state; said before it is built
-        from kiln.parallel.offload import check_host_memory
+        from kiln.parallel.offload import check_host_memory, describe_need
 
         e = 2 if tcfg.precision == "bf16" or (tcfg.precision == "auto" and device.type == "cuda") else 4
         need = check_host_memory(n_params, e, on_cpu=device.type == "cpu", async_save=cfg.checkpoint.async_save)
-        console.print(f"train.offload={tcfg.offload}: {need / 1e9:.1f} GB of host memory for fp32 master weights, "
-                      "AdamW moments, gradient sums and transfer buffers", highlight=False)
+        console.print(describe_need(need, device.type == "cpu"), highlight=False)
     # kiln.parallel: AC -> compile -> FSDP2 / DDP; under FSDP built on the meta device, each rank initialising its shard
     if cfg.model.hf_class == "auto":
         model = parallelize(model, cfg, mesh, memory_params, console.print)

@@ -112,6 +112,10 @@ def test_the_host_memory_it_needs_is_checked_before_the_run_starts(corpus, monke
     # on the CPU the compute copy is host memory too: the total used to be said without it among the parts
     with pytest.raises(ResourceError, match=r"144.0 GB .*weights the CPU trains on 2 .*train.offload=none"):
         offload.check_host_memory(8_000_000_000, 2, on_cpu=True, available=130 * 10**9)
+    # a CPU run that has the room is told it gains nothing (it ran silently with twice the weights)
+    assert "train.offload=none" in offload.describe_need(144 * 10**9, on_cpu=True)
+    assert "144.0 GB" in offload.describe_need(144 * 10**9, on_cpu=False)
+    assert "train.offload=none" not in offload.describe_need(144 * 10**9, on_cpu=False)
     # a rollback's snapshot of the fp32 state (96 GB), with the offload's moments and sums still to come (96 GB),
     # out of 3/4 of what is available
     assert offload.rollback_room(8_000_000_000, 1, 280 * 10**9) == (True, 96 * 10**9)
