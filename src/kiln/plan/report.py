@@ -99,9 +99,12 @@ def render(plan: Plan, console: Console) -> None:
             "loss": "the loss's backward, the output layer's gradient twice"}.get(mem.phase,
                                                                                  f"end of the {mem.phase} pass")
     table.add_row(f"peak ({when})", gib(mem.peak), style="bold")
-    extra = f"+{FRAGMENTATION:.0%} allocator, +{CONTEXT / GIB:.0f} GiB context" if plan.gpu.key != "cpu" \
-        else f"+{CPU_PROCESS / GIB:.1f} GiB the process, +{mem.host / GIB:.1f} GiB the offloaded state (same RAM)" \
-        if mem.host else f"+{CPU_PROCESS / GIB:.1f} GiB the process (Python, torch, the loader)"
+    if plan.gpu.key != "cpu":
+        extra = f"+{FRAGMENTATION:.0%} allocator, +{CONTEXT / GIB:.0f} GiB context"
+    elif mem.host:
+        extra = f"+{CPU_PROCESS / GIB:.1f} GiB the process, +{mem.host / GIB:.1f} GiB the offloaded state (same RAM)"
+    else:
+        extra = f"+{CPU_PROCESS / GIB:.1f} GiB the process (Python, torch, the loader)"
     table.add_row(extra, gib(needs(mem, plan.gpu)))
     share = "" if plan.gpus <= 1 else f" / {plan.gpus} processes"
     table.add_row("available" + (f" (80% of RAM{share})" if plan.gpu.key == "cpu" else ""), gib(plan.capacity))

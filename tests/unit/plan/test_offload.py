@@ -118,3 +118,14 @@ def test_an_offloaded_plan_on_the_cpu_counts_the_host_state_in_the_same_memory(m
     plan = make_plan(load_config("cpt-8b-24gb", [*NATIVE, "model.size=1b", "train.seq_len=64"]), 1, cpu)
     assert plan.memory.host > cpu.memory  # the state alone is more than the machine's memory: it cannot fit
     assert plan.memory.peak < cpu.memory and not plan.fits and plan.max_batch == 0
+
+
+def test_the_plans_copies_of_the_offload_and_loss_slices_are_theirs():
+    """kiln.plan stays free of torch, so it names the slice sizes of the offload and the loss it plans again: they
+    must be the sizes those modules use."""
+    from kiln.model import loss
+    from kiln.parallel import offload
+    from kiln.plan import offload as planned
+
+    assert planned.TRANSFER_SLICES == 2 * 4 * offload.SLICE
+    assert planned.VOCAB_SLICE == loss.VOCAB_SLICE
