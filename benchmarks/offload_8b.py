@@ -146,10 +146,11 @@ def side_kiln(args, base: Path, root: Path) -> dict:
         def on_train_end(self, trainer, final):
             o = trainer.offload
             if o is not None:
-                (before, n) = host.get("from", ({"sums": 0.0, "step": 0.0}, 0))
+                (before, n) = host.get("from", (dict.fromkeys(o.seconds, 0.0), 0))
                 steps = max(1, o.steps - n)
                 host.update(sums_wait_s=(o.seconds["sums"] - before["sums"]) / steps,
-                            host_step_s=(o.seconds["step"] - before["step"]) / steps)
+                            host_step_s=(o.seconds["step"] - before["step"]) / steps,
+                            host_norm_s=(o.seconds["norm"] - before["norm"]) / steps, layered=o.layered)
 
     t0 = time.perf_counter()
     run(cfg, Console(quiet=True), resume="never", callbacks=[HostTimes()])
@@ -163,6 +164,7 @@ def side_kiln(args, base: Path, root: Path) -> dict:
             "peak_gib": max([peak_gib(), *(r.get("peak_mem_gib") or 0.0 for r in rows)]),
             "host_gb": host_peak_gb(), "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
             "wall_s": round(wall, 1), "sums_wait_s": host.get("sums_wait_s"), "host_step_s": host.get("host_step_s"),
+            "host_norm_s": host.get("host_norm_s"), "layered": host.get("layered"),
             **s}
 
 
@@ -311,7 +313,8 @@ def main() -> None:
     if k.get("host_step_s") is not None:
         print(f"Kiln's host, per step after the warm-up: {k['sums_wait_s']:.2f} s waiting for the last gradients to "
               f"be summed after the backward pass, {k['host_step_s']:.2f} s of step (norm, clipping, AdamW, copies "
-              f"back), of {k['step_s']:.2f} s a step")
+              f"back; the norm and clipping {k['host_norm_s']:.2f} s), of {k['step_s']:.2f} s a step"
+              + (" (layer by layer)" if k.get("layered") else ""))
     print(table(results, [("run", "name"), ("tokens/s", "tokens_per_s", ",.0f"), ("step s", "step_s", ".1f"),
                           ("peak GPU GiB", "peak_gib", ".1f"), ("host peak GB", "host_gb", ".1f"),
                           ("Kiln", lambda r: kiln / r["tokens_per_s"] if kiln and r.get("tokens_per_s") else None,

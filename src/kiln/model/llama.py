@@ -389,13 +389,8 @@ class Transformer(nn.Module):
             return [windowed]
         return [windowed, (*self._rope(T), masks.doc_mask(doc_ids, device, None, T, capped))]
 
-    def hidden(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
-               stats: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """tokens (B, T) -> final normalised hidden states (B, T, d).
-
-        doc_ids (B, T), optional: the document of each position within its row; attention then
-        stays inside each document (block-diagonal causal). stats: a list that gets the router
-        statistics of each mixture-of-experts layer (kiln.model.moe)."""
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) -> the first block's input (B, T, d)."""
         x = self.embed_tokens(tokens)  # (B, T, d)
         if torch.is_autocast_enabled(x.device.type):
             # carry the residual stream in the autocast dtype (bf16), not fp32: half the memory
@@ -403,16 +398,38 @@ class Transformer(nn.Module):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         if self.cfg.embed_scale:
             x = x * gemma.embed_scale(self.cfg.d_model, x.dtype)
-        inputs = self._layer_inputs(doc_ids, tokens.shape[1], x.device)  # (cos, sin, mask) of each attention_kind
-        # a hybrid model's Mamba layers keep documents apart with the ids themselves
-        docs = (doc_ids.to(x.device, non_blocking=True),) if doc_ids is not None and self.cfg.layer_pattern else ()
+        return x
+
+    def block_args(self, doc_ids: torch.Tensor | None, T: int, device) -> list[tuple]:
+        """The arguments after x of each block's call, by its attention_kind: (cos, sin, mask), and a hybrid
+        model's document ids (its Mamba layers keep documents apart with the ids themselves)."""
+        inputs = self._layer_inputs(doc_ids, T, device)  # (cos, sin, mask) of each attention_kind
+        if doc_ids is not None and self.cfg.layer_pattern:
+            inputs = [(*args, doc_ids.to(device, non_blocking=True)) for args in inputs]
+        return inputs
+
+    def hidden(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
+               stats: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """tokens (B, T) -> final normalised hidden states (B, T, d).
+
+        doc_ids (B, T), optional: the document of each position within its row; attention then
+        stays inside each document (block-diagonal causal). stats: a list that gets the router
+        statistics of each mixture-of-experts layer (kiln.model.moe)."""
+        x = self.embed(tokens)  # (B, T, d)
+        args = self.block_args(doc_ids, tokens.shape[1], x.device)
         for block in self.layers:
-            x = block(x, *inputs[block.attention_kind], *docs)
+            x = block(x, *args[block.attention_kind])
             if isinstance(x, tuple):  # kiln.model.moe: (x, the layer's router statistics)
                 x, layer_stats = x
                 if stats is not None:
                     stats.append(layer_stats)
         return self.norm(x)
+
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final normalised hidden states (B, T, d) -> the mean loss over targets (B, T) that are not -100."""
+        # chunked: never holds the whole batch's logits
+        return loss.linear_cross_entropy(h, self.lm_head.weight, targets,  # kiln.parallel.compile may wrap it
+                                         softcap=self.cfg.logit_softcap)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Hidden states (..., d) -> logits (..., V), soft-capped where the model caps them."""
@@ -426,9 +443,7 @@ class Transformer(nn.Module):
         h = self.hidden(tokens, doc_ids, stats)
         if targets is None:
             return self.logits(h)  # (B, T, V)
-        # chunked: never holds the whole batch's logits; ignore_index=-100 marks positions with no loss
-        out = loss.linear_cross_entropy(h, self.lm_head.weight, targets,  # kiln.parallel.compile may wrap it
-                                        softcap=self.cfg.logit_softcap)
+        out = self.head_loss(h, targets)
         if stats and self.training:  # a mixture of experts trains on its router losses too (kiln.model.moe)
             m = self.cfg.moe
             aux, z = moe.router_losses(stats, m.n_experts, tokens.numel())

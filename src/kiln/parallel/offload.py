@@ -70,23 +70,24 @@ def host_available() -> int:
 
 
 def check_host_memory(n_params: int, compute_bytes: int, on_cpu: bool = False, async_save: bool = False,
-                      available: int | None = None) -> int:
+                      available: int | None = None, kept: int = 0) -> int:
     """Before the model is built: a ResourceError unless the offloaded state of `n_params` parameters (and on the
     CPU, where the "device" copy is in host memory too, that copy; with `async_save`, the copy of the fp32 weights
-    and moments an asynchronous checkpoint writes from) fits the host's available memory. Returns the bytes it
-    needs."""
+    and moments an asynchronous checkpoint writes from; `kept` bytes of the layers' inputs a step keeps,
+    kiln.parallel.offload_layers) fits the host's available memory. Returns the bytes it needs."""
     staging = 12 * n_params if async_save else 0
-    need = host_bytes(n_params) + (compute_bytes * n_params if on_cpu else 0) + staging
+    need = host_bytes(n_params) + (compute_bytes * n_params if on_cpu else 0) + staging + kept
     have = host_available() if available is None else available
     if need > have:
         more = (f" and the async checkpoint's staging copy (checkpoint.async_save: {staging / 1e9:.1f} GB; false "
                 "writes checkpoints from host memory as they are)") if staging else ""
         cpu = (f", and the weights the CPU trains on {compute_bytes} (a second copy in host memory: on the CPU the "
                "offload saves nothing, and train.offload=none trains without it)") if on_cpu else ""
+        inputs = f", the layers' inputs of a step {kept / 1e9:.1f} GB" if kept else ""
         raise ResourceError(
             f"train.offload=optimizer keeps the training state of {n_params / 1e9:.2f}B parameters in host memory: "
             f"{need / 1e9:.1f} GB (fp32 master weights 4, AdamW moments 8 and gradient sums 4 bytes a "
-            f"parameter{cpu}{more}), and this machine has {have / 1e9:.1f} GB available. "
+            f"parameter{cpu}{inputs}{more}), and this machine has {have / 1e9:.1f} GB available. "
             "Free host memory, use a machine with more (`kiln plan` states the need), or train with LoRA (lora.rank) "
             "or with several GPUs under FSDP instead")
     return need
@@ -98,7 +99,7 @@ def describe_need(need: int, on_cpu: bool) -> str:
     cpu = ("; on the CPU the weights it trains on are a second copy in the same memory and the offload saves "
            "nothing (it is for one GPU): train.offload=none trains with less") if on_cpu else ""
     return (f"train.offload=optimizer: {need / 1e9:.1f} GB of host memory for fp32 master weights, AdamW moments, "
-            f"gradient sums and transfer buffers{cpu}")
+            f"gradient sums and the layers' inputs of a step{cpu}")
 
 
 def rollback_room(n_params: int, copies: int, available: int, share: float = 0.75) -> tuple[bool, int]:
@@ -171,6 +172,16 @@ class OptimizerOffload:
             self.offsets.append(at)
             at += p.numel()
         self.summed = [False] * len(self.params)  # whether the step has a gradient of each parameter yet
+        # the layer-by-layer schedule: sums being made on the device, the norms of those that left, the inputs kept
+        # from the forward pass, and the parameters whose sums are made on the host at once (the vocabulary-sized)
+        from kiln.parallel.offload_layers import Kept, supports
+
+        self.layered = supports(model)
+        self.device_sums: dict[int, torch.Tensor] = {}
+        self.norms: dict[int, torch.Tensor] = {}
+        self.kept = Kept(self)
+        vocab = {id(model.embed_tokens.weight), id(model.lm_head.weight)} if self.layered else set()
+        self.streamed = {i for i, p in enumerate(self.params) if id(p) in vocab}
         self._locked: list[torch.Tensor] = []
         self.streams: list[torch.cuda.Stream] = []
         if self.device.type == "cuda":
@@ -189,8 +200,9 @@ class OptimizerOffload:
         self.chunks = _chunks(self.masters)
         self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready) for p in self.params]
         # where a step's host time goes, summed over `steps` steps: waiting after the backward pass for the last
-        # gradients to be summed, and the step itself (norm, clipping, AdamW, copies back issued)
-        self.seconds, self.steps = {"sums": 0.0, "step": 0.0}, 0
+        # gradients to be summed, and the step itself (norm, clipping, AdamW, copies back issued), of which the norm
+        # and clipping
+        self.seconds, self.steps = {"sums": 0.0, "step": 0.0, "norm": 0.0}, 0
 
     def _slices_of(self, i: int):
         """(stream, its fp32 slice on the device, lo, hi) for each slice of parameter i: a slice takes its turn by
@@ -202,8 +214,12 @@ class OptimizerOffload:
 
     # the backward pass: each gradient into its fp32 sum on the host as soon as it is complete
     def _gradient_ready(self, p: torch.Tensor) -> None:
-        i = self.index[id(p)]
         grad, p.grad = p.grad, None
+        self._stream(self.index[id(p)], grad)
+
+    def _stream(self, i: int, grad: torch.Tensor) -> None:
+        """Parameter i's gradient of one micro-batch into its fp32 sum on the host (on the device, a slice at a time,
+        the sum copied up, added to and copied back)."""
         first, self.summed[i] = not self.summed[i], True
         total = self.sums[i].view(-1)
         if not self.streams:
@@ -236,6 +252,43 @@ class OptimizerOffload:
                 e.synchronize()
             self._pending_n -= n
 
+    # the layer-by-layer schedule (kiln.parallel.offload_layers): a layer's sums on the device until its last
+    # micro-batch has passed
+    def accumulate(self, x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor | None, micro: int,
+                   autocast) -> torch.Tensor:
+        """A step's forward and backward passes, layer by layer (kiln.parallel.offload_layers). Returns its loss."""
+        from kiln.parallel.offload_layers import accumulate
+
+        return accumulate(self, self.model, x, y, docs, micro, autocast)
+
+    def add_gradient(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """One micro-batch's gradient of `p`: into its fp32 sum on the device (the vocabulary-sized matrices: on the
+        host at once)."""
+        i = self.index[id(p)]
+        if i in self.streamed:
+            self._stream(i, grad)
+        elif i in self.device_sums:
+            self.device_sums[i].add_(grad)
+        else:
+            self.device_sums[i] = grad.to(torch.float32, copy=True)
+
+    def finish_gradient(self, p: torch.Tensor) -> None:
+        """`p` has its step's gradients: its norm (on the device) and its sum down to the host."""
+        i = self.index[id(p)]
+        total = self.device_sums.pop(i, None)
+        if total is None:  # streamed, or unused
+            return
+        self.summed[i] = True
+        self.norms[i] = torch.linalg.vector_norm(total)
+        if not self.streams:
+            self.sums[i].copy_(total)
+            return
+        stream = self.streams[0]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.sums[i].copy_(total, non_blocking=True)
+        total.record_stream(stream)
+
     def wait(self) -> None:
         """Until every gradient of the backward passes so far is in its sum on the host."""
         for stream in self.streams:
@@ -248,6 +301,8 @@ class OptimizerOffload:
         """Forget the gradients summed so far (a step run again after an out-of-memory error)."""
         self.wait()
         self.summed = [False] * len(self.params)
+        self.device_sums.clear()
+        self.norms.clear()
 
     # the step: norm, clipping, AdamW on the host, the new weights back to the device
     @torch.no_grad()
@@ -259,12 +314,16 @@ class OptimizerOffload:
         have = [i for i, s in enumerate(self.summed) if s]  # a parameter the step did not use has no gradient
         for i in have:
             self.masters[i].grad = self.sums[i]
-        grads = [self.sums[i] for i in have]
-        norm = nn.utils.get_total_norm(grads, 2.0)
+        # the global norm as torch's clipping computes it: the norm of the parameters' norms (those of sums made on
+        # the device taken there)
+        norms = [self.norms[i].cpu() if i in self.norms else torch.linalg.vector_norm(self.sums[i]) for i in have]
+        norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        self.norms.clear()
         # torch's clipping multiplies by min(1, max_norm / (norm + 1e-6)): by exactly 1 when the norm is within the
         # bound, which leaves the gradients as they are, so that pass over them (a read and a write) is skipped
         if not float(max_norm / (norm + 1e-6)) >= 1.0:  # NaN too, as torch would
             nn.utils.clip_grads_with_norm_([self.masters[i] for i in have], max_norm, norm)
+        t2 = time.perf_counter()
         for stream in self.streams:
             stream.wait_stream(torch.cuda.current_stream(self.device))  # the backward pass is done with the weights
         for chunk in self.chunks:
@@ -279,6 +338,7 @@ class OptimizerOffload:
         for stream in self.streams:
             torch.cuda.current_stream(self.device).wait_stream(stream)  # the next forward pass waits for them
         self.seconds["sums"] += t1 - t0
+        self.seconds["norm"] += t2 - t1
         self.seconds["step"] += time.perf_counter() - t1
         self.steps += 1
         return norm
@@ -329,6 +389,7 @@ class OptimizerOffload:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.kept.close()
         for t in self._locked:
             torch.cuda.cudart().cudaHostUnregister(t.untyped_storage().data_ptr())
         self._locked = []

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kiln.config import RunConfig
 from kiln.errors import ConfigError
-from kiln.parallel import compile_cache, loss_kernel
+from kiln.parallel import compile_cache, loss_kernel, offload_layers
 from kiln.parallel.ac import apply_ac
 from kiln.parallel.compile import apply_compile
 from kiln.parallel.experts import DISPATCH_OP
@@ -104,7 +104,11 @@ def parallelize(model: nn.Module, cfg: RunConfig, m: Mesh, n_params: int | None 
         convert(model, tcfg.fp8, fsdp=strategy == "fsdp", log=log)
     # expert parallelism under full checkpointing keeps its dispatch's output (the layer's expert rows, 2 bytes a
     # routed row's element in bf16): recomputing it would repeat the layer's all-to-alls and host read
-    apply_ac(model, tcfg.activation_checkpointing,
+    layered = strategy == "single" and tcfg.offload == "optimizer" and offload_layers.supports(model)
+    if layered and tcfg.activation_checkpointing != "none":  # kiln.parallel.offload_layers
+        log(f"train.activation_checkpointing={tcfg.activation_checkpointing} is not applied: train.offload runs each "
+            "layer's forward pass again in its backward pass itself (full checkpointing, layer by layer)")
+    apply_ac(model, "none" if layered else tcfg.activation_checkpointing,
              keep=frozenset({DISPATCH_OP}) if d.expert_parallel > 1 and strategy == "fsdp" else frozenset())
     if tcfg.compile:
         compile_cache.use(tcfg.compile_cache)
@@ -115,6 +119,8 @@ def parallelize(model: nn.Module, cfg: RunConfig, m: Mesh, n_params: int | None 
             per_block = "each block is gathered and resharded on its own"
         elif strategy == "ddp" and d.bucket_mb < 1:
             per_block = f"a whole-model graph needs dist.bucket_mb of 1 or more, not {d.bucket_mb}"
+        elif layered:
+            per_block = "train.offload runs the model a layer at a time"
         scope = tcfg.compile_scope
         if scope == "model" and per_block:
             log(f"train.compile_scope=model is compiled per block under {strategy} ({per_block})")

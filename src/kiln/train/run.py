@@ -291,9 +291,13 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
 
     if tcfg.offload != "none":  # kiln.parallel.offload: the host holds the optimizer's state; said before it is built
         from kiln.parallel.offload import check_host_memory, describe_need
+        from kiln.parallel.offload_layers import kept_bytes
 
         e = 2 if tcfg.precision == "bf16" or (tcfg.precision == "auto" and device.type == "cuda") else 4
-        need = check_host_memory(n_params, e, on_cpu=device.type == "cpu", async_save=cfg.checkpoint.async_save)
+        m = cfg.model  # the layer-by-layer step keeps each layer's input of a step's rows (not a mixture of experts)
+        kept = 0 if m.moe is not None else kept_bytes(m.n_layers, tcfg.step_rows(1), tcfg.seq_len, m.d_model, e)
+        need = check_host_memory(n_params, e, on_cpu=device.type == "cpu", async_save=cfg.checkpoint.async_save,
+                                 kept=kept)
         console.print(describe_need(need, device.type == "cpu"), highlight=False)
     # kiln.parallel: AC -> compile -> FSDP2 / DDP; under FSDP built on the meta device, each rank initialising its shard
     if cfg.model.hf_class == "auto":

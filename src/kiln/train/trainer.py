@@ -148,6 +148,8 @@ class Trainer:
         """Forward and backward of `batch` (N rows) in micro-batches of `self.micro` rows, each loss weighted by
         its share of the rows: the gradients are those of the mean loss over all N, however they are split."""
         x, y, docs = batch
+        if self.offload is not None and self.offload.layered:  # every micro-batch through a layer before the next
+            return self.offload.accumulate(x, y, docs, self.micro, self.autocast)
         n = x.shape[0]
         total = torch.zeros((), device=self.device)
         for lo in range(0, n, self.micro):

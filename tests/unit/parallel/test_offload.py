@@ -31,8 +31,10 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def args(root: Path, name: str, *extra: str) -> list[str]:
-    """A tiny CPU run of 20 steps: 2 micro-batches of 2 rows a step, clipping at 1.2 (some steps clip, some not)."""
-    return ["model.size=tiny", "train.seq_len=32", "train.max_steps=20", "train.warmup_steps=2", "train.batch_size=2",
+    """A tiny CPU run of 20 steps: 2 micro-batches of 2 rows a step, clipping at 1.2 (some steps clip, some not);
+    the embedding and output layer apart (a tied one sums its two gradients in another order: see below)."""
+    return ["model.size=tiny", "model.tie_embeddings=false",
+            "train.seq_len=32", "train.max_steps=20", "train.warmup_steps=2", "train.batch_size=2",
             "train.grad_accum=2", "train.grad_clip=1.2", "optim.fused=true", "train.eval_every=0",
             "train.eval_batches=1", "train.sample_tokens=0", "train.device=cpu", "train.precision=fp32",
             "checkpoint.every=10", "checkpoint.save_final=false", "logging.every=1", "logging.console=false",
@@ -234,3 +236,50 @@ def test_an_early_stop_restores_the_best_masters_into_model_dir_as_the_plain_pat
         assert max(train_records(corpus / name)) == 2  # stopped at step 2: the evaluation before step 1 is the best
     assert out["none"].keys() == out["optimizer"].keys()
     assert all(torch.equal(out["none"][k], out["optimizer"][k]) for k in out["none"])
+
+
+def hybrid_or_tied(kind: str):
+    from kiln.config import ModelConfig
+
+    if kind == "hybrid":  # Mamba, attention and MLP layers, the documents kept apart by their ids
+        return ModelConfig(vocab_size=96, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=96,
+                           mlp="relu2", layer_pattern="M-*M", tie_embeddings=False, max_seq_len=64,
+                           mamba=dict(heads=8, head_dim=16, state=8, groups=2, chunk=4))
+    return ModelConfig(vocab_size=96, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=96,
+                       tie_embeddings=True, max_seq_len=64)
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "tied"])
+def test_the_layer_by_layer_step_sums_the_plain_paths_gradients(kind):
+    """The offloaded step runs every micro-batch through a layer before the next (kiln.parallel.offload_layers): the
+    same gradients, summed in the same order (a hybrid model's, with packed documents: exactly), as micro-batches run
+    one after the other; a tied embedding gets the output layer's gradients of every micro-batch before its own."""
+    import contextlib
+    import copy
+
+    from kiln.model.llama import Transformer
+    from kiln.train.optim import param_groups
+
+    torch.manual_seed(0)
+    plain = Transformer(hybrid_or_tied(kind))
+    model = offload.place_model(copy.deepcopy(plain), torch.device("cpu"), torch.float32)
+    x = torch.randint(0, 96, (6, 24))
+    y = torch.cat([x[:, 1:], torch.full((6, 1), -100)], dim=1)
+    docs = (torch.arange(24) >= 9).long().expand(6, 24).contiguous()  # two documents a row
+    for lo in range(0, 6, 2):
+        (plain(x[lo:lo + 2], y[lo:lo + 2], docs[lo:lo + 2]) / 3).backward()
+    o = offload.OptimizerOffload(model, param_groups(model, 0.1), 1e-3, (0.9, 0.95), 1e-8)
+    assert o.layered and len(o.streamed) == (1 if kind == "tied" else 2)  # the vocabulary-sized matrices
+    loss = o.accumulate(x, y, docs, 2, contextlib.nullcontext)
+    with torch.no_grad():
+        whole = sum(plain(x[lo:lo + 2], y[lo:lo + 2], docs[lo:lo + 2]) / 3 for lo in range(0, 6, 2))
+    assert loss.item() == pytest.approx(whole.item(), rel=1e-6)
+    named = dict(plain.named_parameters())
+    for name, i in zip(o.names, range(len(o.params))):
+        want = named[name].grad
+        if kind == "hybrid":
+            assert torch.equal(o.sums[i], want), name
+        else:
+            torch.testing.assert_close(o.sums[i], want, rtol=1e-5, atol=1e-7)
+    assert set(o.norms) == set(range(len(o.params))) - o.streamed  # the norms of the sums made here
+    o.close()
