@@ -60,6 +60,8 @@ SHAPES = {
     "llama3-8b": {"size": "8b"},
     "nemotron-8b": {"size": "8b", "vocab_size": 256000, "mlp": "relu2", "ffn_hidden": 16384, "norm": "layernorm1p",
                     "rotary_fraction": 0.5, "n_kv_heads": 32, "max_seq_len": 4096, "rope_theta": 10000.0},
+    # Llama-3-8B's layers, half as many (4.5B): a host with 128 GiB holds both sides' state
+    "llama3-8b-16l": {"size": "8b", "n_layers": 16},
     "1b": {"size": "1b", "vocab_size": 32000, "max_seq_len": 4096},  # 4096 positions: both sides train at 4096
     "tiny": {"size": "tiny", "vocab_size": 2048},
 }

@@ -49,6 +49,7 @@ from torch import nn
 from kiln.errors import ResourceError
 
 CHUNK = 1 << 26  # elements of master weights stepped together before their copy to the device starts
+STEP_SLICE = 1 << 21  # elements of a master weight AdamW steps at a time: 8 MB a tensor, within the caches
 SLICE = 1 << 24  # elements of a sum or a master weight moved at a time: two fp32 slices (64 MB each) on the GPU
 MASTERS = "_kiln_offload_masters"  # the model's attribute holding its fp32 master weights (place_model)
 
@@ -320,9 +321,14 @@ class OptimizerOffload:
         norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
         self.norms.clear()
         # torch's clipping multiplies by min(1, max_norm / (norm + 1e-6)): by exactly 1 when the norm is within the
-        # bound, which leaves the gradients as they are, so that pass over them (a read and a write) is skipped
+        # bound, which leaves the gradients as they are, so that pass over them is skipped; else the fused AdamW
+        # multiplies each slice of a gradient just before it steps it (in the caches: no pass of its own)
+        scale = None
         if not float(max_norm / (norm + 1e-6)) >= 1.0:  # NaN too, as torch would
-            nn.utils.clip_grads_with_norm_([self.masters[i] for i in have], max_norm, norm)
+            scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            if not self.optimizer.defaults.get("fused"):
+                nn.utils.clip_grads_with_norm_([self.masters[i] for i in have], max_norm, norm)
+                scale = None
         t2 = time.perf_counter()
         for stream in self.streams:
             stream.wait_stream(torch.cuda.current_stream(self.device))  # the backward pass is done with the weights
@@ -330,7 +336,7 @@ class OptimizerOffload:
             stepped = [i for i in chunk if self.summed[i]]
             if not stepped:
                 continue
-            self.optimizer.step_only(stepped)
+            self.optimizer.step_only(stepped, scale)
             for i in stepped:
                 self.masters[i].grad = None
             self._send(stepped)
@@ -417,8 +423,12 @@ class HostAdamW(torch.optim.AdamW):
         super().__init__(groups, **kw)
         self._offload = offload
 
-    def step_only(self, indices: list[int]) -> None:
-        """Step the masters `indices` (those with a .grad; AdamW passes over parameters without one)."""
+    def step_only(self, indices: list[int], scale: torch.Tensor | None = None) -> None:
+        """Step the masters `indices` (those with a .grad), their gradients multiplied by `scale` first (clipping)."""
+        if self.defaults.get("fused"):
+            return self._fused_slices(indices, scale)
+        if scale is not None:
+            raise ValueError("clipping inside the step is the fused kernel's")
         masters = self._offload.masters
         chosen = {id(masters[i]) for i in indices}
         saved = []
@@ -432,6 +442,32 @@ class HostAdamW(torch.optim.AdamW):
         finally:
             for p, g in saved:
                 p.grad = g
+
+    def _fused_slices(self, indices: list[int], scale: torch.Tensor | None) -> None:
+        """torch's fused AdamW (the kernel AdamW(fused=True).step calls, with its arguments), a slice of STEP_SLICE
+        elements at a time, each slice's gradient clipped just before: the same numbers (the kernel works element by
+        element, and every slice but a parameter's last is a whole number of its vectors), with each slice's
+        gradient, weights and moments read from memory once."""
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        for i in indices:
+            master = self._offload.masters[i]
+            if master.grad is None:
+                continue
+            group, state = group_of[id(master)], self.state[master]
+            if not state:
+                state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(master),
+                             exp_avg_sq=torch.zeros_like(master))
+            state["step"] += 1
+            p, g, m, v = (t.view(-1) for t in (master, master.grad, state["exp_avg"], state["exp_avg_sq"]))
+            beta1, beta2 = group["betas"]
+            for lo in range(0, p.numel(), STEP_SLICE):
+                hi = min(p.numel(), lo + STEP_SLICE)
+                if scale is not None:
+                    g[lo:hi].mul_(scale)
+                torch._fused_adamw_([p[lo:hi]], [g[lo:hi]], [m[lo:hi]], [v[lo:hi]], [], [state["step"]],
+                                    amsgrad=group["amsgrad"], lr=group["lr"], beta1=beta1, beta2=beta2,
+                                    weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                                    grad_scale=None, found_inf=None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
