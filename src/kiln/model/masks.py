@@ -55,18 +55,23 @@ def _flex():
 
 
 @functools.cache
-def _block_mask_builder():
-    # compiled, the block mask is built block by block instead of from a (B, T, T) boolean tensor
+def _block_mask_builder(backend: str = "inductor"):
+    # compiled, the block mask is built block by block instead of from a (B, T, T) boolean tensor. Not
+    # dynamic=False: that compiles a graph for every batch size, and a process that sees many (auto-batch
+    # trials, OOM halving, evaluation) passed torch's recompile limit (8), past which the mask was built
+    # eagerly, from a dense (B, T, T) construction. Automatic dynamic shapes compile a second graph with the
+    # batch size symbolic when a second size comes (and one for a batch of 1), and no more; the masks are the
+    # same bits (checked on an H200 against the eager builder, batches of 1 to 64)
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return torch.compile(create_block_mask, dynamic=False)
+    return torch.compile(create_block_mask, backend=backend)
 
 
 def block_mask(doc_ids: torch.Tensor | None, device: torch.device, window: int | None = None, T: int = 0):
     """doc_ids (B, T), on any device (or None: one document) -> a flex-attention block mask on `device`
     (CUDA); with `window`, each position also sees only itself and the window - 1 positions before it."""
     B, T = (None, T) if doc_ids is None else doc_ids.shape
-    _gpu["hopper"] = torch.cuda.get_device_capability(device)[0] == 9
+    _gpu["hopper"] = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
     docs = None if doc_ids is None else doc_ids.to(device, non_blocking=True)
 
     def causal(b, h, q_idx, kv_idx):

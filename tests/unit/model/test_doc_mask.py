@@ -76,3 +76,35 @@ def test_attend_grouped_query_heads():
     out = attend(q, k, v, doc_mask(ids))
     ref = attend(q[..., 6:, :], k[..., 6:, :], v[..., 6:, :])
     torch.testing.assert_close(out[..., 6:, :], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_block_mask_builder_compiles_a_bounded_number_of_graphs_for_many_batch_sizes(monkeypatch):
+    """Auto-batch trials, OOM halving and evaluation build masks for many batch sizes: the compiled builder
+    must not compile a graph per size (past torch's recompile limit it builds the mask eagerly, densely).
+    Dynamo decides what recompiles, whatever the backend: the eager backend keeps this on the CPU and fast."""
+    import functools
+
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from kiln.model import masks
+
+    monkeypatch.setattr(masks, "_block_mask_builder", functools.partial(masks._block_mask_builder, "eager"))
+    torch._dynamo.reset()
+    T, cpu = 256, torch.device("cpu")
+    graphs = counters["stats"]["unique_graphs"]
+    for B in (2, 3, 5, 8, 4, 11, 7, 16, 6, 9):
+        ids = (torch.rand(B, T, generator=torch.Generator().manual_seed(B)) < 0.02).int().cumsum(1).int()
+        eager = create_block_mask(_same_doc_causal(ids), B, None, T, T, cpu)  # not compiled
+        built = masks.block_mask(ids, cpu)
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):  # the same bits
+            torch.testing.assert_close(getattr(built, name), getattr(eager, name), rtol=0, atol=0)
+    assert counters["stats"]["unique_graphs"] - graphs <= 2, "the mask builder compiled a graph per batch size"
+
+
+def _same_doc_causal(ids):
+    def mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (ids[b, q_idx] == ids[b, kv_idx])
+
+    return mod
