@@ -5,7 +5,9 @@
 through the rows in chunks: for each chunk it computes the logits, the loss and, when gradients are
 wanted, the gradients with respect to `h` and `weight`, then drops the logits. Peak extra memory is one
 chunk of logits instead of (B*T, V) logits in fp32 plus their gradient, which for a 32K vocabulary
-at 32K tokens a step is 8 GiB saved. The backward pass only rescales the stored gradients.
+at 32K tokens a step is 8 GiB saved. The backward pass only rescales the stored gradients, the output
+projection's in the memory of its fp32 sum, which it hands back as the weight's gradient
+(`kiln.model.loss_weight_grad`: no second (V, d) buffer at the loss's backward).
 
 Under autocast the two matrix products run in the autocast dtype (as `nn.Linear` would) while the
 softmax is always computed in fp32. Soft-capped logits (Gemma: `softcap`, cap * tanh(logits / cap)) are
@@ -19,13 +21,15 @@ from collections.abc import Callable
 
 import torch
 
+from kiln.model import loss_weight_grad
+from kiln.model.loss_weight_grad import VOCAB_SLICE
+
 IGNORE_INDEX = -100
 # elements of one chunk of logits: 2**28 (0.5 GiB in bf16) keeps the matrix products large enough
 # to run at full rate while the memory they need stays small next to the model's
 CHUNK_ELEMENTS = 2**28
-# rows of the output projection's gradient made, and scaled, at a time: a (V, d) temporary beside the fp32
+# VOCAB_SLICE: rows of the output projection's gradient made at a time: a (V, d) temporary beside the fp32
 # gradient would be 2 GB more at a 256K vocabulary (Nemotron), 0.3% of an H100's time in slices of this size
-VOCAB_SLICE = 8192
 
 
 def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, want_grad: bool, softcap: float | None = None
@@ -77,7 +81,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(dtype, torch.float32)
         loss = torch.zeros((), device=h.device, dtype=acc)
         grad_h = torch.empty_like(h) if want_grad else None  # (n, d)
-        grad_w = torch.zeros(weight.shape, device=weight.device, dtype=acc) if want_grad else None
+        # the (V, d) sum in fp32, in row blocks the backward pass can return it in (kiln.model.loss_weight_grad)
+        grad_w = loss_weight_grad.zeros(weight.shape, acc, weight.dtype, weight.device) if want_grad else []
         kernel = ChunkKernel.fn
         for s in range(0, n, rows):
             hc = h[s:s + rows].to(dtype)  # (r, d)
@@ -86,23 +91,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if want_grad:
                 grad_h[s:s + rows] = g @ w
                 for v in range(0, w.shape[0], VOCAB_SLICE):  # in slices of the vocabulary: no (V, d) temporary
-                    grad_w[v:v + VOCAB_SLICE] += g[:, v:v + VOCAB_SLICE].t() @ hc
+                    loss_weight_grad.add_rows(grad_w, v, g[:, v:v + VOCAB_SLICE].t() @ hc)
             del g  # before the next chunk's logits exist: one chunk's worth of memory at a time
         count = (targets != IGNORE_INDEX).sum().to(acc)
-        ctx.save_for_backward(grad_h, grad_w, count)
+        ctx.save_for_backward(grad_h, count, *grad_w)
         ctx.weight_dtype = weight.dtype
+        ctx.spent = False
         return loss / count
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        grad_h, grad_w, count = ctx.saved_tensors
+        if ctx.spent and ctx.needs_input_grad[1]:
+            raise RuntimeError("the chunked cross-entropy's backward runs once per forward pass: it hands back the "
+                               "output projection's gradient in the memory of its sum (retain_graph is not "
+                               "supported; compute the loss again)")
+        ctx.spent = True
+        grad_h, count, *grad_w = ctx.saved_tensors
         scale = grad_out.to(count.dtype) / count
         gh = (grad_h * scale).to(grad_h.dtype) if ctx.needs_input_grad[0] else None
-        gw = None
-        if ctx.needs_input_grad[1]:  # scaled and cast a slice at a time: no (V, d) fp32 temporary beside grad_w
-            gw = torch.empty(grad_w.shape, device=grad_w.device, dtype=ctx.weight_dtype)
-            for v in range(0, grad_w.shape[0], VOCAB_SLICE):
-                gw[v:v + VOCAB_SLICE] = grad_w[v:v + VOCAB_SLICE] * scale
+        # scaled in place, and in a narrower weight dtype written over the fp32 sum's own bytes: no second (V, d)
+        gw = loss_weight_grad.scaled(grad_w, scale, ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        del grad_w
         return gh, gw, None, None, None, None, None
 
 
