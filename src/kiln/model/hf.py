@@ -240,12 +240,15 @@ def from_hf_config_dict(hf: dict[str, Any]) -> ModelConfig:
         said = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()) if hasattr(e, "errors") \
             else str(e)  # pydantic's, of the ModelConfig it makes
         what = f"lacks {e}" if isinstance(e, KeyError) else f"holds a value Kiln cannot read ({said})"
-        raise ConfigError(f"this {hf.get('model_type', 'llama')} config.json {what}: it is not a complete Hugging "
+        raise ConfigError(f"this {hf.get('model_type')} config.json {what}: it is not a complete Hugging "
                           "Face model config; copy the model directory again from its source") from None
 
 
 def _from_hf_config_dict(hf: dict[str, Any]) -> ModelConfig:
-    kind = hf.get("model_type", "llama")
+    kind = hf.get("model_type")
+    if kind is None:  # a directory's config.json without one is refused as it is read (hf_import.read_hf_config)
+        raise StateError("the config names no model_type (transformers reads it with the model's own code: "
+                         "config.json auto_map)")
     if kind not in ARCHITECTURES:
         raise StateError(f"model_type '{kind}' is not one Kiln's native model imports (it imports "
                          f"{', '.join(ARCHITECTURES)})")

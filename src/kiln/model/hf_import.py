@@ -19,7 +19,7 @@ import torch
 
 from kiln.config import ModelConfig, RopeScaling
 from kiln.errors import ConfigError, StateError
-from kiln.model.hf import from_hf_config_dict, from_hf_state_dict
+from kiln.model.hf import ARCHITECTURES, from_hf_config_dict, from_hf_state_dict
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -48,7 +48,22 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         raise StateError(f"{file} cannot be read as JSON ({e})") from None
     if not isinstance(data, dict):
         raise StateError(f"{file} is not a model config (a JSON {type(data).__name__})")
+    if "model_type" not in data and not (data.get("auto_map") or {}).get("AutoConfig"):
+        raise ConfigError(_no_model_type(file, data.get("architectures")))
     return data
+
+
+def _no_model_type(file: Path, architectures: Any) -> str:
+    """The refusal of a config.json without model_type (and without its own config code, auto_map): transformers'
+    AutoConfig refuses it too, so Kiln does not guess one (its export would not load in transformers either)."""
+    names = architectures if isinstance(architectures, list) else []
+    kinds = sorted({k for k, cls in ARCHITECTURES.items() if cls in names})
+    if len(kinds) == 1:
+        add = f'add "model_type": "{kinds[0]}" to it (the type of its architectures, {", ".join(map(str, names))})'
+    else:
+        add = 'add the model type of its class to it ("model_type": "llama" for LlamaForCausalLM, and so on)'
+    return (f"{file} has no model_type, so the architecture it describes is not known (transformers' AutoConfig "
+            f"refuses such a file too): {add}, or copy the model directory again from its source")
 
 
 def weight_files(path: str | Path, allow_pickle: bool = False, command: str | None = None) -> list[Path]:

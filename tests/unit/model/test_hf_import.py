@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -112,9 +113,31 @@ def test_unsupported_model_type_names_the_supported_ones(tmp_path):
         resolve_init_from(ModelConfig(init_from=str(tmp_path)))
 
 
+@pytest.mark.parametrize("architectures,add", [(["LlamaForCausalLM"], 'add "model_type": "llama" to it'),
+                                               (None, "add the model type of its class to it"),
+                                               (["GPT2LMHeadModel"], "add the model type of its class to it")])
+def test_a_config_json_without_model_type_is_refused_not_read_as_llama(tmp_path, architectures, add):
+    """transformers' AutoConfig refuses a config.json without model_type; Kiln read it as a Llama's."""
+    from kiln.model.hf_import import native_architecture
+
+    config = to_hf_config_dict(ModelConfig(size="tiny", vocab_size=256))
+    del config["model_type"]
+    if architectures is None:
+        del config["architectures"]
+    else:
+        config["architectures"] = architectures
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    said = f"{re.escape(str(tmp_path / 'config.json'))} has no model_type.*{add}.*or copy the model directory again"
+    with pytest.raises(ConfigError, match=said):
+        resolve_init_from(ModelConfig(init_from=str(tmp_path)))  # kiln train's model.init_from
+    with pytest.raises(ConfigError, match=said):
+        native_architecture(tmp_path)  # kiln eval and kiln export of a directory
+
+
 @pytest.mark.parametrize("config,said", [({"model_type": "llama"}, "lacks 'hidden_size'"),
-                                         ({"hidden_size": -64, "num_attention_heads": 4, "vocab_size": 10,
-                                           "num_hidden_layers": 2, "intermediate_size": 8}, "d_model: Input should")])
+                                         ({"model_type": "llama", "hidden_size": -64, "num_attention_heads": 4,
+                                           "vocab_size": 10, "num_hidden_layers": 2, "intermediate_size": 8},
+                                          "d_model: Input should")])
 def test_a_partial_or_damaged_config_json_is_said_not_a_traceback(tmp_path, config, said):
     """A config.json without hidden_size (or with a value out of range) gave `kiln export` and model.init_from a
     KeyError (or pydantic's ValidationError) traceback; it is no architecture for the auto path either."""
