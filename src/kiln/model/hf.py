@@ -231,6 +231,23 @@ def _longrope(hf: dict[str, Any], rope: dict[str, Any]) -> RopeScaling:
                        short_factor=rope["short_factor"], long_factor=rope["long_factor"], attention_factor=attention)
 
 
+_NOT_DROPOUT = ("classifier_", "summary_")  # heads a causal LM does not train with
+
+
+def unapplied_dropout(hf: dict[str, Any]) -> str | None:
+    """What of a config.json's dropout Kiln's native model does not apply: it has no dropout, so its fields above 0
+    (attention_dropout, hidden_dropout, resid_pdrop, embd_pdrop, ...) are said, not silently dropped; None where
+    there are none (modern bases set 0.0). Not refused: the weights and the model's function are the same, only
+    the regularisation of training differs."""
+    fields = [f"{k}={v:g}" for k, v in hf.items() if k.endswith(("dropout", "pdrop", "dropout_prob"))
+              and not k.startswith(_NOT_DROPOUT) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0]
+    if not fields:
+        return None
+    return (f"its config.json asks for dropout in training ({', '.join(fields)}), and Kiln's native model has none: "
+            "this run trains without it. To train with it, set model.hf_class=auto (transformers' own module, "
+            "slower); to train without it and not be told, set those fields to 0.0 in a copy of the directory")
+
+
 def from_hf_config_dict(hf: dict[str, Any]) -> ModelConfig:
     """A ModelConfig from a `config.json` dict; raises StateError for what Kiln cannot represent, ConfigError for a
     config.json that lacks a field its model type needs or holds one of the wrong kind (a damaged or partial one)."""

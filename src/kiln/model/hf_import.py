@@ -12,6 +12,7 @@ with `torch.load(weights_only=True)`.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 
 from kiln.config import ModelConfig, RopeScaling
 from kiln.errors import ConfigError, StateError
-from kiln.model.hf import ARCHITECTURES, from_hf_config_dict, from_hf_state_dict
+from kiln.model.hf import ARCHITECTURES, from_hf_config_dict, from_hf_state_dict, unapplied_dropout
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -161,12 +162,14 @@ def import_hf(path: str | Path, allow_pickle: bool = False) -> tuple[ModelConfig
     return cfg, from_hf_state_dict(read_hf_state_dict(path, allow_pickle), cfg.tie_embeddings)
 
 
-def resolve_init_from(model: ModelConfig) -> ModelConfig:
+def resolve_init_from(model: ModelConfig, say: Callable[[str], Any] | None = None) -> ModelConfig:
     """The ModelConfig of a run with `model.init_from`: the directory's architecture and context. ConfigError if
-    the run also sets a field the directory decides, or a context that is not the model's (see `_context`)."""
+    the run also sets a field the directory decides, or a context that is not the model's (see `_context`).
+    `say`: where a run is told what of the directory its model does not apply (its dropout)."""
     assert model.init_from is not None
     try:
-        imported = from_hf_config_dict(read_hf_config(model.init_from))
+        hf = read_hf_config(model.init_from)
+        imported = from_hf_config_dict(hf)
     except StateError as e:
         from kiln.model.hf_causal import unbuildable
 
@@ -184,6 +187,8 @@ def resolve_init_from(model: ModelConfig) -> ModelConfig:
     if clash:
         raise ConfigError(f"model.init_from={model.init_from} sets the architecture from its config.json, but the "
                           f"config also sets {'; '.join(clash)}: remove those fields")
+    if say is not None and (dropout := unapplied_dropout(hf)) is not None:
+        say(f"warning: model.init_from={model.init_from}: {dropout}")
     keep = {k: getattr(model, k) for k in ("init_from", "allow_pickle", "trust_remote_code")}
     return imported.model_copy(update={**keep, "max_seq_len": max_seq_len, "rope_scaling": scaling})
 

@@ -87,7 +87,7 @@ def with_init_from(cfg: RunConfig, log=print) -> RunConfig:
         if cfg.lora.rank:  # a target the model has no layer for is said before any data is prepared
             check_targets(model, cfg.lora.targets)
     else:
-        model = resolve_init_from(cfg.model)
+        model = resolve_init_from(cfg.model, log)  # a warning for the directory's dropout, which it does not apply
         if cfg.lora.rank:
             target_layers(model, cfg.lora.targets)
     check_own_tokenizer(cfg.model.init_from, cfg.data.tokenizer)

@@ -146,3 +146,21 @@ def test_a_partial_or_damaged_config_json_is_said_not_a_traceback(tmp_path, conf
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=f"this llama config.json .*{said}"):
         native_architecture(tmp_path)
+
+
+def test_a_models_dropout_is_said_at_start_not_silently_dropped(tmp_path):
+    """Kiln's native model has no dropout: a config.json that asks for it is told to the run, with the fields."""
+    phi3 = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, fused_projections=True,
+                       hf_model_type="phi3")
+    config = to_hf_config_dict(phi3) | {"attention_dropout": 0.1, "resid_pdrop": 0.05, "embd_pdrop": 0.0,
+                                        "classifier_dropout": 0.2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    said: list[str] = []
+    resolve_init_from(ModelConfig(init_from=str(tmp_path)), said.append)
+    assert len(said) == 1
+    assert re.search(r"^warning: model.init_from=.*: its config.json asks for dropout in training \(attention_dropout="
+                     r"0.1, resid_pdrop=0.05\), and Kiln's native model has none: this run trains without it. .*"
+                     r"model.hf_class=auto", said[0])
+    (tmp_path / "config.json").write_text(json.dumps(config | {"attention_dropout": 0.0, "resid_pdrop": 0.0}))
+    resolve_init_from(ModelConfig(init_from=str(tmp_path)), said.append)
+    assert len(said) == 1  # a modern base's 0.0: nothing to say

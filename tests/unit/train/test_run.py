@@ -103,3 +103,23 @@ def test_a_failed_start_takes_away_the_run_directory_it_made_and_nothing_the_use
                 console=Console(file=io.StringIO()))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "empty", "mine"]
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+def test_a_models_dropout_the_native_model_does_not_apply_is_said_at_start(tmp_path):
+    import json
+
+    from kiln.data.prepare.tokenizer import train_bpe
+    from kiln.model.hf import to_hf_config_dict
+
+    model = tmp_path / "model"
+    model.mkdir()
+    train_bpe(["def f(x):\n    return x\n"] * 20, 260).save(model / "tokenizer.json")
+    config = to_hf_config_dict(load_config(None, ["model.size=tiny", "model.vocab_size=320"]).model)
+    (model / "config.json").write_text(json.dumps(config | {"attention_dropout": 0.1}))
+    out = io.StringIO()
+    with pytest.raises(DataError):  # the warning comes first; then the missing data stops the run
+        run(load_config(None, [f"model.init_from={model}", "train.device=cpu", "train.seq_len=32",
+                               "data.sources=[nowhere]", f"train.run_dir={tmp_path / 'run'}"]),
+            console=Console(file=out, width=400))
+    assert f"warning: model.init_from={model}: its config.json asks for dropout in training (attention_dropout=0.1)" \
+        in out.getvalue()
