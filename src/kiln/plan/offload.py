@@ -7,8 +7,9 @@ so at most the largest parameter's gradient and the next one exist at once. No A
 master weights (4), AdamW's moments (8) and the step's fp32 gradient sums (4): 16 bytes a parameter.
 
 The peak is the largest of three moments: the end of the forward pass (the loss's chunk of logits beside its fp32
-output-projection gradient), the loss's backward (`head_bytes`: that fp32 gradient and the compute-dtype one made
-from it, both whole) and the end of the backward pass (the gradients in flight, a block recomputed).
+output-projection gradient), the loss's backward (`head_bytes`: that fp32 gradient, which becomes the compute-dtype
+one in its own memory) and the end of the backward pass (the gradients in flight, a block recomputed). Since the loss
+stopped making a second (V, d) buffer there, the end of the forward pass holds more than the loss's backward.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from kiln.plan.memory import Layout, Memory, layer_params, peak_memory
 
 HOST_BYTES = 4 + 8 + 4  # fp32 masters, two fp32 moments, fp32 gradient sums
 TRANSFER_SLICES = 2 * 4 * (1 << 24)  # bytes: kiln.parallel.offload's two fp32 slices of SLICE elements
-VOCAB_SLICE = 8192  # kiln.model.loss.VOCAB_SLICE: rows of the output projection's gradient scaled at a time
 
 
 def largest_param(m: ModelConfig) -> int:
@@ -28,18 +28,19 @@ def largest_param(m: ModelConfig) -> int:
 
 
 def head_bytes(m: ModelConfig, e: int) -> int:
-    """The output projection's gradients at the loss's backward, the peak of an offloaded step at a large vocabulary.
+    """The output projection's gradient at the loss's backward.
 
     The chunked loss (kiln.model.loss) sums the projection's gradient in fp32 over the forward pass, a whole (V, d)
-    buffer it keeps for its backward; there it makes the gradient autograd hands on, whole too, in the weight's dtype
-    (e bytes: bf16 here), scaling a slice of VOCAB_SLICE rows at a time through an fp32 temporary. Until that
-    backward returns, all three exist beside the weights and the checkpointed activations: V d (4 + e) bytes and a
-    slice. The offload's hook then takes the compute-dtype gradient to the host (through its fp32 slices, never a
-    whole fp32 copy) and the fp32 one is freed. Measured with torch.cuda.max_memory_allocated on an H200 under
-    `cpt-8b-24gb` (benchmarks/results/offload.md): 23.2 GiB for the Nemotron-3-8B shape (V 256K: 5.9 GiB of head
-    gradients), 19.2-19.3 GiB for Llama-3-8B (V 128K: 2.9 GiB); the end of the forward pass, which holds the fp32
-    one and a chunk of logits only, was planned at 21.9 and 19.0."""
-    return (m.vocab_size or 0) * m.d_model * (4 + e) + VOCAB_SLICE * m.d_model * 4
+    buffer it keeps for its backward; there it scales it in place and, for bf16 weights (`e` = 2), writes the
+    gradient autograd hands on over that buffer's own bytes (kiln.model.loss_weight_grad), through a one-row fp32
+    temporary: V d 4 bytes and a row, whatever `e`. The offload's hook then takes the compute-dtype gradient, which
+    owns half of those bytes, to the host.
+
+    Before, the backward made that gradient as a second (V, d) buffer beside the fp32 one, through an fp32 slice of
+    8192 rows: V d (4 + e) bytes and the slice, measured with torch.cuda.max_memory_allocated on an H200 under
+    `cpt-8b-24gb` (benchmarks/results/offload.md) as the step's peak: 23.2 GiB for the Nemotron-3-8B shape (V 256K:
+    5.9 GiB of head gradients), 19.2-19.3 GiB for Llama-3-8B (V 128K: 2.9 GiB)."""
+    return (m.vocab_size or 0) * m.d_model * 4 + 4 * m.d_model
 
 
 def offload_memory(m: ModelConfig, seq_len: int, batch: int, ac: str, compiled: bool, bf16: bool) -> Memory:

@@ -96,7 +96,7 @@ def render(plan: Plan, console: Console) -> None:
     for what, n in rows:
         table.add_row(what, gib(n))
     when = {"recompute": "start of the backward pass, a block recomputed",  # loss: kiln.plan.offload.head_bytes
-            "loss": "the loss's backward, the output layer's gradient twice"}.get(mem.phase,
+            "loss": "the loss's backward, the output layer's fp32 gradient"}.get(mem.phase,
                                                                                  f"end of the {mem.phase} pass")
     table.add_row(f"peak ({when})", gib(mem.peak), style="bold")
     if plan.gpu.key != "cpu":
