@@ -172,6 +172,19 @@ def check_exportable(model, say) -> None:
         say(f"warning: {problem}", markup=False, highlight=False)
 
 
+def check_offload_room(cfg: RunConfig, n_params: int, device: torch.device) -> int:
+    """train.offload=optimizer: a ResourceError unless the host's memory holds the offloaded training state of
+    `n_params` parameters (kiln.parallel.offload.check_host_memory). Returns the bytes it needs."""
+    from kiln.parallel.offload import check_host_memory
+    from kiln.parallel.offload_layers import kept_bytes
+
+    tcfg = cfg.train
+    e = 2 if tcfg.precision == "bf16" or (tcfg.precision == "auto" and device.type == "cuda") else 4
+    m = cfg.model  # the layer-by-layer step keeps each layer's input of a step's rows (not a mixture of experts)
+    kept = 0 if m.moe is not None else kept_bytes(m.n_layers, tcfg.step_rows(1), tcfg.seq_len, m.d_model, e)
+    return check_host_memory(n_params, e, on_cpu=device.type == "cpu", async_save=cfg.checkpoint.async_save, kept=kept)
+
+
 def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: Mesh) -> Path:
     cfg.lora.require_base(cfg.model)
     if cfg.train.fp8.enabled:  # kiln.parallel.float8: a GPU with float8 tensor cores and torchao, before data work
@@ -184,6 +197,10 @@ def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: M
         check_exportable(cfg.model, console.print)
     if (unmeant := schedule_warning(cfg.train)) is not None:
         console.print(f"warning: {unmeant}", highlight=False)
+    if cfg.train.offload != "none":  # said in seconds, not after the data is prepared. Without a vocabulary yet (the
+        # tokenizer's, from scratch), 64, the least a run rounds to: a bound below, so only what the check once the
+        # data is prepared would refuse is refused here
+        check_offload_room(cfg, param_count(cfg.model, vocab_size=cfg.model.vocab_size or 64), mesh.device)
     run_dir, may_resume, made = run_directory(cfg, resume, console.print)
     cfg = derive(cfg, {"train.run_dir": str(run_dir)})
     left = f"{run_dir}, made by this start, is taken away" if made else f"nothing in {run_dir} changed"
@@ -290,14 +307,9 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         return memory_params
 
     if tcfg.offload != "none":  # kiln.parallel.offload: the host holds the optimizer's state; said before it is built
-        from kiln.parallel.offload import check_host_memory, describe_need
-        from kiln.parallel.offload_layers import kept_bytes
+        from kiln.parallel.offload import describe_need
 
-        e = 2 if tcfg.precision == "bf16" or (tcfg.precision == "auto" and device.type == "cuda") else 4
-        m = cfg.model  # the layer-by-layer step keeps each layer's input of a step's rows (not a mixture of experts)
-        kept = 0 if m.moe is not None else kept_bytes(m.n_layers, tcfg.step_rows(1), tcfg.seq_len, m.d_model, e)
-        need = check_host_memory(n_params, e, on_cpu=device.type == "cpu", async_save=cfg.checkpoint.async_save,
-                                 kept=kept)
+        need = check_offload_room(cfg, n_params, device)  # again, with the vocabulary of the tokenizer
         console.print(describe_need(need, device.type == "cpu"), highlight=False)
     # kiln.parallel: AC -> compile -> FSDP2 / DDP; under FSDP built on the meta device, each rank initialising its shard
     if cfg.model.hf_class == "auto":

@@ -123,3 +123,25 @@ def test_a_models_dropout_the_native_model_does_not_apply_is_said_at_start(tmp_p
             console=Console(file=out, width=400))
     assert f"warning: model.init_from={model}: its config.json asks for dropout in training (attention_dropout=0.1)" \
         in out.getvalue()
+
+
+def test_host_memory_for_the_offload_is_checked_before_any_data_is_prepared(tmp_path, monkeypatch):
+    """train.offload=optimizer's host memory was checked once the data was prepared (hours on a big corpus)."""
+    import sysconfig
+    from pathlib import Path
+
+    from kiln.errors import ResourceError
+    from kiln.parallel import offload
+    from kiln.train import run as run_module
+
+    def prepared(*a, **k):
+        raise AssertionError("the data was prepared before the offload's host memory was checked")
+
+    monkeypatch.setattr(offload, "host_available", lambda: 10**6)  # 1 MB free
+    monkeypatch.setattr(run_module, "build_data", prepared)
+    corpus = Path(sysconfig.get_paths()["stdlib"]) / "this.py"
+    with pytest.raises(ResourceError, match="train.offload=optimizer keeps the training state"):
+        run(load_config(None, ["model.size=tiny", "train.device=cpu", "train.offload=optimizer", "train.batch_size=2",
+                               "train.seq_len=32", f"data.sources=[{corpus}]", f"data.cache_dir={tmp_path / 'cache'}",
+                               f"train.run_dir={tmp_path / 'run'}"]), console=Console(file=io.StringIO()))
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
