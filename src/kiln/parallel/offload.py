@@ -38,7 +38,9 @@ parameter names), so a checkpoint of an offloaded run resumes a plain one and th
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -200,6 +202,13 @@ class OptimizerOffload:
                                    fused=True if fused is None else fused)
         self.chunks = _chunks(self.masters)
         self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready) for p in self.params]
+        # the layer-by-layer schedule steps AdamW in a thread while the next step's forward pass runs, each layer
+        # once its weights are back (`ready`); anything else that runs the model waits for the whole step first
+        self._thread: threading.Thread | None = None
+        self._progress = threading.Condition()
+        self._marks: list[tuple[int, list]] = []  # (parameters stepped and sent so far, the side streams' events)
+        self._error: BaseException | None = None
+        self._hooks.append(model.register_forward_pre_hook(lambda *_: self.settle()))
         # where a step's host time goes, summed over `steps` steps: waiting after the backward pass for the last
         # gradients to be summed, and the step itself (norm, clipping, AdamW, copies back issued), of which the norm
         # and clipping
@@ -291,7 +300,9 @@ class OptimizerOffload:
         total.record_stream(stream)
 
     def wait(self) -> None:
-        """Until every gradient of the backward passes so far is in its sum on the host."""
+        """Until the last step is done (`settle`) and every gradient of the backward passes since is in its sum on
+        the host."""
+        self.settle()
         for stream in self.streams:
             stream.synchronize()
         if self.streams:
@@ -300,6 +311,8 @@ class OptimizerOffload:
 
     def discard(self) -> None:
         """Forget the gradients summed so far (a step run again after an out-of-memory error)."""
+        if not any(self.summed) and not self.device_sums:  # none: the step may go on in its thread
+            return
         self.wait()
         self.summed = [False] * len(self.params)
         self.device_sums.clear()
@@ -332,22 +345,71 @@ class OptimizerOffload:
         t2 = time.perf_counter()
         for stream in self.streams:
             stream.wait_stream(torch.cuda.current_stream(self.device))  # the backward pass is done with the weights
-        for chunk in self.chunks:
-            stepped = [i for i in chunk if self.summed[i]]
-            if not stepped:
-                continue
-            self.optimizer.step_only(stepped, scale)
-            for i in stepped:
-                self.masters[i].grad = None
-            self._send(stepped)
+        stepped = [[i for i in chunk if self.summed[i]] for chunk in self.chunks]
         self.summed = [False] * len(self.params)
-        for stream in self.streams:
-            torch.cuda.current_stream(self.device).wait_stream(stream)  # the next forward pass waits for them
+        lrs = {id(g): g["lr"] for g in self.optimizer.param_groups}  # the schedule moves on as the thread runs
         self.seconds["sums"] += t1 - t0
         self.seconds["norm"] += t2 - t1
-        self.seconds["step"] += time.perf_counter() - t1
         self.steps += 1
+        self._marks, self._error = [], None
+        if self.layered and self.optimizer.defaults.get("fused"):  # beside the next forward pass
+            self._thread = threading.Thread(target=self._steps, args=(stepped, scale, lrs, t1), daemon=True,
+                                            name="kiln-offload-adamw")
+            self._thread.start()
+        else:
+            self._steps(stepped, scale, lrs, t1)
+            for stream in self.streams:
+                torch.cuda.current_stream(self.device).wait_stream(stream)  # the next forward pass waits for them
+            if self._error is not None:
+                raise self._error
         return norm
+
+    def _steps(self, stepped: list[list[int]], scale: torch.Tensor | None, lrs: dict, t1: float) -> None:
+        """AdamW over the chunks of master weights in the forward pass's order, each chunk sent to the device as soon
+        as it is stepped (marked for `ready`)."""
+        try:
+            with torch.cuda.device(self.device) if self.streams else contextlib.nullcontext():
+                for chunk, indices in zip(self.chunks, stepped):
+                    if indices:
+                        self.optimizer.step_only(indices, scale, lrs)
+                        for i in indices:
+                            self.masters[i].grad = None
+                        self._send(indices)
+                    with self._progress:
+                        self._marks.append((chunk[-1] + 1, [st.record_event() for st in self.streams]))
+                        self._progress.notify_all()
+        except BaseException as e:  # noqa: BLE001 - raised again by settle, in the training thread
+            with self._progress:
+                self._error = e
+                self._progress.notify_all()
+        self.seconds["step"] += time.perf_counter() - t1
+
+    def ready(self, params: list[torch.Tensor]) -> None:
+        """Before the forward pass uses `params`: until the step in flight has stepped and sent them (the device's
+        stream waits for their copies)."""
+        mine = [self.index[id(p)] for p in params if id(p) in self.index]
+        if self._thread is None or not mine:
+            return
+        last = max(mine)
+        with self._progress:
+            self._progress.wait_for(lambda: self._error is not None or (self._marks and self._marks[-1][0] > last))
+            mark = next((events for upto, events in self._marks if upto > last), None)
+        if mark is None:
+            return self.settle()  # the thread failed: its error
+        for event in mark:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def settle(self) -> None:
+        """Until the step in flight is done: its AdamW and every weight's copy to the device; its error, if any."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        self._thread = None
+        for stream in self.streams:
+            torch.cuda.current_stream(self.device).wait_stream(stream)  # the next forward pass waits for them
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
     def _send(self, indices: list[int]) -> None:
         """The master weights `indices` to the device, rounded there to the compute dtype (on the side streams)."""
@@ -423,10 +485,11 @@ class HostAdamW(torch.optim.AdamW):
         super().__init__(groups, **kw)
         self._offload = offload
 
-    def step_only(self, indices: list[int], scale: torch.Tensor | None = None) -> None:
-        """Step the masters `indices` (those with a .grad), their gradients multiplied by `scale` first (clipping)."""
+    def step_only(self, indices: list[int], scale: torch.Tensor | None = None, lrs: dict | None = None) -> None:
+        """Step the masters `indices`, their gradients (the offload's sums) multiplied by `scale` first (clipping);
+        `lrs`: each param group's learning rate by its id, taken when the step began (default: the groups')."""
         if self.defaults.get("fused"):
-            return self._fused_slices(indices, scale)
+            return self._fused_slices(indices, scale, lrs or {})
         if scale is not None:
             raise ValueError("clipping inside the step is the fused kernel's")
         masters = self._offload.masters
@@ -443,7 +506,7 @@ class HostAdamW(torch.optim.AdamW):
             for p, g in saved:
                 p.grad = g
 
-    def _fused_slices(self, indices: list[int], scale: torch.Tensor | None) -> None:
+    def _fused_slices(self, indices: list[int], scale: torch.Tensor | None, lrs: dict) -> None:
         """torch's fused AdamW (the kernel AdamW(fused=True).step calls, with its arguments), a slice of STEP_SLICE
         elements at a time, each slice's gradient clipped just before: the same numbers (the kernel works element by
         element, and every slice but a parameter's last is a whole number of its vectors), with each slice's
@@ -451,21 +514,20 @@ class HostAdamW(torch.optim.AdamW):
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         for i in indices:
             master = self._offload.masters[i]
-            if master.grad is None:
-                continue
             group, state = group_of[id(master)], self.state[master]
             if not state:
                 state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(master),
                              exp_avg_sq=torch.zeros_like(master))
             state["step"] += 1
-            p, g, m, v = (t.view(-1) for t in (master, master.grad, state["exp_avg"], state["exp_avg_sq"]))
+            p, g, m, v = (t.view(-1) for t in (master, self._offload.sums[i], state["exp_avg"], state["exp_avg_sq"]))
             beta1, beta2 = group["betas"]
+            lr = lrs.get(id(group), group["lr"])
             for lo in range(0, p.numel(), STEP_SLICE):
                 hi = min(p.numel(), lo + STEP_SLICE)
                 if scale is not None:
                     g[lo:hi].mul_(scale)
                 torch._fused_adamw_([p[lo:hi]], [g[lo:hi]], [m[lo:hi]], [v[lo:hi]], [], [state["step"]],
-                                    amsgrad=group["amsgrad"], lr=group["lr"], beta1=beta1, beta2=beta2,
+                                    amsgrad=group["amsgrad"], lr=lr, beta1=beta1, beta2=beta2,
                                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
                                     grad_scale=None, found_inf=None)
 

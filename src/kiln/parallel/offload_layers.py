@@ -124,16 +124,19 @@ def accumulate(o: OptimizerOffload, model: nn.Module, x: torch.Tensor, y: torch.
     layers = list(model.layers)
     kept = o.kept
     with torch.no_grad(), autocast():
+        o.ready([model.embed_tokens.weight])  # the last step's AdamW may still run: each layer waits for its weights
         hs = [model.embed(x[p]) for p in parts]  # (b, T, d) each
         args = [model.block_args(None if docs is None else docs[p], T, hs[0].device) for p in parts]
         kept.start(len(layers), (n, T, hs[0].shape[-1]), hs[0].dtype)
         for i, block in enumerate(layers):
+            o.ready(_trained(block))
             for k, p in enumerate(parts):
                 kept.put(i, p, hs[k])
                 hs[k] = block(hs[k], *args[k][block.attention_kind])
     kept.sealed()
     kept.fetch(len(layers) - 1, parts, hs[0].device)
 
+    o.settle()  # the output layer's weights, and the sums the step is reading
     total = torch.zeros((), device=x.device)
     grads: list[torch.Tensor] = []
     head = _trained(model.norm) + [model.lm_head.weight]

@@ -45,6 +45,8 @@ class ParamTap:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Each parameter's values on the host, as float32."""
+        if getattr(self.trainer, "offload", None) is not None:  # kiln.parallel.offload: a step may still send weights
+            self.trainer.offload.settle()
         with torch.no_grad():
             return {name: _local(p).detach().float().cpu() for name, p in self.trainer.model.named_parameters()}
 
