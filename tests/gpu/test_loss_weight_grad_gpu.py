@@ -28,6 +28,7 @@ def test_the_backward_adds_no_vocabulary_sized_buffer_and_grad_is_the_sums_memor
     sums = [x for x in out.grad_fn.saved_tensors if x.dtype == torch.float32 and x.dim() == 2]
     assert sum(x.numel() for x in sums) == V * D
     first = sums[0].data_ptr()
+    del sums  # the test's own references would keep them past the backward
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
