@@ -62,6 +62,7 @@ SHAPES = {
                     "rotary_fraction": 0.5, "n_kv_heads": 32, "max_seq_len": 4096, "rope_theta": 10000.0},
     # Llama-3-8B's layers, half as many (4.5B): a host with 128 GiB holds both sides' state
     "llama3-8b-16l": {"size": "8b", "n_layers": 16},
+    "3b": {"size": "3b", "max_seq_len": 4096},  # Llama-3.2-3B's shape
     "1b": {"size": "1b", "vocab_size": 32000, "max_seq_len": 4096},  # 4096 positions: both sides train at 4096
     "tiny": {"size": "tiny", "vocab_size": 2048},
 }
