@@ -161,20 +161,42 @@ def build_auto(cfg: ModelConfig, lora: LoraConfig | None = None, weights: bool =
                          f"{str(e).splitlines()[0] if str(e) else 'damaged'}); copy them again from their "
                          "source") from None
     if use_lora:
-        peft = require("peft", "lora.rank > 0 with model.hf_class=auto")
-        config, where = _peft_config(lora, hf)
-        with warnings.catch_warnings():  # PEFT asks transformers' deprecated is_gradient_checkpointing
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            try:
-                hf = peft.get_peft_model(hf, config)  # freezes the base; adapters in fp32
-            except ValueError as e:  # a layer PEFT does not adapt in this model (a Mamba layer's out_proj)
-                raise ConfigError(f"lora.targets=[{', '.join(lora.targets)}]: PEFT cannot adapt them in "
-                                  f"{type(hf).__name__} ({e}); name the targets without those layers "
-                                  f"(they name {where})") from None
+        hf, where = _adapted(hf, lora)
         model = HFCausalLM(hf, cfg)
         model.lora_where = where
         return model
     return HFCausalLM(hf, cfg)
+
+
+def _adapted(hf: nn.Module, lora: LoraConfig) -> tuple[nn.Module, str]:
+    """(`hf` with PEFT's LoRA adapters, the layers each target adapts); ConfigError for a target no layer computes
+    (kiln.model.hf_lora) or one PEFT refuses."""
+    peft = require("peft", "lora.rank > 0 with model.hf_class=auto")
+    config, where = _peft_config(lora, hf)
+    with warnings.catch_warnings():  # PEFT asks transformers' deprecated is_gradient_checkpointing
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        try:
+            return peft.get_peft_model(hf, config), where  # freezes the base; adapters in fp32
+        except ValueError as e:  # a layer PEFT does not adapt in this model (a Mamba layer's out_proj)
+            raise ConfigError(f"lora.targets=[{', '.join(lora.targets)}]: PEFT cannot adapt them in "
+                              f"{type(hf).__name__} ({e}); name the targets without those layers "
+                              f"(they name {where})") from None
+
+
+def check_lora(cfg: ModelConfig, lora: LoraConfig) -> None:
+    """ConfigError now, before any data is prepared, for lora.targets the model of cfg.init_from has no layer for
+    or PEFT cannot adapt, or PEFT missing: the adapters `build_auto` gives, on its architecture built on the meta
+    device (no memory, no weights read)."""
+    tr = transformers_module()
+    require("peft", "lora.rank > 0 with model.hf_class=auto")
+    try:
+        conf = tr.AutoConfig.from_pretrained(cfg.init_from, trust_remote_code=cfg.trust_remote_code)
+        with torch.device("meta"):
+            hf = tr.AutoModelForCausalLM.from_config(conf, trust_remote_code=cfg.trust_remote_code)
+    except (ValueError, OSError, KeyError):
+        return  # build_auto says why transformers cannot build it
+    with torch.device("meta"):
+        _adapted(hf, lora)
 
 
 def check_loaded(path: str | Path, info: dict[str, Any]) -> None:

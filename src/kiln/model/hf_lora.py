@@ -13,12 +13,10 @@ and train silently without it.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from kiln.config import ModelConfig
 from kiln.errors import ConfigError
-from kiln.model.hf_blocks import decoder_layers, transformers_module
+from kiln.model.hf_blocks import decoder_layers
 
 SEPARATE = {"q": {"q_proj", "query", "wq"}, "k": {"k_proj", "key", "wk"}, "v": {"v_proj", "value", "wv"},
             "gate": {"gate_proj", "w1"}, "up": {"up_proj", "fc1", "c_fc", "w3", "dense_h_to_4h", "fc_in"},
@@ -95,18 +93,3 @@ def describe(found: dict[str, list[str]]) -> str:
         out.append(f"{', '.join(ts)} on {', '.join(paths)}{note}")
     return "; ".join(out)
 
-
-def check_targets(cfg: ModelConfig, targets: list[str]) -> None:
-    """ConfigError now, before any data is prepared, for a target the model of cfg.init_from has no layer for
-    (its architecture built on the meta device: no memory, no weights read)."""
-
-    if "all" in targets:
-        return
-    tr = transformers_module()
-    try:
-        conf = tr.AutoConfig.from_pretrained(cfg.init_from, trust_remote_code=cfg.trust_remote_code)
-        with torch.device("meta"):
-            model = tr.AutoModelForCausalLM.from_config(conf, trust_remote_code=cfg.trust_remote_code)
-    except (ValueError, OSError, KeyError):
-        return  # build_auto says why transformers cannot build it
-    lora_targets(model, targets)

@@ -80,12 +80,11 @@ def with_init_from(cfg: RunConfig, log=print) -> RunConfig:
             update["data.tokenizer"] = local
         cfg = derive(cfg, update)
     if cfg.model.hf_class == "auto":  # any causal LM, through transformers (kiln.model.hf_auto)
-        from kiln.model.hf_auto import auto_config
-        from kiln.model.hf_lora import check_targets
+        from kiln.model.hf_auto import auto_config, check_lora
 
         model = auto_config(cfg.model)
-        if cfg.lora.rank:  # a target the model has no layer for is said before any data is prepared
-            check_targets(model, cfg.lora.targets)
+        if cfg.lora.rank:  # a target the model has no layer for, or PEFT refuses, is said before any data is prepared
+            check_lora(model, cfg.lora)
     else:
         model = resolve_init_from(cfg.model, log)  # a warning for the directory's dropout, which it does not apply
         if cfg.lora.rank:

@@ -92,6 +92,35 @@ def test_the_refusal_comes_before_any_data_is_prepared(tmp_path, hf_class):
         with_init_from(cfg)
 
 
+def test_targets_peft_refuses_are_refused_by_kiln_train_before_any_data_is_prepared(tmp_path, monkeypatch):
+    """lora.targets=[all] on Nemotron-H: PEFT's refusal of a Mamba layer's out_proj came once the data was prepared
+    (build_auto); the same adapters are now put on the architecture on the meta device as the run starts."""
+    import io
+
+    from peft.tuners import tuners_utils
+    from rich.console import Console
+
+    from kiln.train import run as run_module
+
+    if not hasattr(tuners_utils, "_check_lora_target_modules_mamba"):
+        pytest.skip("this peft adapts a Mamba layer's out_proj")
+
+    def prepared(*a, **k):
+        raise AssertionError("the data was prepared before lora.targets were checked")
+
+    from kiln.data.prepare.tokenizer import train_bpe
+
+    monkeypatch.setattr(run_module, "build_data", prepared)
+    path = hf_dir(tmp_path, "nemotron_h")
+    train_bpe(["def f(x):\n    return x\n"] * 20, 260).save(path / "tokenizer.json")
+    cfg = load_config(None, [f"model.init_from={path}", "model.hf_class=auto",
+                             "lora.rank=4", "lora.targets=[all]", "train.seq_len=32", "train.device=cpu",
+                             "data.sources=[nowhere]", f"train.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"lora.targets=\[all\]: PEFT cannot adapt"):
+        run_module.run(cfg, console=Console(file=io.StringIO()))
+    assert not (tmp_path / "run").exists()
+
+
 def test_targets_peft_refuses_on_a_mamba_model_are_a_config_error(tmp_path):
     """PEFT refuses LoRA on a Mamba layer's out_proj: lora.targets=[all] on Nemotron-H ended in PEFT's ValueError,
     with a traceback, after the data was prepared."""
