@@ -257,7 +257,7 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
 
     def mem(batch: int, ac: str, lay: Layout, accumulate: bool | None = None) -> Memory:
         if lay.strategy == "single" and lay.offload and not lora:  # the gradient sums are on the host
-            return offload_memory(m, t.seq_len, batch, ac, compiled, bf16)
+            return offload_memory(m, t.seq_len, batch, ac, compiled, bf16, rows)
         gather8 = lay.strategy == "fsdp" and t.fp8.recipe == "tensorwise" and t.fp8.all_gather
         return peak_memory(m, t.seq_len, batch, ac, compiled, bf16, lay, lora, fp8, gather8,
                            accumulate=batch < rows if accumulate is None else accumulate,
@@ -320,7 +320,7 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
     ckpt = checkpoint_bytes(trained)  # with LoRA the adapters only: the base is referenced by its hash
     shard = max(1, layout.shard)
     snapshot = cfg.recovery.rollback or cfg.checkpoint.snapshot_every > 0  # kiln.train.rollback takes one
-    offloaded = ("fp32 master weights, AdamW moments, gradient sums and pinned buffers (train.offload)"
+    offloaded = ("fp32 master weights, AdamW moments, gradient sums and a step's layer inputs (train.offload)"
                  if layout.strategy == "single" else "offloaded state")
     parts = {offloaded: memory.host,
              "the pinned copy async checkpoints write from": cfg.checkpoint.async_save * 12 * trained // shard,

@@ -43,8 +43,10 @@ def head_bytes(m: ModelConfig, e: int) -> int:
     return (m.vocab_size or 0) * m.d_model * 4 + 4 * m.d_model
 
 
-def offload_memory(m: ModelConfig, seq_len: int, batch: int, ac: str, compiled: bool, bf16: bool) -> Memory:
-    """Peak bytes on the device, and host bytes, of a step with the optimizer offloaded (see the module doc)."""
+def offload_memory(m: ModelConfig, seq_len: int, batch: int, ac: str, compiled: bool, bf16: bool,
+                   rows: int = 0) -> Memory:
+    """Peak bytes on the device, and host bytes, of a step with the optimizer offloaded (see the module doc); `rows`:
+    a step's, whose layer inputs the layer-by-layer step keeps on the host (kiln.parallel.offload_layers)."""
     n, e = param_count(m), (2 if bf16 else 4)
     plain = peak_memory(m, seq_len, batch, ac, compiled, bf16, Layout("single"), None)
     weights = e * n
@@ -58,7 +60,13 @@ def offload_memory(m: ModelConfig, seq_len: int, batch: int, ac: str, compiled: 
     backward_end = weights + grads + plain.backward - (2 * layer_params(m) if bf16 and ac == "full" else 0)
     peak, phase = max((forward_end, "forward"), (loss_backward, "loss"), (backward_end, "backward"))
     return Memory(weights, grads, 0, 0, plain.activations, loss, plain.backward, peak, phase,
-                  host_bytes(n))
+                  host_bytes(n) + kept_bytes(m, rows, seq_len, e))
+
+
+def kept_bytes(m: ModelConfig, rows: int, seq_len: int, e: int) -> int:
+    """kiln.parallel.offload_layers.kept_bytes, without torch: each layer's input of a step's rows (none for a mixture
+    of experts, which keeps the per-micro-batch schedule)."""
+    return 0 if m.moe is not None else m.n_layers * rows * seq_len * m.d_model * e
 
 
 def host_bytes(n: int) -> int:

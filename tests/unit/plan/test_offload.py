@@ -7,7 +7,7 @@ import pytest
 from kiln.config import load_config
 from kiln.plan import make_plan
 from kiln.plan.gpus import GPUS
-from kiln.plan.offload import TRANSFER_SLICES, head_bytes
+from kiln.plan.offload import TRANSFER_SLICES, head_bytes, kept_bytes
 
 NATIVE = ["model.init_from=null"]
 LLAMA3_8B = [*NATIVE, "model.size=8b"]
@@ -47,8 +47,9 @@ def test_the_24gb_preset_plans_an_8b_model_and_states_the_host_memory(shape):
     n = plan.n_params
     assert 7.5e9 < n < 9e9 and plan.layout.offload
     assert plan.memory.weights == 2 * n and plan.memory.optimizer == 0 and plan.memory.compute_weights == 0
-    assert plan.memory.host == 16 * n  # fp32 masters 4, moments 8, gradient sums 4
-    assert plan.host_per_process == 16 * n  # the preset takes no async staging copy and no rollback snapshot
+    kept = 32 * 8 * 4096 * 4096 * 2  # each layer's input of the step's 8 rows, bf16 (kiln.parallel.offload_layers)
+    assert plan.memory.host == 16 * n + kept  # fp32 masters 4, moments 8, gradient sums 4 bytes a parameter
+    assert plan.host_per_process == 16 * n + kept  # the preset takes no async staging copy and no rollback snapshot
     assert "train.offload" in plan.host_parts[0]
     assert plan.tokens_per_step == 4096 * 8
     if shape is LLAMA3_8B:
@@ -131,7 +132,8 @@ def test_an_offloaded_plan_on_the_cpu_counts_the_host_state_in_the_same_memory(m
     monkeypatch.setattr(estimate, "cpu_matmul_flops", lambda threads: 1e11)  # the speed is not what is checked
     cpu = cpu_gpu(8 << 30)
     tiny = make_plan(load_config("cpt-8b-24gb", [*NATIVE, "model.size=tiny", "train.seq_len=64"]), 1, cpu)
-    assert tiny.fits and tiny.memory.host == 16 * tiny.n_params
+    kept = kept_bytes(tiny.model, 8, 64, 2 if tiny.bf16 else 4)  # each layer's input of a step's 8 rows
+    assert tiny.fits and tiny.memory.host == 16 * tiny.n_params + kept > 16 * tiny.n_params
     plan = make_plan(load_config("cpt-8b-24gb", [*NATIVE, "model.size=1b", "train.seq_len=64"]), 1, cpu)
     assert plan.memory.host > cpu.memory  # the state alone is more than the machine's memory: it cannot fit
     assert plan.memory.peak < cpu.memory and not plan.fits and plan.max_batch == 0
