@@ -85,7 +85,8 @@ def load_target(target: str | Path, command: str = "kiln eval") -> Target:
         if tok is None:
             raise StateError(f"{model_dir} holds no tokenizer.json; {command} needs the model's tokenizer")
         if run_cfg is not None:
-            tok = Tokenizer.load(model_dir / "tokenizer.json", run_cfg.data.eos_token, run_cfg.data.bos_token)
+            tok = Tokenizer.load(model_dir / "tokenizer.json", run_cfg.data.eos_token, run_cfg.data.bos_token,
+                                 named_in=run_cfg.data.tokenizer)  # its EOS, where that directory named it
         return Target(model, tok, "model", model_dir, run_cfg, default_out=run_dir / "eval.json"
                       if run_cfg is not None else model_dir / "eval.json")
     if (p / "config.json").is_file() and not (p / "meta.json").is_file():

@@ -91,3 +91,33 @@ def test_a_hugging_face_directory_is_evaluated_on_documents_that_start_as_its_to
     (tmp_path / "a.txt").write_text("def g(y):\n    return y\n" * 4)
     ds, _ = open_eval_data([str(tmp_path / "a.txt")], target.tokenizer, None, tmp_path / "cache", None, 8)
     assert ds.manifest["report"]["special_tokens"].startswith("<s> before")
+
+
+def test_a_run_is_evaluated_with_the_eos_its_tokenizer_directory_names(tmp_path):
+    """A run from a model whose EOS has none of the usual names (DeepSeek's <｜end▁of▁sentence｜>, which
+    data.eos_token=auto finds in its tokenizer directory's tokenizer_config.json) trained with that EOS after every
+    document, but kiln eval of the run (or of a checkpoint) read its model/tokenizer.json, away from that directory,
+    without one: 'the tokenizer has no end-of-text token'."""
+    import yaml
+
+    from kiln.data.prepare.tokenizer import Tokenizer
+    from kiln.evaluate import load_target
+    from kiln.state.export import _as_trained, _checkpoint_tokenizer
+    from kiln.state.hf_source import tokenizer_dir
+
+    eos = "<｜end▁of▁sentence｜>"
+    tok = train_bpe(["def f(x):\n    return x\n"] * 20, 280, [eos])
+    folder = tmp_path / "base"
+    folder.mkdir()
+    tok.save(folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=2, max_seq_len=32)
+    run = tmp_path / "run"
+    save_model(Transformer(cfg), cfg, tok, run / "model")
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"tokenizer": str(folder)}}))
+    assert tokenizer_dir(folder) == folder
+    assert load_target(run).tokenizer.eos_id == 0
+    run_cfg = load_target(run).run_cfg
+    assert _checkpoint_tokenizer(run / "checkpoints" / "step_00000001", run_cfg, {}).eos_id == 0
+    saved = Tokenizer.load(run / "model" / "tokenizer.json")  # what kiln export of the run reads, then its EOS
+    assert saved.eos_id is None and _as_trained(saved, {"tokenizer": str(folder)})[0].eos_id == 0

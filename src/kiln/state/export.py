@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kiln.config import ModelConfig
-from kiln.data.prepare.tokenizer import Tokenizer
+from kiln.data.prepare.tokenizer import Tokenizer, resolve_eos
 from kiln.errors import StateError
 from kiln.files import default_mode
 
@@ -395,7 +395,8 @@ def _as_trained(tok: Tokenizer | None, data: dict[str, Any]) -> tuple[Tokenizer 
     if tok is None or not data:
         return tok, False
     try:
-        trained = Tokenizer(tok.tk, data.get("eos_token", "auto"), data.get("bos_token"))
+        eos = resolve_eos(tok.tk, data.get("eos_token", "auto"), data.get("tokenizer"))  # as the run's load found it
+        trained = Tokenizer(tok.tk, eos, data.get("bos_token"))
     except DataError:  # a --tokenizer without the run's special tokens (check_tokenizer said what it may)
         return tok, False
     return trained, trained.bos_id is None
@@ -625,7 +626,7 @@ def _checkpoint_tokenizer(ckpt: Path, run_cfg, meta: dict, required: bool = True
         places.append(Path(run_cfg.data.cache_dir).expanduser() / "datasets" / str(dataset) / "tokenizer.json")
     for place in places:
         if place.exists():
-            tok = Tokenizer.load(place, run_cfg.data.eos_token, run_cfg.data.bos_token)
+            tok = Tokenizer.load(place, run_cfg.data.eos_token, run_cfg.data.bos_token, named_in=run_cfg.data.tokenizer)
             if want is None or tok.hash == want:
                 return tok
     if not required:

@@ -142,8 +142,11 @@ class Tokenizer:
         return tok
 
     @classmethod
-    def load(cls, path: str | Path, eos_token: str | None = "auto", bos_token: str | None = None) -> Tokenizer:
-        """A tokenizer.json file, or a directory holding one (or other Hugging Face tokenizer files)."""
+    def load(cls, path: str | Path, eos_token: str | None = "auto", bos_token: str | None = None,
+             named_in: str | Path | None = None) -> Tokenizer:
+        """A tokenizer.json file, or a directory holding one (or other Hugging Face tokenizer files). `named_in`: the
+        Hugging Face tokenizer directory a file was saved from (a run's data.tokenizer, for its model/tokenizer.json),
+        whose tokenizer_config.json names the EOS for 'auto' as a directory `path` names its own (`resolve_eos`)."""
         from tokenizers import Tokenizer as HFTokenizer
 
         p = Path(path).expanduser()
@@ -158,9 +161,17 @@ class Tokenizer:
                 tk = HFTokenizer.from_file(str(file))
             except Exception as e:  # the Rust side raises plain Exceptions on bad JSON
                 raise DataError(f"{file}: not a valid tokenizer.json ({e})") from None
-        if eos_token == "auto" and p.is_dir() and _special(tk, "auto", EOS_NAMES, "eos") is None:
-            eos_token = _declared_eos(p, tk) or "auto"
-        return cls(tk, eos_token, bos_token)
+        return cls(tk, resolve_eos(tk, eos_token, p if p.is_dir() else named_in), bos_token)
+
+
+def resolve_eos(tk, eos_token: str | None, directory: str | Path | None) -> str | None:
+    """`eos_token` for the tokenizer `tk`: 'auto', where `tk` has none of EOS_NAMES, becomes the EOS the
+    tokenizer_config.json of the Hugging Face directory `directory` names (None, or not a directory: none), the one
+    data.eos_token=auto ends documents with (DeepSeek's <｜end▁of▁sentence｜>); else `eos_token` as it is."""
+    if eos_token != "auto" or directory is None or _special(tk, "auto", EOS_NAMES, "eos") is not None:
+        return eos_token
+    folder = Path(directory).expanduser()
+    return (_declared_eos(folder, tk) if folder.is_dir() else None) or "auto"
 
 
 def _declared_eos(directory: Path, tk) -> str | None:
