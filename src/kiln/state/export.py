@@ -153,16 +153,16 @@ def read_hf_json(path: Path) -> dict[str, Any]:
     return read_json(path)
 
 
-def finish_auto_export(out: Path, cfg: ModelConfig, tokenizer: Tokenizer | None,
-                       tokenizer_source: Path | None = None, bos_free: bool = False) -> Path:
+def finish_auto_export(out: Path, cfg: ModelConfig, tokenizer: Tokenizer | None, tokenizer_source: Path | None = None,
+                       bos_free: bool = False, source: Path | None = None) -> Path:
     """After an auto-path model's save_pretrained into `out`: config.json as its source's (the weights' dtype
     changed), and the source's tokenizer files and generation config (kiln.state.hf_source); where the run's
     tokenizer is another, that tokenizer (with `tokenizer_source`, its directory's files and stop tokens, as
     `export_hf` ships them, and without a BOS where `bos_free`) and its special ids in config.json and
-    generation_config.json."""
+    generation_config.json. `source`: the directory of its source's files (default: cfg.init_from)."""
     from kiln.state.hf_source import SPECIAL_IDS, carry_files, same_tokenizer, source_config
 
-    src = _source_of(cfg)
+    src = source if source is not None else _source_of(cfg)
     keep_tokenizer = tokenizer is None or (src is not None and same_tokenizer(src, tokenizer))
     specials, tok_dir = _run_tokenizer(tokenizer, tokenizer_source, keep_tokenizer)
     written = read_hf_json(out / "config.json")
@@ -340,11 +340,12 @@ def _export(src: str | Path, to: str | Path, dtype: str | None, tokenizer: str |
         model, saved_tok = load_model(p)
         if tok is not None:
             check_tokenizer(tok, tokenizer, saved_tok, int(model.cfg.vocab_size))
-        dtype = dtype or stored_dtype(model.cfg.init_from)  # the weights come back in the dtype they came in
+        kept = _kept_source(model.cfg, p)  # where model.init_from is gone, its run's copy of its files
+        dtype = dtype or stored_dtype(kept or model.cfg.init_from)  # the weights come back in the dtype they came in
         run_tok, bos_free = _as_trained(tok or saved_tok, data)
         if model.cfg.hf_class == "auto":  # a transformers model: its own save_pretrained
-            return _export_auto(model, run_tok, to, dtype, tok_dir, bos_free)
-        return export_hf(model, model.cfg, run_tok, to, dtype, max_shard_bytes, tokenizer_source=tok_dir,
+            return _export_auto(model, run_tok, to, dtype, tok_dir, bos_free, kept)
+        return export_hf(model, model.cfg, run_tok, to, dtype, max_shard_bytes, source=kept, tokenizer_source=tok_dir,
                          bos_free=bos_free)
     if (p / "config.json").is_file():  # a Hugging Face directory: converted (e.g. to bf16, or re-sharded)
         from kiln.model.hf_import import import_hf, native_architecture, weight_files
@@ -364,18 +365,20 @@ def _export(src: str | Path, to: str | Path, dtype: str | None, tokenizer: str |
     from kiln.state.rundir import checkpoint_of
 
     ckpt = p if (p / ".metadata").is_file() else checkpoint_of(p)
-    dtype = dtype or stored_dtype(_run_config(ckpt).model.init_from)
+    kept = _kept_source(_run_config(ckpt).model, ckpt)
+    dtype = dtype or stored_dtype(kept or _run_config(ckpt).model.init_from)
     if _run_config(ckpt).model.hf_class == "auto":
         model, found_tok = read_checkpoint_auto(ckpt, need_tokenizer=tok is None)
         if tok is not None:
             check_tokenizer(tok, tokenizer, found_tok, int(model.cfg.vocab_size))
         run_tok, bos_free = _as_trained(tok or found_tok, data)
-        return _export_auto(model, run_tok, to, dtype, tok_dir, bos_free)
+        return _export_auto(model, run_tok, to, dtype, tok_dir, bos_free, kept)
     cfg, state, found_tok = read_checkpoint_model(ckpt, need_tokenizer=tok is None)
     if tok is not None:
         check_tokenizer(tok, tokenizer, found_tok, state["embed_tokens.weight"].shape[0])
     run_tok, bos_free = _as_trained(tok or found_tok, data)
-    return export_hf(state, cfg, run_tok, to, dtype, max_shard_bytes, tokenizer_source=tok_dir, bos_free=bos_free)
+    return export_hf(state, cfg, run_tok, to, dtype, max_shard_bytes, source=kept, tokenizer_source=tok_dir,
+                     bos_free=bos_free)
 
 
 def _run_section(src: Path, name: str = "data") -> dict[str, Any]:
@@ -403,11 +406,20 @@ def _as_trained(tok: Tokenizer | None, data: dict[str, Any]) -> tuple[Tokenizer 
 
 
 def _export_auto(model, tok: Tokenizer | None, to: str | Path, dtype: str | None,
-                 tokenizer_source: Path | None = None, bos_free: bool = False) -> Path:
+                 tokenizer_source: Path | None = None, bos_free: bool = False, source: Path | None = None) -> Path:
     """An auto-path model through its own save_pretrained, then its source's files or the run's tokenizer
     (finish_auto_export)."""
     out = model.save_pretrained(to, None, dtype=DTYPES[_dtype(dtype)] if dtype else None)
-    return finish_auto_export(Path(out), model.cfg, tok, tokenizer_source, bos_free)
+    return finish_auto_export(Path(out), model.cfg, tok, tokenizer_source, bos_free, source)
+
+
+def _kept_source(cfg: ModelConfig, src: Path) -> Path | None:
+    """The copy of cfg.init_from's files that the run an export's `src` belongs to kept (kiln.state.hf_source.KEPT),
+    where that directory is gone; None where it is there, or the run kept none."""
+    from kiln.state.hf_source import kept_source
+    from kiln.state.model_card import _run_of
+
+    return kept_source(cfg, _run_of(src)[0])
 
 
 def _check_destination(src: Path, to: Path) -> None:

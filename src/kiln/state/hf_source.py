@@ -2,6 +2,7 @@
 `kiln export` converts): everything but the weights.
 
     src = source_dir(cfg)                                   # None: from scratch, or the directory is gone
+    keep_source(cfg, run_dir)                               # its files into run_dir/init_from (kept_source)
     config = source_config(src, cfg, dtype="bfloat16")      # its config.json, with what Kiln changed
     carry_files(src, out, tokenizer=True)                   # tokenizer files, generation config, ...
 
@@ -40,6 +41,7 @@ CHAT_TEMPLATES = "additional_chat_templates"
 # what the tokenizer decides in config.json and generation_config.json
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 DTYPE_KEYS = ("dtype", "torch_dtype")  # transformers 5 writes the first, 4.x the second
+KEPT = "init_from"  # a run directory's copy of the files of model.init_from an export keeps (all but the weights)
 
 
 def source_dir(cfg: ModelConfig) -> Path | None:
@@ -48,6 +50,27 @@ def source_dir(cfg: ModelConfig) -> Path | None:
         return None
     p = Path(cfg.init_from).expanduser()
     return p if (p / "config.json").is_file() else None
+
+
+def keep_source(cfg: ModelConfig, run_dir: Path) -> None:
+    """Copy into run_dir/KEPT what an export keeps of cfg.init_from's directory (`carry_files`, and its config.json):
+    the run's export keeps them where that directory is gone (moved, deleted, a Hub snapshot cleaned from the cache:
+    `kept_source`). Nothing for a model from scratch."""
+    src = source_dir(cfg)
+    if src is None:
+        return
+    out = run_dir / KEPT
+    out.mkdir(exist_ok=True)
+    carry_files(src, out, tokenizer=True)
+    shutil.copyfile(src / "config.json", out / "config.json")
+
+
+def kept_source(cfg: ModelConfig, run_dir: Path | None) -> Path | None:
+    """The copy of cfg.init_from's files its run in `run_dir` kept (`keep_source`), where the directory itself is
+    gone; None where it is there (source_dir), was none, or no copy was kept."""
+    if not cfg.init_from or source_dir(cfg) is not None or run_dir is None:
+        return None
+    return run_dir / KEPT if (run_dir / KEPT / "config.json").is_file() else None
 
 
 def same_tokenizer(src: Path, tokenizer) -> bool:

@@ -41,6 +41,7 @@ from kiln.plan.threads import apply_threads
 from kiln.state import after_save
 from kiln.state.callback import CheckpointEvery
 from kiln.state.checkpointer import Checkpointer
+from kiln.state.hf_source import keep_source
 from kiln.state.lora_base import KEY as BASE_KEY
 from kiln.state.lora_base import base_hash, check_base, merged_model
 from kiln.state.parts import KEYS
@@ -408,6 +409,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     started = trainer.step
     if process_rank()[0] == 0:
         write_config(run_dir, cfg)  # once the start or the resume has succeeded: a failed one leaves the old
+        keep_source(cfg.model, run_dir)  # what its export keeps of model.init_from, should that directory go
     if finished:  # the model save of a finished run did not complete: write it from the final checkpoint
         checkpointer.close()
         console.print(f"this run has finished (step {trainer.step}) but its model was not saved: writing it now")

@@ -359,6 +359,44 @@ def test_a_run_without_its_models_bos_exports_the_models_tokenizer_without_it(to
     assert json.loads((out / "tokenizer_config.json").read_text())["add_bos_token"] is False
 
 
+def test_a_run_whose_init_from_directory_is_gone_exports_what_that_directory_said(tokenizer, tmp_path):
+    """model.init_from=DIR (a chat model: its template, stop tokens, sampling settings), then DIR moved away (a Hub
+    snapshot cleaned from the cache): the export of the run's model/ or of a checkpoint lost all that, with a
+    warning, for Kiln's own tokenizer files. The run keeps a copy of DIR's files (run_dir/init_from) at its start."""
+    import shutil
+
+    import yaml
+
+    from kiln.state.hf_source import keep_source
+
+    folder, eot = chat_tokenizer(tokenizer, tmp_path)
+    src = tmp_path / "src"
+    torch.manual_seed(0)
+    base = Transformer(ModelConfig(**{**BASE, "vocab_size": 336, "tie_embeddings": False})).eval()
+    export_hf(base, base.cfg, Tokenizer.load(folder), src)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(folder / name, src / name)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    model = Transformer(base.cfg.model_copy(update={"init_from": str(src), "max_seq_len": 8192}))
+    model.load_state_dict(base.state_dict())
+    run = tmp_path / "run"
+    save_model(model, model.cfg, Tokenizer.load(src), run / "model")
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"tokenizer": str(src)},
+                                                     "model": {"init_from": str(src)}}))
+    keep_source(model.cfg, run)  # as kiln train does at its start
+    shutil.rmtree(src)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is missing: no warning that the directory is gone
+        out = export_from(run, tmp_path / "out")
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "user: hi<|eot|>"
+    context = json.loads((out / "config.json").read_text())["max_position_embeddings"]
+    assert (tok.eos_token, tok.model_max_length, context) == ("<|eot|>", 8192, 8192)
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert (gen["eos_token_id"], gen["temperature"]) == ([eot, 0], 0.6)  # DIR's stop tokens and sampling, unchanged
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
 def test_a_signal_during_an_export_leaves_nothing_that_loads(tokenizer, tmp_path, monkeypatch, sig):
     """SIGTERM or SIGHUP (a closed terminal) while the weights are written (timed here by sending it from inside the
