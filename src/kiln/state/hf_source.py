@@ -73,6 +73,16 @@ def kept_source(cfg: ModelConfig, run_dir: Path | None) -> Path | None:
     return run_dir / KEPT if (run_dir / KEPT / "config.json").is_file() else None
 
 
+def init_from_dirs(model_dir: Path) -> list[Path]:
+    """Where the files of the model.init_from of the model saved in `model_dir` (a run's model/: its
+    model_config.json) are: that directory, then its run's copy of them (`keep_source`, for when it is gone); [] for
+    a model from scratch."""
+    init_from = read_json(model_dir / "model_config.json").get("init_from")
+    if not isinstance(init_from, str) or not init_from:
+        return []
+    return [Path(init_from).expanduser(), model_dir.parent / KEPT]
+
+
 def same_tokenizer(src: Path, tokenizer) -> bool:
     """True when `tokenizer` (a kiln Tokenizer, or None: none given) is the one `src` ships."""
     from kiln.data.prepare.tokenizer import Tokenizer

@@ -84,14 +84,12 @@ def model_settings(path: str | Path, given: set[str] = frozenset()) -> tuple[dic
 
 
 def _generation_config(p: Path) -> Path | None:
-    """The generation_config.json of the model at `p`: its own, else that of its model.init_from directory."""
-    from kiln.state.hf_source import read_json
+    """The generation_config.json of the model at `p`: its own, else that of its model.init_from directory (or of
+    its run's copy of that directory's files)."""
+    from kiln.state.hf_source import init_from_dirs
 
     model_dir = p / "model" if (p / "model" / "model_config.json").is_file() else p
-    folders = [model_dir]
-    init_from = read_json(model_dir / "model_config.json").get("init_from")
-    if isinstance(init_from, str) and init_from:
-        folders.append(Path(init_from).expanduser())
+    folders = [model_dir, *init_from_dirs(model_dir)]
     return next((f / "generation_config.json" for f in folders if (f / "generation_config.json").is_file()), None)
 
 

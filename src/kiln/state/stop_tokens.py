@@ -67,14 +67,11 @@ def saved_model_stops(path: str | Path, tok) -> Stops:
     """The stops of the model `kiln generate PATH` samples from: a run directory or its model/ folder (with its
     model.init_from and data.tokenizer directories, where they are still there, and its data.eos_token), or a
     Hugging Face model directory (a Kiln export)."""
-    from kiln.state.hf_source import read_json, tokenizer_dir
+    from kiln.state.hf_source import init_from_dirs, tokenizer_dir
 
     p = Path(path).expanduser()
     model_dir = p / "model" if (p / "model" / "model_config.json").is_file() else p
-    folders = [model_dir]
-    init_from = read_json(model_dir / "model_config.json").get("init_from")
-    if isinstance(init_from, str) and init_from:
-        folders.append(Path(init_from))
+    folders = [model_dir, *init_from_dirs(model_dir)]  # its model.init_from, or the run's copy of its files
     ids = []
     run_cfg = _run_config(model_dir.parent if model_dir.name == "model" else model_dir)
     if run_cfg is not None:

@@ -39,6 +39,19 @@ def test_a_run_reads_its_init_from_directory(tmp_path):
     assert sampling_settings(tmp_path / "run", **NONE).top_k == 20
 
 
+def test_a_run_whose_init_from_directory_is_gone_reads_its_copy(tmp_path):
+    """model.init_from moved away since the run: kiln generate RUN sampled with Kiln's defaults, not the model's."""
+    from kiln.config import ModelConfig
+    from kiln.state.hf_source import keep_source
+
+    source = model(tmp_path / "src", top_k=20)
+    (tmp_path / "run" / "model").mkdir(parents=True)
+    (tmp_path / "run" / "model" / "model_config.json").write_text(json.dumps({"init_from": str(source)}))
+    keep_source(ModelConfig(init_from=str(source)), tmp_path / "run")  # as kiln train does at its start
+    source.rename(tmp_path / "moved")
+    assert sampling_settings(tmp_path / "run", **NONE).top_k == 20
+
+
 def test_a_setting_transformers_would_refuse_names_the_file(tmp_path):
     path = model(tmp_path, top_p=1.5)
     with pytest.raises(ConfigError, match=r"generation_config.json: top_p 1.5 .*--top-p"):

@@ -13,6 +13,7 @@ from kiln.data.prepare.tokenizer import Tokenizer, train_bpe
 from kiln.errors import ConfigError
 from kiln.model.generate import generate
 from kiln.model.llama import Transformer
+from kiln.state.hf_source import keep_source
 from kiln.state.stop_tokens import model_stops, named_stops, run_stops, saved_model_stops
 from kiln.state.weights import save_model
 
@@ -71,6 +72,11 @@ def test_kiln_generate_stops_at_the_stop_tokens_of_the_model_and_at_stop(tmp_pat
     save_model(eot_model, eot_model.cfg.model_copy(update={"init_from": source}), tok, run / "model")
     save_model(eot_model, eot_model.cfg, tok, scratch / "model")
     assert saved_model_stops(run, tok).ids == [eos, eot] and saved_model_stops(scratch, tok).ids == [eos]
+    (Path(source) / "config.json").write_text("{}")  # a model directory
+    keep_source(ModelConfig(init_from=source), run)  # as kiln train does at its start
+    Path(source).rename(tmp_path / "moved")  # the run's copy of its files still says where sampling stops
+    assert saved_model_stops(run, tok).ids == [eos, eot]
+    Path(tmp_path / "moved").rename(source)
 
     def sample(path, stop=(), ignore_eos=False) -> str:
         kiln_generate(str(path), "def", 5, 0.0, 0, 0, list(stop), ignore_eos, threads=torch.get_num_threads(),
