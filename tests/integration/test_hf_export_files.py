@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -86,10 +87,18 @@ def test_another_tokenizer_is_written_as_kilns_own(runs, tmp_path):
 
 
 def test_a_source_that_is_gone_is_said(runs, tmp_path):
+    """The run's copy of its source's files (init_from/) stands for the source where it is gone; a run without one
+    (made before Kiln kept it) exports with Kiln's own tokenizer files, and says so."""
     moved = tmp_path / "moved"
     shutil.copytree(runs / "run-llama", moved)
     shutil.move(runs / "llama", tmp_path / "llama-away")
     try:
+        for what in (moved, sorted((moved / "checkpoints").iterdir())[-1]):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", ExportWarning)
+                kept = export_from(what, tmp_path / f"kept-{what.name}")
+            assert json_changes(tmp_path / "llama-away", kept) == {}
+        shutil.rmtree(moved / "init_from")
         with pytest.warns(ExportWarning, match="is not there any more.*chat template"):
             out = export_from(moved, tmp_path / "out")
         from typer.testing import CliRunner
