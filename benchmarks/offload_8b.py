@@ -144,6 +144,7 @@ def side_kiln(args, base: Path, root: Path) -> dict:
     class HostTimes(Callback):  # where the host's time per step goes (kiln.parallel.offload)
         def on_step_end(self, trainer, metrics):
             if trainer.offload is not None and trainer.step == args.warmup:
+                trainer.offload.settle()  # the warm-up's AdamW, which may run on beside the next forward pass
                 host["from"] = (dict(trainer.offload.seconds), trainer.offload.steps)
 
         def on_train_end(self, trainer, final):

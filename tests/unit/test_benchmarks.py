@@ -70,6 +70,8 @@ SMOKE = {
                      "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "train.compile=false",
                      "data.val_fraction=0.2", "train.eval_batches=1", "logging.every=1"],
                     r"final validation loss, bf16 against fp32: [+-]\d"),
+    "host_adamw": (["--params", "300000", "--steps", "1", "--device", "cpu"],
+                   r"bit-identical across variants: True[\s\S]*kiln offload step, in its thread +\d"),
     "hf_auto": (["--batch", "2", "--seq", "32", "--steps", "1", "--warmup", "1", "--before"], r"auto / native: \d"),
     "lm_eval_speed": (["--examples", "4", "--docs", "2", "--batch", "4", "--seq", "128", "--vocab", "512"],
                       r"kiln / hf: \d[\d.]*x faster; scores agree: bench_mc/acc yes"),
