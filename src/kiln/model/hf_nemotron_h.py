@@ -35,6 +35,13 @@ def model_key(key: str) -> str:
     return f"model.{key.removeprefix('backbone.')}" if key.startswith("backbone.") else key
 
 
+def file_key(key: str) -> str:
+    """A key under transformers' module names as Nemotron-H files name it (`model_key` undone): the decoder `backbone.`,
+    as the released checkpoints and transformers' own save_pretrained write it, and as readers of those files
+    (transformers 4, converters) look for it."""
+    return f"backbone.{key.removeprefix('model.')}" if key.startswith("model.") else key
+
+
 def _number(value: Any) -> float:
     """A float of config.json: transformers 5.2x writes infinity as {"__float__": "Infinity"}."""
     return float(value["__float__"] if isinstance(value, dict) else value)

@@ -56,6 +56,7 @@ def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig
     whose special tokens, chat template and stop tokens the export keeps where the model's source does not ship
     this tokenizer (a model trained from scratch on it). `bos_free`: the run put no BOS before its documents, so
     the tokenizer the export writes (the source's too) puts none either (kiln.state.tokenizer_bos)."""
+    from kiln.model import hf_nemotron_h
     from kiln.model.hf import hf_model_type, to_hf_config_dict, to_hf_state_dict, zero_o_bias
     from kiln.state.hf_source import carry_files, same_tokenizer, source_config, written_lengths
 
@@ -64,8 +65,10 @@ def export_hf(model: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig
     state = model if isinstance(model, dict) else model.state_dict()
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu", DTYPES[dtype] if dtype and v.is_floating_point() else v.dtype).contiguous()
-               for k, v in to_hf_state_dict(state, cfg.tie_embeddings, zero_o_bias(cfg), hf_model_type(cfg)).items()}
+    kind = hf_model_type(cfg)
+    name_of = hf_nemotron_h.file_key if kind == "nemotron_h" else str  # Nemotron-H files: the decoder `backbone.`
+    tensors = {name_of(k): v.detach().to("cpu", DTYPES[dtype] if dtype and v.is_floating_point() else v.dtype)
+               .contiguous() for k, v in to_hf_state_dict(state, cfg.tie_embeddings, zero_o_bias(cfg), kind).items()}
     src = source if source is not None else _source_of(cfg)
     keep_tokenizer = src is not None and same_tokenizer(src, tokenizer)
     specials, tok_dir = _run_tokenizer(tokenizer, tokenizer_source, keep_tokenizer)

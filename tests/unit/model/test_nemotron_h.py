@@ -217,3 +217,20 @@ def test_peft_adapters_are_written_only_where_peft_loads_them(pair, tmp_path):
         x = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             torch.testing.assert_close(loaded(input_ids=x).logits, model.eval()(x), rtol=0, atol=1e-5)
+
+
+def test_an_export_names_the_tensors_as_nemotron_h_files_do(tmp_path, pair):
+    """The released checkpoints and transformers' own save_pretrained name the decoder `backbone.`; the export wrote
+    `model.`, which transformers 5 renames on load but transformers 4 and converters reading those files do not know.
+    Import then export gives back the file's names and tensors."""
+    from safetensors.torch import load_file
+
+    from kiln.state.export import export_hf
+
+    hf, kiln = pair
+    hf.save_pretrained(tmp_path / "hf")
+    cfg, state = import_hf(tmp_path / "hf")
+    export_hf(state, cfg, None, tmp_path / "out")
+    saved, exported = (load_file(tmp_path / name / "model.safetensors") for name in ("hf", "out"))
+    assert sorted(exported) == sorted(saved) and any(k.startswith("backbone.") for k in exported)
+    assert all(torch.equal(saved[k], exported[k]) for k in saved)
