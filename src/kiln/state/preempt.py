@@ -180,7 +180,10 @@ def emergency_checkpoint(trainer, checkpointer, error: BaseException, log: Calla
     except Exception as e:  # the original error matters more; report this one beside it
         log(f"the emergency checkpoint failed too: {e}")
         return None
-    log(f"emergency checkpoint of step {trainer.step} written to {path}")
+    if path is None:  # step 0: nothing trained, a fresh start is that state (Checkpointer.save)
+        log("no emergency checkpoint: no step was trained yet")
+    else:
+        log(f"emergency checkpoint of step {trainer.step} written to {path}")
     return path
 
 

@@ -275,9 +275,12 @@ class Rollback(Callback):
             err = TrainingError(
                 f"{len(recent) + 1} bad steps within {self.rcfg.rollback_window} steps (more than "
                 f"recovery.max_rollbacks={self.rcfg.max_rollbacks}); the last: {reason}. Offending samples (global "
-                f"indices, in the loader's order) - {listing}. The state of step {restored}, the last good one, is "
-                "saved as an emergency checkpoint (with checkpoint.on_signal on; it passes over these samples when "
-                "resumed). Check those samples in the data, lower train.lr or raise train.warmup_steps, then resume")
+                f"indices, in the loader's order) - {listing}. " + (
+                    f"The state of step {restored}, the last good one, is saved as an emergency checkpoint (with "
+                    "checkpoint.on_signal on; it passes over these samples when resumed). Check those samples in the "
+                    "data, lower train.lr or raise train.warmup_steps, then resume" if restored else
+                    "As no step was good yet, nothing is saved: a start again meets these samples first. Check them in "
+                    "the data, lower train.lr or raise train.warmup_steps (or recovery.max_loss), then start again"))
             err.emergency = True
             raise err
 

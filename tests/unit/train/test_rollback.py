@@ -91,6 +91,23 @@ def test_too_many_rollbacks_stop_with_the_good_state_saved_and_the_samples_named
     assert resumed.step_samples == (32, 36)
 
 
+def test_too_many_bad_first_steps_say_that_nothing_is_saved(tmp_path):
+    """Every first step bad (samples 0..11 poisoned): the run said 'emergency checkpoint of step 0 written to None'
+    and that the state of step 0 was saved to resume from, passing over the samples; step 0 is no checkpoint, and a
+    start again meets the same samples."""
+    t, _ = run(tmp_path, "first", poison=[0, 4, 8], max_rollbacks=2, rollback_window=100)
+    ck = Checkpointer(tmp_path / "first", t.cfg, {}, lambda m: None)
+    said: list[str] = []
+    with pytest.raises(TrainingError) as err:
+        train_guarded(t, ck, SignalGuard(said.append), tmp_path / "first", said.append)
+    t.events.end_run(t, err.value)
+    msg = str(err.value)
+    assert "step 1: samples 0..3; step 1: samples 4..7; step 1: samples 8..11" in msg
+    assert "saved as an emergency checkpoint" not in msg and "no step was good yet" in msg
+    assert not any("None" in m for m in said) and any("no emergency checkpoint" in m for m in said)
+    assert not (tmp_path / "first" / "checkpoints").is_dir() or not list((tmp_path / "first" / "checkpoints").iterdir())
+
+
 def test_lr_factor_lowers_the_rate_after_a_rollback_and_a_resume_keeps_it(tmp_path):
     t, _ = run(tmp_path, "lr", poison=[14], steps=6, lr_factor=0.5)
     t.train()
