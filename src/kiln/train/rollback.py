@@ -279,8 +279,9 @@ class Rollback(Callback):
                     f"The state of step {restored}, the last good one, is saved as an emergency checkpoint (with "
                     "checkpoint.on_signal on; it passes over these samples when resumed). Check those samples in the "
                     "data, lower train.lr or raise train.warmup_steps, then resume" if restored else
-                    "As no step was good yet, nothing is saved: a start again meets these samples first. Check them in "
-                    "the data, lower train.lr or raise train.warmup_steps (or recovery.max_loss), then start again"))
+                    "The good state rolled back to is the start (step 0), which is no checkpoint: nothing is saved, "
+                    "and a start again meets these samples first. Check them in the data, lower train.lr or raise "
+                    "train.warmup_steps (or recovery.max_loss), then start again"))
             err.emergency = True
             raise err
 

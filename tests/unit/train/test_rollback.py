@@ -103,7 +103,7 @@ def test_too_many_bad_first_steps_say_that_nothing_is_saved(tmp_path):
     t.events.end_run(t, err.value)
     msg = str(err.value)
     assert "step 1: samples 0..3; step 1: samples 4..7; step 1: samples 8..11" in msg
-    assert "saved as an emergency checkpoint" not in msg and "no step was good yet" in msg
+    assert "saved as an emergency checkpoint" not in msg and "is the start (step 0), which is no checkpoint" in msg
     assert not any("None" in m for m in said) and any("no emergency checkpoint" in m for m in said)
     assert not (tmp_path / "first" / "checkpoints").is_dir() or not list((tmp_path / "first" / "checkpoints").iterdir())
 
