@@ -305,9 +305,12 @@ def _base_tokenizer(src: Path, out: Path) -> None:
     from kiln.state.hf_source import TOKENIZER_FILES, copy_chat_templates
 
     base = _run_section(src, "model").get("init_from")
-    if not isinstance(base, str) or not (Path(base).expanduser() / "config.json").is_file():
+    if not isinstance(base, str) or not base:
         return
-    base_dir = Path(base).expanduser()
+    base_dir = Path(base).expanduser()  # else the run's copy of its files, where it is gone
+    base_dir = base_dir if (base_dir / "config.json").is_file() else _kept_source(ModelConfig(init_from=base), src)
+    if base_dir is None:
+        return
     for name in sorted(TOKENIZER_FILES):
         if (base_dir / name).is_file():
             shutil.copyfile(base_dir / name, out / name)

@@ -397,6 +397,30 @@ def test_a_run_whose_init_from_directory_is_gone_exports_what_that_directory_sai
     assert (gen["eos_token_id"], gen["temperature"]) == ([eot, 0], 0.6)  # DIR's stop tokens and sampling, unchanged
 
 
+def test_peft_adapters_of_a_run_whose_base_is_gone_get_its_tokenizer_files_from_the_runs_copy(tokenizer, tmp_path):
+    """kiln export --adapters puts the base's tokenizer files beside the adapters (its chat template, stop tokens);
+    with the base moved away since the run, the adapters came without them."""
+    import shutil
+
+    import yaml
+
+    from kiln.state.export import _base_tokenizer
+    from kiln.state.hf_source import keep_source
+
+    folder, _ = chat_tokenizer(tokenizer, tmp_path)
+    (folder / "config.json").write_text("{}")  # a model directory (its weights play no part here)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"tokenizer": str(folder), "bos_token": "tokenizer"},
+                                                     "model": {"init_from": str(folder)}}))
+    keep_source(ModelConfig(init_from=str(folder)), run)  # as kiln train does at its start
+    shutil.move(folder, tmp_path / "moved")
+    (tmp_path / "out").mkdir()
+    _base_tokenizer(run, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["eos_token"] == "<|eot|>"
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
 def test_a_signal_during_an_export_leaves_nothing_that_loads(tokenizer, tmp_path, monkeypatch, sig):
     """SIGTERM or SIGHUP (a closed terminal) while the weights are written (timed here by sending it from inside the
