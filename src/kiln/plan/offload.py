@@ -55,9 +55,14 @@ def offload_memory(m: ModelConfig, seq_len: int, batch: int, ac: str, compiled: 
     # the weights are already in the compute dtype: the plain path's casts of them (compute copies, the output
     # projection's copy in the loss) do not exist
     loss = plain.loss - ((m.vocab_size or 0) * m.d_model * e if bf16 else 0)
-    forward_end = weights + plain.activations + loss + TRANSFER_SLICES
-    loss_backward = weights + plain.activations + head_bytes(m, e) + TRANSFER_SLICES
-    backward_end = weights + grads + plain.backward - (2 * layer_params(m) if bf16 and ac == "full" else 0)
+    # the layer-by-layer step (kiln.parallel.offload_layers) holds every micro-batch's hidden states, their
+    # gradients and the next layer's inputs copied up (3 x the step's rows), and a layer's fp32 gradient sums
+    layered = 3 * rows * seq_len * m.d_model * e if m.moe is None else 0
+    sums = 4 * layer_params(m) if layered else 0
+    forward_end = weights + plain.activations + loss + TRANSFER_SLICES + layered
+    loss_backward = weights + plain.activations + head_bytes(m, e) + TRANSFER_SLICES + layered
+    backward_end = weights + grads + plain.backward - (2 * layer_params(m) if bf16 and ac == "full" else 0) + \
+        layered + sums
     peak, phase = max((forward_end, "forward"), (loss_backward, "loss"), (backward_end, "backward"))
     return Memory(weights, grads, 0, 0, plain.activations, loss, plain.backward, peak, phase,
                   host_bytes(n) + kept_bytes(m, rows, seq_len, e))
