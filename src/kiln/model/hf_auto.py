@@ -171,16 +171,24 @@ def build_auto(cfg: ModelConfig, lora: LoraConfig | None = None, weights: bool =
 def _adapted(hf: nn.Module, lora: LoraConfig) -> tuple[nn.Module, str]:
     """(`hf` with PEFT's LoRA adapters, the layers each target adapts); ConfigError for a target no layer computes
     (kiln.model.hf_lora) or one PEFT refuses."""
-    peft = require("peft", "lora.rank > 0 with model.hf_class=auto")
+    require("peft", "lora.rank > 0 with model.hf_class=auto")
     config, where = _peft_config(lora, hf)
-    with warnings.catch_warnings():  # PEFT asks transformers' deprecated is_gradient_checkpointing
+    try:
+        return _peft_model(hf, config), where  # freezes the base; adapters in fp32
+    except ValueError as e:  # a layer PEFT does not adapt in this model (a Mamba layer's out_proj)
+        raise ConfigError(f"lora.targets=[{', '.join(lora.targets)}]: PEFT cannot adapt them in "
+                          f"{type(hf).__name__} ({e}); name the targets without those layers "
+                          f"(they name {where})") from None
+
+
+def _peft_model(hf: nn.Module, config) -> nn.Module:
+    """peft.get_peft_model(hf, config), without the FutureWarning transformers gives for the deprecated
+    is_gradient_checkpointing that PEFT asks for (a line in an auto LoRA run's output no user can act on)."""
+    import peft
+
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-        try:
-            return peft.get_peft_model(hf, config), where  # freezes the base; adapters in fp32
-        except ValueError as e:  # a layer PEFT does not adapt in this model (a Mamba layer's out_proj)
-            raise ConfigError(f"lora.targets=[{', '.join(lora.targets)}]: PEFT cannot adapt them in "
-                              f"{type(hf).__name__} ({e}); name the targets without those layers "
-                              f"(they name {where})") from None
+        return peft.get_peft_model(hf, config)
 
 
 def check_lora(cfg: ModelConfig, lora: LoraConfig) -> None:
@@ -395,7 +403,7 @@ class HFCausalLM(nn.Module):
             raise StateError(f"model.init_from={cfg.init_from}: the base model cannot be read again to merge the "
                              f"adapters into ({type(e).__name__}: {e}); the adapters alone are in adapters/") from None
         base.config.use_cache = self.base.config.use_cache
-        adapted = peft.get_peft_model(base, copy.deepcopy(self.hf.peft_config["default"]))
+        adapted = _peft_model(base, copy.deepcopy(self.hf.peft_config["default"]))
         peft.set_peft_model_state_dict(adapted, peft.get_peft_model_state_dict(self.hf))
         return adapted.merge_and_unload()
 

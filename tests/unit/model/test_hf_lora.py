@@ -133,3 +133,16 @@ def test_targets_peft_refuses_on_a_mamba_model_are_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"lora.targets=\[all\]: PEFT cannot adapt .*out_proj.*name the targets"):
         build_auto(cfg, LoraConfig(rank=2, targets=["all"]))
     assert build_auto(cfg, LoraConfig(rank=2, targets=["q", "v"])).lora_where
+
+
+def test_saving_the_merged_model_of_a_bf16_base_gives_no_deprecation_warning(tmp_path):
+    """The merge onto the base as stored (read again: the training copy is bf16) printed transformers' FutureWarning
+    for the is_gradient_checkpointing PEFT asks for at the end of every such run; the adapting itself hid it."""
+    import warnings
+
+    cfg = auto_config(ModelConfig(init_from=str(hf_dir(tmp_path, "nemotron")), hf_class="auto"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        model = build_auto(cfg, LoraConfig(rank=4, alpha=8, targets=["q", "v"], base_dtype="bf16"))
+        model.save_pretrained(tmp_path / "out")
+    assert (tmp_path / "out" / "config.json").is_file()
