@@ -208,6 +208,9 @@ class OptimizerOffload:
         self._progress = threading.Condition()
         self._marks: list[tuple[int, list]] = []  # (parameters stepped and sent so far, the side streams' events)
         self._error: BaseException | None = None
+        # its OpenMP team one thread short of the process's, so the training thread keeps a core to launch the
+        # forward pass's kernels from (the team's threads spin between AdamW's slices)
+        self._threads = max(1, torch.get_num_threads() - 1)
         self._hooks.append(model.register_forward_pre_hook(lambda *_: self.settle()))
         # where a step's host time goes, summed over `steps` steps: waiting after the backward pass for the last
         # gradients to be summed, and the step itself (norm, clipping, AdamW, copies back issued), of which the norm
@@ -368,6 +371,8 @@ class OptimizerOffload:
         """AdamW over the chunks of master weights in the forward pass's order, each chunk sent to the device as soon
         as it is stepped (marked for `ready`)."""
         try:
+            if self.streams and threading.current_thread() is self._thread:
+                torch.set_num_threads(self._threads)  # torch's count for the process (its CPU work here is small)
             with torch.cuda.device(self.device) if self.streams else contextlib.nullcontext():
                 for chunk, indices in zip(self.chunks, stepped):
                     if indices:
