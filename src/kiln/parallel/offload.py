@@ -2,34 +2,37 @@
 
     model = place_model(model, device, torch.bfloat16)      # in parallelize (train.offload: optimizer)
     offload = OptimizerOffload(model, groups, ocfg, lr)     # in the Trainer; offload.optimizer is its AdamW
-    ... forward, backward (each micro-batch) ...
+    loss = offload.accumulate(x, y, docs, micro, autocast)  # the native model: layer by layer
     grad_norm = offload.step(max_norm)                      # instead of clip + optimizer.step()
 
 Where the bytes are (N parameters, bf16 compute):
 
-    device   the weights in the compute dtype (2 N), one parameter's gradient at a time, two fp32 transfer
-             slices (SLICE elements each), activations
-    host     fp32 master weights (4 N) and the step's gradients summed in fp32 (4 N), both page-locked, and
-             AdamW's two moments (8 N): 16 N in all
+    device   the weights in the compute dtype (2 N), a layer's fp32 gradient sums, two fp32 transfer slices
+             (SLICE elements each), a layer's activations
+    host     fp32 master weights (4 N) and the step's gradients summed in fp32 (4 N), both page-locked, AdamW's
+             two moments (8 N): 16 N in all; and the layer-by-layer step's layer inputs (kiln.parallel.offload_layers)
 
-The host does no arithmetic during the backward pass; the GPU does it, and the host memory only holds. As
-soon as a parameter's gradient is complete (a post-accumulate-grad hook), it is freed from the training
-and, on two side CUDA streams, a slice at a time: the first micro-batch of a step converts it to fp32 and
-copies it to its fp32 sum on the host; a later one copies the sum up, adds the gradient to it on the GPU
-(in fp32, the same sum the host would make) and copies it back. Consecutive slices take turns on the two
-streams, so one slice's copy up runs beside the other's copy down; a slice always takes the same stream,
-so its copies of successive micro-batches are in order.
+The native model's step runs every micro-batch through a layer before the next (kiln.parallel.offload_layers):
+a layer's gradients are summed in fp32 on the GPU (`add_gradient`) and, once its last micro-batch has passed,
+their norms are taken there and the sums copied down once (`finish_gradient`). The vocabulary-sized matrices,
+and every parameter of a model the layered step does not take (a mixture of experts), are summed as each
+micro-batch's gradient completes (`_stream`: a post-accumulate-grad hook, or the layered step's call): on two
+side CUDA streams, a slice at a time, the first micro-batch converts it to fp32 and copies it to its sum on the
+host; a later one copies the sum up, adds the gradient on the GPU and copies it back. The host does no
+arithmetic during the backward pass.
 
-The step, after the last micro-batch: the global gradient norm over the fp32 sums, clipping, then torch's
-AdamW (the fused, vectorised and multi-threaded CPU kernel by default) on the master weights, a chunk of
-parameters at a time in the order the forward pass uses them; each stepped chunk's fp32 masters are copied
-up and rounded to the compute dtype on the GPU, on the side streams, while the next chunk steps. Clipping
-needs the global norm, so no parameter steps before the last gradient of the step is summed: the update
-is exactly that of the plain path (the same clipping and AdamW code on the same fp32 sums), whatever the
-accumulation. The next forward pass waits for the copies on the device.
+The step: the global norm (torch's: the norm of the parameters' norms), then AdamW on the master weights with
+torch's fused CPU kernel, a slice of STEP_SLICE elements at a time with its gradient's clipping multiply just
+before (the slice in the caches: no pass of its own; the same numbers as clipping, then AdamW), in chunks in the
+order the forward pass uses them; each stepped chunk's fp32 masters are copied up and rounded to the compute
+dtype on the GPU, on the side streams. Clipping needs the global norm, so no parameter steps before the last
+gradient is summed: the update is exactly the plain path's, whatever the accumulation. Under the layered step
+AdamW runs in a thread beside the next step's forward pass, each layer's forward waiting for its own weights
+(`ready`); the rest of the step, and anything else that runs the model or reads the state (evaluation, a
+checkpoint), waits for the whole step (`settle`).
 
 On the CPU (tests) the "device" weights are a second copy in host memory and the sums are made there; the
-hooks and the chunked step are the same code.
+schedules, the thread and the sliced step are the same code.
 
 Checkpoints: `parts()` gives the model part (the fp32 master weights under the model's own names) and the
 optimizer part (the moments in the layout of torch.distributed.checkpoint's optimizer state dict, keyed by
