@@ -255,9 +255,14 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
 
     rows = t.step_rows(max(1, gpus))  # per rank and step; ConfigError where the ranks cannot share the batch
 
+    def layered(lay: Layout) -> bool:
+        """train.offload's layer-by-layer step (kiln.parallel.offload_layers): it runs each layer's forward pass
+        again in the backward pass whatever train.activation_checkpointing says (full checkpointing)."""
+        return lay.strategy == "single" and lay.offload and not lora and m.moe is None
+
     def mem(batch: int, ac: str, lay: Layout, accumulate: bool | None = None) -> Memory:
         if lay.strategy == "single" and lay.offload and not lora:  # the gradient sums are on the host
-            return offload_memory(m, t.seq_len, batch, ac, compiled, bf16, rows)
+            return offload_memory(m, t.seq_len, batch, "full" if layered(lay) else ac, compiled, bf16, rows)
         gather8 = lay.strategy == "fsdp" and t.fp8.recipe == "tensorwise" and t.fp8.all_gather
         return peak_memory(m, t.seq_len, batch, ac, compiled, bf16, lay, lora, fp8, gather8,
                            accumulate=batch < rows if accumulate is None else accumulate,
@@ -273,6 +278,7 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
     cpu_rate = cpu_rate_for(cfg, n) if gpu.key == "cpu" else None
 
     def speed(ac: str, lay: Layout) -> tuple[MfuEstimate | None, float | None]:
+        ac = "full" if layered(lay) else ac
         if gpu.key == "cpu":  # the machine's cores, whatever the number of processes sharing them
             if not cpu_rate:
                 return None, None
@@ -336,7 +342,7 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
     if layout.experts > 1:  # FSDP alone beside expert parallelism
         layouts.insert(1, replace(layout, experts=1))
     for lay in dict.fromkeys(layouts):
-        for ac in ("none", "selective", "full"):
+        for ac in ("full",) if layered(lay) else ("none", "selective", "full"):
             mm = mem(batch, ac, lay)
             plan.options.append(Option(_option_name(lay), ac, mm, needs(mm, gpu) <= cap, most(ac, lay),
                                        speed(ac, lay)[1]))

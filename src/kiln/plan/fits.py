@@ -47,10 +47,11 @@ def plan_cell(preset: str, card: str, gpus: int) -> Cell:
     from kiln.plan.estimate import make_plan, needs
 
     gpu = GPUS[card]
-    if gpus > 1 and load_config(preset, SHAPE).train.offload != "none":
+    offload = load_config(preset, SHAPE).train.offload != "none"
+    if gpus > 1 and offload:
         return Cell(False, None, 0.0, None, "one GPU only")
     best = None
-    for ac in AC_ORDER:
+    for ac in ("full",) if offload else AC_ORDER:  # the offloaded step recomputes each layer itself (full)
         plan = make_plan(load_config(preset, [*SHAPE, f"train.activation_checkpointing={ac}"]), gpus, gpu)
         need = needs(plan.memory, gpu)
         if plan.fits:
