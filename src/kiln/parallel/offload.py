@@ -288,12 +288,15 @@ class OptimizerOffload:
         else:
             self.device_sums[i] = grad.to(torch.float32, copy=True)
 
-    def finish_gradient(self, p: torch.Tensor) -> None:
-        """`p` has its step's gradients: its norm (on the device) and its sum down to the host."""
+    def finish_gradient(self, p: torch.Tensor, alone: bool = True) -> None:
+        """`p` has its gradients of a wave of micro-batches: its sum down to the host, and if the wave is the step's
+        only one, its norm (on the device); else the wave's sum is added to the host's (`_stream`)."""
         i = self.index[id(p)]
         total = self.device_sums.pop(i, None)
         if total is None:  # streamed, or unused
             return
+        if not alone:
+            return self._stream(i, total)
         self.summed[i] = True
         self.norms[i] = torch.linalg.vector_norm(total)
         if not self.streams:
@@ -354,6 +357,7 @@ class OptimizerOffload:
         stepped = [[i for i in chunk if self.summed[i]] for chunk in self.chunks]
         self.summed = [False] * len(self.params)
         lrs = {id(g): g["lr"] for g in self.optimizer.param_groups}  # the schedule moves on as the thread runs
+        self.optimizer._opt_called = True  # what torch's schedulers check the optimizer stepped by (step() sets it)
         self.seconds["sums"] += t1 - t0
         self.seconds["norm"] += t2 - t1
         self.steps += 1

@@ -35,6 +35,12 @@ from torch import nn
 if TYPE_CHECKING:
     from kiln.parallel.offload import OptimizerOffload
 
+# tokens of the micro-batches run through a layer together (a wave): what the device holds of them (their hidden
+# states, those states' gradients, the next layer's inputs: 3 x 2 bytes x d_model a token, 0.75 GiB at 8B) and the
+# host of their layers' inputs (8.6 GB at 8B) stay bounded however many micro-batches a step has; the layers' sums
+# of a later wave are added to the host's (8 bytes a parameter over PCIe a wave, not a micro-batch)
+WAVE_TOKENS = 1 << 15
+
 
 def supports(model: nn.Module) -> bool:
     """Whether `model` trains layer by layer: the native model without a mixture of experts."""
@@ -43,8 +49,13 @@ def supports(model: nn.Module) -> bool:
     return isinstance(model, Transformer) and model.cfg.moe is None
 
 
+def wave_rows(rows: int, micro: int, seq_len: int) -> int:
+    """Rows of a step's first (largest) wave: its micro-batches of `micro` rows run through a layer together."""
+    return min(rows, max(1, WAVE_TOKENS // (micro * seq_len)) * micro)
+
+
 def kept_bytes(n_layers: int, rows: int, seq_len: int, d_model: int, dtype_bytes: int) -> int:
-    """Host memory of each layer's input of a step's `rows` rows, kept from the forward pass for the backward."""
+    """Host memory of each layer's input of a wave's `rows` rows, kept from the forward pass for the backward."""
     return n_layers * rows * seq_len * d_model * dtype_bytes
 
 
@@ -116,25 +127,40 @@ class Kept:
 def accumulate(o: OptimizerOffload, model: nn.Module, x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor | None,
                micro: int, autocast) -> torch.Tensor:
     """Forward and backward of a step's rows x, y, docs (N, T) in micro-batches of `micro` rows, layer by layer (see
-    the module doc); each micro-batch's loss weighted by its share of the rows, as the plain path's. The gradients
-    end in `o`'s sums. Returns the step's loss (on the device)."""
+    the module doc), in waves of WAVE_TOKENS; each micro-batch's loss weighted by its share of the rows, as the plain
+    path's. The gradients end in `o`'s sums. Returns the step's loss (on the device)."""
     n, T = x.shape
     parts = [slice(lo, min(lo + micro, n)) for lo in range(0, n, micro)]
+    per = max(1, WAVE_TOKENS // (micro * T))
+    waves = [parts[w:w + per] for w in range(0, len(parts), per)]
+    total = torch.zeros((), device=x.device)
+    for wave in waves:
+        total += _wave(o, model, x, y, docs, wave, n, autocast, len(waves) == 1, waves[0][-1].stop)
+    return total
+
+
+def _wave(o: OptimizerOffload, model: nn.Module, x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor | None,
+          parts: list[slice], n: int, autocast, alone: bool, most: int) -> torch.Tensor:
+    """The micro-batches `parts` of the step's n rows through every layer, forward then backward. `alone`: the
+    step's only wave (its layers' sums go to the host as they are; else they are added there); `most`: the rows of
+    the step's largest wave (the kept inputs' buffer)."""
+    T = x.shape[1]
     share = [n / (p.stop - p.start) for p in parts]
+    local = [slice(p.start - parts[0].start, p.stop - parts[0].start) for p in parts]  # rows in the wave
     layers = list(model.layers)
     kept = o.kept
     with torch.no_grad(), autocast():
         o.ready([model.embed_tokens.weight])  # the last step's AdamW may still run: each layer waits for its weights
         hs = [model.embed(x[p]) for p in parts]  # (b, T, d) each
         args = [model.block_args(None if docs is None else docs[p], T, hs[0].device) for p in parts]
-        kept.start(len(layers), (n, T, hs[0].shape[-1]), hs[0].dtype)
+        kept.start(len(layers), (most, T, hs[0].shape[-1]), hs[0].dtype)
         for i, block in enumerate(layers):
             o.ready(_trained(block))
-            for k, p in enumerate(parts):
+            for k, p in enumerate(local):
                 kept.put(i, p, hs[k])
                 hs[k] = block(hs[k], *args[k][block.attention_kind])
     kept.sealed()
-    kept.fetch(len(layers) - 1, parts, hs[0].device)
+    kept.fetch(len(layers) - 1, local, hs[0].device)
 
     o.settle()  # the output layer's weights, and the sums the step is reading
     total = torch.zeros((), device=x.device)
@@ -149,19 +175,19 @@ def accumulate(o: OptimizerOffload, model: nn.Module, x: torch.Tensor, y: torch.
         _add(o, head, out[1:])
         total += loss.detach()
     del hs
-    _finish(o, head)
+    _finish(o, head, alone)
 
     for i in reversed(range(len(layers))):  # the blocks, the last first
         block, params = layers[i], _trained(layers[i])
-        kept.fetch(i - 1, parts, x.device)
-        for k, p in enumerate(parts):
+        kept.fetch(i - 1, local, x.device)
+        for k, p in enumerate(local):
             h = kept.get(i, p).requires_grad_()
             with torch.enable_grad(), autocast():
                 out = block(h, *args[k][block.attention_kind])
                 g = torch.autograd.grad(out, [h, *params], grads[k], allow_unused=True)
             grads[k] = g[0]
             _add(o, params, g[1:])
-        _finish(o, params)
+        _finish(o, params, alone)
 
     emb = [model.embed_tokens.weight]
     for k, p in enumerate(parts):  # the embedding
@@ -183,6 +209,6 @@ def _add(o: OptimizerOffload, params: list[nn.Parameter], grads) -> None:
             o.add_gradient(p, g)
 
 
-def _finish(o: OptimizerOffload, params: list[nn.Parameter]) -> None:
+def _finish(o: OptimizerOffload, params: list[nn.Parameter], alone: bool) -> None:
     for p in params:
-        o.finish_gradient(p)
+        o.finish_gradient(p, alone)

@@ -19,6 +19,7 @@ from kiln.model.registry import param_count
 from kiln.plan.memory import Layout, Memory, layer_params, peak_memory
 
 HOST_BYTES = 4 + 8 + 4  # fp32 masters, two fp32 moments, fp32 gradient sums
+WAVE_TOKENS = 1 << 15  # kiln.parallel.offload_layers.WAVE_TOKENS: micro-batches run through a layer together
 TRANSFER_SLICES = 2 * 4 * (1 << 24)  # bytes: kiln.parallel.offload's two fp32 slices of SLICE elements
 
 
@@ -56,7 +57,8 @@ def offload_memory(m: ModelConfig, seq_len: int, batch: int, ac: str, compiled: 
     # projection's copy in the loss) do not exist
     loss = plain.loss - ((m.vocab_size or 0) * m.d_model * e if bf16 else 0)
     # the layer-by-layer step (kiln.parallel.offload_layers) holds every micro-batch's hidden states, their
-    # gradients and the next layer's inputs copied up (3 x the step's rows), and a layer's fp32 gradient sums
+    # gradients and the next layer's inputs copied up (3 x a wave's rows), and a layer's fp32 gradient sums
+    rows = min(rows, max(1, WAVE_TOKENS // (batch * seq_len)) * batch)  # a wave's (kiln.parallel.offload_layers)
     layered = 3 * rows * seq_len * m.d_model * e if m.moe is None else 0
     sums = 4 * layer_params(m) if layered else 0
     forward_end = weights + plain.activations + loss + TRANSFER_SLICES + layered
@@ -69,7 +71,7 @@ def offload_memory(m: ModelConfig, seq_len: int, batch: int, ac: str, compiled: 
 
 
 def kept_bytes(m: ModelConfig, rows: int, seq_len: int, e: int) -> int:
-    """kiln.parallel.offload_layers.kept_bytes, without torch: each layer's input of a step's rows (none for a mixture
+    """kiln.parallel.offload_layers.kept_bytes, without torch: each layer's input of a wave's rows (none for a mixture
     of experts, which keeps the per-micro-batch schedule)."""
     return 0 if m.moe is not None else m.n_layers * rows * seq_len * m.d_model * e
 

@@ -176,12 +176,13 @@ def check_offload_room(cfg: RunConfig, n_params: int, device: torch.device) -> i
     """train.offload=optimizer: a ResourceError unless the host's memory holds the offloaded training state of
     `n_params` parameters (kiln.parallel.offload.check_host_memory). Returns the bytes it needs."""
     from kiln.parallel.offload import check_host_memory
-    from kiln.parallel.offload_layers import kept_bytes
+    from kiln.parallel.offload_layers import kept_bytes, wave_rows
 
     tcfg = cfg.train
     e = 2 if tcfg.precision == "bf16" or (tcfg.precision == "auto" and device.type == "cuda") else 4
     m = cfg.model  # the layer-by-layer step keeps each layer's input of a step's rows (not a mixture of experts)
-    kept = 0 if m.moe is not None else kept_bytes(m.n_layers, tcfg.step_rows(1), tcfg.seq_len, m.d_model, e)
+    rows = wave_rows(tcfg.step_rows(1), int(tcfg.batch_size), tcfg.seq_len)
+    kept = 0 if m.moe is not None else kept_bytes(m.n_layers, rows, tcfg.seq_len, m.d_model, e)
     return check_host_memory(n_params, e, on_cpu=device.type == "cpu", async_save=cfg.checkpoint.async_save, kept=kept)
 
 

@@ -245,7 +245,7 @@ def test_an_early_stop_restores_the_best_masters_into_model_dir_as_the_plain_pat
 def hybrid_or_tied(kind: str):
     from kiln.config import ModelConfig
 
-    if kind == "hybrid":  # Mamba, attention and MLP layers, the documents kept apart by their ids
+    if kind in ("hybrid", "waves"):  # Mamba, attention and MLP layers, the documents kept apart by their ids
         return ModelConfig(vocab_size=96, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=96,
                            mlp="relu2", layer_pattern="M-*M", tie_embeddings=False, max_seq_len=64,
                            mamba=dict(heads=8, head_dim=16, state=8, groups=2, chunk=4))
@@ -253,11 +253,16 @@ def hybrid_or_tied(kind: str):
                        tie_embeddings=True, max_seq_len=64)
 
 
-@pytest.mark.parametrize("kind", ["hybrid", "tied"])
-def test_the_layer_by_layer_step_sums_the_plain_paths_gradients(kind):
+@pytest.mark.parametrize("kind", ["hybrid", "tied", "waves"])
+def test_the_layer_by_layer_step_sums_the_plain_paths_gradients(kind, monkeypatch):
     """The offloaded step runs every micro-batch through a layer before the next (kiln.parallel.offload_layers): the
     same gradients, summed in the same order (a hybrid model's, with packed documents: exactly), as micro-batches run
-    one after the other; a tied embedding gets the output layer's gradients of every micro-batch before its own."""
+    one after the other; a tied embedding gets the output layer's gradients of every micro-batch before its own. In
+    waves (the step's micro-batches in groups, here of 2 and 1), a later wave's sums are added to the host's."""
+    from kiln.parallel import offload_layers
+
+    if kind == "waves":
+        monkeypatch.setattr(offload_layers, "WAVE_TOKENS", 2 * 2 * 24)
     import contextlib
     import copy
 
@@ -274,6 +279,9 @@ def test_the_layer_by_layer_step_sums_the_plain_paths_gradients(kind):
         (plain(x[lo:lo + 2], y[lo:lo + 2], docs[lo:lo + 2]) / 3).backward()
     o = offload.OptimizerOffload(model, param_groups(model, 0.1), 1e-3, (0.9, 0.95), 1e-8)
     assert o.layered and len(o.streamed) == (1 if kind == "tied" else 2)  # the vocabulary-sized matrices
+    kept = []
+    monkeypatch.setattr(o.kept, "put", lambda layer, rows, h, put=o.kept.put: (kept.append(rows.stop), put(layer,
+                                                                                                     rows, h)))
     loss = o.accumulate(x, y, docs, 2, contextlib.nullcontext)
     with torch.no_grad():
         whole = sum(plain(x[lo:lo + 2], y[lo:lo + 2], docs[lo:lo + 2]) / 3 for lo in range(0, 6, 2))
@@ -285,5 +293,7 @@ def test_the_layer_by_layer_step_sums_the_plain_paths_gradients(kind):
             assert torch.equal(o.sums[i], want), name
         else:
             torch.testing.assert_close(o.sums[i], want, rtol=1e-5, atol=1e-7)
-    assert set(o.norms) == set(range(len(o.params))) - o.streamed  # the norms of the sums made here
+    # the norms of the sums made here (of a step in one wave); the rows of a wave the host keeps inputs of
+    assert set(o.norms) == (set() if kind == "waves" else set(range(len(o.params))) - o.streamed)
+    assert max(kept) == (4 if kind == "waves" else 6)
     o.close()
