@@ -14,6 +14,9 @@ layer at a time, so that each layer's sums stay on the device until its last mic
                device; once every micro-batch has passed, the sums go down to host memory, once a step
     embedding  its gradient from each micro-batch's first input gradient
 
+A large step runs in waves of WAVE_TOKENS (32K tokens: the preset's 8 x 4096 is one), each wave all four phases;
+a later wave's layer sums are added to the host's as they leave the device.
+
 Each micro-batch's arithmetic is the plain path's with full activation checkpointing (every layer's forward runs
 twice), so no other checkpointing applies. Each parameter's sum adds the same gradients in the same order as the
 plain path, except a tied embedding's (the output layer's gradients of every micro-batch, then the embedding's).
