@@ -156,4 +156,7 @@ def test_the_plans_copy_of_the_offload_slices_is_its():
     from kiln.parallel import offload
     from kiln.plan import offload as planned
 
+    from kiln.parallel import offload_layers
+
     assert planned.TRANSFER_SLICES == 2 * 4 * offload.SLICE
+    assert planned.WAVE_TOKENS == offload_layers.WAVE_TOKENS
