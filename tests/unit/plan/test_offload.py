@@ -153,10 +153,8 @@ def test_an_offloaded_plan_on_the_cpu_counts_the_host_state_in_the_same_memory(m
 def test_the_plans_copy_of_the_offload_slices_is_its():
     """kiln.plan stays free of torch, so it names the slice size of the offload it plans again: it must be the size
     that module uses."""
-    from kiln.parallel import offload
+    from kiln.parallel import offload, offload_layers
     from kiln.plan import offload as planned
-
-    from kiln.parallel import offload_layers
 
     assert planned.TRANSFER_SLICES == 2 * 4 * offload.SLICE
     assert planned.WAVE_TOKENS == offload_layers.WAVE_TOKENS
