@@ -74,8 +74,9 @@ class Kept:
         self.down: torch.cuda.Event | None = None  # the forward pass's last copy down
 
     def start(self, layers: int, shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+        self.cpu.clear()  # what an attempt cut short (an out-of-memory error) left
+        self.up.clear()
         if not self.o.streams:
-            self.cpu.clear()
             return
         want = (layers, *shape)
         if self.host is None or tuple(self.host.shape) != want or self.host.dtype != dtype:
