@@ -7,7 +7,10 @@ wanted, the gradients with respect to `h` and `weight`, then drops the logits. P
 chunk of logits instead of (B*T, V) logits in fp32 plus their gradient, which for a 32K vocabulary
 at 32K tokens a step is 8 GiB saved. The backward pass only rescales the stored gradients, the output
 projection's in the memory of its fp32 sum, which it hands back as the weight's gradient
-(`kiln.model.loss_weight_grad`: no second (V, d) buffer at the loss's backward).
+(`kiln.model.loss_weight_grad`: no second (V, d) buffer at the loss's backward). Only the gradients wanted are
+made: a frozen output projection (LoRA and QLoRA, whose base includes lm_head) gets no (V, d) fp32 sum and no
+product for it (2 GiB and a third of the loss's matrix products at a 128K vocabulary and d = 4096), frozen
+hidden states (only the head trained) no (n, d) gradient; the loss and the gradients made are bit for bit the same.
 
 Under autocast the two matrix products run in the autocast dtype (as `nn.Linear` would) while the
 softmax is always computed in fp32. Soft-capped logits (Gemma: `softcap`, cap * tanh(logits / cap)) are
@@ -75,21 +78,24 @@ def chunk_rows(n_rows: int, vocab: int) -> int:
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
-                rows: int, want_grad: bool, softcap: float | None) -> torch.Tensor:
+                rows: int, want_h: bool, want_w: bool, softcap: float | None) -> torch.Tensor:
         n = h.shape[0]
         w = weight.to(dtype)  # (V, d)
         acc = torch.promote_types(dtype, torch.float32)
         loss = torch.zeros((), device=h.device, dtype=acc)
-        grad_h = torch.empty_like(h) if want_grad else None  # (n, d)
-        # the (V, d) sum in fp32, in row blocks the backward pass can return it in (kiln.model.loss_weight_grad)
-        grad_w = loss_weight_grad.zeros(weight.shape, acc, weight.dtype, weight.device) if want_grad else []
+        want_grad = want_h or want_w  # the logits' gradient, from which both are made
+        grad_h = torch.empty_like(h) if want_h else None  # (n, d)
+        # the (V, d) sum in fp32, in row blocks the backward pass can return it in (kiln.model.loss_weight_grad);
+        # none for a frozen weight
+        grad_w = loss_weight_grad.zeros(weight.shape, acc, weight.dtype, weight.device) if want_w else []
         kernel = ChunkKernel.fn
         for s in range(0, n, rows):
             hc = h[s:s + rows].to(dtype)  # (r, d)
             part, g = kernel(hc @ w.t(), targets[s:s + rows], want_grad, softcap)  # g: (r, V)
             loss += part
-            if want_grad:
+            if want_h:
                 grad_h[s:s + rows] = g @ w
+            if want_w:
                 for v in range(0, w.shape[0], VOCAB_SLICE):  # in slices of the vocabulary: no (V, d) temporary
                     loss_weight_grad.add_rows(grad_w, v, g[:, v:v + VOCAB_SLICE].t() @ hc)
             del g  # before the next chunk's logits exist: one chunk's worth of memory at a time
@@ -108,11 +114,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.spent = True
         grad_h, count, *grad_w = ctx.saved_tensors
         scale = grad_out.to(count.dtype) / count
-        gh = (grad_h * scale).to(grad_h.dtype) if ctx.needs_input_grad[0] else None
+        gh = (grad_h * scale).to(grad_h.dtype) if ctx.needs_input_grad[0] and grad_h is not None else None
         # scaled in place, and in a narrower weight dtype written over the fp32 sum's own bytes: no second (V, d)
-        gw = loss_weight_grad.scaled(grad_w, scale, ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        gw = loss_weight_grad.scaled(grad_w, scale, ctx.weight_dtype) if ctx.needs_input_grad[1] and grad_w else None
         del grad_w
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -125,6 +131,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     outside its graph (`kiln.parallel.compile`): a loop of large kernels around a compiled one, nothing to fuse.
     """
     h2, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-    want_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    grad = torch.is_grad_enabled()
+    want_h, want_w = grad and h.requires_grad, grad and weight.requires_grad  # a frozen one gets no gradient made
     rows = rows or chunk_rows(h2.shape[0], weight.shape[0])
-    return _LinearCrossEntropy.apply(h2, weight, t, _compute_dtype(h2), rows, want_grad, softcap)
+    return _LinearCrossEntropy.apply(h2, weight, t, _compute_dtype(h2), rows, want_h, want_w, softcap)

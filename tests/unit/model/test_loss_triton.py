@@ -110,6 +110,26 @@ def test_linear_cross_entropy_through_it_matches_f_cross_entropy(device, monkeyp
     torch.testing.assert_close(w.grad, w0.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_a_frozen_weight_through_it_gives_the_same_loss_and_hidden_states_gradient(device, monkeypatch, softcap):
+    """LoRA's frozen lm_head: no weight gradient made (kiln.model.loss), the rest bit for bit as with a trained one."""
+    kernel = loss_triton.TritonChunkKernel(chunk_loss_and_grad)
+    monkeypatch.setattr(loss_module.ChunkKernel, "fn", kernel)
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(70, 32, generator=g).to(device).requires_grad_()
+    w = (torch.randn(1000, 32, generator=g) * 0.3).to(device)
+    targets = torch.randint(0, 1000, (70,), generator=g).to(device)
+    targets[::9] = -100
+    out = []
+    for trained in (True, False):
+        w.requires_grad_(trained)
+        with torch.autocast(device, torch.bfloat16, enabled=CUDA):
+            loss = linear_cross_entropy(h, w, targets, rows=32, softcap=softcap)
+        out.append((loss.detach(), torch.autograd.grad(loss, h)[0]))
+    assert kernel.failed is None and len(kernel.built) == 1  # Triton's ran
+    assert all(torch.equal(a, b) for a, b in zip(*out, strict=True))
+
+
 @pytest.mark.skipif(not CUDA, reason="bf16 autocast of the matrix products: on a GPU")
 def test_linear_cross_entropy_under_autocast_matches_pytorchs_kernel(monkeypatch):
     g = torch.Generator().manual_seed(2)
