@@ -297,3 +297,43 @@ def test_the_layer_by_layer_step_sums_the_plain_paths_gradients(kind, monkeypatc
     assert set(o.norms) == (set() if kind == "waves" else set(range(len(o.params))) - o.streamed)
     assert max(kept) == (4 if kind == "waves" else 6)
     o.close()
+
+
+def test_a_layered_step_cut_short_by_an_out_of_memory_error_runs_again_as_if_it_had_not_run():
+    """An out-of-memory error in the layer-by-layer step's backward pass (kiln.train.oom then calls zero_grad and runs
+    the step again): the sums of the failed attempt, made on the device or already on the host, and its kept inputs
+    are forgotten; the update is that of the second attempt alone."""
+    import contextlib
+    import copy
+
+    from kiln.model.llama import Transformer
+    from kiln.train.optim import param_groups
+
+    torch.manual_seed(0)
+    base = Transformer(hybrid_or_tied("tied"))
+    x = torch.randint(0, 96, (4, 24))
+    y = torch.cat([x[:, 1:], torch.full((4, 1), -100)], dim=1)
+    offs = []
+    for _ in range(2):
+        model = offload.place_model(copy.deepcopy(base), torch.device("cpu"), torch.float32)
+        offs.append(offload.OptimizerOffload(model, param_groups(model, 0.1), 1e-3, (0.9, 0.95), 1e-8))
+    block = offs[0].model.layers[0]
+    calls = {"n": 0}
+
+    def fails_in_the_backward(*a, forward=block.forward, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:  # two micro-batches forward, then the backward's first
+            raise torch.OutOfMemoryError("injected")
+        return forward(*a, **k)
+
+    block.forward = fails_in_the_backward
+    with pytest.raises(torch.OutOfMemoryError):
+        offs[0].accumulate(x, y, None, 2, contextlib.nullcontext)
+    assert any(offs[0].summed) or offs[0].device_sums  # the failed attempt summed something
+    offs[0].optimizer.zero_grad(set_to_none=True)
+    for o in offs:
+        o.accumulate(x, y, None, 2, contextlib.nullcontext)
+        o.step(1.0)
+        o.close()
+    for a, b in zip(offs[0].masters, offs[1].masters):
+        assert torch.equal(a, b)
