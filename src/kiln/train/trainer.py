@@ -67,6 +67,7 @@ class Trainer:
         self.logged: dict[str, Any] = {}
         self.token_bytes: torch.Tensor | None = None  # bytes of text per token id (on the device): val_bpb
         self.stop_reason: str | None = None  # set by a callback (early stopping) to end training after this step
+        self.step_lr: float | None = None  # the learning rate of the last step trained
         use_bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 \
             else contextlib.nullcontext
@@ -140,6 +141,7 @@ class Trainer:
         else:
             gnorm = clip_grad_norm(self.model, max_norm)  # kiln.parallel: over every shard
             self.optimizer.step()
+        self.step_lr = self.scheduler.get_last_lr()[0]  # the rate this step trained at (logged); the schedule moves on
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total, gnorm
@@ -205,7 +207,7 @@ class Trainer:
                                 "train.warmup_steps or check the data.")
         rates["tokens_per_s_per_device"] = rates["tokens_per_s"]
         rates["tokens_per_s"] *= self.mesh.world  # the whole job
-        return {"step": self.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+        return {"step": self.step, "loss": loss, "lr": self.step_lr,
                 "grad_norm": gnorm, "tokens": self.tokens_seen, **rates}
 
     @torch.no_grad()

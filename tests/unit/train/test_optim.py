@@ -81,3 +81,31 @@ def test_a_warmup_as_long_as_the_run_is_said():
         "train.warmup_steps=50 is not shorter than train.max_steps=6: the learning rate only rises, to 12% of "
         "train.lr at the last step, and never decays; lower train.warmup_steps")
     assert "to 100% of train.lr" in schedule_warning(cfg(max_steps=8, warmup_steps=8))
+
+
+def test_each_logged_step_shows_the_learning_rate_it_trained_at(tmp_path):
+    """metrics.jsonl's lr at step N is the rate step N's update used (it showed step N + 1's: the last step logged
+    a rate never used)."""
+    import json
+    import sysconfig
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from kiln.config import load_config
+    from kiln.train.optim import lr_factor
+    from kiln.train.run import run
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.txt").write_text((stdlib / "textwrap.py").read_text() * 3)
+    cfg = load_config(None, ["model.size=tiny", "train.seq_len=32", "train.max_steps=4", "train.warmup_steps=2",
+                             "train.batch_size=2", "train.eval_every=0", "train.sample_tokens=0", "train.device=cpu",
+                             "train.lr=0.01", "checkpoint.every=0", "checkpoint.save_final=false", "logging.every=1",
+                             "logging.console=false", "logging.plots=false", f"data.sources=[{tmp_path / 'c'}]",
+                             "data.vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}",
+                             f"train.run_dir={tmp_path / 'run'}"])
+    run(cfg, console=Console(quiet=True))
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["step"]: r["lr"] for r in recs if r["event"] == "train"}
+    assert lrs == pytest.approx({s: 0.01 * lr_factor(s - 1, cfg.train) for s in range(1, 5)})
