@@ -230,7 +230,8 @@ def tokenizer_dir(given: str | Path | None) -> Path | None:
 
 
 def stop_ids(folder: Path, tokenizer, specials: dict[str, Any]) -> dict[str, Any]:
-    """`specials` (Kiln's bos/eos ids) with the stop tokens of the tokenizer directory `folder` after Kiln's EOS:
+    """`specials` (Kiln's bos/eos ids) with the stop tokens of the tokenizer directory `folder` after Kiln's EOS, and
+    its pad token's id (pad_token_id) where its tokenizer_config.json names one:
     its tokenizer_config.json's eos_token (a chat model's end of turn) and its generation_config.json's
     eos_token_id (one id or a list; without that file, config.json's, which transformers' generate then takes);
     one id stays an int, several become a list, as transformers writes them."""
@@ -243,7 +244,10 @@ def stop_ids(folder: Path, tokenizer, specials: dict[str, Any]) -> dict[str, Any
     listed = read_json(generation if generation.is_file() else folder / "config.json").get("eos_token_id")
     found += listed if isinstance(listed, list) else [listed]
     ids = list(dict.fromkeys(i for i in found if isinstance(i, int) and 0 <= i < tokenizer.vocab_size))
-    return {**specials, "eos_token_id": ids[0] if len(ids) == 1 else ids or None}
+    pad = read_json(folder / "tokenizer_config.json").get("pad_token")  # and its pad, which generate pads with
+    pad = tokenizer.tk.token_to_id(pad.get("content") if isinstance(pad, dict) else pad) if pad else None
+    return {**specials, "eos_token_id": ids[0] if len(ids) == 1 else ids or None,
+            **({"pad_token_id": pad} if pad is not None else {})}
 
 
 def stop_strings(folder: Path) -> list[str]:

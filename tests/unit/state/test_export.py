@@ -222,14 +222,15 @@ def chat_tokenizer(tokenizer: Tokenizer, root: Path) -> tuple[Path, int]:
     from tokenizers import Tokenizer as HFTokenizer
 
     tk = HFTokenizer.from_str(tokenizer.to_str())  # a copy, with a chat model's end of turn
-    tk.add_special_tokens(["<|eot|>"])
+    tk.add_special_tokens(["<|eot|>", "<|pad|>"])
     folder = root / "chat-tokenizer"
     folder.mkdir()
     tk.save(str(folder / "tokenizer.json"))
     eot = tk.token_to_id("<|eot|>")
     template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|eot|>{% endfor %}"
     (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|eot|>", "model_max_length": 8192,
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|eot|>", "pad_token": "<|pad|>",
+        "model_max_length": 8192,
         "chat_template": template}))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eot, 0], "temperature": 0.6}))
     return folder, eot
@@ -242,6 +243,8 @@ def assert_chat_tokenizer_kept(out: Path, eot: int, context: int) -> None:
     gen = transformers.GenerationConfig.from_pretrained(out)
     assert gen.eos_token_id == hf.config.eos_token_id == [0, eot]  # the documents' EOS first
     assert "temperature" not in json.loads((out / "generation_config.json").read_text())  # another model's setting
+    pad = tok.convert_tokens_to_ids("<|pad|>")  # the tokenizer's pad, in both configs (transformers reads them)
+    assert (tok.pad_token, gen.pad_token_id, hf.config.pad_token_id) == ("<|pad|>", pad, pad)
 
 
 def run_on(folder: Path, run: Path, model, run_tok: Tokenizer) -> Path:
