@@ -8,7 +8,8 @@ Where the bytes go, per process, for AdamW with fp32 master weights:
                                                       (no AC), or FSDP's gathered blocks
     activations   tokens x (layers x per-layer + rest) what the backward pass needs, by AC mode
     loss buffers                                      one chunk of logits and its gradient, the output
-                                                      projection's gradient (kiln.model.loss)
+                                                      projection's gradient (kiln.model.loss; none for
+                                                      LoRA's frozen lm_head)
 
 The peak is the largest of three moments: the end of the forward pass (every activation alive, no
 gradient yet: optimizer.zero_grad sets them to None), with activation checkpointing the start of the
@@ -162,15 +163,27 @@ def loss_rest_per_token(m: ModelConfig, e: int) -> int:
     return 4 * m.d_model + 2 * e * m.d_model + 20
 
 
-def loss_chunk_bytes(m: ModelConfig, tokens: int, compiled: bool, e: int, bf16: bool) -> int:
+def loss_head_bytes(m: ModelConfig, e: int, lora: Lora | None = None) -> int:
+    """What the loss holds of the output projection's size besides its chunk: the projection's fp32 gradient,
+    summed over the chunks, and its compute copy. Under LoRA lm_head is frozen (kiln.model.lora: no target
+    adapts it) and the loss makes no gradient for it (kiln.model.loss): only the copy, where the base's dtype
+    is not the compute dtype (none for a bf16 base under bf16 autocast)."""
+    vd = (m.vocab_size or 0) * m.d_model
+    if lora is None:
+        return vd * (4 + e)
+    return 0 if lora.base_bytes == e else vd * e
+
+
+def loss_chunk_bytes(m: ModelConfig, tokens: int, compiled: bool, e: int, bf16: bool,
+                     lora: Lora | None = None) -> int:
     """One chunk of logits and its gradient (the compiled kernel; eager adds fp32 temporaries), plus the
-    output projection's fp32 gradient and its compute copy (its products are made in slices of the vocabulary:
-    kiln.model.loss.VOCAB_SLICE)."""
+    output projection's fp32 gradient and its compute copy (`loss_head_bytes`; its products are made in slices of the
+    vocabulary: kiln.model.loss.VOCAB_SLICE)."""
     v = m.vocab_size or 0
     rows = min(tokens, max(256, (LOGIT_CHUNK // max(v, 1)) // 256 * 256))
     # compiled kernel: the logits and their gradient; eager: also the fp32 copy, the one-hot, exp and a temporary
     per_logit = 2 * e if compiled else e + (4 if e < 4 else 0) + 12
-    return rows * v * per_logit + v * m.d_model * (4 + e)
+    return rows * v * per_logit + loss_head_bytes(m, e, lora)
 
 
 def activation_bytes(m: ModelConfig, tokens: int, ac: str, compiled: bool, e: int, experts: int = 1) -> int:
@@ -265,7 +278,7 @@ def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", comp
         if ac != "full":
             targets = 7 if "all" in lora.targets else len(lora.targets)
             acts += tokens * m.n_layers * e * lora.rank * targets
-    loss = loss_chunk_bytes(m, tokens, compiled, e, bf16)
+    loss = loss_chunk_bytes(m, tokens, compiled, e, bf16, lora)
     back = backward_bytes(m, tokens, ac, compiled, e, bf16, layout)
     # gradients held while a later micro-batch runs forward and backward: the state's own (one process, DDP, FSDP
     # reducing every micro-batch), or FSDP's unsharded ones, which the last micro-batch's backward reduce-scatters
@@ -279,10 +292,11 @@ def peak_memory(m: ModelConfig, seq_len: int, batch: int, ac: str = "none", comp
         backward_end += compute  # eager: autocast's cache of bf16 copies lives until the autocast block ends
     # with checkpointing, the start of the backward pass: every block's checkpointed activations still alive and
     # the last block recomputed beside them, with the output projection's gradient the loss made (not its chunk
-    # of logits); at a large micro-batch this is the peak (an 8B block at 32K tokens recomputes 4.3 GiB)
+    # of logits; none for LoRA's frozen lm_head); at a large micro-batch this is the peak (an 8B block at 32K tokens
+    # recomputes 4.3 GiB)
     recompute = tokens * (act_per_layer_token(m, "none", compiled, e, layout.experts)
                           - act_per_layer_token(m, ac, compiled, e, layout.experts))
-    head = min(loss, (m.vocab_size or 0) * m.d_model * (4 + e))
+    head = min(loss, loss_head_bytes(m, e)) if lora is None else 0
     backward_start = weights + optim + compute + acts + head + recompute + held if ac != "none" else 0
     peak, phase = max((forward_end, "forward"), (backward_start, "recompute"), (backward_end, "backward"))
     state = 16 * n if lora is None else base_bytes(m, n, lora) + 16 * lora_params(m, lora)
