@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from kiln.errors import ResourceError
+from kiln.parallel import offload_layers
 
 CHUNK = 1 << 26  # elements of master weights stepped together before their copy to the device starts
 STEP_SLICE = 1 << 21  # elements of a master weight AdamW steps at a time: 8 MB a tensor, within the caches
@@ -180,12 +181,10 @@ class OptimizerOffload:
         self.summed = [False] * len(self.params)  # whether the step has a gradient of each parameter yet
         # the layer-by-layer schedule: sums being made on the device, the norms of those that left, the inputs kept
         # from the forward pass, and the parameters whose sums are made on the host at once (the vocabulary-sized)
-        from kiln.parallel.offload_layers import Kept, supports
-
-        self.layered = supports(model)
+        self.layered = offload_layers.supports(model)
         self.device_sums: dict[int, torch.Tensor] = {}
         self.norms: dict[int, torch.Tensor] = {}
-        self.kept = Kept(self)
+        self.kept = offload_layers.Kept(self)
         vocab = {id(model.embed_tokens.weight), id(model.lm_head.weight)} if self.layered else set()
         self.streamed = {i for i, p in enumerate(self.params) if id(p) in vocab}
         self._locked: list[torch.Tensor] = []
@@ -193,7 +192,8 @@ class OptimizerOffload:
         if self.device.type == "cuda":
             self.streams = [torch.cuda.Stream(self.device) for _ in range(2)]
             self._slices = [torch.empty(SLICE, dtype=torch.float32, device=self.device) for _ in self.streams]
-            self._locked = [t for t in (flat, self.masters[0]) if _lock(t)]
+            for t in (flat, self.masters[0]):
+                self.lock(t)
         # gradients handed to the streams and not yet summed: (their streams' events, elements); the backward pass
         # waits while more than the largest parameter's are, so the device holds few gradients whatever PCIe's pace
         self._pending: deque = deque()
@@ -219,6 +219,11 @@ class OptimizerOffload:
         # gradients to be summed, and the step itself (norm, clipping, AdamW, copies back issued), of which the norm
         # and clipping
         self.seconds, self.steps = {"sums": 0.0, "step": 0.0, "norm": 0.0}, 0
+
+    def lock(self, t: torch.Tensor) -> None:
+        """Page-lock host tensor `t`'s storage (unlocked by `close`), where the system lets it."""
+        if _lock(t):
+            self._locked.append(t)
 
     def _slices_of(self, i: int):
         """(stream, its fp32 slice on the device, lo, hi) for each slice of parameter i: a slice takes its turn by
@@ -273,9 +278,7 @@ class OptimizerOffload:
     def accumulate(self, x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor | None, micro: int,
                    autocast) -> torch.Tensor:
         """A step's forward and backward passes, layer by layer (kiln.parallel.offload_layers). Returns its loss."""
-        from kiln.parallel.offload_layers import accumulate
-
-        return accumulate(self, self.model, x, y, docs, micro, autocast)
+        return offload_layers.accumulate(self, self.model, x, y, docs, micro, autocast)
 
     def add_gradient(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         """One micro-batch's gradient of `p`: into its fp32 sum on the device (the vocabulary-sized matrices: on the

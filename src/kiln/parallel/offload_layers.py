@@ -30,13 +30,12 @@ schedule.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from kiln.parallel.offload import OptimizerOffload
+OptimizerOffload = Any  # kiln.parallel.offload's, which imports this module: passed in, never imported here
 
 # tokens of the micro-batches run through a layer together (a wave): what the device holds of them (their hidden
 # states, those states' gradients, the next layer's inputs: 3 x 2 bytes x d_model a token, 0.75 GiB at 8B) and the
@@ -80,12 +79,9 @@ class Kept:
             return
         want = (layers, *shape)
         if self.host is None or tuple(self.host.shape) != want or self.host.dtype != dtype:
-            from kiln.parallel.offload import _lock
-
             self.close()
             self.host = torch.empty(want, dtype=dtype)
-            if _lock(self.host):
-                self.o._locked.append(self.host)
+            self.o.lock(self.host)
 
     def put(self, layer: int, rows: slice, h: torch.Tensor) -> None:
         if not self.o.streams:
