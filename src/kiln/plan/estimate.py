@@ -21,7 +21,7 @@ from kiln.plan.fp8 import FP8_GPUS, converted_params, converted_share
 from kiln.plan.fp8 import speedup as fp8_speedup
 from kiln.plan.gpus import CPU_STEP_SHARE, FULL_AC_FACTOR, GIB, Gpu, MfuEstimate, cpu_matmul_flops, estimate_mfu
 from kiln.plan.memory import Layout, Lora, Memory, checkpoint_bytes, lora_params, peak_memory
-from kiln.plan.offload import offload_memory
+from kiln.plan.offload import host_seconds, offload_memory
 
 FRAGMENTATION = 0.05  # the caching allocator reserves a little more than the peak it hands out
 CONTEXT = 1 * GIB  # CUDA context, NCCL and cuBLAS workspaces: outside PyTorch's count
@@ -291,7 +291,12 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
             return None, None
         # a mixture of experts: the dense MFU at its active parameters, times the measured MoE factor (moe_speed)
         est = estimate_mfu(gpu.key, active_param_count(m) if m.moe else n, ac, compiled and gpu.key != "cpu", gpus,
-                           lay.offload)
+                           lay.offload and not layered(lay))
+        if layered(lay):  # the GPU's share of the step, then AdamW on the host (kiln.plan.offload.host_seconds)
+            on_gpu, on_host = rows * t.seq_len * fpt / (est.mfu * gpu.peak_flops), host_seconds(n)
+            x = on_gpu / (on_gpu + on_host)
+            est = MfuEstimate(est.mfu * x, f"{est.basis}; x{x:.2f} for AdamW in host memory, {on_host:.1f} s a step "
+                                           "(kiln.plan.offload: fitted to 8B measured on an H200's host)")
         if m.moe:
             est = moe_speed.scale(est, m, batch * t.seq_len)
         if lay.experts > 1:  # kiln.plan.experts: the all-to-alls and the experts' FLOPs redone, per process

@@ -134,11 +134,11 @@ FULL_AC_FACTOR = 0.84  # measured: 3b on an H100, full AC 45.4% MFU against sele
 EAGER_POINTS = [(109_529_856, 0.60), (1_100_048_384, 0.74)]
 # measured (scaling.md, H200): 2 GPUs 91.8-93.8%, 4 GPUs 90.3% (124m DDP) and 92.7% (1b FSDP)
 DATA_PARALLEL_FACTOR = 0.92
-# the optimizer step on the CPU and the copies dominate; one process (train.offload, layer by layer): Llama-3-8B at
-# sequence 4096 on one H200 capped at 24 GiB, 3,171 tokens/s measured and 3,178 planned (benchmarks/results/
-# offload.md; the host's memory bandwidth moves it: its first 16 layers ran 5,418 and 7,479 tokens/s on two hosts,
-# 6,000 planned); several (FSDP's dist.cpu_offload): not measured
-OFFLOAD_FACTOR = 0.36
+# the optimizer step on the CPU and the copies dominate; one process (train.offload's per-micro-batch schedule, which
+# a mixture of experts keeps): Llama-3-8B at sequence 4096 on one H200 capped at 24 GiB, 2,616 tokens/s measured
+# and 2,649 planned (benchmarks/results/offload.md, 2026-11-28 04:43; the layer-by-layer step is planned by
+# kiln.plan.offload.host_seconds); several (FSDP's dist.cpu_offload): not measured
+OFFLOAD_FACTOR = 0.3
 
 
 def _interp(points: list[tuple[int, float]], params: int) -> float:
@@ -181,7 +181,7 @@ def estimate_mfu(gpu_key: str, params: int, ac: str, compile: bool, gpus: int, o
         notes.append("data parallel: x0.92 measured on 2 and 4 GPUs" + ("" if gpus <= 4 else ", assumed beyond"))
     if offload:
         mfu *= OFFLOAD_FACTOR
-        notes.append("CPU offload: x0.36, " + ("fitted to the 8B run measured on an H200" if gpus <= 1
+        notes.append("CPU offload: x0.3, " + ("fitted to the one run measured (8B on an H200)" if gpus <= 1
                                                else "a guess, not measured"))
     return MfuEstimate(mfu, "; ".join(notes))
 
