@@ -196,6 +196,7 @@ def results_files() -> dict[str, float]:
     return {str(p): p.stat().st_mtime for p in (ROOT / "benchmarks" / "results").rglob("*")}
 
 
+@pytest.mark.slow  # 27 scripts, several `kiln train` processes each: about 80 s on two cores
 def test_every_benchmark_runs_its_smoke_run_on_the_cpu(tmp_path):
     """Each script, tiny, on the CPU, to its table: exit status 0 and the table's text in its output; the
     measured results in benchmarks/results/ stay as they are."""
