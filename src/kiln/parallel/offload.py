@@ -338,11 +338,12 @@ class OptimizerOffload:
         self.wait()
         t1 = time.perf_counter()
         have = [i for i, s in enumerate(self.summed) if s]  # a parameter the step did not use has no gradient
-        for i in have:
-            self.masters[i].grad = self.sums[i]
+        fused = self.optimizer.defaults.get("fused")
         # the global norm as torch's clipping computes it: the norm of the parameters' norms (those of sums made on
-        # the device taken there)
-        norms = [self.norms[i].cpu() if i in self.norms else torch.linalg.vector_norm(self.sums[i]) for i in have]
+        # the device taken there, read in one copy)
+        made = [i for i in have if i in self.norms]
+        read = dict(zip(made, torch.stack([self.norms[i] for i in made]).cpu())) if made else {}
+        norms = [read[i] if i in read else torch.linalg.vector_norm(self.sums[i]) for i in have]
         norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
         self.norms.clear()
         # torch's clipping multiplies by min(1, max_norm / (norm + 1e-6)): by exactly 1 when the norm is within the
@@ -351,7 +352,10 @@ class OptimizerOffload:
         scale = None
         if not float(max_norm / (norm + 1e-6)) >= 1.0:  # NaN too, as torch would
             scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            if not self.optimizer.defaults.get("fused"):
+        if not fused:  # torch's own clipping and AdamW.step, which read the masters' .grad
+            for i in have:
+                self.masters[i].grad = self.sums[i]
+            if scale is not None:
                 nn.utils.clip_grads_with_norm_([self.masters[i] for i in have], max_norm, norm)
                 scale = None
         t2 = time.perf_counter()
@@ -365,16 +369,13 @@ class OptimizerOffload:
         self.seconds["norm"] += t2 - t1
         self.steps += 1
         self._marks, self._error = [], None
-        if self.layered and self.optimizer.defaults.get("fused"):  # beside the next forward pass
+        if self.layered and fused:  # beside the next forward pass
             self._thread = threading.Thread(target=self._steps, args=(stepped, scale, lrs, t1), daemon=True,
                                             name="kiln-offload-adamw")
             self._thread.start()
         else:
             self._steps(stepped, scale, lrs, t1)
-            for stream in self.streams:
-                torch.cuda.current_stream(self.device).wait_stream(stream)  # the next forward pass waits for them
-            if self._error is not None:
-                raise self._error
+            self._done()
         return norm
 
     def _steps(self, stepped: list[list[int]], scale: torch.Tensor | None, lrs: dict, t1: float) -> None:
@@ -420,8 +421,12 @@ class OptimizerOffload:
             return
         self._thread.join()
         self._thread = None
+        self._done()
+
+    def _done(self) -> None:
+        """After AdamW: the next forward pass waits for the weights' copies; AdamW's error, if any, raised here."""
         for stream in self.streams:
-            torch.cuda.current_stream(self.device).wait_stream(stream)  # the next forward pass waits for them
+            torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -499,6 +504,7 @@ class HostAdamW(torch.optim.AdamW):
     def __init__(self, groups: list[dict], offload: OptimizerOffload, **kw: Any):
         super().__init__(groups, **kw)
         self._offload = offload
+        self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}  # the groups are fixed
 
     def step_only(self, indices: list[int], scale: torch.Tensor | None = None, lrs: dict | None = None) -> None:
         """Step the masters `indices`, their gradients (the offload's sums) multiplied by `scale` first (clipping);
@@ -526,10 +532,9 @@ class HostAdamW(torch.optim.AdamW):
         elements at a time, each slice's gradient clipped just before: the same numbers (the kernel works element by
         element, and every slice but a parameter's last is a whole number of its vectors), with each slice's
         gradient, weights and moments read from memory once."""
-        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         for i in indices:
             master = self._offload.masters[i]
-            group, state = group_of[id(master)], self.state[master]
+            group, state = self._group_of[id(master)], self.state[master]
             if not state:
                 state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(master),
                              exp_avg_sq=torch.zeros_like(master))

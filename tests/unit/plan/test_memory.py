@@ -152,16 +152,10 @@ class _HeapPeak:
         self.mode.__exit__(*exc)
 
 
-@pytest.mark.parametrize("ac", ["none", "full"])
-def test_eager_bf16_plan_reproduces_the_peak_of_a_step_on_the_cpu(ac):
-    """The whole eager step (blocks, the chunked loss, backward, AdamW), weights and moments included, against
-    the bytes the CPU allocator held at its peak: the terms and their timing, not only the saved activations."""
-    cfg = ModelConfig(n_layers=2, d_model=128, n_heads=2, n_kv_heads=1, ffn_hidden=320, vocab_size=2048,
-                      max_seq_len=128)
-    torch.manual_seed(0)
-    model = apply_ac(Transformer(cfg), ac)
+def _bf16_step_peak(model, tokens) -> int:
+    """Bytes at the peak of an eager bf16-autocast training step (forward, backward, AdamW) of `model` on the CPU:
+    the allocator's peak above its start, plus the weights and moments that exist between steps."""
     opt = build_optimizer(model, OptimConfig(), 1e-4, torch.device("cpu"))
-    tokens = torch.randint(0, 2048, (4, 128))
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -175,7 +169,18 @@ def test_eager_bf16_plan_reproduces_the_peak_of_a_step_on_the_cpu(ac):
     state += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if v.dim())
     with _HeapPeak() as heap:
         step()
-    measured = heap.peak - heap.start + state
+    return heap.peak - heap.start + state
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_eager_bf16_plan_reproduces_the_peak_of_a_step_on_the_cpu(ac):
+    """The whole eager step (blocks, the chunked loss, backward, AdamW), weights and moments included, against
+    the bytes the CPU allocator held at its peak: the terms and their timing, not only the saved activations."""
+    cfg = ModelConfig(n_layers=2, d_model=128, n_heads=2, n_kv_heads=1, ffn_hidden=320, vocab_size=2048,
+                      max_seq_len=128)
+    torch.manual_seed(0)
+    model = apply_ac(Transformer(cfg), ac)
+    measured = _bf16_step_peak(model, torch.randint(0, 2048, (4, 128)))
     planned = peak_memory(cfg, 128, 4, ac, compiled=False, bf16=True)
     assert planned.peak == pytest.approx(measured, rel=0.05), (planned, measured)
     assert planned.loss > 0.3 * planned.peak  # the chunked loss is the largest part here: its timing counts
@@ -193,22 +198,7 @@ def test_eager_lora_plan_reproduces_the_peak_of_a_step_on_the_cpu(ac):
                       max_seq_len=128)
     torch.manual_seed(0)
     model = apply_ac(apply_lora(Transformer(cfg), LoraConfig(rank=8, targets=["all"])), ac)
-    opt = build_optimizer(model, OptimConfig(), 1e-4, torch.device("cpu"))
-    tokens = torch.randint(0, cfg.vocab_size, (4, 128))
-
-    def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(tokens, tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()
-    state = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    state += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if v.dim())
-    with _HeapPeak() as heap:
-        step()
-    measured = heap.peak - heap.start + state
+    measured = _bf16_step_peak(model, torch.randint(0, cfg.vocab_size, (4, 128)))
     planned = peak_memory(cfg, 128, 4, ac, compiled=False, bf16=True, lora=Lora(8, ("all",), 2))
     assert planned.peak == pytest.approx(measured, rel=0.03), (planned, measured)
 
