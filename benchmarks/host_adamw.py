@@ -70,9 +70,10 @@ def kiln_step(o: offload.OptimizerOffload, max_norm: float) -> float:
 
 def torch_step(o: offload.OptimizerOffload, opt: torch.optim.AdamW, max_norm: float) -> float:
     """The former host step: norm, clipping as a pass of its own, torch's fused AdamW over whole tensors, the
-    weights copied to the device."""
+    weights copied to the device. Its clipping multiplies the gradients in place, so it gets a copy of the sums
+    (made before the clock starts), which every variant's later steps find unchanged."""
     for m, s in zip(o.masters, o.sums):
-        m.grad = s
+        m.grad = s.clone()
     t = time.perf_counter()
     norm = nn.utils.get_total_norm(o.sums, 2.0)
     nn.utils.clip_grads_with_norm_(o.masters, max_norm, norm)
@@ -88,16 +89,22 @@ def main() -> None:
     ap.add_argument("--params", type=float, default=2e9)
     ap.add_argument("--steps", type=int, default=3, help="steps timed of each variant (the median), after one")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--thread-teams", default="",
+                    help="comma-separated OpenMP team sizes to time the threaded step with besides its default "
+                         "(the process's threads less one), e.g. 24,16")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     n, dev = int(args.params), torch.device(args.device)
     info = run_info(dev, params=n, steps=args.steps, threads=torch.get_num_threads())
     max_norm = 1e-3  # every step clips
     rows, finals = [], {}
-    variants = [("torch AdamW(fused=True), clip pass before", None), ("kiln offload step", False),
-                ("kiln offload step, in its thread", True)]
-    for name, threaded in variants:
+    variants = [("torch AdamW(fused=True), clip pass before", None, 0), ("kiln offload step", False, 0),
+                ("kiln offload step, in its thread", True, 0)]
+    variants += [(f"kiln offload step, in its thread of {t}", True, t)
+                 for t in map(int, filter(None, args.thread_teams.split(",")))]
+    for name, threaded, team in variants:
         o = make(n, dev, bool(threaded))
+        o._threads = team or o._threads
         if threaded is None:
             opt = torch.optim.AdamW(o.masters, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
             times = [torch_step(o, opt, max_norm) for _ in range(args.steps + 1)][1:]

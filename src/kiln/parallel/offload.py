@@ -23,10 +23,12 @@ arithmetic during the backward pass.
 
 The step: the global norm (torch's: the norm of the parameters' norms), then AdamW on the master weights with
 torch's fused CPU kernel, a slice of STEP_SLICE elements at a time with its gradient's clipping multiply just
-before (the slice in the caches: no pass of its own; the same numbers as clipping, then AdamW), in chunks in the
-order the forward pass uses them; each stepped chunk's fp32 masters are copied up and rounded to the compute
-dtype on the GPU, on the side streams. Clipping needs the global norm, so no parameter steps before the last
-gradient is summed: the update is exactly the plain path's, whatever the accumulation. Under the layered step
+before (into a scratch slice in the caches: no pass of its own; the same numbers as clipping, then AdamW), in
+chunks in the order the forward pass uses them; each stepped slice's fp32 masters are copied up (from the caches)
+and rounded to the compute dtype on the GPU, on the side streams. Per parameter host memory moves 32 bytes a
+step: the gradient written by the copy down and read, the master weight and both moments read and written.
+Clipping needs the global norm, so no parameter steps before the last gradient is summed: the update is exactly
+the plain path's, whatever the accumulation. Under the layered step
 AdamW runs in a thread beside the next step's forward pass, each layer's forward waiting for its own weights
 (`ready`); the rest of the step, and anything else that runs the model or reads the state (evaluation, a
 checkpoint), waits for the whole step (`settle`).
@@ -46,6 +48,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,6 +60,7 @@ from kiln.parallel import offload_layers
 CHUNK = 1 << 26  # elements of master weights stepped together before their copy to the device starts
 STEP_SLICE = 1 << 21  # elements of a master weight AdamW steps at a time: 8 MB a tensor, within the caches
 SLICE = 1 << 24  # elements of a sum or a master weight moved at a time: two fp32 slices (64 MB each) on the GPU
+LOSS_ROOM = 2 << 30  # device bytes kept free beside a vocabulary matrix's sum made there: the loss's chunk of logits
 MASTERS = "_kiln_offload_masters"  # the model's attribute holding its fp32 master weights (place_model)
 
 
@@ -187,8 +191,15 @@ class OptimizerOffload:
         self.kept = offload_layers.Kept(self)
         vocab = {id(model.embed_tokens.weight), id(model.lm_head.weight)} if self.layered else set()
         self.streamed = {i for i, p in enumerate(self.params) if id(p) in vocab}
+        # an untied vocabulary matrix's sum is made on the device too when there is room for it beside its stage
+        # (the loss, or the embedding's backward pass; `_room`): 8 bytes a parameter less over PCIe a micro-batch.
+        # A tied one's gradients arrive at both ends of the step, so it is always summed on the host. None: decide
+        # by the device's free memory each step (never on the CPU); True/False: always/never
+        self.vocab_here: bool | None = None
+        self._untied = len(vocab) == 2
         self._locked: list[torch.Tensor] = []
         self.streams: list[torch.cuda.Stream] = []
+        self._turn = 0  # the side stream the last copy to the device took
         if self.device.type == "cuda":
             self.streams = [torch.cuda.Stream(self.device) for _ in range(2)]
             self._slices = [torch.empty(SLICE, dtype=torch.float32, device=self.device) for _ in self.streams]
@@ -284,12 +295,23 @@ class OptimizerOffload:
         """One micro-batch's gradient of `p`: into its fp32 sum on the device (the vocabulary-sized matrices: on the
         host at once)."""
         i = self.index[id(p)]
-        if i in self.streamed:
+        if i in self.streamed and not (i in self.device_sums or self._vocab_fits(i, grad)):
             self._stream(i, grad)
         elif i in self.device_sums:
             self.device_sums[i].add_(grad)
         else:
             self.device_sums[i] = grad.to(torch.float32, copy=True)
+
+    def _vocab_fits(self, i: int, grad: torch.Tensor) -> bool:
+        """Whether vocabulary matrix i's sum is made on the device this step: decided at its first micro-batch's
+        gradient, when its stage's work has run once. The sum (4 bytes a parameter) and what a later micro-batch's
+        loss holds at once (its fp32 weight gradient and that rounded: 6 bytes a parameter; a chunk of logits and
+        their gradient) must fit in what the device (or its process's cap) has left, with LOSS_ROOM to spare."""
+        if self.summed[i] or not self._untied or self.vocab_here is False:
+            return False
+        if self.vocab_here or not self.streams:
+            return bool(self.vocab_here)
+        return _room(self.device) >= 8 * grad.numel() + LOSS_ROOM
 
     def finish_gradient(self, p: torch.Tensor, alone: bool = True) -> None:
         """`p` has its gradients of a wave of micro-batches: its sum down to the host, and if the wave is the step's
@@ -326,6 +348,8 @@ class OptimizerOffload:
         if not any(self.summed) and not self.device_sums:  # none: the step may go on in its thread
             return
         self.wait()
+        if self.vocab_here is None and self.streamed & set(self.device_sums):  # no room after all: on the host now
+            self.vocab_here = False
         self.summed = [False] * len(self.params)
         self.device_sums.clear()
         self.norms.clear()
@@ -387,10 +411,9 @@ class OptimizerOffload:
             with torch.cuda.device(self.device) if self.streams else contextlib.nullcontext():
                 for chunk, indices in zip(self.chunks, stepped):
                     if indices:
-                        self.optimizer.step_only(indices, scale, lrs)
+                        self.optimizer.step_only(indices, scale, lrs, self._send_range)
                         for i in indices:
                             self.masters[i].grad = None
-                        self._send(indices)
                     with self._progress:
                         self._marks.append((chunk[-1] + 1, [st.record_event() for st in self.streams]))
                         self._progress.notify_all()
@@ -434,15 +457,23 @@ class OptimizerOffload:
     def _send(self, indices: list[int]) -> None:
         """The master weights `indices` to the device, rounded there to the compute dtype (on the side streams)."""
         for i in indices:
-            weights, master = self.params[i].detach().view(-1), self.masters[i].detach().view(-1)
-            if not self.streams:
-                weights.copy_(master)
-                continue
-            for stream, work, lo, hi in self._slices_of(i):
-                with torch.cuda.stream(stream):
-                    w = work[:hi - lo]
-                    w.copy_(master[lo:hi], non_blocking=True)
-                    weights[lo:hi].copy_(w)
+            n = self.params[i].numel()
+            for lo in range(0, n, SLICE):
+                self._send_range(i, lo, min(n, lo + SLICE))
+
+    def _send_range(self, i: int, lo: int, hi: int) -> None:
+        """Elements lo:hi (at most SLICE) of master weight i to the device: on the side streams in turn, through
+        their fp32 slices; AdamW calls it for each slice it has just stepped, which the copy then reads from the
+        caches rather than memory."""
+        weights, master = self.params[i].detach().view(-1)[lo:hi], self.masters[i].detach().view(-1)[lo:hi]
+        if not self.streams:
+            weights.copy_(master)
+            return
+        self._turn ^= 1
+        with torch.cuda.stream(self.streams[self._turn]):
+            w = self._slices[self._turn][:hi - lo]
+            w.copy_(master, non_blocking=True)
+            weights.copy_(w)
 
     @torch.no_grad()
     def send_all(self) -> None:
@@ -484,6 +515,16 @@ class OptimizerOffload:
         self.streams = []
 
 
+def _room(device: torch.device) -> int:
+    """Bytes the caching allocator can still hand out on `device`: under the process's cap
+    (torch.cuda.set_per_process_memory_fraction) and the device's free memory."""
+    props = torch.cuda.get_device_properties(device)
+    cap = int(props.total_memory * torch.cuda.get_per_process_memory_fraction(device))
+    free, _ = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    return min(cap - allocated, free + torch.cuda.memory_reserved(device) - allocated)
+
+
 def _chunks(masters: list[torch.Tensor]) -> list[list[int]]:
     """Consecutive indices of `masters` in runs of about CHUNK elements (a larger parameter alone)."""
     out: list[list[int]] = [[]]
@@ -505,12 +546,15 @@ class HostAdamW(torch.optim.AdamW):
         super().__init__(groups, **kw)
         self._offload = offload
         self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}  # the groups are fixed
+        self._scratch: torch.Tensor | None = None  # a clipped gradient slice (_fused_slices)
 
-    def step_only(self, indices: list[int], scale: torch.Tensor | None = None, lrs: dict | None = None) -> None:
+    def step_only(self, indices: list[int], scale: torch.Tensor | None = None, lrs: dict | None = None,
+                  stepped: Callable[[int, int, int], None] | None = None) -> None:
         """Step the masters `indices`, their gradients (the offload's sums) multiplied by `scale` first (clipping);
-        `lrs`: each param group's learning rate by its id, taken when the step began (default: the groups')."""
+        `lrs`: each param group's learning rate by its id, taken when the step began (default: the groups');
+        `stepped(i, lo, hi)` is called once elements lo:hi of master i have their new values."""
         if self.defaults.get("fused"):
-            return self._fused_slices(indices, scale, lrs or {})
+            return self._fused_slices(indices, scale, lrs or {}, stepped)
         if scale is not None:
             raise ValueError("clipping inside the step is the fused kernel's")
         masters = self._offload.masters
@@ -526,12 +570,19 @@ class HostAdamW(torch.optim.AdamW):
         finally:
             for p, g in saved:
                 p.grad = g
+        for i in indices if stepped else ():
+            stepped(i, 0, masters[i].numel())
 
-    def _fused_slices(self, indices: list[int], scale: torch.Tensor | None, lrs: dict) -> None:
+    def _fused_slices(self, indices: list[int], scale: torch.Tensor | None, lrs: dict,
+                      stepped: Callable[[int, int, int], None] | None) -> None:
         """torch's fused AdamW (the kernel AdamW(fused=True).step calls, with its arguments), a slice of STEP_SLICE
         elements at a time, each slice's gradient clipped just before: the same numbers (the kernel works element by
         element, and every slice but a parameter's last is a whole number of its vectors), with each slice's
-        gradient, weights and moments read from memory once."""
+        gradient, weights and moments read from memory once. The clipped gradient goes to a scratch slice that
+        stays in the caches (the sums are not written back to memory), and `stepped` follows each slice while its
+        new weights are still there."""
+        if scale is not None and self._scratch is None:
+            self._scratch = torch.empty(STEP_SLICE, dtype=torch.float32)
         for i in indices:
             master = self._offload.masters[i]
             group, state = self._group_of[id(master)], self.state[master]
@@ -544,12 +595,13 @@ class HostAdamW(torch.optim.AdamW):
             lr = lrs.get(id(group), group["lr"])
             for lo in range(0, p.numel(), STEP_SLICE):
                 hi = min(p.numel(), lo + STEP_SLICE)
-                if scale is not None:
-                    g[lo:hi].mul_(scale)
-                torch._fused_adamw_([p[lo:hi]], [g[lo:hi]], [m[lo:hi]], [v[lo:hi]], [], [state["step"]],
+                grad = g[lo:hi] if scale is None else torch.mul(g[lo:hi], scale, out=self._scratch[:hi - lo])
+                torch._fused_adamw_([p[lo:hi]], [grad], [m[lo:hi]], [v[lo:hi]], [], [state["step"]],
                                     amsgrad=group["amsgrad"], lr=lr, beta1=beta1, beta2=beta2,
                                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
                                     grad_scale=None, found_inf=None)
+                if stepped:
+                    stepped(i, lo, hi)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)

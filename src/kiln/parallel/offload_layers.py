@@ -20,9 +20,9 @@ a later wave's layer sums are added to the host's as they leave the device.
 Each micro-batch's arithmetic is the plain path's with full activation checkpointing (every layer's forward runs
 twice), so no other checkpointing applies. Each parameter's sum adds the same gradients in the same order as the
 plain path, except a tied embedding's (the output layer's gradients of every micro-batch, then the embedding's).
-The vocabulary-sized matrices (embedding and output layer) keep the per-micro-batch streaming of
-kiln.parallel.offload: their fp32 sums would not fit beside an 8B model on a 24 GB card. The global norm takes
-each layer's norms from the device as its sums leave.
+The vocabulary-sized matrices (embedding and output layer) are summed on the device too where their fp32 sums
+fit beside their stage (2 GiB each at 8B, not both at once), and otherwise, or when tied, keep the per-micro-batch
+streaming of kiln.parallel.offload. The global norm takes the norms of the sums made on the device as they leave.
 
 A mixture of experts (its router losses need every layer's statistics in one loss) keeps the per-micro-batch
 schedule.
@@ -196,6 +196,7 @@ def _wave(o: OptimizerOffload, model: nn.Module, x: torch.Tensor, y: torch.Tenso
             g = torch.autograd.grad(e, emb, grads[k])
         grads[k] = None
         _add(o, emb, g)
+    _finish(o, emb, alone)
     return total
 
 

@@ -253,12 +253,15 @@ def hybrid_or_tied(kind: str):
                        tie_embeddings=True, max_seq_len=64)
 
 
+@pytest.mark.parametrize("here", [None, True])
 @pytest.mark.parametrize("kind", ["hybrid", "tied", "waves"])
-def test_the_layer_by_layer_step_sums_the_plain_paths_gradients(kind, monkeypatch):
+def test_the_layer_by_layer_step_sums_the_plain_paths_gradients(kind, here, monkeypatch):
     """The offloaded step runs every micro-batch through a layer before the next (kiln.parallel.offload_layers): the
     same gradients, summed in the same order (a hybrid model's, with packed documents: exactly), as micro-batches run
     one after the other; a tied embedding gets the output layer's gradients of every micro-batch before its own. In
-    waves (the step's micro-batches in groups, here of 2 and 1), a later wave's sums are added to the host's."""
+    waves (the step's micro-batches in groups, here of 2 and 1), a later wave's sums are added to the host's. The
+    vocabulary matrices' sums are made as they come on the host (`here` None: the CPU's choice) or, untied, on the
+    device beside the layers' (True)."""
     from kiln.parallel import offload_layers
 
     if kind == "waves":
@@ -279,6 +282,7 @@ def test_the_layer_by_layer_step_sums_the_plain_paths_gradients(kind, monkeypatc
         (plain(x[lo:lo + 2], y[lo:lo + 2], docs[lo:lo + 2]) / 3).backward()
     o = offload.OptimizerOffload(model, param_groups(model, 0.1), 1e-3, (0.9, 0.95), 1e-8)
     assert o.layered and len(o.streamed) == (1 if kind == "tied" else 2)  # the vocabulary-sized matrices
+    o.vocab_here = here
     kept = []
     monkeypatch.setattr(o.kept, "put", lambda layer, rows, h, put=o.kept.put: (kept.append(rows.stop), put(layer,
                                                                                                      rows, h)))
@@ -294,7 +298,8 @@ def test_the_layer_by_layer_step_sums_the_plain_paths_gradients(kind, monkeypatc
         else:
             torch.testing.assert_close(o.sums[i], want, rtol=1e-5, atol=1e-7)
     # the norms of the sums made here (of a step in one wave); the rows of a wave the host keeps inputs of
-    assert set(o.norms) == (set() if kind == "waves" else set(range(len(o.params))) - o.streamed)
+    on_host = set() if here and kind != "tied" else o.streamed
+    assert set(o.norms) == (set() if kind == "waves" else set(range(len(o.params))) - on_host)
     assert max(kept) == (4 if kind == "waves" else 6)
     o.close()
 
