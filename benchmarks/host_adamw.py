@@ -70,10 +70,9 @@ def kiln_step(o: offload.OptimizerOffload, max_norm: float) -> float:
 
 def torch_step(o: offload.OptimizerOffload, opt: torch.optim.AdamW, max_norm: float) -> float:
     """The former host step: norm, clipping as a pass of its own, torch's fused AdamW over whole tensors, the
-    weights copied to the device. Its clipping multiplies the gradients in place, so it gets a copy of the sums
-    (made before the clock starts), which every variant's later steps find unchanged."""
+    weights copied to the device."""
     for m, s in zip(o.masters, o.sums):
-        m.grad = s.clone()
+        m.grad = s
     t = time.perf_counter()
     norm = nn.utils.get_total_norm(o.sums, 2.0)
     nn.utils.clip_grads_with_norm_(o.masters, max_norm, norm)
@@ -91,7 +90,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--thread-teams", default="",
                     help="comma-separated OpenMP team sizes to time the threaded step with besides its default "
-                         "(the process's threads less one), e.g. 24,16")
+                         "(three quarters of the process's threads), e.g. 24,16")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     n, dev = int(args.params), torch.device(args.device)

@@ -23,12 +23,10 @@ arithmetic during the backward pass.
 
 The step: the global norm (torch's: the norm of the parameters' norms), then AdamW on the master weights with
 torch's fused CPU kernel, a slice of STEP_SLICE elements at a time with its gradient's clipping multiply just
-before (into a scratch slice in the caches: no pass of its own; the same numbers as clipping, then AdamW), in
-chunks in the order the forward pass uses them; each stepped slice's fp32 masters are copied up (from the caches)
-and rounded to the compute dtype on the GPU, on the side streams. Per parameter host memory moves 32 bytes a
-step: the gradient written by the copy down and read, the master weight and both moments read and written.
-Clipping needs the global norm, so no parameter steps before the last gradient is summed: the update is exactly
-the plain path's, whatever the accumulation. Under the layered step
+before (the slice in the caches: no pass of its own; the same numbers as clipping, then AdamW), in chunks in the
+order the forward pass uses them; each stepped chunk's fp32 masters are copied up and rounded to the compute
+dtype on the GPU, on the side streams. Clipping needs the global norm, so no parameter steps before the last
+gradient is summed: the update is exactly the plain path's, whatever the accumulation. Under the layered step
 AdamW runs in a thread beside the next step's forward pass, each layer's forward waiting for its own weights
 (`ready`); the rest of the step, and anything else that runs the model or reads the state (evaluation, a
 checkpoint), waits for the whole step (`settle`).
@@ -48,7 +46,6 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -199,7 +196,6 @@ class OptimizerOffload:
         self._untied = len(vocab) == 2
         self._locked: list[torch.Tensor] = []
         self.streams: list[torch.cuda.Stream] = []
-        self._turn = 0  # the side stream the last copy to the device took
         if self.device.type == "cuda":
             self.streams = [torch.cuda.Stream(self.device) for _ in range(2)]
             self._slices = [torch.empty(SLICE, dtype=torch.float32, device=self.device) for _ in self.streams]
@@ -222,9 +218,10 @@ class OptimizerOffload:
         self._progress = threading.Condition()
         self._marks: list[tuple[int, list]] = []  # (parameters stepped and sent so far, the side streams' events)
         self._error: BaseException | None = None
-        # its OpenMP team one thread short of the process's, so the training thread keeps a core to launch the
-        # forward pass's kernels from (the team's threads spin between AdamW's slices)
-        self._threads = max(1, torch.get_num_threads() - 1)
+        # its OpenMP team three quarters of the process's, so the training thread keeps cores to launch the forward
+        # pass's kernels from (the team's threads spin between AdamW's slices): on a 32-core host a team of 31 took
+        # 1.10 s to step 1e9 parameters, of 24 or 16 0.84 s (benchmarks/host_adamw.py)
+        self._threads = max(1, torch.get_num_threads() * 3 // 4)
         self._hooks.append(model.register_forward_pre_hook(lambda *_: self.settle()))
         # where a step's host time goes, summed over `steps` steps: waiting after the backward pass for the last
         # gradients to be summed, and the step itself (norm, clipping, AdamW, copies back issued), of which the norm
@@ -411,9 +408,10 @@ class OptimizerOffload:
             with torch.cuda.device(self.device) if self.streams else contextlib.nullcontext():
                 for chunk, indices in zip(self.chunks, stepped):
                     if indices:
-                        self.optimizer.step_only(indices, scale, lrs, self._send_range)
+                        self.optimizer.step_only(indices, scale, lrs)
                         for i in indices:
                             self.masters[i].grad = None
+                        self._send(indices)
                     with self._progress:
                         self._marks.append((chunk[-1] + 1, [st.record_event() for st in self.streams]))
                         self._progress.notify_all()
@@ -457,23 +455,15 @@ class OptimizerOffload:
     def _send(self, indices: list[int]) -> None:
         """The master weights `indices` to the device, rounded there to the compute dtype (on the side streams)."""
         for i in indices:
-            n = self.params[i].numel()
-            for lo in range(0, n, SLICE):
-                self._send_range(i, lo, min(n, lo + SLICE))
-
-    def _send_range(self, i: int, lo: int, hi: int) -> None:
-        """Elements lo:hi (at most SLICE) of master weight i to the device: on the side streams in turn, through
-        their fp32 slices; AdamW calls it for each slice it has just stepped, which the copy then reads from the
-        caches rather than memory."""
-        weights, master = self.params[i].detach().view(-1)[lo:hi], self.masters[i].detach().view(-1)[lo:hi]
-        if not self.streams:
-            weights.copy_(master)
-            return
-        self._turn ^= 1
-        with torch.cuda.stream(self.streams[self._turn]):
-            w = self._slices[self._turn][:hi - lo]
-            w.copy_(master, non_blocking=True)
-            weights.copy_(w)
+            weights, master = self.params[i].detach().view(-1), self.masters[i].detach().view(-1)
+            if not self.streams:
+                weights.copy_(master)
+                continue
+            for stream, work, lo, hi in self._slices_of(i):
+                with torch.cuda.stream(stream):
+                    w = work[:hi - lo]
+                    w.copy_(master[lo:hi], non_blocking=True)
+                    weights[lo:hi].copy_(w)
 
     @torch.no_grad()
     def send_all(self) -> None:
@@ -546,15 +536,12 @@ class HostAdamW(torch.optim.AdamW):
         super().__init__(groups, **kw)
         self._offload = offload
         self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}  # the groups are fixed
-        self._scratch: torch.Tensor | None = None  # a clipped gradient slice (_fused_slices)
 
-    def step_only(self, indices: list[int], scale: torch.Tensor | None = None, lrs: dict | None = None,
-                  stepped: Callable[[int, int, int], None] | None = None) -> None:
+    def step_only(self, indices: list[int], scale: torch.Tensor | None = None, lrs: dict | None = None) -> None:
         """Step the masters `indices`, their gradients (the offload's sums) multiplied by `scale` first (clipping);
-        `lrs`: each param group's learning rate by its id, taken when the step began (default: the groups');
-        `stepped(i, lo, hi)` is called once elements lo:hi of master i have their new values."""
+        `lrs`: each param group's learning rate by its id, taken when the step began (default: the groups')."""
         if self.defaults.get("fused"):
-            return self._fused_slices(indices, scale, lrs or {}, stepped)
+            return self._fused_slices(indices, scale, lrs or {})
         if scale is not None:
             raise ValueError("clipping inside the step is the fused kernel's")
         masters = self._offload.masters
@@ -570,19 +557,12 @@ class HostAdamW(torch.optim.AdamW):
         finally:
             for p, g in saved:
                 p.grad = g
-        for i in indices if stepped else ():
-            stepped(i, 0, masters[i].numel())
 
-    def _fused_slices(self, indices: list[int], scale: torch.Tensor | None, lrs: dict,
-                      stepped: Callable[[int, int, int], None] | None) -> None:
+    def _fused_slices(self, indices: list[int], scale: torch.Tensor | None, lrs: dict) -> None:
         """torch's fused AdamW (the kernel AdamW(fused=True).step calls, with its arguments), a slice of STEP_SLICE
         elements at a time, each slice's gradient clipped just before: the same numbers (the kernel works element by
         element, and every slice but a parameter's last is a whole number of its vectors), with each slice's
-        gradient, weights and moments read from memory once. The clipped gradient goes to a scratch slice that
-        stays in the caches (the sums are not written back to memory), and `stepped` follows each slice while its
-        new weights are still there."""
-        if scale is not None and self._scratch is None:
-            self._scratch = torch.empty(STEP_SLICE, dtype=torch.float32)
+        gradient, weights and moments read from memory once."""
         for i in indices:
             master = self._offload.masters[i]
             group, state = self._group_of[id(master)], self.state[master]
@@ -595,13 +575,12 @@ class HostAdamW(torch.optim.AdamW):
             lr = lrs.get(id(group), group["lr"])
             for lo in range(0, p.numel(), STEP_SLICE):
                 hi = min(p.numel(), lo + STEP_SLICE)
-                grad = g[lo:hi] if scale is None else torch.mul(g[lo:hi], scale, out=self._scratch[:hi - lo])
-                torch._fused_adamw_([p[lo:hi]], [grad], [m[lo:hi]], [v[lo:hi]], [], [state["step"]],
+                if scale is not None:
+                    g[lo:hi].mul_(scale)
+                torch._fused_adamw_([p[lo:hi]], [g[lo:hi]], [m[lo:hi]], [v[lo:hi]], [], [state["step"]],
                                     amsgrad=group["amsgrad"], lr=lr, beta1=beta1, beta2=beta2,
                                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
                                     grad_scale=None, found_inf=None)
-                if stepped:
-                    stepped(i, lo, hi)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
