@@ -189,10 +189,14 @@ class OptimizerOffload:
         vocab = {id(model.embed_tokens.weight), id(model.lm_head.weight)} if self.layered else set()
         self.streamed = {i for i, p in enumerate(self.params) if id(p) in vocab}
         # an untied vocabulary matrix's sum is made on the device too when there is room for it beside its stage
-        # (the loss, or the embedding's backward pass; `_room`): 8 bytes a parameter less over PCIe a micro-batch.
-        # A tied one's gradients arrive at both ends of the step, so it is always summed on the host. None: decide
-        # by the device's free memory each step (never on the CPU); True/False: always/never
+        # (the loss, or the embedding's backward pass; `_vocab_fits`): 8 bytes a parameter less over PCIe a
+        # micro-batch. A tied one's gradients arrive at both ends of the step, so it is always summed on the host.
+        # None: decide by the device's free memory each step; True/False: always/never. One whose sum was on the
+        # device when the step ran out of memory is summed on the host from then on (`vocab_host`), and `relieved`
+        # tells the out-of-memory retry (kiln.train.oom) to run the step again at the same micro-batch
         self.vocab_here: bool | None = None
+        self.vocab_host: set[int] = set()
+        self.relieved = False
         self._untied = len(vocab) == 2
         self._locked: list[torch.Tensor] = []
         self.streams: list[torch.cuda.Stream] = []
@@ -301,14 +305,14 @@ class OptimizerOffload:
 
     def _vocab_fits(self, i: int, grad: torch.Tensor) -> bool:
         """Whether vocabulary matrix i's sum is made on the device this step: decided at its first micro-batch's
-        gradient, when its stage's work has run once. The sum (4 bytes a parameter) and what a later micro-batch's
-        loss holds at once (its fp32 weight gradient and that rounded: 6 bytes a parameter; a chunk of logits and
-        their gradient) must fit in what the device (or its process's cap) has left, with LOSS_ROOM to spare."""
-        if self.summed[i] or not self._untied or self.vocab_here is False:
+        gradient, when its stage's work has run once (its gradient, in the loss's fp32 buffer, still held). The sum
+        (4 bytes a parameter) must fit in what the device (or its process's cap) has left, with LOSS_ROOM to spare
+        for a later micro-batch's chunk of logits."""
+        if self.summed[i] or not self._untied or i in self.vocab_host:
             return False
-        if self.vocab_here or not self.streams:
-            return bool(self.vocab_here)
-        return _room(self.device) >= 8 * grad.numel() + LOSS_ROOM
+        if self.vocab_here is not None:
+            return self.vocab_here
+        return _room(self.device) >= 4 * grad.numel() + LOSS_ROOM
 
     def finish_gradient(self, p: torch.Tensor, alone: bool = True) -> None:
         """`p` has its gradients of a wave of micro-batches: its sum down to the host, and if the wave is the step's
@@ -345,8 +349,10 @@ class OptimizerOffload:
         if not any(self.summed) and not self.device_sums:  # none: the step may go on in its thread
             return
         self.wait()
-        if self.vocab_here is None and self.streamed & set(self.device_sums):  # no room after all: on the host now
-            self.vocab_here = False
+        moved = self.streamed & set(self.device_sums)
+        if moved and self.vocab_here is None:  # no room after all (an out-of-memory retry): on the host from now on
+            self.vocab_host |= moved
+            self.relieved = True
         self.summed = [False] * len(self.params)
         self.device_sums.clear()
         self.norms.clear()
@@ -507,7 +513,10 @@ class OptimizerOffload:
 
 def _room(device: torch.device) -> int:
     """Bytes the caching allocator can still hand out on `device`: under the process's cap
-    (torch.cuda.set_per_process_memory_fraction) and the device's free memory."""
+    (torch.cuda.set_per_process_memory_fraction) and the device's free memory; none on the CPU (its sums are in
+    host memory anyway)."""
+    if device.type != "cuda":
+        return 0
     props = torch.cuda.get_device_properties(device)
     cap = int(props.total_memory * torch.cuda.get_per_process_memory_fraction(device))
     free, _ = torch.cuda.mem_get_info(device)

@@ -173,6 +173,7 @@ def _wave(o: OptimizerOffload, model: nn.Module, x: torch.Tensor, y: torch.Tenso
             out = torch.autograd.grad(loss, [h, *head], allow_unused=True)
         grads.append(out[0])
         _add(o, head, out[1:])
+        del out  # the output layer's gradient (V x d): before the next micro-batch's loss makes its own
         total += loss.detach()
     del hs
     _finish(o, head, alone)

@@ -262,7 +262,8 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
 
     def mem(batch: int, ac: str, lay: Layout, accumulate: bool | None = None) -> Memory:
         if lay.strategy == "single" and lay.offload and not lora:  # the gradient sums are on the host
-            return offload_memory(m, t.seq_len, batch, "full" if layered(lay) else ac, compiled, bf16, rows)
+            return offload_memory(m, t.seq_len, batch, "full" if layered(lay) else ac, compiled, bf16, rows,
+                                  0 if gpu.key == "cpu" else cap - CONTEXT)
         gather8 = lay.strategy == "fsdp" and t.fp8.recipe == "tensorwise" and t.fp8.all_gather
         return peak_memory(m, t.seq_len, batch, ac, compiled, bf16, lay, lora, fp8, gather8,
                            accumulate=batch < rows if accumulate is None else accumulate,

@@ -21,6 +21,7 @@ from kiln.plan.memory import Layout, Memory, layer_params, peak_memory
 HOST_BYTES = 4 + 8 + 4  # fp32 masters, two fp32 moments, fp32 gradient sums
 WAVE_TOKENS = 1 << 15  # kiln.parallel.offload_layers.WAVE_TOKENS: micro-batches run through a layer together
 TRANSFER_SLICES = 2 * 4 * (1 << 24)  # bytes: kiln.parallel.offload's two fp32 slices of SLICE elements
+LOSS_ROOM = 2 << 30  # kiln.parallel.offload.LOSS_ROOM: left free beside a vocabulary matrix's sum on the device
 
 
 def largest_param(m: ModelConfig) -> int:
@@ -45,9 +46,11 @@ def head_bytes(m: ModelConfig, e: int) -> int:
 
 
 def offload_memory(m: ModelConfig, seq_len: int, batch: int, ac: str, compiled: bool, bf16: bool,
-                   rows: int = 0) -> Memory:
+                   rows: int = 0, room: int = 0) -> Memory:
     """Peak bytes on the device, and host bytes, of a step with the optimizer offloaded (see the module doc); `rows`:
-    a step's, whose layer inputs the layer-by-layer step keeps on the host (kiln.parallel.offload_layers)."""
+    a step's, whose layer inputs the layer-by-layer step keeps on the host (kiln.parallel.offload_layers); `room`:
+    the bytes the process may allocate on its card (0: unknown), which decides where an untied output layer's
+    gradient sum is made."""
     n, e = param_count(m), (2 if bf16 else 4)
     plain = peak_memory(m, seq_len, batch, ac, compiled, bf16, Layout("single"), None)
     weights = e * n
@@ -63,6 +66,11 @@ def offload_memory(m: ModelConfig, seq_len: int, batch: int, ac: str, compiled: 
     sums = 4 * layer_params(m) if layered else 0
     forward_end = weights + plain.activations + loss + TRANSFER_SLICES + layered
     loss_backward = weights + plain.activations + head_bytes(m, e) + TRANSFER_SLICES + layered
+    # the layer-by-layer step makes an untied output layer's fp32 sum on the device, beside the loss, where it and
+    # LOSS_ROOM fit in what is left (kiln.parallel.offload.OptimizerOffload._vocab_fits); else on the host
+    vocab_sum = 4 * (m.vocab_size or 0) * m.d_model
+    if layered and not m.tie_embeddings and room and loss_backward + vocab_sum + LOSS_ROOM <= room:
+        loss_backward += vocab_sum
     backward_end = weights + grads + plain.backward - (2 * layer_params(m) if bf16 and ac == "full" else 0) + \
         layered + sums
     peak, phase = max((forward_end, "forward"), (loss_backward, "loss"), (backward_end, "backward"))

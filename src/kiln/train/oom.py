@@ -8,6 +8,9 @@ the micro-batch (the accumulation doubles) and runs the step again on the same r
 order: the global batch, the samples and the loss curve go on as if nothing happened. The optimizer
 has not stepped yet, so nothing else needs undoing.
 
+An offloaded run (train.offload) whose vocabulary matrices' gradient sums were on the device when the error came
+sums them in host memory from then on and runs the step again at the same micro-batch (`OptimizerOffload.relieved`).
+
 After `recovery.oom_retries` such errors in one step (or at a micro-batch of one row, or in a run of
 several processes, whose other ranks wait in collectives and cannot retry with it), the loader goes
 back to the step's start and the run stops with a `ResourceError` carrying the numbers; `emergency`
@@ -64,6 +67,17 @@ class OomRetry:
                 reason = str(e).splitlines()[0] if str(e) else "out of memory"
             # here, outside the except block, the failed attempt's frames (and their activations) are gone
             free_step_memory(trainer)
+            offload = getattr(trainer, "offload", None)
+            if offload is not None and offload.relieved:  # it moved sums it had on the device to the host
+                offload.relieved = False
+                trainer.notice("oom", step=trainer.step + 1, micro_batch=trainer.micro, from_micro_batch=trainer.micro,
+                               accumulation=-(-trainer.rows // trainer.micro), global_batch=trainer.rows *
+                               trainer.mesh.world, error=reason,
+                               message=f"out of memory in step {trainer.step + 1} with the vocabulary matrices' "
+                                       "gradient sums on the device (train.offload): they are summed in host memory "
+                                       "from now on, and the step runs again as it was")
+                tried.pop()
+                continue
             if len(tried) > self.retries or trainer.micro == 1 or trainer.mesh.distributed:
                 raise self._give_up(trainer, tried, reason)
             trainer.micro = max(1, trainer.micro // 2)

@@ -342,3 +342,48 @@ def test_a_layered_step_cut_short_by_an_out_of_memory_error_runs_again_as_if_it_
         o.close()
     for a, b in zip(offs[0].masters, offs[1].masters):
         assert torch.equal(a, b)
+
+
+def test_vocabulary_sums_on_the_device_move_to_the_host_after_an_out_of_memory_error(monkeypatch):
+    """Where the device has room (here: as if it had), the untied vocabulary matrices' sums are made there; a step
+    that runs out of memory while one is there sums it on the host from then on (`relieved` for the retry), and the
+    step run again gives the plain path's gradients."""
+    import contextlib
+    import copy
+
+    from kiln.model.llama import Transformer
+    from kiln.train.optim import param_groups
+
+    monkeypatch.setattr(offload, "_room", lambda device: 1 << 40)
+    torch.manual_seed(0)
+    plain = Transformer(hybrid_or_tied("hybrid"))
+    model = offload.place_model(copy.deepcopy(plain), torch.device("cpu"), torch.float32)
+    x = torch.randint(0, 96, (4, 24))
+    y = torch.cat([x[:, 1:], torch.full((4, 1), -100)], dim=1)
+    for lo in (0, 2):
+        (plain(x[lo:lo + 2], y[lo:lo + 2]) / 2).backward()
+    o = offload.OptimizerOffload(model, param_groups(model, 0.1), 1e-3, (0.9, 0.95), 1e-8)
+    head = o.index[id(model.lm_head.weight)]
+    calls = []
+
+    def head_loss(h, y, real=model.head_loss):
+        calls.append(1)
+        if len(calls) == 2:  # the second micro-batch's loss, the output layer's sum on the device
+            assert head in o.device_sums
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(h, y)
+
+    monkeypatch.setattr(model, "head_loss", head_loss)
+    with pytest.raises(torch.OutOfMemoryError):
+        o.accumulate(x, y, None, 2, contextlib.nullcontext)
+    o.optimizer.zero_grad(set_to_none=True)  # what the retry does (kiln.train.oom.free_step_memory)
+    assert o.relieved and o.vocab_host == {head} and not o.device_sums
+    o.relieved = False
+    o.accumulate(x, y, None, 2, contextlib.nullcontext)
+    embed = o.index[id(model.embed_tokens.weight)]
+    assert embed in o.norms and head not in o.norms  # the embedding's sum still made on the device
+    named = dict(plain.named_parameters())
+    for name, i in zip(o.names, range(len(o.params))):
+        assert torch.equal(o.sums[i], named[name].grad), name
+    assert not o.relieved
+    o.close()

@@ -80,16 +80,38 @@ def test_the_former_loss_backward_is_planned_within_3_percent_of_its_measured_pe
     loss_backward = mem.weights + mem.activations + head_bytes(m, 2) + TRANSFER_SLICES
     former = loss_backward + m.vocab_size * m.d_model * 2 + 8192 * m.d_model * 4 - 4 * m.d_model
     assert former / 2**30 == pytest.approx(measured_gib, rel=0.03)
-    assert mem.phase == "forward" and loss_backward < mem.peak  # now a chunk of logits beside the fp32 gradient
+    assert loss_backward < mem.peak  # now a chunk of logits, or the output layer's sum, beside the fp32 gradient
 
 
-# the same benchmark with the layer-by-layer step (kiln.parallel.offload_layers) and the loss's gradient held once
-# (benchmarks/results/offload.md, 2026-11-28): Llama-3-8B 19.85 GiB, its first 16 layers 13.35-13.48 GiB
-@pytest.mark.parametrize(("shape", "measured_gib"), [(LLAMA3_8B, 19.85), ([*LLAMA3_8B, "model.n_layers=16"], 13.4)],
+# the same benchmark with the layer-by-layer step (kiln.parallel.offload_layers), the loss's gradient held once and
+# the output layer's fp32 sum on the device (benchmarks/results/offload.md, 2026-11-28 15:40-15:44): Llama-3-8B
+# 21.8 GiB, its first 16 layers 15.3 GiB (19.85 and 13.4 with that sum on the host). Measured before the layered
+# step let go of one micro-batch's output-layer gradient (its fp32 buffer, 2 GiB) before the next one's loss
+# made its own, which the plan does not count: the plan is up to that buffer under them
+@pytest.mark.parametrize(("shape", "measured_gib"), [(LLAMA3_8B, 21.8), ([*LLAMA3_8B, "model.n_layers=16"], 15.3)],
                          ids=["llama3-8b", "llama3-8b-16-layers"])
-def test_the_layer_by_layer_step_is_planned_within_4_percent_of_its_measured_peak(shape, measured_gib):
-    plan = make_plan(load_config("cpt-8b-24gb", shape), 1, GPUS["h200"])
-    assert plan.memory.peak / 2**30 == pytest.approx(measured_gib, rel=0.04)
+def test_the_layer_by_layer_step_is_planned_under_its_measured_peak_by_at_most_one_output_gradient(shape,
+                                                                                                  measured_gib):
+    cfg = load_config("cpt-8b-24gb", shape)
+    plan = make_plan(cfg, 1, GPUS["h200"])
+    lingering = 4 * cfg.model.vocab_size * cfg.model.d_model / 2**30
+    assert measured_gib - lingering <= plan.memory.peak / 2**30 <= measured_gib
+
+
+def test_the_output_layers_sum_is_planned_on_the_device_where_it_fits():
+    """kiln.parallel.offload makes an untied output layer's fp32 sum on the device when it and LOSS_ROOM fit beside
+    the loss: the plan counts it there on a card with that room, not on one without, nor for a tied model."""
+    from kiln.plan.offload import LOSS_ROOM, offload_memory
+
+    m = load_config("cpt-8b-24gb", LLAMA3_8B).model
+    args = (m, 4096, 1, "full", True, True, 8)
+    alone, there = offload_memory(*args), offload_memory(*args, room=80 * 2**30)
+    assert there.phase == "loss" and there.peak == alone.peak - alone.loss + head_bytes(m, 2) + 4 * m.vocab_size * \
+        m.d_model
+    assert offload_memory(*args, room=there.peak + LOSS_ROOM).peak == there.peak
+    assert offload_memory(*args, room=there.peak + LOSS_ROOM - 1).peak == alone.peak  # no room for it and LOSS_ROOM
+    tied = m.model_copy(update={"tie_embeddings": True})
+    assert offload_memory(tied, *args[1:], room=80 * 2**30).peak == offload_memory(tied, *args[1:]).peak
 
 
 def test_the_loss_backward_holds_the_output_gradient_once():
@@ -165,4 +187,5 @@ def test_the_plans_copy_of_the_offload_slices_is_its():
     from kiln.plan import offload as planned
 
     assert planned.TRANSFER_SLICES == 2 * 4 * offload.SLICE
+    assert planned.LOSS_ROOM == offload.LOSS_ROOM
     assert planned.WAVE_TOKENS == offload_layers.WAVE_TOKENS

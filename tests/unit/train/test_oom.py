@@ -95,3 +95,36 @@ def test_too_many_ooms_stop_with_resource_error_and_emergency_checkpoint(tmp_pat
     Checkpointer(tmp_path / "run", cfg, {}, lambda m: None).load(resumed, tmp_path / "run" / "checkpoints" /
                                                                   "step_00000003")
     assert resumed.train_loader.sample == 3 * 4 and resumed.step == 3
+
+
+def test_an_offload_that_moved_its_sums_to_the_host_runs_the_step_again_at_the_same_micro_batch():
+    """An offloaded run at a micro-batch of one row cannot halve it; when the offload has moved the gradient sums it
+    had on the device to the host (`relieved`), the step runs again as it was, once, with a notice."""
+    from types import SimpleNamespace
+
+    from kiln.train.oom import OomRetry
+
+    notices = []
+
+    class Offload:
+        relieved = False
+
+    class Optimizer:
+        def zero_grad(self, set_to_none=True):
+            t.offload.relieved = not attempts[1:]  # the first failure moved the sums; a later one has none to move
+
+    attempts = []
+
+    def work():
+        attempts.append(t.micro)
+        if len(attempts) < 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return "done"
+
+    t = SimpleNamespace(micro=1, rows=8, step=4, offload=Offload(), optimizer=Optimizer(), model=torch.nn.Linear(2, 2),
+                        device=torch.device("cpu"), mesh=SimpleNamespace(distributed=False, world=1),
+                        notice=lambda kind, **info: notices.append((kind, info)))
+    assert OomRetry(0).run(t, work) == "done"  # no retries left to halve with, and none needed
+    assert attempts == [1, 1] and t.micro == 1 and not t.offload.relieved
+    assert [(k, i["step"], i["micro_batch"]) for k, i in notices] == [("oom", 5, 1)]
+    assert "summed in host memory" in notices[0][1]["message"]
