@@ -618,6 +618,7 @@ class MasterWeights:
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         o = self.offload
+        o.wait()  # a step in flight (a rollback restores while its AdamW runs) would write over what is loaded
         for name, m in zip(o.names, o.masters):
             if state[name] is not m:
                 m.copy_(state[name])
@@ -659,6 +660,7 @@ class HostOptimizerState:
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         o, opt = self.offload, self.offload.optimizer
+        o.wait()  # as MasterWeights': the moments of a step in flight are not loaded over
         self._ensure_state()
         for name, m in zip(o.names, o.masters):
             saved, mine = state["state"][name], opt.state[m]

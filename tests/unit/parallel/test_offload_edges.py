@@ -1,0 +1,49 @@
+"""kiln.parallel.offload at its edges: what else touches the training state while a step's AdamW still runs in its
+thread (a rollback's restore, a signal, a failure in the thread), on the CPU with the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.model.llama import Transformer
+from kiln.parallel import offload
+from kiln.state.snapshot import MemorySnapshots
+from kiln.train.rollback import Rollback
+from kiln.train.trainer import Trainer
+
+from ..train.healing import Notices, Numerics, Samples, config
+
+
+def offloaded(tmp_path, name: str, poison=(), skip=None, rollback: bool = True, steps: int = 8):
+    """A Trainer of the tiny model with train.offload=optimizer (2 micro-batches of 2 rows a step), fed rows that are
+    a function of their sample index; `poison`ed samples make the loss NaN (kiln.train.rollback's tests' faults)."""
+    cfg = config(tmp_path / name, steps=steps, recovery={"snapshot_every": 4, "spike_window": 5},
+                 offload="optimizer", batch_size=2, grad_accum=2)
+    log = Notices()
+    torch.manual_seed(0)
+    model = offload.place_model(Transformer(cfg.model), torch.device("cpu"), torch.float32)
+    callbacks = [Rollback(cfg.recovery, MemorySnapshots(lambda m: None)), log] if rollback else [log]
+    t = Trainer(cfg, model, Samples(2, poison), None, torch.device("cpu"), callbacks)
+    Numerics(t.model)
+    if skip is not None:
+        t.skips.add(*skip)
+    return t, log
+
+
+@pytest.mark.parametrize("bad", [6, 1])
+def test_a_rollback_restores_the_snapshot_after_the_bad_steps_adamw_not_under_it(tmp_path, bad):
+    """A bad step is found and undone while its AdamW still runs in the offload's thread: the snapshot's weights and
+    moments were loaded under the thread, which then wrote the bad step's NaN over them, and every step after the
+    rollback went bad again. Restored after the thread, the run ends with the weights of a run that never saw the
+    bad samples (step `bad`: samples 4 (bad - 1) .. 4 bad - 1)."""
+    first = 4 * (bad - 1)
+    t, log = offloaded(tmp_path, "healed", poison=[first + 2])
+    t.train()
+    t.offload.close()
+    assert [(i["bad_step"], i["to_step"]) for k, i in log.notices if k == "rollback"] == [(bad, 4 if bad > 4 else 0)]
+    clean, _ = offloaded(tmp_path, "clean", skip=(first, first + 4, bad), rollback=False)
+    clean.train()
+    clean.offload.close()
+    assert all(torch.equal(a, b) for a, b in zip(t.offload.masters, clean.offload.masters))
+    assert all(torch.equal(a, b) for a, b in zip(t.model.parameters(), clean.model.parameters()))
