@@ -79,7 +79,7 @@ def plan(
     """
     from kiln.config import load_config
     from kiln.plan import make_plan
-    from kiln.plan.gpus import local_device
+    from kiln.plan.gpus import is_here, local_device
     from kiln.plan.report import render
 
     overrides = list(overrides or [])
@@ -90,7 +90,7 @@ def plan(
         config = str(Path(config).expanduser() / "config.yaml")
     cfg = load_config(config, overrides)
     device, note = local_device(gpu, cfg.train.device)
-    result = make_plan(cfg, gpus, device)
+    result = make_plan(cfg, gpus, device, here=is_here(device))  # this machine's card: its host measured
     if note:
         result.notes.insert(0, note)
     render(result, console)

@@ -1,10 +1,13 @@
 """The plan of a run: memory per device, the largest micro-batch that fits, speed, time and disk.
 
     plan = make_plan(cfg, gpus=4, gpu=GPUS["a100"])
+    plan = make_plan(cfg, gpus=1, gpu=card, here=True)  # card: this machine's own (kiln.plan.gpus.is_here)
 
 No torch: it reads the config, the model's closed forms (kiln.model.registry), the memory model
 (memory.py) and the tables of gpus.py (a mixture of experts' speed: moe_speed.py). Numbers are estimates; `basis`
-fields say what each rests on.
+fields say what each rests on. What it measures of this machine (the CPU's matrix products, for a plan on the CPU;
+the host memory's pace for AdamW, for an offloaded plan on this machine's GPU: kiln.plan.host) it measures lazily,
+with torch, and caches.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from kiln.plan import experts, moe_speed
 from kiln.plan.fp8 import FP8_GPUS, converted_params, converted_share
 from kiln.plan.fp8 import speedup as fp8_speedup
 from kiln.plan.gpus import CPU_STEP_SHARE, FULL_AC_FACTOR, GIB, Gpu, MfuEstimate, cpu_matmul_flops, estimate_mfu
+from kiln.plan.host import HostPace, host_pace
 from kiln.plan.memory import Layout, Lora, Memory, checkpoint_bytes, lora_params, peak_memory
 from kiln.plan.offload import host_seconds, offload_memory
 
@@ -74,6 +78,7 @@ class Plan:
     run_disk: int  # bytes the run directory may reach: keep_last + 1 checkpoints during a save, the model
     host_per_process: int  # CPU memory per process: offloaded state, pinned checkpoint copy, snapshots
     host_parts: list[str] = field(default_factory=list)
+    host_pace: HostPace | None = None  # AdamW's in host memory, where an offloaded speed was planned (kiln.plan.host)
     lora: Lora | None = None
     accumulation: int = 1  # micro-batches per optimizer step
     options: list[Option] = field(default_factory=list)
@@ -219,7 +224,9 @@ def cpu_rate_for(cfg: RunConfig, n_params: int) -> tuple[float, int] | None:
     return (rate, threads) if rate else None
 
 
-def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
+def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu, here: bool = False) -> Plan:
+    """The plan of `cfg` on `gpus` x `gpu`; `here`: `gpu` is this machine's own card (kiln.plan.gpus.is_here), so
+    an offloaded step's host memory is measured, not assumed (kiln.plan.host)."""
     notes: list[str] = []
     m = resolve_model(cfg, notes)
     t = cfg.train
@@ -277,6 +284,7 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
         return alone if alone >= rows else largest_batch(lambda b: needs(mem(b, ac, lay, True), gpu) <= cap)
 
     cpu_rate = cpu_rate_for(cfg, n) if gpu.key == "cpu" else None
+    paces: list[HostPace] = []  # the host's, once an offloaded step's speed is planned (measured at most once)
 
     def speed(ac: str, lay: Layout) -> tuple[MfuEstimate | None, float | None]:
         ac = "full" if layered(lay) else ac
@@ -294,10 +302,11 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
         est = estimate_mfu(gpu.key, active_param_count(m) if m.moe else n, ac, compiled and gpu.key != "cpu", gpus,
                            lay.offload and not layered(lay))
         if layered(lay):  # the GPU's share of the step, then AdamW on the host (kiln.plan.offload.host_seconds)
-            on_gpu, on_host = rows * t.seq_len * fpt / (est.mfu * gpu.peak_flops), host_seconds(n)
+            paces[:] = paces or [host_pace(here)]
+            on_gpu, on_host = rows * t.seq_len * fpt / (est.mfu * gpu.peak_flops), host_seconds(n, paces[0].bytes_per_s)
             x = on_gpu / (on_gpu + on_host)
             est = MfuEstimate(est.mfu * x, f"{est.basis}; x{x:.2f} for AdamW in host memory, {on_host:.1f} s a step "
-                                           "(kiln.plan.offload: fitted to 8B measured on an H200's host)")
+                                           f"at 28 bytes a parameter, {paces[0].describe()}")
         if m.moe:
             est = moe_speed.scale(est, m, batch * t.seq_len)
         if lay.experts > 1:  # kiln.plan.experts: the all-to-alls and the experts' FLOPs redone, per process
@@ -352,6 +361,10 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu) -> Plan:
             mm = mem(batch, ac, lay)
             plan.options.append(Option(_option_name(lay), ac, mm, needs(mm, gpu) <= cap, most(ac, lay),
                                        speed(ac, lay)[1]))
+    plan.host_pace = paces[0] if paces else None
+    if plan.host_pace and not layered(layout):  # the speed of the train.offload rows of the options table
+        notes.append(f"the speed of train.offload=optimizer: the GPU's part, then AdamW in host memory at 28 bytes "
+                     f"a parameter, {plan.host_pace.describe()}")
     _advise(plan)
     return plan
 

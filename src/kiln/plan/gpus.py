@@ -215,6 +215,24 @@ def local_device(choice: str | None, train_device: str) -> tuple[Gpu, str | None
     return cpu_gpu(_ram()), "no GPU here: planned for this machine's CPU (choose a card with --gpu)"
 
 
+def is_here(gpu: Gpu) -> bool:
+    """Whether `gpu` is this machine's own card (CUDA device 0, which `local_device` finds), so that a plan for it
+    may measure the host it sits in (kiln.plan.host): False for the CPU and for a card named with --gpu that this
+    machine lacks, whose run will be on another host."""
+    if gpu.key == "cpu":
+        return False
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        name = torch.cuda.get_device_properties(0).name
+    except Exception:  # noqa: BLE001 - no usable CUDA: not this machine's card
+        return False
+    known = gpu_for_name(name)
+    return gpu.key == known.key if known else gpu.key == "local" and gpu.name == name
+
+
 def _ram() -> int:
     try:
         import psutil
