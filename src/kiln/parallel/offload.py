@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.errors import ResourceError
+from kiln.errors import ResourceError, TrainingError
 from kiln.parallel import offload_layers
 
 CHUNK = 1 << 26  # elements of master weights stepped together before their copy to the device starts
@@ -456,7 +456,7 @@ class OptimizerOffload:
             torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._error is not None:
             error, self._error = self._error, None
-            raise error
+            raise _step_failed(error) from error
 
     def _send(self, indices: list[int]) -> None:
         """The master weights `indices` to the device, rounded there to the compute dtype (on the side streams)."""
@@ -522,6 +522,19 @@ def _room(device: torch.device) -> int:
     free, _ = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
     return min(cap - allocated, free + torch.cuda.memory_reserved(device) - allocated)
+
+
+def _step_failed(error: BaseException) -> Exception:
+    """What AdamW's failure (in its thread or not) raises: not the error itself, which the next step's forward pass
+    would meet, and an out-of-memory one there would be retried as the device's (kiln.train.oom) on weights half
+    stepped; nor an error an emergency checkpoint follows (the state is half updated)."""
+    oom = isinstance(error, (MemoryError, torch.OutOfMemoryError))
+    what = "ran out of host memory" if oom else "failed"
+    return (ResourceError if oom else TrainingError)(
+        f"the offloaded optimizer step (train.offload=optimizer: AdamW on the host's fp32 master weights) {what}: "
+        f"{type(error).__name__}: {error}. Its weights and moments are part-way through that step, so no emergency "
+        "checkpoint is written; " + ("free host memory (`kiln plan` states what the offload needs) and " if oom
+                                     else "") + "resume from the last complete checkpoint (`kiln train RUN_DIR`)")
 
 
 def _chunks(masters: list[torch.Tensor]) -> list[list[int]]:

@@ -47,3 +47,28 @@ def test_a_rollback_restores_the_snapshot_after_the_bad_steps_adamw_not_under_it
     clean.offload.close()
     assert all(torch.equal(a, b) for a, b in zip(t.offload.masters, clean.offload.masters))
     assert all(torch.equal(a, b) for a, b in zip(t.model.parameters(), clean.model.parameters()))
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError, RuntimeError])
+def test_adamw_failing_in_its_thread_stops_the_run_with_a_message_not_a_retry_of_the_next_step(tmp_path, monkeypatch,
+                                                                                             error):
+    """Step 3's AdamW raises in its thread: the error came out of step 4's forward pass as it was, and an
+    out-of-memory one was taken for the device's (kiln.train.oom), which ran step 4 again on half-stepped weights and
+    trained on without a word. It stops the run, saying what failed and that the state is half updated."""
+    from kiln.errors import ResourceError, TrainingError
+
+    calls, step = [], offload.HostAdamW._fused_slices
+
+    def fails_once(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise error("not enough memory (injected)")
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(offload.HostAdamW, "_fused_slices", fails_once)
+    t, log = offloaded(tmp_path, "fails", rollback=False, steps=6)
+    with pytest.raises(ResourceError if error is torch.OutOfMemoryError else TrainingError,
+                       match=r"offloaded optimizer step .*(ran out of host memory|failed): .*injected.* part-way"):
+        t.train()
+    t.offload.close()
+    assert t.step == 3 and not t.consistent and not [k for k, _ in log.notices if k == "oom"]
