@@ -60,6 +60,8 @@ def keep_source(cfg: ModelConfig, run_dir: Path) -> None:
     if src is None:
         return
     out = run_dir / KEPT
+    if out.resolve() == src.resolve():  # a resume whose model.init_from is gone reads this copy itself
+        return
     out.mkdir(exist_ok=True)
     carry_files(src, out, tokenizer=True)
     shutil.copyfile(src / "config.json", out / "config.json")

@@ -12,7 +12,7 @@ from rich.console import Console
 from kiln.config import RunConfig, derive
 from kiln.data.build import build_data, data_position
 from kiln.data.prepare.token_bytes import token_byte_lengths
-from kiln.errors import ConfigError, DataError, EmptySplit
+from kiln.errors import ConfigError, DataError, EmptySplit, StateError
 from kiln.events import RunEnd
 from kiln.model.generate import generate, start_ids
 from kiln.model.hf_import import resolve_init_from
@@ -65,6 +65,34 @@ from kiln.train.optim import schedule_warning
 from kiln.train.rollback import Rollback, host_room
 from kiln.train.spikes import loss_bound
 from kiln.train.trainer import Trainer
+
+
+def kept_init_from(cfg: RunConfig, resume: str, log=print) -> RunConfig:
+    """`cfg` with model.init_from (and a data.tokenizer that named it) replaced by the run directory's copy of its
+    files (kiln.state.hf_source.KEPT: config.json, tokenizer, all but the weights) where that local directory is gone
+    and a full fine-tune resumes: its checkpoints hold every weight. A LoRA run's checkpoints hold the adapters only,
+    its frozen base none: StateError saying so. `cfg` as it is otherwise."""
+    from kiln.model.hub import hub_id
+    from kiln.state.hf_source import KEPT
+    from kiln.state.rundir import checkpoints
+
+    spec, run_dir = cfg.model.init_from, cfg.train.run_dir
+    if not spec or hub_id(spec) is not None or Path(spec).expanduser().is_dir() or not run_dir or resume == "never":
+        return cfg
+    kept, saved = Path(run_dir).expanduser() / KEPT, checkpoints(Path(run_dir).expanduser())
+    if not saved or not (kept / "config.json").is_file():
+        return cfg  # a new run, or one that kept nothing: model.init_from's own error says the directory is missing
+    if cfg.lora.rank:
+        raise StateError(f"model.init_from={spec} is gone, and run {run_dir} trains LoRA adapters on it: its "
+                         "checkpoints hold the adapters only, not the frozen base's weights. Put the base model back "
+                         "at that path (the same files: its hash is checked), or give its new place with "
+                         "model.init_from=DIR when resuming")
+    log(f"model.init_from={spec} is gone: resuming from the weights in {saved[-1].parent}, with the config and "
+        f"tokenizer of the run's copy {kept}")
+    update = {"model.init_from": str(kept)}
+    if cfg.data.tokenizer and Path(cfg.data.tokenizer).expanduser() == Path(spec).expanduser():
+        update["data.tokenizer"] = str(kept)
+    return derive(cfg, update)
 
 
 def with_init_from(cfg: RunConfig, log=print) -> RunConfig:
@@ -193,7 +221,7 @@ def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: M
 
         check_device(mesh.device)
     if cfg.model.init_from:  # the architecture comes from the Hugging Face directory's config.json
-        cfg = with_init_from(cfg, console.print)
+        cfg = with_init_from(kept_init_from(cfg, resume, console.print), console.print)
     else:
         check_exportable(cfg.model, console.print)
     if (unmeant := schedule_warning(cfg.train)) is not None:
