@@ -251,10 +251,12 @@ def test_a_killed_rank_is_named_at_once_with_the_signal_and_no_traceback(tmp_pat
 
 @pytest.mark.slow
 def test_a_watchdog_shorter_than_the_final_sample_leaves_a_finished_run_alone(tmp_path, args):
-    """Rank 0 samples alone at the end while rank 1 waits: with dist.watchdog_s=2 the finished run exited 124."""
-    cmd = [sys.executable, "-m", "kiln.cli", "train", *args, "train.max_steps=10", "train.sample_tokens=3000",
+    """Rank 0 samples alone at the end while rank 1 waits: with dist.watchdog_s=2 the finished run exited 124. At
+    dist.watchdog_s=1 a verdict would come about 4 s into the sample (Watch.frozen_min_s of heartbeats first):
+    1,500 tokens take about twice that."""
+    cmd = [sys.executable, "-m", "kiln.cli", "train", *args, "train.max_steps=10", "train.sample_tokens=1500",
            "train.sample_ignore_eos=true",
-           "dist.watchdog_s=2", f"train.run_dir={tmp_path / 'run'}", "--nproc", "2"]
+           "dist.watchdog_s=1", f"train.run_dir={tmp_path / 'run'}", "--nproc", "2"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "400"})
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
