@@ -80,6 +80,10 @@ class RunConfig(Section):
         if t.offload != "none" and self.lora.rank:
             out.append((("train.offload", "lora.rank"), f"train.offload={t.offload} is for full training; a LoRA run's "
                         "adapters and their AdamW state are small and stay on the device: remove train.offload"))
+        if t.offload != "none" and t.fp8.enabled:
+            out.append((("train.offload", "train.fp8.enabled"), f"train.offload={t.offload} is not supported with "
+                        "float8 layers (its layer-by-layer step and host AdamW are untested with them): set "
+                        "train.fp8.enabled=false, or train.offload=none with several GPUs"))
         if t.offload != "none" and m.hf_class != "native":
             out.append((("train.offload", "model.hf_class"), f"train.offload={t.offload} trains the native model; "
                         f"model.hf_class={m.hf_class} is not supported with it: set model.hf_class=native"))

@@ -72,3 +72,12 @@ def test_adamw_failing_in_its_thread_stops_the_run_with_a_message_not_a_retry_of
         t.train()
     t.offload.close()
     assert t.step == 3 and not t.consistent and not [k for k, _ in log.notices if k == "oom"]
+
+
+def test_offload_with_float8_layers_is_a_config_error_naming_both_fields():
+    from kiln.config import load_config
+    from kiln.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config("cpt-8b-24gb", ["model.init_from=null", "model.size=tiny", "train.fp8.enabled=true"])
+    assert "train.offload" in str(e.value) and "train.fp8.enabled=false" in str(e.value)
