@@ -518,7 +518,8 @@ def _room(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     props = torch.cuda.get_device_properties(device)
-    cap = int(props.total_memory * torch.cuda.get_per_process_memory_fraction(device))
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer than the oldest torch declared
+    cap = int(props.total_memory * (fraction(device) if fraction else 1.0))
     free, _ = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
     return min(cap - allocated, free + torch.cuda.memory_reserved(device) - allocated)
