@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from dataclasses import dataclass
 
 from kiln.plan.offload import HOST_STEP_BYTES_PER_S
@@ -58,17 +59,15 @@ def host_pace(here: bool) -> HostPace:
 @functools.lru_cache(maxsize=4)
 def measure_adamw(params: int = PROBE_PARAMS, passes: int = 3) -> float | None:
     """Bytes/s (at 28 a parameter) of torch's fused CPU AdamW over `params` fp32 parameters on this machine now,
-    a STEP_SLICE at a time as the offload steps, with its threads (one fewer than torch's, as
-    kiln.parallel.offload.OptimizerOffload takes): the best of `passes` after one to warm up. None without torch or
-    its fused CPU kernel."""
+    a STEP_SLICE at a time as the offload steps, with its threads (three quarters of torch's, the team
+    kiln.parallel.offload.OptimizerOffload's AdamW thread takes): the best of `passes` after one to warm up. None
+    without torch or its fused CPU kernel (the plan then assumes the fitted pace)."""
     try:
-        import time
-
         import torch
     except ImportError:
         return None
     before = torch.get_num_threads()
-    torch.set_num_threads(max(1, before - 1))
+    torch.set_num_threads(max(1, before * 3 // 4))
     try:
         p, g = torch.full((params,), 0.02), torch.full((params,), 1e-3)
         m, v = torch.zeros(params), torch.zeros(params)

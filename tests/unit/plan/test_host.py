@@ -25,6 +25,21 @@ def test_the_probe_measures_a_plausible_pace_and_leaves_the_threads_as_they_were
     assert torch.get_num_threads() == threads
 
 
+def test_a_torch_without_the_fused_cpu_kernel_gives_no_pace(monkeypatch):
+    """The probe's fallback: where torch's fused CPU AdamW is missing or refuses the CPU, no pace (the plan then
+    assumes the fitted one), and torch's threads as they were."""
+    threads = torch.get_num_threads()
+
+    def refused(*args, **kwargs):
+        raise NotImplementedError("_fused_adamw_ has no CPU kernel in this build")
+
+    monkeypatch.setattr(torch, "_fused_adamw_", refused)
+    assert host.measure_adamw.__wrapped__(1 << 16, 1) is None
+    monkeypatch.delattr(torch, "_fused_adamw_")
+    assert host.measure_adamw.__wrapped__(1 << 16, 1) is None
+    assert torch.get_num_threads() == threads
+
+
 def _plan(here: bool = True, gpu: str = "h200"):
     """The 24 GB offload preset at 8B on `gpu`; `here`: this machine's card."""
     return make_plan(load_config("cpt-8b-24gb", LLAMA3_8B), 1, GPUS[gpu], here=here)
