@@ -21,7 +21,10 @@ host memory), same model, sequence, batch, accumulation and gradient checkpointi
 Each process caps its GPU memory with torch.cuda.set_per_process_memory_fraction at --cap-gib (24: an RTX 4090 has
 23.99 GiB) before anything is allocated, and DeepSpeed is shown a card of that size (it sizes its buffers by the
 driver's free memory, which the cap does not change). Tokens/s is the median of Kiln's logged rate over the steps
-after --warmup, and the HF Trainer's rate over the same steps (timed between device synchronisations). Peak GPU
+after --warmup (each step's rate is logged from one step's end to the next's; the offload's AdamW runs beside the
+next step's forward pass, so a step's interval carries the AdamW of the step before it, and the first AdamW, which
+touches the moments' memory for the first time, takes twice a later one's: the default --warmup 2 keeps it out),
+and the HF Trainer's rate over the same steps (timed between device synchronisations). Peak GPU
 memory is torch.cuda.max_memory_allocated over the whole run; host memory is each process's peak resident set
 (pinned buffers included). Prints one table with Kiln's speed-up last and writes --json.
 """
@@ -120,6 +123,59 @@ def settings(args) -> dict:
     return {"seq": 4096, "batch": 1, "accum": 8, "lr": 3e-5}
 
 
+def watch_phases(log: list) -> None:
+    """--timeline: marks (name, host seconds, CUDA event or None) at the offloaded step's phase boundaries: where the
+    training thread and the GPU are when the forward pass is issued, the last step's AdamW is waited for, each
+    layer's gradients are finished (the head first, the embedding last), and the step's AdamW starts and ends."""
+    from kiln.parallel import offload, offload_layers
+
+    def mark(name: str, gpu: bool = True) -> None:
+        event = None
+        if gpu:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        log.append((name, time.perf_counter(), event))
+
+    def around(owner, attr: str, before: str | None, after: str, gpu: bool = True) -> None:
+        inner = getattr(owner, attr)
+
+        def wrapped(*a, **k):
+            if before:
+                mark(before, gpu)
+            out = inner(*a, **k)
+            mark(after, gpu)
+            return out
+        setattr(owner, attr, wrapped)
+
+    around(offload.OptimizerOffload, "accumulate", "step start", "backward issued")
+    around(offload_layers.Kept, "sealed", None, "forward issued")
+    around(offload.OptimizerOffload, "settle", None, "settled")
+    around(offload_layers, "_finish", None, "layer finished")
+    around(offload.OptimizerOffload, "step", "optimizer step", "adamw started")
+    around(offload.OptimizerOffload, "_steps", None, "adamw done (host)", gpu=False)
+
+
+def last_step_timeline(log: list) -> list:
+    """The last step's marks as [name, host s, GPU s] from its start (the GPU's: when the stream reached the mark)."""
+    torch.cuda.synchronize()
+    starts = [i for i, m in enumerate(log) if m[0] == "step start"]
+    if len(starts) < 2:
+        return []
+    lo = starts[-2]  # the step before the last, whose AdamW runs beside the last step's forward pass
+    name0, host0, ev0 = log[lo]
+    rows, finished = [], 0
+    for name, host, ev in log[lo:]:
+        if name == "layer finished":
+            finished += 1
+            if finished not in (1, 2, 17, 33, 34):
+                continue
+            name = f"layer finished #{finished}"
+        elif name == "step start":
+            finished = 0
+        rows.append([name, round(host - host0, 3), round(ev0.elapsed_time(ev) / 1e3, 3) if ev else None])
+    return rows
+
+
 def side_kiln(args, base: Path, root: Path) -> dict:
     from rich.console import Console
 
@@ -140,21 +196,32 @@ def side_kiln(args, base: Path, root: Path) -> dict:
         over += ["train.device=cpu", "train.precision=fp32", "train.compile=false"]
     cfg = load_config("cpt-8b-24gb", over + list(args.set))
     host: dict = {}
+    marks: list = []
+    if args.timeline:
+        watch_phases(marks)
 
     class HostTimes(Callback):  # where the host's time per step goes (kiln.parallel.offload)
         def on_step_end(self, trainer, metrics):
-            if trainer.offload is not None and trainer.step == args.warmup:
-                trainer.offload.settle()  # the warm-up's AdamW, which may run on beside the next forward pass
-                host["from"] = (dict(trainer.offload.seconds), trainer.offload.steps)
+            o = trainer.offload
+            if o is not None and trainer.step == args.warmup:
+                # not waited for: that wait would land in the next step's interval, and the rate with it. The
+                # warm-up's AdamW, if it still runs beside the next forward pass, adds its seconds later, so it is
+                # counted among the timed steps' AdamW runs
+                host["from"] = (dict(o.seconds), o.steps - (o._thread is not None))
 
         def on_train_end(self, trainer, final):
             o = trainer.offload
             if o is not None:
+                o.settle()  # the last step's AdamW may still run in its thread: its seconds count too
                 (before, n) = host.get("from", (dict.fromkeys(o.seconds, 0.0), 0))
                 steps = max(1, o.steps - n)
                 host.update(sums_wait_s=(o.seconds["sums"] - before["sums"]) / steps,
                             host_step_s=(o.seconds["step"] - before["step"]) / steps,
                             host_norm_s=(o.seconds["norm"] - before["norm"]) / steps, layered=o.layered)
+            if marks:
+                host["timeline"] = last_step_timeline(marks)
+                for row in host["timeline"]:
+                    print("timeline", *row, flush=True)
 
     t0 = time.perf_counter()
     run(cfg, Console(quiet=True), resume="never", callbacks=[HostTimes()])
@@ -163,12 +230,13 @@ def side_kiln(args, base: Path, root: Path) -> dict:
     rows = [r for r in rows if r.get("event") == "train"]
     late = [r for r in rows if r["step"] > args.warmup] or rows
     tps = statistics.median(r["tokens_per_s"] for r in late)
+    tokens = cfg.train.step_rows(1) * cfg.train.seq_len
     return {"name": "kiln cpt-8b-24gb (train.offload)", "tokens_per_s": tps,
-            "step_s": cfg.train.step_rows(1) * cfg.train.seq_len / tps,
+            "step_s": tokens / tps, "steps_s": [round(tokens / r["tokens_per_s"], 3) for r in late],
             "peak_gib": max([peak_gib(), *(r.get("peak_mem_gib") or 0.0 for r in rows)]),
             "host_gb": host_peak_gb(), "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
             "wall_s": round(wall, 1), "sums_wait_s": host.get("sums_wait_s"), "host_step_s": host.get("host_step_s"),
-            "host_norm_s": host.get("host_norm_s"), "layered": host.get("layered"),
+            "host_norm_s": host.get("host_norm_s"), "layered": host.get("layered"), "timeline": host.get("timeline"),
             **s}
 
 
@@ -270,6 +338,8 @@ def run_side(args, side: str, base: Path, root: Path) -> dict:
         cmd += ["--hf-cap-gib", str(args.hf_cap_gib)]
     for s in args.set:
         cmd += ["--set", s]
+    if args.timeline:
+        cmd.append("--timeline")
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, **allocator_env(), "PYTHONPATH": path}  # Kiln's allocator setting on both sides
     t0 = time.perf_counter()
@@ -284,7 +354,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps timed, after --warmup")
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=2, help="steps not timed (see above: at least 2 for Kiln)")
     ap.add_argument("--cap-gib", type=float, default=24.0, help="GPU memory each side may allocate")
     ap.add_argument("--hf-cap-gib", type=float, default=None,
                     help="the HF Trainer's own cap (default: --cap-gib), for a baseline that does not fit it")
@@ -292,6 +362,7 @@ def main() -> None:
     ap.add_argument("--data-bytes", type=int, default=3_000_000, help="characters of the corpus Kiln prepares")
     ap.add_argument("--set", action="append", default=[], help="extra KEY=VALUE override of the Kiln run")
     ap.add_argument("--no-deepspeed", action="store_true", help="Kiln alone")
+    ap.add_argument("--timeline", action="store_true", help="print where the last steps' time goes (a GPU run)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--side", choices=["kiln", "hf"], help=argparse.SUPPRESS)  # a child process's side
     for hidden in ("--base", "--root", "--result"):

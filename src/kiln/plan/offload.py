@@ -86,10 +86,10 @@ def kept_bytes(m: ModelConfig, rows: int, seq_len: int, e: int) -> int:
 
 # AdamW on the host reads and writes about 28 bytes a parameter (fp32 weight, gradient, two moments; three written
 # back) and its weights go back to the GPU: the pace of host memory. Fitted to the layer-by-layer step measured on
-# a 2x H200 host (benchmarks/results/offload.md, 2026-11-28 15:44, the vocabulary sums on the GPU): Llama-3-8B at
-# 8 x 4096, 8.86 s a step of which the GPU's part is planned at 3.73 s, so 5.1 s for 8.03B parameters. What a plan
-# assumes for another machine's host; a plan for this machine measures its own (kiln.plan.host)
-HOST_STEP_BYTES_PER_S = 44e9
+# a 2x H200 host (benchmarks/results/offload.md, 2026-11-28 18:55, past the first AdamW): Llama-3-8B at 8 x 4096,
+# 6.15 s a step of which the GPU's part is planned at 3.73 s, so 2.4 s for 8.03B parameters. What a plan assumes
+# for another machine's host; a plan for this machine measures its own (kiln.plan.host)
+HOST_STEP_BYTES_PER_S = 93e9
 
 
 def host_seconds(n: int, bytes_per_s: float = HOST_STEP_BYTES_PER_S) -> float:
