@@ -131,7 +131,7 @@ def watch_phases(log: list) -> None:
 
     def mark(name: str, gpu: bool = True) -> None:
         event = None
-        if gpu:
+        if gpu and torch.cuda.is_available():
             event = torch.cuda.Event(enable_timing=True)
             event.record()
         log.append((name, time.perf_counter(), event))
@@ -156,8 +156,10 @@ def watch_phases(log: list) -> None:
 
 
 def last_step_timeline(log: list) -> list:
-    """The last step's marks as [name, host s, GPU s] from its start (the GPU's: when the stream reached the mark)."""
-    torch.cuda.synchronize()
+    """The last step's marks as [name, host s, GPU s] from its start (the GPU's: when the stream reached the mark;
+    None on the CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     starts = [i for i, m in enumerate(log) if m[0] == "step start"]
     if len(starts) < 2:
         return []
@@ -172,7 +174,7 @@ def last_step_timeline(log: list) -> list:
             name = f"layer finished #{finished}"
         elif name == "step start":
             finished = 0
-        rows.append([name, round(host - host0, 3), round(ev0.elapsed_time(ev) / 1e3, 3) if ev else None])
+        rows.append([name, round(host - host0, 3), round(ev0.elapsed_time(ev) / 1e3, 3) if ev and ev0 else None])
     return rows
 
 
@@ -362,7 +364,7 @@ def main() -> None:
     ap.add_argument("--data-bytes", type=int, default=3_000_000, help="characters of the corpus Kiln prepares")
     ap.add_argument("--set", action="append", default=[], help="extra KEY=VALUE override of the Kiln run")
     ap.add_argument("--no-deepspeed", action="store_true", help="Kiln alone")
-    ap.add_argument("--timeline", action="store_true", help="print where the last steps' time goes (a GPU run)")
+    ap.add_argument("--timeline", action="store_true", help="print where the last two steps' time goes")
     ap.add_argument("--json", default=None)
     ap.add_argument("--side", choices=["kiln", "hf"], help=argparse.SUPPRESS)  # a child process's side
     for hidden in ("--base", "--root", "--result"):
