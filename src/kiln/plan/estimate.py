@@ -25,7 +25,7 @@ from kiln.plan.fp8 import speedup as fp8_speedup
 from kiln.plan.gpus import CPU_STEP_SHARE, FULL_AC_FACTOR, GIB, Gpu, MfuEstimate, cpu_matmul_flops, estimate_mfu
 from kiln.plan.host import HostPace, host_pace
 from kiln.plan.memory import Layout, Lora, Memory, checkpoint_bytes, lora_params, peak_memory
-from kiln.plan.offload import host_seconds, offload_memory
+from kiln.plan.offload import exposed_seconds, host_seconds, offload_memory
 
 FRAGMENTATION = 0.05  # the caching allocator reserves a little more than the peak it hands out
 CONTEXT = 1 * GIB  # CUDA context, NCCL and cuBLAS workspaces: outside PyTorch's count
@@ -301,12 +301,12 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu, here: bool = False) -> Plan:
         # a mixture of experts: the dense MFU at its active parameters, times the measured MoE factor (moe_speed)
         est = estimate_mfu(gpu.key, active_param_count(m) if m.moe else n, ac, compiled and gpu.key != "cpu", gpus,
                            lay.offload and not layered(lay))
-        if layered(lay):  # the GPU's share of the step, then AdamW on the host (kiln.plan.offload.host_seconds)
+        if layered(lay):  # the GPU's share of the step and what AdamW on the host adds (kiln.plan.offload)
             paces[:] = paces or [host_pace(here)]
-            on_gpu, on_host = rows * t.seq_len * fpt / (est.mfu * gpu.peak_flops), host_seconds(n, paces[0].bytes_per_s)
-            x = on_gpu / (on_gpu + on_host)
-            est = MfuEstimate(est.mfu * x, f"{est.basis}; x{x:.2f} for AdamW in host memory, {on_host:.1f} s a step "
-                                           f"at 28 bytes a parameter, {paces[0].describe()}")
+            on_gpu, adamw = rows * t.seq_len * fpt / (est.mfu * gpu.peak_flops), host_seconds(n, paces[0].bytes_per_s)
+            x = on_gpu / (on_gpu + exposed_seconds(on_gpu, adamw))
+            est = MfuEstimate(est.mfu * x, f"{est.basis}; x{x:.2f} for AdamW in host memory, {adamw:.1f} s a step "
+                                           f"at 28 bytes a parameter beside the forward pass, {paces[0].describe()}")
         if m.moe:
             est = moe_speed.scale(est, m, batch * t.seq_len)
         if lay.experts > 1:  # kiln.plan.experts: the all-to-alls and the experts' FLOPs redone, per process
@@ -363,8 +363,8 @@ def make_plan(cfg: RunConfig, gpus: int, gpu: Gpu, here: bool = False) -> Plan:
                                        speed(ac, lay)[1]))
     plan.host_pace = paces[0] if paces else None
     if plan.host_pace and not layered(layout):  # the speed of the train.offload rows of the options table
-        notes.append(f"the speed of train.offload=optimizer: the GPU's part, then AdamW in host memory at 28 bytes "
-                     f"a parameter, {plan.host_pace.describe()}")
+        notes.append(f"the speed of train.offload=optimizer: the GPU's part, and AdamW in host memory at 28 bytes "
+                     f"a parameter where it outlasts the forward pass beside it, {plan.host_pace.describe()}")
     _advise(plan)
     return plan
 

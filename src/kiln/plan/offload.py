@@ -87,15 +87,24 @@ def kept_bytes(m: ModelConfig, rows: int, seq_len: int, e: int) -> int:
 # AdamW on the host reads and writes about 28 bytes a parameter (fp32 weight, gradient, two moments; three written
 # back) and its weights go back to the GPU: the pace of host memory. Fitted to the layer-by-layer step measured on
 # a 2x H200 host (benchmarks/results/offload.md, 2026-11-28 18:55, past the first AdamW): Llama-3-8B at 8 x 4096,
-# 6.15 s a step of which the GPU's part is planned at 3.73 s, so 2.4 s for 8.03B parameters. What a plan assumes
-# for another machine's host; a plan for this machine measures its own (kiln.plan.host)
-HOST_STEP_BYTES_PER_S = 93e9
+# 6.15 s a step of which the GPU's part is planned at 3.73 s, the forward pass's 0.93 of it beside AdamW, so AdamW
+# 3.35 s for 8.03B parameters (the phases timed on a 4x H200 host: 3.5 s). What a plan assumes for another machine's
+# host; a plan for this machine measures its own (kiln.plan.host)
+HOST_STEP_BYTES_PER_S = 67e9
+# the GPU's part of the layer-by-layer step that runs beside the last step's AdamW: its forward pass, a quarter of
+# full activation checkpointing's arithmetic (forward, the forward again, the backward pass at twice the forward)
+BESIDE_ADAMW = 0.25
 
 
 def host_seconds(n: int, bytes_per_s: float = HOST_STEP_BYTES_PER_S) -> float:
-    """Seconds of AdamW over `n` parameters in host memory at `bytes_per_s` (kiln.plan.host.HostPace), which the
-    layer-by-layer step adds to the GPU's (the forward pass runs beside it, the backward pass after it)."""
+    """Seconds of AdamW over `n` parameters in host memory at `bytes_per_s` (kiln.plan.host.HostPace)."""
     return 28 * n / bytes_per_s
+
+
+def exposed_seconds(on_gpu: float, adamw: float) -> float:
+    """What AdamW's `adamw` seconds add to the layer-by-layer step whose GPU part takes `on_gpu`: the forward pass
+    runs beside it (each layer once its weights are stepped), the loss and backward pass after it."""
+    return max(0.0, adamw - BESIDE_ADAMW * on_gpu)
 
 
 def host_bytes(n: int) -> int:
