@@ -81,3 +81,43 @@ def test_offload_with_float8_layers_is_a_config_error_naming_both_fields():
     with pytest.raises(ConfigError) as e:
         load_config("cpt-8b-24gb", ["model.init_from=null", "model.size=tiny", "train.fp8.enabled=true"])
     assert "train.offload" in str(e.value) and "train.fp8.enabled=false" in str(e.value)
+
+
+def test_a_checkpoint_read_while_the_steps_adamw_runs_holds_that_step_whole(tmp_path, monkeypatch):
+    """A save (a signal's emergency checkpoint, the periodic one) reads the offload's parts at a step's end, while
+    that step's AdamW still runs in its thread: the weights and moments it copies are the finished step's, not a
+    mix of stepped and unstepped slices."""
+    import time
+
+    from kiln.events import Callback
+
+    inner = offload.HostAdamW.step_only
+
+    def slow(self, *a, **k):  # keeps the thread in flight while the save reads
+        time.sleep(0.02)
+        return inner(self, *a, **k)
+
+    monkeypatch.setattr(offload.HostAdamW, "step_only", slow)
+    seen = {}
+
+    class Save(Callback):
+        def on_step_end(self, trainer, metrics):
+            if trainer.step != 2:
+                return
+            o = trainer.offload
+            seen["in_flight"] = o._thread is not None
+            parts = o.parts()
+            model = {k: v.clone() for k, v in parts["model"].state_dict().items()}
+            moments = {n: {k: v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)}
+                       for n, s in parts["optim"].state_dict()["state"].items()}
+            o.settle()  # the step as it ends
+            seen["weights"] = all(torch.equal(model[n], m) for n, m in zip(o.names, o.masters))
+            state = o.optimizer.state
+            seen["moments"] = all(torch.equal(moments[n][k], state[m][k])
+                                  for n, m in zip(o.names, o.masters) for k in ("exp_avg", "exp_avg_sq", "step"))
+
+    t, _ = offloaded(tmp_path, "saved", rollback=False, steps=3)
+    t.events.callbacks.append(Save())
+    t.train()
+    t.offload.close()
+    assert seen == {"in_flight": True, "weights": True, "moments": True}
