@@ -58,3 +58,42 @@ def test_a_lora_run_whose_base_is_gone_says_its_checkpoints_lack_the_base(hf_lla
     shutil.rmtree(base)
     with pytest.raises(StateError, match=rf"init_from={base} is gone.*adapters only.*model.init_from=DIR"):
         run(config(hf_llama, base, tmp_path / "run", *lora))
+
+
+def test_a_resume_without_its_source_records_the_source_not_the_runs_copy(hf_llama, tmp_path):
+    """The resume read the run's copy of the source's files (RUN/init_from) and recorded that copy as model.init_from
+    and data.tokenizer (config.yaml, its checkpoints, model/): the exported card named the copy, config and tokenizer
+    without weights, as the model's base, and the run moved elsewhere read the copy at its old place, of whatever
+    run is there since. It records the source as given, and every resume reads its own run's copy."""
+    import json
+
+    import yaml
+
+    from kiln.state.model_card import model_card
+
+    from ..conftest import kiln_here
+
+    base, run_dir, moved = tmp_path / "base", tmp_path / "run", tmp_path / "moved"
+    shutil.copytree(hf_llama / "model", base)
+    run(config(hf_llama, base, run_dir, "train.max_steps=3"))
+
+    def source(saved: dict) -> tuple:
+        return saved["model"]["init_from"], saved["data"]["tokenizer"]
+
+    given = source(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    assert given[0] == str(base)
+    shutil.rmtree(base)
+    run(config(hf_llama, base, run_dir, "train.max_steps=4"), resume="force")
+    assert source(yaml.safe_load((run_dir / "config.yaml").read_text())) == given
+    assert source(json.loads((run_dir / "checkpoints" / f"step_{4:08d}" / "meta.json").read_text())["config"]) == given
+    assert json.loads((run_dir / "model" / "model_config.json").read_text())["init_from"] == str(base)
+    assert f"continued pretraining of `{base}`" in model_card(run_dir / "model")
+
+    shutil.move(run_dir, moved)  # and another run in its old place, of another model
+    (run_dir / "init_from").mkdir(parents=True)
+    other = json.loads((hf_llama / "model" / "config.json").read_text())
+    (run_dir / "init_from" / "config.json").write_text(json.dumps({**other, "hidden_size": 32}))
+    again = kiln_here("train", str(moved), "train.max_steps=5", "--resume", "force")
+    assert again.returncode == 0, again.stderr + again.stdout
+    assert f"model.init_from={base} is gone" in again.stdout and "resumed from" in again.stdout
+    assert f"run's copy {moved / 'init_from'}" in again.stdout

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from kiln.config import RunConfig, derive
+from kiln.config import ModelConfig, RunConfig, derive
 from kiln.data.build import build_data, data_position
 from kiln.data.prepare.token_bytes import token_byte_lengths
 from kiln.errors import ConfigError, DataError, EmptySplit, StateError
@@ -67,21 +67,24 @@ from kiln.train.spikes import loss_bound
 from kiln.train.trainer import Trainer
 
 
-def kept_init_from(cfg: RunConfig, resume: str, log=print) -> RunConfig:
-    """`cfg` with model.init_from (and a data.tokenizer that named it) replaced by the run directory's copy of its
+def kept_init_from(cfg: RunConfig, resume: str, log=print) -> tuple[RunConfig, dict[str, str]]:
+    """(`cfg` with model.init_from (and a data.tokenizer that named it) replaced by the run directory's copy of its
     files (kiln.state.hf_source.KEPT: config.json, tokenizer, all but the weights) where that local directory is gone
-    and a full fine-tune resumes: its checkpoints hold every weight. A LoRA run's checkpoints hold the adapters only,
-    its frozen base none: StateError saying so. `cfg` as it is otherwise."""
+    and a full fine-tune resumes: its checkpoints hold every weight; the fields replaced, as the run records them).
+    The run records the directory given, absolute (config.yaml, its checkpoints, model/), not the copy: recorded, the
+    copy became the model's base on its exported card, and a run moved elsewhere read the copy at its old place, of
+    whatever run is there since; each resume reads its own run's copy. A LoRA run's checkpoints hold the adapters
+    only, its frozen base none: StateError saying so. (`cfg`, {}) otherwise."""
     from kiln.model.hub import hub_id
     from kiln.state.hf_source import KEPT
     from kiln.state.rundir import checkpoints
 
     spec, run_dir = cfg.model.init_from, cfg.train.run_dir
     if not spec or hub_id(spec) is not None or Path(spec).expanduser().is_dir() or not run_dir or resume == "never":
-        return cfg
+        return cfg, {}
     kept, saved = Path(run_dir).expanduser() / KEPT, checkpoints(Path(run_dir).expanduser())
     if not saved or not (kept / "config.json").is_file():
-        return cfg  # a new run, or one that kept nothing: model.init_from's own error says the directory is missing
+        return cfg, {}  # a new run, or one that kept nothing: model.init_from's own error says the directory is gone
     if cfg.lora.rank:
         raise StateError(f"model.init_from={spec} is gone, and run {run_dir} trains LoRA adapters on it: its "
                          "checkpoints hold the adapters only, not the frozen base's weights. Put the base model back "
@@ -92,7 +95,8 @@ def kept_init_from(cfg: RunConfig, resume: str, log=print) -> RunConfig:
     update = {"model.init_from": str(kept)}
     if cfg.data.tokenizer and Path(cfg.data.tokenizer).expanduser() == Path(spec).expanduser():
         update["data.tokenizer"] = str(kept)
-    return derive(cfg, update)
+    given = str(Path(spec).expanduser().absolute())  # as kiln.model.hub.local_model_dir records a directory
+    return derive(cfg, update), {k: given for k in update}
 
 
 def with_init_from(cfg: RunConfig, log=print) -> RunConfig:
@@ -220,8 +224,10 @@ def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: M
         from kiln.parallel.float8 import check_device
 
         check_device(mesh.device)
+    recorded: dict[str, str] = {}  # fields the run records otherwise than it reads them
     if cfg.model.init_from:  # the architecture comes from the Hugging Face directory's config.json
-        cfg = with_init_from(kept_init_from(cfg, resume, console.print), console.print)
+        cfg, recorded = kept_init_from(cfg, resume, console.print)
+        cfg = with_init_from(cfg, console.print)
     else:
         check_exportable(cfg.model, console.print)
     if (unmeant := schedule_warning(cfg.train)) is not None:
@@ -253,7 +259,7 @@ def _run(cfg: RunConfig, console: Console, resume: str, callbacks: list, mesh: M
         sinks = enabled_sinks(cfg, run_dir, plain) if mesh.rank == 0 else []  # a missing extra fails here
         with RunEnd() as end:  # sinks flush and close however the run ends
             return _train(cfg, run_dir, resume_from, meta, finished, mesh, console, resume, [*sinks, *callbacks],
-                          stops, end)
+                          stops, end, recorded)
 
 
 def _first_evaluation(trainer: Trainer, console: Console) -> dict:
@@ -273,7 +279,10 @@ def _trained_on(saved: dict) -> str | list[str] | None:
 
 
 def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict | None, finished: bool,
-           mesh: Mesh, console: Console, resume: str, callbacks: list, stops: StopSignals, end: RunEnd) -> Path:
+           mesh: Mesh, console: Console, resume: str, callbacks: list, stops: StopSignals, end: RunEnd,
+           recorded: dict[str, str]) -> Path:
+    """The run in `run_dir` from its data on (`_run` has set it up); `recorded`: fields that config.yaml, the
+    checkpoints and model/ record otherwise than `cfg` reads them (kept_init_from)."""
     device = mesh.device
     data = build_data(cfg, device, console=console,  # prepares, opens or streams cfg.data; this rank's loaders
                       trained_on=_trained_on((meta or {}).get("fingerprints", {})))
@@ -284,6 +293,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     if cfg.model.vocab_size is None:
         cfg = derive(cfg, {"model.vocab_size": -(-tok.vocab_size // 64) * 64})
     check_vocab(cfg, tok)
+    record = derive(cfg, recorded) if recorded else cfg  # what the run writes down of its config
     prints = fingerprints(cfg, data)
     if cfg.lora.rank:  # the frozen base is referenced by its hash, not saved in the checkpoints
         prints[BASE_KEY] = base_hash(cfg.model.init_from, cfg.model.allow_pickle)
@@ -360,7 +370,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     console.print(f"global batch: {g} sequences ({g * tcfg.seq_len:,} tokens) per step = {micro} per "
                   f"micro-batch x {-(-rows // micro)} accumulated x {mesh.world} data-parallel rank(s){how}")
 
-    checkpointer = Checkpointer(run_dir, cfg, prints, console.print)
+    checkpointer = Checkpointer(run_dir, record, prints, console.print)
     guard = SignalGuard(console.print, checkpointer.control_group) if cfg.checkpoint.on_signal else None
     # kiln.monitor: readings and warnings, hang watch; first (and last) among the callbacks
     plain = partial(console.print, markup=False, highlight=False)  # a message may hold brackets ('kiln[gpu]')
@@ -437,14 +447,14 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
         console.print(f"resumed from {resume_from} (step {meta['step']}, {meta['tokens_seen']:,} tokens)")
     started = trainer.step
     if process_rank()[0] == 0:
-        write_config(run_dir, cfg)  # once the start or the resume has succeeded: a failed one leaves the old
+        write_config(run_dir, record)  # once the start or the resume has succeeded: a failed one leaves the old
         keep_source(cfg.model, run_dir)  # what its export keeps of model.init_from, should that directory go
     if finished:  # the model save of a finished run did not complete: write it from the final checkpoint
         checkpointer.close()
         console.print(f"this run has finished (step {trainer.step}) but its model was not saved: writing it now")
         model = full_model(model, cfg, mesh) if mesh.distributed else model
         if model is not None:
-            _save_final(_saved_model(trainer, model), cfg, tok, run_dir, console)
+            _save_final(_saved_model(trainer, model), cfg, tok, run_dir, console, record.model)
         return run_dir
     if auto is not None and mesh.rank == 0:  # after the resume: metrics.jsonl keeps the records up to its step
         trainer.notice("auto_batch", **auto)
@@ -494,7 +504,8 @@ def _train(cfg: RunConfig, run_dir: Path, resume_from: Path | None, meta: dict |
     if keep_model:
         console.print(f"model/ is kept as it was saved: no step was trained since (step {trainer.step})",
                       highlight=False)
-    elif cfg.checkpoint.save_final and not _save_final(_saved_model(trainer, model), cfg, tok, run_dir, console):
+    elif cfg.checkpoint.save_final and not _save_final(_saved_model(trainer, model), cfg, tok, run_dir, console,
+                                                       record.model):
         _saved(stops)
         return run_dir  # a signal came during the save: stop here, as it asked
     _saved(stops)
@@ -534,9 +545,10 @@ def _saved_model(trainer: Trainer, model):
     return model if trainer.offload is None else trainer.offload.host_model(trainer.cfg.model)
 
 
-def _save_final(model, cfg: RunConfig, tok, run_dir: Path, console: Console) -> bool:
+def _save_final(model, cfg: RunConfig, tok, run_dir: Path, console: Console, recorded: ModelConfig) -> bool:
     """Save model/ (rank 0), finishing it whatever signal comes first (a second one aborts: the final
-    checkpoint is complete, and `kiln train RUN_DIR` writes model/ from it). False if a signal came."""
+    checkpoint is complete, and `kiln train RUN_DIR` writes model/ from it). False if a signal came. `recorded`: the
+    model config model/ records (kept_init_from)."""
     if process_rank()[0] != 0:
         return True
     with StopSignals("during the final model save", f"model/ is incomplete; the final checkpoint is complete "
@@ -547,7 +559,7 @@ def _save_final(model, cfg: RunConfig, tok, run_dir: Path, console: Console) -> 
             from kiln.state.hf_source import tokenizer_dir
 
             # with its source's chat template, special and stop tokens, as `kiln export` writes them
-            out = save_model(model, cfg.model, tok, run_dir / "model",
+            out = save_model(model, recorded, tok, run_dir / "model",
                              lambda d: finish_auto_export(d, cfg.model, tok, tokenizer_dir(cfg.data.tokenizer)))
         else:
             if cfg.lora.rank:  # the adapters alone, in PEFT's format (first: a complete model/ has them)
@@ -562,7 +574,7 @@ def _save_final(model, cfg: RunConfig, tok, run_dir: Path, console: Console) -> 
             # LoRA: merged onto the base as stored in init_from (as an export of a checkpoint is), not the
             # training copy, rounded to lora.base_dtype
             merged = merged_model(cfg.model, cfg.lora, adapter_state_dict(model)) if cfg.lora.rank else model
-            out = save_model(merged, cfg.model, tok, run_dir / "model")
+            out = save_model(merged, recorded, tok, run_dir / "model")
     console.print(f"model saved: {out}")
     after_save.mark_saved()
     if saving.received:
