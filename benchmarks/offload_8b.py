@@ -155,15 +155,15 @@ def watch_phases(log: list) -> None:
     around(offload.OptimizerOffload, "_steps", None, "adamw done (host)", gpu=False)
 
 
-def last_step_timeline(log: list) -> list:
-    """The last step's marks as [name, host s, GPU s] from its start (the GPU's: when the stream reached the mark;
-    None on the CPU)."""
+def last_steps_timeline(log: list) -> list:
+    """The last two steps' marks as [name, host s, GPU s] from the first one's start (the GPU's: when the stream
+    reached the mark; None on the CPU): the second's forward pass runs beside the first's AdamW."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     starts = [i for i, m in enumerate(log) if m[0] == "step start"]
     if len(starts) < 2:
         return []
-    lo = starts[-2]  # the step before the last, whose AdamW runs beside the last step's forward pass
+    lo = starts[-2]
     name0, host0, ev0 = log[lo]
     rows, finished = [], 0
     for name, host, ev in log[lo:]:
@@ -221,7 +221,7 @@ def side_kiln(args, base: Path, root: Path) -> dict:
                             host_step_s=(o.seconds["step"] - before["step"]) / steps,
                             host_norm_s=(o.seconds["norm"] - before["norm"]) / steps, layered=o.layered)
             if marks:
-                host["timeline"] = last_step_timeline(marks)
+                host["timeline"] = last_steps_timeline(marks)
                 for row in host["timeline"]:
                     print("timeline", *row, flush=True)
 
